@@ -1,0 +1,75 @@
+// Shared basics for the C++ core and the CUDA kernels: the HOST_DEVICE marker and
+// exact half/bfloat16 conversions usable on both sides.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define HOST_DEVICE inline
+#endif
+
+namespace stowlm {
+
+HOST_DEVICE float bits_to_f32(uint32_t u) {
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+HOST_DEVICE uint32_t f32_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    return u;
+}
+
+// IEEE half -> float, exact for every input (subnormals, inf, NaN payload kept).
+HOST_DEVICE float fp16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t mant = h & 0x3ffu;
+    if (exp == 0x1f) return bits_to_f32(sign | 0x7f800000u | (mant << 13));
+    if (exp == 0) {
+        if (mant == 0) return bits_to_f32(sign);
+        // subnormal: value = mant * 2^-24, exactly representable in f32
+        float v = (float)mant * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    return bits_to_f32(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// float -> IEEE half, round to nearest even (what numpy's astype(float16) does).
+HOST_DEVICE uint16_t f32_to_fp16(float f) {
+    uint32_t x = f32_to_bits(f);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    x &= 0x7fffffffu;
+    if (x >= 0x7f800000u) return (uint16_t)(sign | 0x7c00u | (x > 0x7f800000u ? 0x200u : 0u));
+    if (x >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u);  // rounds past 65504 -> inf
+    if (x < 0x38800000u) {                                     // result is subnormal or zero
+        if (x < 0x33000000u) return sign;                      // below half of the smallest subnormal
+        const uint32_t e = x >> 23;
+        const uint32_t m = (x & 0x7fffffu) | 0x800000u;
+        const uint32_t shift = 126u - e;                       // 14..24
+        uint32_t r = m >> shift;
+        const uint32_t rem = m & ((1u << shift) - 1u);
+        const uint32_t half = 1u << (shift - 1u);
+        if (rem > half || (rem == half && (r & 1u))) r++;
+        return (uint16_t)(sign | r);
+    }
+    uint32_t r = x - 0x38000000u;  // rebias exponent 127 -> 15
+    const uint32_t rem = r & 0x1fffu;
+    r >>= 13;
+    if (rem > 0x1000u || (rem == 0x1000u && (r & 1u))) r++;
+    return (uint16_t)(sign | r);
+}
+
+HOST_DEVICE float bf16_to_f32(uint16_t h) { return bits_to_f32((uint32_t)h << 16); }
+
+// float -> bfloat16, round to nearest even; NaN stays quiet NaN.
+HOST_DEVICE uint16_t f32_to_bf16(float f) {
+    uint32_t x = f32_to_bits(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 64u);
+    return (uint16_t)((x + (0x7fffu + ((x >> 16) & 1u))) >> 16);
+}
+
+}  // namespace stowlm

@@ -1,0 +1,71 @@
+// The CPU ops a transformer layer needs besides matmul. All tensors are row-major float32
+// unless said otherwise; `ld*` are row strides in elements. Every op runs on the given pool.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/threadpool.h"
+#include "quant/types.h"
+
+namespace stowlm::cpu {
+
+// out[i, :] = dequantize(row ids[i] of table); table has n_rows rows of n_cols elements of `type`.
+// Throws InvalidInput naming the id when an id is outside [0, n_rows).
+void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
+              int64_t n_ids, float* out, int64_t ld_out, ThreadPool& pool);
+
+// y[r, :] = x[r, :] / sqrt(mean(x[r, :]^2) + eps) * weight (weight may be null). y may equal x.
+void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps,
+              float* y, int64_t ldy, ThreadPool& pool);
+
+struct RopeParams {
+    int32_t n_rot = 0;        // rotated dimensions at the start of each head (<= head_dim, even)
+    float freq_base = 10000;  // theta_i = pos * freq_scale * base^(-2i/n_rot)
+    float freq_scale = 1;
+    bool neox = false;        // NeoX pairs (i, i + n_rot/2); otherwise adjacent pairs (2i, 2i+1)
+};
+
+// In place on x laid out [n_tok][n_head][head_dim]; token t starts at x + t * ld_tok.
+void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
+          const RopeParams& p, ThreadPool& pool);
+
+struct AttnParams {
+    float scale = 1;      // applied to q.k
+    float softcap = 0;    // 0: off; else scores = softcap * tanh(scores / softcap)
+    int32_t window = 0;   // 0: full; else key visible only when q_pos - kv_pos < window
+    bool causal = true;   // key visible only when kv_pos <= q_pos
+};
+
+// Flash attention in one pass (online softmax over KV blocks), GQA by n_head / n_head_kv.
+// q: [n_tok][n_head][head_dim] f32, token t at q + t * ld_q.
+// k, v: KV cells of kv_type (F16 or Q8_0 rows of head_dim per head), cell j at k + j * kv_cell_bytes,
+//       head h at + h * row_bytes(kv_type, head_dim).
+// kv_pos[j]: position held by cell j, or -1 for an empty cell (never visible).
+// out: [n_tok][n_head][head_dim] f32, token t at out + t * ld_out.
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_threads);
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
+                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+                const int32_t* q_pos, const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out,
+                void* scratch, ThreadPool& pool);
+
+// Writes n_tok rows of [n_head_kv][head_dim] f32 into KV cells dst_cells[i] of kv_type.
+void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, ThreadPool& pool);
+
+// Gated FFN activations: out = act(gate) * up, elementwise over n rows of dim.
+void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim,
+            float* out, int64_t ld_out, ThreadPool& pool);
+// GELU with the tanh approximation, as gemma uses.
+void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim,
+           float* out, int64_t ld_out, ThreadPool& pool);
+
+// Elementwise helpers over n rows of dim; b may be a single broadcast row (ld_b == 0).
+void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, ThreadPool& pool);
+void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, ThreadPool& pool);
+void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float s, ThreadPool& pool);
+// x = cap * tanh(x / cap)
+void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, ThreadPool& pool);
+
+}  // namespace stowlm::cpu

@@ -1,0 +1,87 @@
+#include "cpu/threadpool.h"
+
+#include <chrono>
+#include <cstdlib>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define STOWLM_PAUSE() _mm_pause()
+#else
+#define STOWLM_PAUSE() std::this_thread::yield()
+#endif
+
+namespace stowlm {
+
+namespace {
+// About 100-200 us of spinning before a worker sleeps: covers the gap between ops of a token.
+constexpr int kSpinIters = 20000;
+}
+
+ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
+    threads_.reserve(n_threads_ - 1);
+    for (int i = 1; i < n_threads_; i++) threads_.emplace_back([this, i] { worker(i); });
+}
+
+ThreadPool::~ThreadPool() {
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        stop_.store(true);
+        generation_.fetch_add(1);
+    }
+    cv_.notify_all();
+    for (auto& t : threads_) t.join();
+}
+
+void ThreadPool::run_raw(JobFn fn, void* ctx) {
+    std::lock_guard<std::mutex> run_lock(run_mu_);
+    if (n_threads_ == 1) {
+        fn(ctx, 0, 1);
+        return;
+    }
+    job_fn_ = fn;
+    job_ctx_ = ctx;
+    pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        generation_.fetch_add(1, std::memory_order_release);
+    }
+    if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
+    fn(ctx, 0, n_threads_);
+    while (pending_.load(std::memory_order_acquire) != 0) STOWLM_PAUSE();
+}
+
+void ThreadPool::worker(int ith) {
+    uint64_t seen = 0;
+    for (;;) {
+        uint64_t g = generation_.load(std::memory_order_acquire);
+        for (int i = 0; g == seen && i < kSpinIters; i++) {
+            STOWLM_PAUSE();
+            g = generation_.load(std::memory_order_acquire);
+        }
+        if (g == seen) {
+            std::unique_lock<std::mutex> lk(mu_);
+            sleepers_.fetch_add(1);
+            cv_.wait(lk, [&] { return generation_.load() != seen; });
+            sleepers_.fetch_sub(1);
+            g = generation_.load();
+        }
+        seen = g;
+        if (stop_.load()) return;
+        job_fn_(job_ctx_, ith, n_threads_);
+        pending_.fetch_sub(1, std::memory_order_acq_rel);
+    }
+}
+
+ThreadPool& ThreadPool::global() {
+    static ThreadPool pool([] {
+        if (const char* s = std::getenv("STOWLM_THREADS")) {
+            int n = std::atoi(s);
+            if (n > 0) return n;
+        }
+        unsigned hc = std::thread::hardware_concurrency();
+        return (int)(hc ? hc : 1);
+    }());
+    return pool;
+}
+
+}  // namespace stowlm

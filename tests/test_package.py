@@ -1,0 +1,12 @@
+import stowlm
+from stowlm import _core
+
+
+def test_types_table_matches_gguf():
+    gguf = __import__("gguf")
+    ours = _core.qtypes()
+    for name, (tid, elems, nbytes) in ours.items():
+        t = gguf.GGMLQuantizationType[name]
+        assert int(t) == tid
+        assert gguf.GGML_QUANT_SIZES[t] == (elems, nbytes), name
+    assert stowlm.__version__
