@@ -8,6 +8,12 @@ namespace stowlm::bind {
 using BindFn = void (*)(nanobind::module_&);
 int register_binding(const char* name, BindFn fn);
 
+// The submodule `name` of m (stowlm._core.ops, ...), created by whichever file asks first.
+inline nanobind::module_ submodule(nanobind::module_& m, const char* name) {
+    if (nanobind::hasattr(m, name)) return nanobind::borrow<nanobind::module_>(m.attr(name));
+    return m.def_submodule(name);
+}
+
 }  // namespace stowlm::bind
 
 #define STOWLM_BIND(name)                                                                   \
