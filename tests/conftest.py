@@ -1,0 +1,44 @@
+"""Shared test fixtures: real models (pulled once into the stowlm cache) and llama.cpp fixtures."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED = Path(os.environ.get("STOWLM_SHARED", REPO.parent / "shared"))
+FIXTURES = SHARED / "fixtures"
+DENSE_MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+MOE_MODELS = ["smollm2-moe", "qwen3moe-tiny"]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STOWLM_CACHE", Path.home() / ".cache" / "stowlm")) / "models"
+
+
+def get_model(name: str) -> Path:
+    """Path of a model of shared/models.md, pulled (or, for the MoE test models, generated) once."""
+    path = cache_dir() / f"{name}.gguf"
+    if path.exists():
+        return path
+    if name in MOE_MODELS:
+        src = get_model("smollm2-135m")
+        tool = SHARED / "tools" / "make_moe_models.py"
+        subprocess.run([sys.executable, str(tool), str(src), str(cache_dir())], check=True,
+                       stdout=subprocess.DEVNULL)
+        return path
+    from stowlm import pull  # the real download path users take
+
+    return Path(pull.pull(name))
+
+
+def load_fixture(name: str):
+    with open(FIXTURES / f"{name}.jsonl") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def model_path():
+    return get_model
