@@ -6,10 +6,17 @@
 #include <immintrin.h>
 
 #include "cpu/matmul_impl.h"
+#include "cpu/matmul_unpack_simd.h"
 
 namespace stowlm::cpu {
 
 namespace {
+
+struct SimdUnpack {
+    static void unpack(QType t, DotFamily fam, const uint8_t* src, int64_t cols, uint8_t* dst, const RowLayout& L) {
+        if (!unpack_row_simd(t, src, cols, dst, L)) unpack_row(t, fam, src, cols, dst, L);
+    }
+};
 
 struct Avx512Kern {
     static float dot_q32(const int8_t* q, const float* d, const float* m, const block_q8_a* a, int64_t nb) {
@@ -94,6 +101,6 @@ struct Avx512Kern {
 
 }  // namespace
 
-void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx512Kern>(a, r0, r1); }
+void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1); }
 
 }  // namespace stowlm::cpu

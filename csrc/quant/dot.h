@@ -64,7 +64,7 @@ STOWLM_DOT_FN void quantize_row_q8_a(const float* x, block_q8_a* y, int64_t k) {
     for (int64_t b = 0; b < k / QK; b++) {
         const float* xb = x + b * QK;
         float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < QK; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
         const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
@@ -82,7 +82,7 @@ STOWLM_DOT_FN void quantize_row_q8_K(const float* x, block_q8_K* y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++) {
         const float* xb = x + b * QK_K;
         float amax = 0;
-        for (int i = 0; i < QK_K; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < QK_K; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
         const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
         for (int j = 0; j < QK_K / 16; j++) {
             int sum = 0;
