@@ -7,6 +7,7 @@
 
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
+#include "cpu/matmul_fused_avx512.h"
 
 namespace stowlm::cpu {
 
@@ -101,6 +102,11 @@ struct Avx512Kern {
 
 }  // namespace
 
-void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1); }
+void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) {
+    // Fused kernels stream raw blocks (best for small batches); larger batches reuse an
+    // unpacked panel across tokens (or go to AMX before reaching here).
+    if (has_fused(a.type) && a.n_tok < 16) fused_rows(a, r0, r1);
+    else rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1);
+}
 
 }  // namespace stowlm::cpu

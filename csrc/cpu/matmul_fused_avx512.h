@@ -1,0 +1,246 @@
+// Fused AVX-512 VNNI kernels for the weight types of the common models: weight blocks are
+// decoded in registers and dotted straight away (no panel), RT rows x TT tokens at a time so
+// each decoded block serves TT tokens and each activation block RT rows. Used for small
+// batches (matrix-vector), where the weights stream from memory once.
+// Only included by matmul_avx512.cpp (anonymous namespace, AVX-512 VL + VNNI code).
+#pragma once
+#include <immintrin.h>
+
+#include "cpu/matmul_impl.h"
+#include "cpu/matmul_unpack_simd.h"
+
+namespace stowlm::cpu {
+namespace {
+
+inline float hsum256(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline int hsum256i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+// 32-element formats as unsigned bytes u = q + OFF (so vpdpbusd applies), w = d * q + m.
+struct LQ4_0 {
+    using B = block_q4_0;
+    static constexpr int OFF = 8;
+    static constexpr bool HAS_M = false;
+    static __m256i u(const B& b) { return nibbles32(b.qs); }
+    static float m(const B&) { return 0; }
+};
+struct LQ4_1 {
+    using B = block_q4_1;
+    static constexpr int OFF = 0;
+    static constexpr bool HAS_M = true;
+    static __m256i u(const B& b) { return nibbles32(b.qs); }
+    static float m(const B& b) { return h2f(b.m); }
+};
+struct LQ5_0 {
+    using B = block_q5_0;
+    static constexpr int OFF = 16;
+    static constexpr bool HAS_M = false;
+    static __m256i u(const B& b) { return _mm256_or_si256(nibbles32(b.qs), bits32(b.qh)); }
+    static float m(const B&) { return 0; }
+};
+struct LQ5_1 {
+    using B = block_q5_1;
+    static constexpr int OFF = 0;
+    static constexpr bool HAS_M = true;
+    static __m256i u(const B& b) { return _mm256_or_si256(nibbles32(b.qs), bits32(b.qh)); }
+    static float m(const B& b) { return h2f(b.m); }
+};
+struct LQ8_0 {
+    using B = block_q8_0;
+    static constexpr int OFF = 128;
+    static constexpr bool HAS_M = false;
+    static __m256i u(const B& b) {
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)b.qs), _mm256_set1_epi8((char)0x80));
+    }
+    static float m(const B&) { return 0; }
+};
+struct LIQ4_NL {
+    using B = block_iq4_nl;
+    static constexpr int OFF = 128;
+    static constexpr bool HAS_M = false;
+    static __m256i u(const B& b) {
+        return _mm256_xor_si256(iq4_lookup(nibbles32(b.qs)), _mm256_set1_epi8((char)0x80));
+    }
+    static float m(const B&) { return 0; }
+};
+
+// y[t][r] for RT rows from r0 and TT tokens from t0.
+template <class L, int RT, int TT>
+void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = typename L::B;
+    const int64_t nb = A.cols / QK;
+    const B* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
+    const block_q8_a* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    __m256 acc[RT][TT];
+    float macc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps(), macc[i][j] = 0;
+    const __m256i offv = _mm256_set1_epi8((char)L::OFF);
+    for (int64_t b = 0; b < nb; b++) {
+        __m256i av[TT], neg[TT];
+        for (int j = 0; j < TT; j++) {
+            av[j] = _mm256_loadu_si256((const __m256i*)a[j][b].qs);
+            // start each dot at -OFF * sum(a), spread over the lanes: exact integer offset removal
+            neg[j] = L::OFF ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), offv, av[j]))
+                            : _mm256_setzero_si256();
+        }
+        for (int i = 0; i < RT; i++) {
+            const B& blk = w[i][b];
+            const __m256i wu = L::u(blk);
+            const __m256 dw = _mm256_set1_ps(h2f(blk.d));
+            float mw = 0;
+            if (L::HAS_M) mw = L::m(blk);
+            for (int j = 0; j < TT; j++) {
+                const __m256i dot = _mm256_dpbusd_epi32(neg[j], wu, av[j]);
+                const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
+                acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(a[j][b].d), acc[i][j]);
+                if (L::HAS_M) macc[i][j] += mw * a[j][b].s;
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]) + macc[i][j];
+}
+
+// Q4_K: nibbles are unsigned (no offset); per 32-group 6-bit scales applied in int16 madd.
+template <int RT, int TT>
+void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const int64_t nsb = A.cols / QK_K;
+    const block_q4_K* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
+    const block_q8_K* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    float acc[RT][TT] = {};
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nsb; b++) {
+        for (int i = 0; i < RT; i++) {
+            const block_q4_K& x = w[i][b];
+            int16_t sc[8], mn[16];
+            for (int k = 0; k < 8; k++) {
+                int s, m;
+                k4_scale_min(k, x.scales, &s, &m);
+                sc[k] = (int16_t)s, mn[2 * k] = mn[2 * k + 1] = (int16_t)m;
+            }
+            const __m256i mnv = _mm256_loadu_si256((const __m256i*)mn);
+            __m256i q[8];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
+                q[2 * c] = _mm256_and_si256(v, m4);
+                q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            const float d = h2f(x.d), dmin = h2f(x.dmin);
+            for (int j = 0; j < TT; j++) {
+                const block_q8_K& y = a[j][b];
+                __m256i isum = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[k])));
+                }
+                const int ms = hsum256i(_mm256_madd_epi16(mnv, _mm256_loadu_si256((const __m256i*)y.bsums)));
+                acc[i][j] += y.d * (d * (float)hsum256i(isum) - dmin * (float)ms);
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = acc[i][j];
+}
+
+// Q6_K: 6-bit values as unsigned q + 32, per-16 int8 scales applied in int16 madd, the 32
+// offset removed with the activation sums (bsums).
+template <int RT, int TT>
+void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const int64_t nsb = A.cols / QK_K;
+    const block_q6_K* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
+    const block_q8_K* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    float acc[RT][TT] = {};
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nsb; b++) {
+        for (int i = 0; i < RT; i++) {
+            const block_q6_K& x = w[i][b];
+            const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));
+            __m256i q[8], scv[8];
+            for (int n = 0; n < 2; n++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * n));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * n + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * n));
+                auto hb = [&](int s) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4); };
+                q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), hb(0));
+                q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), hb(2));
+                q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hb(4));
+                q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hb(6));
+            }
+            for (int k = 0; k < 8; k++)
+                scv[k] = _mm256_set_m128i(_mm_set1_epi16(x.scales[2 * k + 1]), _mm_set1_epi16(x.scales[2 * k]));
+            const float d = h2f(x.d);
+            for (int j = 0; j < TT; j++) {
+                const block_q8_K& y = a[j][b];
+                __m256i isum = _mm256_setzero_si256();
+                for (int k = 0; k < 8; k++) {
+                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
+                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scv[k]));
+                }
+                const int off = hsum256i(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)y.bsums)));
+                acc[i][j] += y.d * d * (float)(hsum256i(isum) - 32 * off);
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = acc[i][j];
+}
+
+template <int RT, int TT>
+void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    switch (A.type) {
+        case QType::Q4_0: return fused_q32<LQ4_0, RT, TT>(A, r0, t0);
+        case QType::Q4_1: return fused_q32<LQ4_1, RT, TT>(A, r0, t0);
+        case QType::Q5_0: return fused_q32<LQ5_0, RT, TT>(A, r0, t0);
+        case QType::Q5_1: return fused_q32<LQ5_1, RT, TT>(A, r0, t0);
+        case QType::Q8_0: return fused_q32<LQ8_0, RT, TT>(A, r0, t0);
+        case QType::IQ4_NL: return fused_q32<LIQ4_NL, RT, TT>(A, r0, t0);
+        case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
+        case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
+        default: return;
+    }
+}
+
+inline bool has_fused(QType t) {
+    switch (t) {
+        case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
+        case QType::IQ4_NL: case QType::Q4_K: case QType::Q6_K: return true;
+        default: return false;
+    }
+}
+
+// Rows [r0, r1) x all tokens, 4 rows x up to 4 tokens per tile.
+template <int TT>
+void fused_rows_tt(const MatmulArgs& A, int64_t r0, int64_t r1, int64_t t0) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) fused_tile<4, TT>(A, r, t0);
+    for (; r < r1; r++) fused_tile<1, TT>(A, r, t0);
+}
+inline void fused_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
+    int64_t t = 0;
+    for (; t + 4 <= A.n_tok; t += 4) fused_rows_tt<4>(A, r0, r1, t);
+    switch (A.n_tok - t) {
+        case 3: fused_rows_tt<3>(A, r0, r1, t); break;
+        case 2: fused_rows_tt<2>(A, r0, r1, t); break;
+        case 1: fused_rows_tt<1>(A, r0, r1, t); break;
+        default: break;
+    }
+}
+
+}  // namespace
+}  // namespace stowlm::cpu
