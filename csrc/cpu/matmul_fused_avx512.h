@@ -113,7 +113,20 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]) + macc[i][j];
 }
 
-// Q4_K: nibbles are unsigned (no offset); per 32-group 6-bit scales applied in int16 madd.
+// The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block, unpacked with 32-bit masks
+// (same result as k4_scale_min for j = 0..7): sc bytes in out[0..7], mins in out[8..15].
+inline void k4_scales_all(const uint8_t* s, uint8_t* out) {
+    uint32_t u[3], r[4];
+    memcpy(u, s, 12);
+    r[0] = u[0] & 0x3f3f3f3fu;                                            // sc 0..3
+    r[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);    // sc 4..7
+    r[2] = u[1] & 0x3f3f3f3fu;                                            // min 0..3
+    r[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);  // min 4..7
+    memcpy(out, r, 16);
+}
+
+// Q4_K: nibbles are unsigned (no offset); per 32-group 6-bit scales applied in int16 madd;
+// float accumulation stays in vectors until the end of the row.
 template <int RT, int TT>
 void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
@@ -121,18 +134,24 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
     const block_q8_K* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-    float acc[RT][TT] = {};
+    __m256 acc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nsb; b++) {
+        __m128i bpair[TT];  // sums of the activations of each 32-group
+        for (int j = 0; j < TT; j++) {
+            const __m128i b0 = _mm_loadu_si128((const __m128i*)a[j][b].bsums);
+            const __m128i b1 = _mm_loadu_si128((const __m128i*)(a[j][b].bsums + 8));
+            bpair[j] = _mm_hadd_epi16(b0, b1);
+        }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
-            int16_t sc[8], mn[16];
-            for (int k = 0; k < 8; k++) {
-                int s, m;
-                k4_scale_min(k, x.scales, &s, &m);
-                sc[k] = (int16_t)s, mn[2 * k] = mn[2 * k + 1] = (int16_t)m;
-            }
-            const __m256i mnv = _mm256_loadu_si256((const __m256i*)mn);
+            alignas(16) uint8_t sm[16];
+            k4_scales_all(x.scales, sm);
+            int16_t sc[8];
+            for (int k = 0; k < 8; k++) sc[k] = sm[k];
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
             __m256i q[8];
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
@@ -147,13 +166,14 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
                     const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[k])));
                 }
-                const int ms = hsum256i(_mm256_madd_epi16(mnv, _mm256_loadu_si256((const __m256i*)y.bsums)));
-                acc[i][j] += y.d * (d * (float)hsum256i(isum) - dmin * (float)ms);
+                const __m256i ms = _mm256_zextsi128_si256(_mm_madd_epi16(mins, bpair[j]));
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * y.d), acc[i][j]);
+                acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin * y.d), acc[i][j]);
             }
         }
     }
     for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = acc[i][j];
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
 }
 
 // Q6_K: 6-bit values as unsigned q + 32, per-16 int8 scales applied in int16 madd, the 32
@@ -165,7 +185,9 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
     const block_q8_K* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-    float acc[RT][TT] = {};
+    __m256 acc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nsb; b++) {
         for (int i = 0; i < RT; i++) {
@@ -182,23 +204,28 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hb(4));
                 q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hb(6));
             }
+            // scale pair k: scale 2k on the low 8 words (elements 0..15 of the group of 32),
+            // scale 2k+1 on the high 8
             for (int k = 0; k < 8; k++)
-                scv[k] = _mm256_set_m128i(_mm_set1_epi16(x.scales[2 * k + 1]), _mm_set1_epi16(x.scales[2 * k]));
+                scv[k] = _mm256_permutexvar_epi16(
+                    _mm256_set_epi16(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
+                                     2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k),
+                    sc16);
             const float d = h2f(x.d);
             for (int j = 0; j < TT; j++) {
                 const block_q8_K& y = a[j][b];
-                __m256i isum = _mm256_setzero_si256();
+                __m256i isum = _mm256_mullo_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)y.bsums)),
+                                                  _mm256_set1_epi32(-32));
                 for (int k = 0; k < 8; k++) {
                     const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
                     isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scv[k]));
                 }
-                const int off = hsum256i(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)y.bsums)));
-                acc[i][j] += y.d * d * (float)(hsum256i(isum) - 32 * off);
+                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * y.d), acc[i][j]);
             }
         }
     }
     for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = acc[i][j];
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
 }
 
 template <int RT, int TT>
