@@ -6,8 +6,9 @@
 // lanes = tokens): acc[m] += cvt(C[m]) * da(tokens) * S[m] (+ M[m] * sa(tokens) for formats
 // with a min). Two C tiles alternate so one step's tile product overlaps the other's
 // epilogue. Weights and activations are repacked so every tile load is contiguous.
-// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as maybe-uninitialized.
+// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as (maybe-)uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include "cpu/matmul_impl.h"

@@ -1,8 +1,9 @@
 // AVX-512 VNNI path: vpdpbusd multiplies unsigned by signed bytes, so unpacked signed weights
 // are flipped to w + 128 (xor 0x80) and the excess 128 * sum(a) is taken off per block, using
 // the activation sums quantization already made (a.s for 32-blocks, bsums for Q8_K).
-// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as maybe-uninitialized.
+// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as (maybe-)uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include "cpu/matmul_impl.h"

@@ -18,6 +18,9 @@ inline float hsum256(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+inline float hsum512(__m512 v) {
+    return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
+}
 inline int hsum256i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -111,6 +114,116 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
     }
     for (int j = 0; j < TT; j++)
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]) + macc[i][j];
+}
+
+// Two blocks per ZMM: the 4/5-bit formats (NIB) place bytes as [lo nibbles of b, of b+1, hi
+// nibbles of b, of b+1] (16 bytes each), so the activations are permuted to match once per
+// token and block pair; Q8_0 keeps [b, b+1]. Int32 lane l then belongs to block b or b+1 by
+// `pair_sel` below, and one multiply applies both blocks' scales.
+struct Z4_0 {
+    using B = block_q4_0;
+    static constexpr int OFF = 8;
+    static constexpr bool HAS_M = false, NIB = true;
+    static __m512i u2(const B& x, const B& y) { return nib64(x.qs, y.qs); }
+    static __m512i nib64(const uint8_t* p, const uint8_t* q) {
+        const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
+                                                  _mm_loadu_si128((const __m128i*)q), 1);
+        const __m256i m4 = _mm256_set1_epi8(0x0f);
+        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+    }
+    static __m512i hib64(const uint8_t* qh0, const uint8_t* qh1) {
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(bits32(qh0)), bits32(qh1), 1);
+        return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7), z);
+    }
+};
+struct Z4_1 : Z4_0 {
+    using B = block_q4_1;
+    static constexpr int OFF = 0;
+    static constexpr bool HAS_M = true;
+    static __m512i u2(const B& x, const B& y) { return nib64(x.qs, y.qs); }
+};
+struct Z5_0 : Z4_0 {
+    using B = block_q5_0;
+    static constexpr int OFF = 16;
+    static __m512i u2(const B& x, const B& y) { return _mm512_or_si512(nib64(x.qs, y.qs), hib64(x.qh, y.qh)); }
+};
+struct Z5_1 : Z4_0 {
+    using B = block_q5_1;
+    static constexpr int OFF = 0;
+    static constexpr bool HAS_M = true;
+    static __m512i u2(const B& x, const B& y) { return _mm512_or_si512(nib64(x.qs, y.qs), hib64(x.qh, y.qh)); }
+};
+struct ZIQ4_NL : Z4_0 {
+    using B = block_iq4_nl;
+    static constexpr int OFF = 128;
+    static __m512i u2(const B& x, const B& y) {
+        const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NLValues));
+        return _mm512_xor_si512(_mm512_shuffle_epi8(tab, nib64(x.qs, y.qs)), _mm512_set1_epi8((char)0x80));
+    }
+};
+struct Z8_0 {
+    using B = block_q8_0;
+    static constexpr int OFF = 128;
+    static constexpr bool HAS_M = false, NIB = false;
+    static __m512i u2(const B& x, const B& y) {
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x.qs)),
+                                             _mm256_loadu_si256((const __m256i*)y.qs), 1);
+        return _mm512_xor_si512(z, _mm512_set1_epi8((char)0x80));
+    }
+};
+
+// Lane pattern of the two blocks' scales (lanes of block b read element 0, of b+1 element 1).
+template <bool NIB>
+inline __m512 pair_sel(float s0, float s1) {
+    const __m512 v = _mm512_castps128_ps512(_mm_unpacklo_ps(_mm_set_ss(s0), _mm_set_ss(s1)));
+    const __m512i idx = NIB ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
+                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return _mm512_permutexvar_ps(idx, v);
+}
+
+template <class L, int RT, int TT>
+void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = typename L::B;
+    const int64_t nb = A.cols / QK;
+    const B* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
+    const block_q8_a* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    __m512 acc[RT][TT];
+    float macc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = 0;
+    const __m512i offv = _mm512_set1_epi8((char)L::OFF);
+    const __m512i aperm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    for (int64_t b = 0; b < nb; b += 2) {
+        __m512i av[TT], neg[TT];
+        __m512 dav[TT];
+        for (int j = 0; j < TT; j++) {
+            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
+                                                 _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
+            av[j] = L::NIB ? _mm512_permutexvar_epi64(aperm, z) : z;
+            neg[j] = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av[j]))
+                            : _mm512_setzero_si512();
+            dav[j] = pair_sel<L::NIB>(a[j][b].d, a[j][b + 1].d);
+        }
+        for (int i = 0; i < RT; i++) {
+            const B& x0 = w[i][b];
+            const B& x1 = w[i][b + 1];
+            const __m512i wu = L::u2(x0, x1);
+            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)x0.d | ((int)x1.d << 16)));
+            const __m512 dwv = pair_sel<L::NIB>(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+            float m0 = 0, m1 = 0;
+            if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
+            for (int j = 0; j < TT; j++) {
+                const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, dav[j]), acc[i][j]);
+                if constexpr (L::HAS_M) macc[i][j] += m0 * a[j][b].s + m1 * a[j][b + 1].s;
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]) + macc[i][j];
 }
 
 // The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block, unpacked with 32-bit masks
@@ -230,13 +343,16 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 
 template <int RT, int TT>
 void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const bool even = (A.cols / QK) % 2 == 0;
     switch (A.type) {
-        case QType::Q4_0: return fused_q32<LQ4_0, RT, TT>(A, r0, t0);
-        case QType::Q4_1: return fused_q32<LQ4_1, RT, TT>(A, r0, t0);
-        case QType::Q5_0: return fused_q32<LQ5_0, RT, TT>(A, r0, t0);
-        case QType::Q5_1: return fused_q32<LQ5_1, RT, TT>(A, r0, t0);
-        case QType::Q8_0: return fused_q32<LQ8_0, RT, TT>(A, r0, t0);
-        case QType::IQ4_NL: return fused_q32<LIQ4_NL, RT, TT>(A, r0, t0);
+        // block pairs in ZMM when the row has an even number of blocks
+        case QType::Q4_0: return even ? fused_q32_x2<Z4_0, RT, TT>(A, r0, t0) : fused_q32<LQ4_0, RT, TT>(A, r0, t0);
+        case QType::Q4_1: return even ? fused_q32_x2<Z4_1, RT, TT>(A, r0, t0) : fused_q32<LQ4_1, RT, TT>(A, r0, t0);
+        case QType::Q5_0: return even ? fused_q32_x2<Z5_0, RT, TT>(A, r0, t0) : fused_q32<LQ5_0, RT, TT>(A, r0, t0);
+        case QType::Q5_1: return even ? fused_q32_x2<Z5_1, RT, TT>(A, r0, t0) : fused_q32<LQ5_1, RT, TT>(A, r0, t0);
+        case QType::Q8_0: return even ? fused_q32_x2<Z8_0, RT, TT>(A, r0, t0) : fused_q32<LQ8_0, RT, TT>(A, r0, t0);
+        case QType::IQ4_NL:
+            return even ? fused_q32_x2<ZIQ4_NL, RT, TT>(A, r0, t0) : fused_q32<LIQ4_NL, RT, TT>(A, r0, t0);
         case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
         case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
         default: return;
