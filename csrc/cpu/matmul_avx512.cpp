@@ -106,7 +106,7 @@ struct Avx512Kern {
 void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) {
     // Fused kernels stream raw blocks (best for small batches); larger batches reuse an
     // unpacked panel across tokens (or go to AMX before reaching here).
-    if (has_fused(a.type) && a.n_tok < 16) fused_rows(a, r0, r1);
+    if (has_fused(a.type)) fused_rows(a, r0, r1);
     else rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1);
 }
 

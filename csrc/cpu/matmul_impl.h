@@ -43,7 +43,7 @@ bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
 // Extra scratch the AMX path needs after the activations (its per-step activation scales).
 size_t amx_scratch_extra(QType t, int64_t cols, int64_t n_tok);
 // Batches below this many tokens stay on the AVX-512 path.
-constexpr int64_t kAmxMinTokens = 16;
+constexpr int64_t kAmxMinTokens = 24;
 
 namespace {
 
