@@ -239,6 +239,8 @@ def test_quantize_q8_K():
     x[1, :256] = 0.0
     x[2, 256:] = rng.integers(-100, 100, 256) + 0.5  # ties: -127/max scaling keeps some
     x[2, 256] = -127.0
+    big = 10 * np.abs(x[3]).max()
+    x[3, 10], x[3, 20] = big, -big  # equal magnitudes: the first one sets the sign of iscale
     raw = quants.quantize(x, "Q8_K")
     assert raw.shape == (6, 2 * 292)
     blocks = raw.reshape(-1, 292)
