@@ -36,8 +36,6 @@ void over_blocks(int64_t nb, int64_t block_elems, F&& fn) {
     ThreadPool::global().parallel_for_dynamic(nb, chunk, [&](int64_t b, int64_t e, int) { fn(b, e - b); });
 }
 
-const QTypeInfo& checked(uint32_t id) { return qtype_checked(id); }
-
 std::string sz(size_t v) { return std::to_string(v); }
 
 }  // namespace
@@ -69,7 +67,7 @@ STOWLM_BIND(quants) {
     q.def(
         "dequantize_into",
         [](BytesIn src, uint32_t id, FloatsOut dst) {
-            const QTypeInfo& info = checked(id);
+            const QTypeInfo& info = qtype_checked(id);
             const int64_t n = (int64_t)dst.size();
             const size_t need = row_bytes((QType)id, n);
             if (src.size() != need)
@@ -89,7 +87,7 @@ STOWLM_BIND(quants) {
     q.def(
         "quantize_into",
         [](FloatsIn src, uint32_t id, BytesOut dst) {
-            const QTypeInfo& info = checked(id);
+            const QTypeInfo& info = qtype_checked(id);
             if (!can_quantize((QType)id))
                 throw InvalidInput(std::string("quantize: producing ") + info.name +
                                    " is not implemented (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_K)");
