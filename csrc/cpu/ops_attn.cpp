@@ -130,33 +130,27 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                     if (ok) vis[nv++] = (int32_t)(j - jb);
                 }
                 if (nv == 0) continue;
+                const unsigned char* kb = kbase + (size_t)jb * kv_cell_bytes;
+                const unsigned char* vb = vbase + (size_t)jb * kv_cell_bytes;
                 for (int64_t r = 0; r < n_rep; r++) {
                     const int64_t h = g * n_rep + r;
                     const float* qh = q + t * ld_q + h * head_dim;
+                    if (f16) kr.scores_f16(qh, kb, kv_cell_bytes, vis, nv, head_dim, sc);
+                    else kr.scores_q8_0(qh, kb, kv_cell_bytes, vis, nv, head_dim, sc);
                     float mx = -INFINITY;
-                    for (int i = 0; i < nv; i++) {
-                        const unsigned char* kc = kbase + (size_t)(jb + vis[i]) * kv_cell_bytes;
-                        float x = f16 ? kr.dot_f16(qh, (const uint16_t*)kc, head_dim)
-                                      : kr.dot_q8_0(qh, (const block_q8_0*)kc, head_dim);
-                        x *= scale;
-                        if (cap != 0.0f) x = apply_softcap(x, cap);
-                        sc[i] = x;
-                        mx = std::max(mx, x);
+                    if (cap != 0.0f) {
+                        for (int i = 0; i < nv; i++) sc[i] = apply_softcap(sc[i] * scale, cap);
+                    } else {
+                        for (int i = 0; i < nv; i++) sc[i] *= scale;
                     }
+                    for (int i = 0; i < nv; i++) mx = std::max(mx, sc[i]);
                     float* st = ml + ((t - t0) * n_rep + r) * 2;
                     float* acc = acc_of(t, h);
                     const float f = online_softmax_rescale(st[0], st[1], mx);
                     if (f != 1.0f) kr.scale(acc, f, head_dim);
-                    const float m = st[0];
-                    float l = st[1];
-                    for (int i = 0; i < nv; i++) {
-                        const float w = expf(sc[i] - m);
-                        l += w;
-                        const unsigned char* vc = vbase + (size_t)(jb + vis[i]) * kv_cell_bytes;
-                        if (f16) kr.axpy_f16(acc, w, (const uint16_t*)vc, head_dim);
-                        else kr.axpy_q8_0(acc, w, (const block_q8_0*)vc, head_dim);
-                    }
-                    st[1] = l;
+                    st[1] += kr.exp_sum(sc, nv, st[0]);  // sc now holds the weights
+                    if (f16) kr.accum_f16(acc, sc, vb, kv_cell_bytes, vis, nv, head_dim);
+                    else kr.accum_q8_0(acc, sc, vb, kv_cell_bytes, vis, nv, head_dim);
                 }
             }
         }

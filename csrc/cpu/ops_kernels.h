@@ -1,6 +1,7 @@
 // Internal: the inner loops of ops.cpp / ops_attn.cpp, one table per instruction set
 // (ops_kernels.cpp scalar, ops_kernels_avx2.cpp, ops_kernels_avx512.cpp), picked at run time.
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "quant/blocks.h"
@@ -26,6 +27,20 @@ struct OpsKernels {
     void (*scale_mul)(const float* x, float s, const float* w, float* y, int64_t n);
     // f32 -> f16 (round to nearest even)
     void (*to_f16)(const float* x, uint16_t* y, int64_t n);
+
+    // Attention over one block of KV cells: the rows are at base + idx[j] * stride (j < n).
+    // out[j] = q . row_j (head_dim elements)
+    void (*scores_f16)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                       int64_t hd, float* out);
+    void (*scores_q8_0)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                        int64_t hd, float* out);
+    // acc += sum_j w[j] * row_j
+    void (*accum_f16)(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx,
+                      int n, int64_t hd);
+    void (*accum_q8_0)(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx,
+                       int n, int64_t hd);
+    // s[j] = exp(s[j] - m) for j < n; returns the sum of the new s.
+    float (*exp_sum)(float* s, int n, float m);
 };
 
 const OpsKernels& ops_kernels_scalar();
