@@ -190,6 +190,32 @@ std::string split_path(const std::string& prefix, int no, int count) {
 
 std::string quote(const std::string& s) { return "'" + s + "'"; }
 
+// Strict UTF-8 (no overlongs, surrogates or code points past U+10FFFF): tensor names are
+// identifiers that callers look up by str, so a name that is not text is corruption.
+bool valid_utf8(const std::string& s) {
+    const auto* p = (const unsigned char*)s.data();
+    size_t n = s.size(), i = 0;
+    while (i < n) {
+        unsigned c = p[i];
+        size_t len;
+        uint32_t cp;
+        if (c < 0x80) { i++; continue; }
+        if ((c & 0xE0) == 0xC0) { len = 2; cp = c & 0x1F; }
+        else if ((c & 0xF0) == 0xE0) { len = 3; cp = c & 0x0F; }
+        else if ((c & 0xF8) == 0xF0) { len = 4; cp = c & 0x07; }
+        else return false;
+        if (i + len > n) return false;
+        for (size_t k = 1; k < len; k++) {
+            if ((p[i + k] & 0xC0) != 0x80) return false;
+            cp = (cp << 6) | (p[i + k] & 0x3F);
+        }
+        static const uint32_t min_cp[5] = {0, 0, 0x80, 0x800, 0x10000};
+        if (cp < min_cp[len] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return false;
+        i += len;
+    }
+    return true;
+}
+
 }  // namespace
 
 const char* gguf_type_name(GGUFType t) {
@@ -317,6 +343,7 @@ void GGUFFile::parse_split(size_t index, bool first) {
         GGUFTensor& t = in.t;
         t.name = c.str("tensor info #" + std::to_string(k) + " name", kMaxTensorName);
         if (t.name.empty()) fail(file, "tensor info #" + std::to_string(k) + " name", "empty tensor name");
+        if (!valid_utf8(t.name)) fail(file, "tensor info #" + std::to_string(k) + " name", "not valid UTF-8");
         const std::string field = "tensor " + quote(t.name);
         if (tensor_index_.count(t.name)) fail(file, field, "duplicate tensor name");
         tensor_index_[t.name] = (size_t)-1;  // placeholder until the tensor lands in tensors_
