@@ -166,6 +166,26 @@ def test_written_file_matches_gguf_reader(small_model):
         f.tensor_data("f32")
 
 
+def test_typed_getters(small_model):
+    f = stowlm.GGUFFile(small_model)
+    md, get = f.metadata, f._native().get
+    assert get("t.u32", "int") == 4_000_000_000 and get("t.i8", "int") == -100 and get("t.true", "int") == 1
+    assert get("t.f32", "float") == md["t.f32"] and get("t.i16", "float") == -30000.0
+    assert get("t.str", "str") == "héllo ✓" and get("t.true", "bool") is True
+    assert get("t.arr.int8", "int_array") == [-128, 5] and get("t.arr.bool", "int_array") == [1, 0, 1]
+    assert get("t.arr.float32", "float_array") == [1.5, -2.25]
+    np.testing.assert_array_equal(np.float32(get("tokenizer.ggml.scores", "float_array")), md["tokenizer.ggml.scores"])
+    assert get("t.arr.str", "str_array") == md["t.arr.str"]
+    for key, kind, msg in [("t.u64", "int", "t.u64'?: value 18446744073709551613 does not fit in int64"),
+                           ("t.str", "int", "t.str'?: has type STRING, expected an integer"),
+                           ("t.arr.uint64", "int_array", "element 0 does not fit"),
+                           ("t.arr.str", "float_array", "has type ARRAY of STRING"),
+                           ("t.u8", "bool", "has type UINT8, expected BOOL"),
+                           ("no.such", "float", "key 'no.such': missing")]:
+        with pytest.raises(ValueError, match=f"small.gguf: .*{msg}"):
+            get(key, kind)
+
+
 def test_views_outlive_close(small_model):
     f = stowlm.GGUFFile(small_model)
     view = f.tensor_data("f32")
@@ -233,6 +253,15 @@ def test_split_model_loads_as_one(tmp_path):
     os.remove(tmp_path / parts[3])
     with pytest.raises(FileNotFoundError, match="m-00004-of-00005.gguf: no such file.*part 4 of 5"):
         stowlm.GGUFFile(tmp_path / parts[0])
+    # A first part renamed so its name no longer says which part it is cannot find its siblings.
+    os.rename(tmp_path / parts[0], tmp_path / "renamed.gguf")
+    with pytest.raises(ValueError, match="renamed.gguf: key 'split.count': .*does not follow NAME-00001-of-00005"):
+        stowlm.GGUFFile(tmp_path / "renamed.gguf")
+    with pytest.raises(FileNotFoundError, match="m-00001-of-00005.gguf: no such file.*first part"):
+        stowlm.GGUFFile(tmp_path / parts[1])
+    os.rename(tmp_path / parts[1], tmp_path / "renamed2.gguf")
+    with pytest.raises(ValueError, match="renamed2.gguf: key 'split.no': the first part must have split.no 0"):
+        stowlm.GGUFFile(tmp_path / "renamed2.gguf")
 
 
 # ---- hand-built files: each rule with its own message ------------------------------------------
@@ -275,6 +304,7 @@ BAD = [
     ("longstr", dict(kvs=[kv("a.b", 8, struct.pack("<Q", 2**63))]), "key 'a.b': string length 9223372036854775808 at offset"),
     ("longkey", dict(kvs=[struct.pack("<Q", 2**64 - 1)]), "metadata entry #0 key: string length"),
     ("emptykey", dict(kvs=[kv("", 4, b"\0" * 4)]), "empty key"),
+    ("keybytes", dict(kvs=[U32(b"a.\xff\x01", 1), U32(b"a.\xff\x01", 1)]), r"key 'a\.\\xff\\x01': duplicate key"),
     ("bool2", dict(kvs=[kv("a.b", 7, b"\x02")]), "key 'a.b': bool value 2 is neither 0 nor 1"),
     ("manykv", dict(n_kv=2**40), "header metadata count: 1099511627776 entries cannot fit"),
     ("manyt", dict(n_tensors=2**50), "header tensor count"),
@@ -339,7 +369,7 @@ FUZZ = textwrap.dedent(r"""
     import stowlm
     src, work = sys.argv[1], sys.argv[2]
     raw = open(src, "rb").read()
-    head_end = int(sys.argv[3])
+    head_end, data_end = int(sys.argv[3]), int(sys.argv[4])
     path = os.path.join(work, "fuzz.gguf")
     cases = [("truncate", n, None) for n in range(0, head_end + 1)]
     cases += [("truncate", n, None) for n in range(head_end, len(raw), 37)]
@@ -347,12 +377,16 @@ FUZZ = textwrap.dedent(r"""
     for _ in range(3000):
         pos = rng.randrange(head_end)
         cases.append(("flip", pos, rng.randrange(1, 256)))
+    for _ in range(1000):  # whole words overwritten: counts, lengths, dims, offsets gone wild
+        cases.append(("word", rng.randrange(head_end - 8), rng.choice([0, 1, 2**31, 2**63, 2**64 - 1, rng.getrandbits(64)])))
     opened = rejected = 0
     for kind, pos, x in cases:
         if kind == "truncate":
             data = raw[:pos]
-        else:
+        elif kind == "flip":
             data = bytearray(raw); data[pos] ^= x; data = bytes(data)
+        else:
+            data = raw[:pos] + x.to_bytes(8, "little") + raw[pos + 8:]
         with open(path, "wb") as fh:
             fh.write(data)
         sys.stdout.write(f"CASE {kind} {pos} {x}\n"); sys.stdout.flush()
@@ -363,6 +397,8 @@ FUZZ = textwrap.dedent(r"""
                 print(f"BAD message for {kind} {pos} {x}: {e}"); sys.exit(2)
             rejected += 1
             continue
+        if kind == "truncate" and pos < data_end:
+            print(f"BAD: file cut at {pos}, inside the tensor data (ends {data_end}), was accepted"); sys.exit(3)
         md = f.metadata
         total = 0
         for t in f.tensors:
@@ -381,10 +417,11 @@ def test_fuzz_truncate_and_flip_never_crash(tmp_path):
     write_model(small_model, np.random.default_rng(2), n_scores=8)  # every value type, short header
     ref = gguf.GGUFReader(small_model)
     head_end = min(int(t.data_offset) for t in ref.tensors)  # header + kv + tensor table + padding
+    data_end = max(int(t.data_offset) + int(t.n_bytes) for t in ref.tensors)
     script = tmp_path / "fuzz.py"
     script.write_text(FUZZ)
     env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    p = subprocess.run([sys.executable, str(script), str(small_model), str(tmp_path), str(head_end)],
+    p = subprocess.run([sys.executable, str(script), str(small_model), str(tmp_path), str(head_end), str(data_end)],
                        capture_output=True, text=True, env=env, timeout=300)
     lines = p.stdout.splitlines()
     last = next((ln for ln in reversed(lines) if ln.startswith("CASE")), "none")
@@ -392,5 +429,6 @@ def test_fuzz_truncate_and_flip_never_crash(tmp_path):
     assert lines[-1].startswith("DONE")
     opened = int(lines[-1].split()[1].split("=")[1])
     rejected = int(lines[-1].split()[2].split("=")[1])
-    # Truncations inside the header must all be rejected, and flips of string bytes keep files valid.
+    # Every cut before the end of the data is rejected (checked per case above); flips of string
+    # bytes and tensor-name characters leave valid files, so some flipped files open.
     assert rejected > head_end and opened > 0

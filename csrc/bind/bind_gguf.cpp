@@ -2,6 +2,7 @@
 // views whose owner holds the mapping, so a view outlives close() safely.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include <cerrno>
 #include <cstring>
@@ -137,6 +138,22 @@ STOWLM_BIND(gguf) {
                  nb::capsule owner(keep, [](void* p) noexcept { delete (std::shared_ptr<GGUFFile>*)p; });
                  size_t shape[1] = {t.nbytes};
                  return nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>, nb::ro>(t.data, 1, shape, owner);
+             })
+        // The typed getters the engine uses, by name, so tests can hold them to the metadata.
+        .def("get",
+             [](const Handle& h, const std::string& key, const std::string& kind) -> nb::object {
+                 const GGUFFile& f = h.get();
+                 if (kind == "str") return nb::cast(f.get_str(key));
+                 if (kind == "int") return nb::cast(f.get_int(key));
+                 if (kind == "float") return nb::cast(f.get_float(key));
+                 if (kind == "bool") {
+                     if (!f.has(key)) f.get_int(key);  // the missing-key error
+                     return nb::cast(f.get_bool(key, false));
+                 }
+                 if (kind == "int_array") return nb::cast(f.get_int_array(key));
+                 if (kind == "float_array") return nb::cast(f.get_float_array(key));
+                 if (kind == "str_array") return nb::cast(f.get_str_array(key));
+                 throw stowlm::InvalidInput("get: unknown kind '" + kind + "'");
              })
         .def("close", [](Handle& h) { h.f.reset(); });
 }

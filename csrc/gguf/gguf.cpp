@@ -188,7 +188,6 @@ std::string split_path(const std::string& prefix, int no, int count) {
     return prefix + buf;
 }
 
-std::string quote(const std::string& s) { return "'" + s + "'"; }
 
 // Strict UTF-8 (no overlongs, surrogates or code points past U+10FFFF): tensor names are
 // identifiers that callers look up by str, so a name that is not text is corruption.
@@ -214,6 +213,27 @@ bool valid_utf8(const std::string& s) {
         i += len;
     }
     return true;
+}
+
+// A name as messages show it: quoted, control bytes and any bytes of invalid UTF-8 escaped,
+// and cut short, so a corrupt name still makes a readable (and decodable) message.
+std::string quote(const std::string& s) {
+    const bool utf8 = valid_utf8(s);
+    std::string out = "'";
+    size_t cut = std::min<size_t>(s.size(), 120);
+    while (utf8 && cut > 0 && cut < s.size() && ((unsigned char)s[cut] & 0xC0) == 0x80) cut--;  // whole characters
+    for (size_t k = 0; k < cut; k++) {
+        unsigned char c = (unsigned char)s[k];
+        if (c < 0x20 || c == 0x7f || (c >= 0x80 && !utf8)) {
+            char buf[8];
+            snprintf(buf, sizeof buf, "\\x%02x", c);
+            out += buf;
+        } else {
+            out += (char)c;
+        }
+    }
+    if (cut < s.size()) out += "...";
+    return out + "'";
 }
 
 }  // namespace
