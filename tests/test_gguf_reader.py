@@ -1,6 +1,7 @@
 """The GGUF reader (stowlm.GGUFFile) against the `gguf` package's GGUFReader and GGUFWriter, on
 real models, on written files of every value type, on split models, on hand-built malformed
 files, and under fuzzing (truncations and byte flips) in a subprocess that catches crashes."""
+import mmap
 import os
 import struct
 import subprocess
@@ -415,6 +416,10 @@ FUZZ = textwrap.dedent(r"""
 def test_fuzz_truncate_and_flip_never_crash(tmp_path):
     small_model = tmp_path / "fuzz_src.gguf"
     write_model(small_model, np.random.default_rng(2), n_scores=8)  # every value type, short header
+    # Trailing bytes are allowed; ending the file on a page boundary makes any read past its end
+    # fault instead of landing in the zero-filled tail of the last page.
+    with open(small_model, "ab") as fh:
+        fh.write(b"\0" * (-small_model.stat().st_size % mmap.PAGESIZE))
     ref = gguf.GGUFReader(small_model)
     head_end = min(int(t.data_offset) for t in ref.tensors)  # header + kv + tensor table + padding
     data_end = max(int(t.data_offset) + int(t.n_bytes) for t in ref.tensors)
