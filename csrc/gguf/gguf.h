@@ -64,6 +64,8 @@ public:
     uint32_t version() const { return version_; }
     size_t n_splits() const { return maps_.size(); }
     size_t total_file_bytes() const;
+    const std::string& split_path(size_t split) const { return maps_.at(split).path; }
+    uint32_t alignment(size_t split = 0) const { return alignments_.at(split); }  // general.alignment
 
     // Metadata of the first split (the one that carries the model's keys).
     const std::map<std::string, GGUFValue>& metadata() const { return kv_; }

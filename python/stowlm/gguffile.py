@@ -85,7 +85,7 @@ class GGUFFile:
         """Index of the split part holding tensor `name` (0 for single-file models)."""
         self._load_tensors()
         if name not in self._split_of:
-            raise KeyError(f"{self._path}: tensor '{name}' not in the model")
+            raise ValueError(f"{self._path}: tensor '{name}': not in the model")
         return self._split_of[name]
 
     def tensor_data(self, name: str) -> np.ndarray:
