@@ -244,7 +244,7 @@ def test_split_model_loads_as_one(tmp_path):
             for k, r in enumerate(refs) for t in r.tensors]
     for opened in (parts[0], parts[2], parts[-1]):
         f = stowlm.GGUFFile(tmp_path / opened)
-        assert f.n_splits == n
+        assert f.n_splits == n and f.split_paths == [str(tmp_path / p) for p in parts]
         got = [(t.name, t.type, t.shape, t.nbytes, t.offset, f.tensor_split(t.name),
                 bytes(f.tensor_data(t.name))) for t in f.tensors]
         assert got == want

@@ -105,6 +105,12 @@ STOWLM_BIND(gguf) {
         .def_prop_ro("closed", [](const Handle& h) { return !h.f; })
         .def_prop_ro("version", [](const Handle& h) { return h.get().version(); })
         .def_prop_ro("n_splits", [](const Handle& h) { return h.get().n_splits(); })
+        .def_prop_ro("split_paths",
+                     [](const Handle& h) {
+                         nb::list out;
+                         for (size_t k = 0; k < h.get().n_splits(); k++) out.append(h.get().split_path(k));
+                         return out;
+                     })
         .def_prop_ro("total_file_bytes", [](const Handle& h) { return h.get().total_file_bytes(); })
         .def("metadata",
              [](const Handle& h) {

@@ -182,7 +182,7 @@ bool parse_split_name(const std::string& path, SplitName* out) {
     return true;
 }
 
-std::string split_path(const std::string& prefix, int no, int count) {
+std::string part_path(const std::string& prefix, int no, int count) {
     char buf[32];
     snprintf(buf, sizeof buf, "-%05d-of-%05d.gguf", no, count);
     return prefix + buf;
@@ -458,7 +458,7 @@ std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
     f->path_ = path;
     SplitName sn;
     const bool named_split = parse_split_name(path, &sn);
-    const std::string first = named_split ? split_path(sn.prefix, 1, sn.count) : path;
+    const std::string first = named_split ? part_path(sn.prefix, 1, sn.count) : path;
     f->map_file(first, first == path ? "" : " (first part of split model " + path + ")");
     f->n_splits_expected_ = 1;
     f->parse_split(0, true);
@@ -479,10 +479,10 @@ std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
     if (count > 1 && !named_split)
         fail(first, "key 'split.count'", "the model has " + std::to_string(count) +
                                              " parts but the file name does not follow NAME-00001-of-" +
-                                             split_path("", count, count).substr(10));
+                                             part_path("", count, count).substr(10));
     f->n_splits_expected_ = (int)count;
     for (int k = 1; k < count; k++) {
-        f->map_file(split_path(sn.prefix, k + 1, (int)count),
+        f->map_file(part_path(sn.prefix, k + 1, (int)count),
                     " (part " + std::to_string(k + 1) + " of " + std::to_string(count) + " of split model " + path + ")");
         f->parse_split((size_t)k, false);
     }

@@ -56,6 +56,11 @@ class GGUFFile:
         return self._native().n_splits
 
     @property
+    def split_paths(self) -> list[str]:
+        """The path of each part, first to last (one entry for a single-file model)."""
+        return self._native().split_paths
+
+    @property
     def metadata(self) -> dict:
         if self._metadata is None:
             self._metadata = self._native().metadata()
