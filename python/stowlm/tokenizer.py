@@ -118,7 +118,7 @@ class Tokenizer:
         self._tokens = tokens
         self.token_types = token_types
         self._hf = hf_tokenizer
-        self._hf_lock = threading.Lock()  # encode_special_tokens is tokenizer-wide state
+        self._hf_lock = threading.Lock()
         self.add_bos = add_bos
         self.add_eos = add_eos
         self.add_space_prefix = add_space_prefix
@@ -134,10 +134,11 @@ class Tokenizer:
     # ------------------------------------------------------------------ construction
 
     @classmethod
-    def from_metadata(cls, meta: Mapping, name: str = "") -> "Tokenizer":
+    def from_metadata(cls, meta: Mapping, name: str = "", cache: bool = True) -> "Tokenizer":
         """Build from a GGUF metadata dict (``tokenizer.ggml.*`` keys; arrays as lists or numpy).
 
-        Results are cached per vocabulary, so a second model with the same tokenizer is instant.
+        With ``cache`` the build is kept per vocabulary (a few most recent), so loading a model
+        with the same tokenizer again is instant; gemma's 262k vocabulary takes seconds to build.
         """
         model = _scalar(meta, "tokenizer.ggml.model")
         if model is None:
@@ -150,18 +151,23 @@ class Tokenizer:
         key = (model, pre, len(tokens), hash(tuple(tokens)),
                0 if merges is None else len(merges),
                0 if merges is None else hash(tuple(merges)))
-        with _CACHE_LOCK:
-            built = _CACHE.get(key)
-            if built is not None:
-                _CACHE.move_to_end(key)
+        built = None
+        if cache:
+            with _CACHE_LOCK:
+                built = _CACHE.get(key)
+                if built is not None:
+                    _CACHE.move_to_end(key)
         if built is None:
-            built = _build(meta, model, pre, name)
+            # the lock goes with the HF tokenizer: encode_special_tokens is state on that object
+            built = _build(meta, model, pre, name) + (threading.Lock(),)
             with _CACHE_LOCK:
                 _CACHE[key] = built
                 while len(_CACHE) > 4:
                     _CACHE.popitem(last=False)
-        hf, tokens_list, types = built
-        return cls._finish(meta, model, pre, tokens_list, types, hf, name)
+        hf, tokens_list, types, lock = built
+        tok = cls._finish(meta, model, pre, tokens_list, types, hf, name)
+        tok._hf_lock = lock
+        return tok
 
     @classmethod
     def _finish(cls, meta, model, pre, tokens, types, hf, name):
