@@ -234,3 +234,96 @@ def test_bad_input():
     del meta["tokenizer.ggml.tokens"]
     with pytest.raises(ValueError, match="tokenizer.ggml.tokens"):
         Tokenizer.from_metadata(meta, "m")
+
+
+# ---------------------------------------------------------------------------------------------
+# A direct transcription of llama.cpp's SentencePiece procedure (special-token partition longest
+# first, then: merge the adjacent pair whose result has the best score, leftmost on ties; pieces
+# not in the vocabulary fall back to bytes), as an oracle for texts the fixtures do not cover.
+
+def _spm_reference(tok, text, parse_special=True):
+    import heapq
+
+    types = tok.token_types
+    mask = types == TokenType.USER_DEFINED
+    if parse_special:
+        mask |= (types == TokenType.CONTROL) | (types == TokenType.UNKNOWN)
+    specials = sorted(np.nonzero(mask)[0].tolist(), key=lambda i: -len(tok.id_to_token(i)))
+    frags = [text]
+    for sid in specials:
+        s = tok.id_to_token(sid)
+        out = []
+        for f in frags:
+            if isinstance(f, int) or s not in f:
+                out.append(f)
+                continue
+            parts = f.split(s)
+            for k, p in enumerate(parts):
+                if k:
+                    out.append(sid)
+                if p:
+                    out.append(p)
+        frags = out
+    scores = tok._ref_scores
+    ids = []
+    for f in frags:
+        if isinstance(f, int):
+            ids.append(f)
+            continue
+        sym = list(f.replace(" ", "\u2581"))
+        alive = [True] * len(sym)
+        nxt = list(range(1, len(sym))) + [-1]
+        prv = list(range(-1, len(sym) - 1))
+        heap = []
+
+        def push(a, b):
+            if a < 0 or b < 0:
+                return
+            t = tok.token_to_id(sym[a] + sym[b])
+            if t is not None:
+                heapq.heappush(heap, (-scores[t], a, b, len(sym[a]) + len(sym[b])))
+
+        for k in range(len(sym) - 1):
+            push(k, k + 1)
+        while heap:
+            _, a, b, size = heapq.heappop(heap)
+            if not alive[a] or not alive[b] or nxt[a] != b or len(sym[a]) + len(sym[b]) != size:
+                continue
+            sym[a] += sym[b]
+            alive[b] = False
+            nxt[a] = nxt[b]
+            if nxt[b] >= 0:
+                prv[nxt[b]] = a
+            push(prv[a], a)
+            push(a, nxt[a])
+        for k, s in enumerate(sym):
+            if not alive[k]:
+                continue
+            t = tok.token_to_id(s)
+            if t is not None:
+                ids.append(t)
+            else:
+                ids.extend(tok.token_to_id(f"<0x{b:02X}>") for b in s.encode())
+    return ids
+
+
+def test_gemma_matches_spm_reference_on_random_text():
+    tok = tokenizer("gemma3-270m")
+    meta = read_metadata(str(get_model("gemma3-270m")))
+    tok._ref_scores = np.asarray(meta["tokenizer.ggml.scores"], dtype=np.float64)
+    rng = np.random.default_rng(1234)
+    alphabet = (list("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789")
+                + list(" .,;:!?'\"()[]{}<>/\\|-_=+*&^%$#@~`") + ["  ", "   ", "\n", "\n\n", "\t", "\r\n"]
+                + list("éèüöäßçñøåœæ—–…«»“”‘’€£¥") + list("日本語中文한국어テキスト") + list("мирпривет")
+                + ["🤖", "🚀", "👍🏽", "🇩🇪", "\ue000", "\U000f0000", "\u200b", "\u00a0"]
+                + ["<start_of_turn>", "<end_of_turn>", "<bos>", "<unused7>", "ing", "tion", " the", "▁"])
+    words = ["hello", "world", "the", "quick", "tokenization", "aaaa", "xxxxxxxx", "ababab", "1234567"]
+    for _ in range(150):
+        n = int(rng.integers(1, 25))
+        parts = [alphabet[int(rng.integers(len(alphabet)))] if rng.random() < 0.7
+                 else words[int(rng.integers(len(words)))] for _ in range(n)]
+        text = "".join(parts)
+        for parse_special in (True, False):
+            want = _spm_reference(tok, text, parse_special)
+            got = tok.encode(text, add_special=False, parse_special=parse_special)
+            assert got == want, (text, parse_special, got, want)
