@@ -177,6 +177,9 @@ class Sampler:
         if not np.isfinite(x.max()):
             raise ValueError("no token has a finite logit (all banned?)")
         ids, vals = self._top(x)
+        if vals[-1] == -np.inf:  # banned tokens (logit bias -inf) are no candidates
+            finite = vals > -np.inf
+            ids, vals = ids[finite], vals[finite]
         # top-p and min-p work on the untempered distribution, as in llama.cpp
         keep = len(ids)
         if p.top_p < 1.0 and keep > 1:
