@@ -272,3 +272,29 @@ def test_stop_on_utf8_split_across_tokens():
             if stopped:
                 break
         assert stopped and emitted == want and sc.matched == stop
+
+
+def test_text_stream_reasons_to_stop():
+    from _meta import read_metadata
+    from conftest import get_model
+    from stowlm.sampling import TextStream
+    from stowlm.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_metadata(read_metadata(str(get_model("smollm2-135m"))), "smollm2-135m")
+    ids = tok.encode("The answer is 4.\nUser: next", add_special=False)
+    # a stop string
+    ts = TextStream(tok, SamplingParams(stop=["\nUser:"]))
+    out = "".join(ts.feed(i) for i in ids) + ts.close()
+    assert out == "The answer is 4." and ts.finish_reason == "stop"
+    # an end-of-generation token (<|im_end|>) ends it and is not shown
+    ts = TextStream(tok, SamplingParams())
+    out = "".join(ts.feed(i) for i in ids[:3] + [2] + ids[3:])
+    assert out == tok.decode(ids[:3]) and ts.finished and ts.finish_reason == "stop"
+    # max_tokens
+    ts = TextStream(tok, SamplingParams(max_tokens=2))
+    out = "".join(ts.feed(i) for i in ids)
+    assert out == tok.decode(ids[:2]) and ts.finish_reason == "length" and ts.n_tokens == 2
+    # nothing stops it: close() releases the held-back tail
+    ts = TextStream(tok, SamplingParams(stop=["next!"], max_tokens=None))
+    out = "".join(ts.feed(i) for i in ids)
+    assert not ts.finished and out + ts.close() == tok.decode(ids) and ts.text == tok.decode(ids)

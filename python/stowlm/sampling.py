@@ -15,7 +15,7 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Uni
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker"]
+__all__ = ["SamplingParams", "Sampler", "StopChecker", "TextStream"]
 
 
 def _is_int(x) -> bool:
@@ -315,3 +315,59 @@ class StopChecker:
     def flush(self) -> str:
         out, self._held = self._held, ""
         return "" if self.stopped else out
+
+
+class TextStream:
+    """Generated token ids in, finished text out, with all the reasons to stop.
+
+    Combines the tokenizer's streaming detokenizer (whole UTF-8 characters only), a
+    :class:`StopChecker` for ``params.stop``, end-of-generation tokens and ``params.max_tokens``.
+    ``feed(id)`` returns the text that is now certain; once ``finished`` is set, ``finish_reason``
+    says why: ``"stop"`` (end-of-generation token or stop string) or ``"length"`` (max_tokens).
+    Call ``close()`` at the end for any held-back text.
+    """
+
+    def __init__(self, tokenizer, params: Optional[SamplingParams] = None):
+        self.params = params or SamplingParams()
+        self.tokenizer = tokenizer
+        self._detok = tokenizer.detokenizer(skip_special=True)
+        self._stop = StopChecker(self.params.stop)
+        self.n_tokens = 0
+        self.ids: List[int] = []
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self.text = ""
+
+    def feed(self, token_id: int) -> str:
+        if self.finished:
+            return ""
+        token_id = int(token_id)
+        self.n_tokens += 1
+        if self.tokenizer.is_eog(token_id):
+            self.finished, self.finish_reason = True, "stop"
+            return self._emit(self._drain())
+        self.ids.append(token_id)
+        out, stopped = self._stop.feed(self._detok.feed(token_id))
+        if stopped:
+            self.finished, self.finish_reason = True, "stop"
+            return self._emit(out)
+        if self.params.max_tokens is not None and self.n_tokens >= self.params.max_tokens:
+            self.finished, self.finish_reason = True, "length"
+            return self._emit(out + self._drain())
+        return self._emit(out)
+
+    def close(self) -> str:
+        """Text still held back (a possible stop-string start, an unfinished character)."""
+        if self._stop.stopped:
+            return ""
+        return self._emit(self._drain())
+
+    def _drain(self) -> str:
+        out, stopped = self._stop.feed(self._detok.flush())
+        if stopped:
+            return out
+        return out + self._stop.flush()
+
+    def _emit(self, s: str) -> str:
+        self.text += s
+        return s

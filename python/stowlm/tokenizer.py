@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import threading
 from collections import OrderedDict
-from typing import Iterable, Iterator, List, Mapping, Optional, Sequence
+from typing import Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -299,10 +299,7 @@ class Tokenizer:
         ids = [int(i) for i in ids]
         parts = []
         strip_space = self.add_space_prefix
-        for k, i in enumerate(ids):
-            if k == 0 and self.add_bos and i == self.bos_id:
-                if skip_special:
-                    continue
+        for i in ids:
             piece = self.token_bytes(i, special=not skip_special)
             if strip_space and piece:
                 # SentencePiece models prepend a space to the text; take it off again
@@ -362,9 +359,6 @@ class StreamingDetokenizer:
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
-
-    def __iter__(self) -> Iterator[str]:  # pragma: no cover - convenience only
-        return iter(())
 
 
 # ---------------------------------------------------------------------- building (cached)
