@@ -327,3 +327,81 @@ def test_gemma_matches_spm_reference_on_random_text():
             want = _spm_reference(tok, text, parse_special)
             got = tok.encode(text, add_special=False, parse_special=parse_special)
             assert got == want, (text, parse_special, got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Small hand-made vocabularies: the llama3 pre-tokenizer's ignore_merges, SentencePiece's
+# add_space_prefix, invalid UTF-8 tokens; paths the three real models do not take.
+
+def _byte_level_meta(pre):
+    from stowlm.tokenizer import _bytes_to_unicode
+
+    chars = list(_bytes_to_unicode().values())
+    extra = ["ab", "abc", "Ġa", "Ġab", "\udcff\udcfe", "<s>", "<|eot_id|>"]
+    tokens = chars + extra
+    types = np.ones(len(tokens), dtype=np.int32)
+    types[-2:] = TokenType.CONTROL
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.bos_token_id": len(tokens) - 2,
+            "tokenizer.ggml.merges": ["a b", "Ġ a", "Ġa b", "x yz"]}
+
+
+def test_llama3_ignore_merges_and_default_bos():
+    meta = _byte_level_meta("llama3")
+    tok = Tokenizer.from_metadata(meta, "tiny-llama3", cache=False)
+    ids = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    bos = ids["<s>"]
+    # "abc" is a whole pre-token found in the vocabulary: used as is, although no merge makes it
+    assert tok.encode("abc") == [bos, ids["abc"]]
+    assert tok.encode(" ab", add_special=False) == [ids["Ġab"]]
+    assert tok.is_eog(ids["<|eot_id|>"]) and tok.eot_id == ids["<|eot_id|>"]
+    g = Tokenizer.from_metadata(_byte_level_meta("gpt2"), "tiny-gpt2", cache=False)
+    assert g.encode("abc") == [ids["ab"], ids["c"]]  # plain BPE: only the merges
+    assert not g.add_bos
+    # the invalid-UTF-8 token decodes to its raw bytes
+    assert g.decode_bytes([ids["\udcff\udcfe"]]) == b"\xff\xfe"
+    assert g.decode([ids["a"], ids["\udcff\udcfe"]]) == "a\ufffd\ufffd"
+
+
+def _spm_meta(add_space_prefix):
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + \
+        ["▁", "a", "b", "c", "ab", "▁a", "▁b", "bc", "abc"]
+    types = np.array([2, 3, 3] + [6] * 256 + [1] * 9, dtype=np.int32)
+    scores = np.array([0, 0, 0] + [0] * 256 + [-1, -2, -3, -4, -5, -6, -7, -8, -9], dtype=np.float32)
+    meta = {"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": types, "tokenizer.ggml.scores": scores,
+            "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+    if add_space_prefix is not None:
+        meta["tokenizer.ggml.add_space_prefix"] = add_space_prefix
+    return meta
+
+
+def test_spm_space_prefix_scores_and_bytes():
+    meta = _spm_meta(None)  # SentencePiece default: add a space prefix, add BOS
+    ids = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    tok = Tokenizer.from_metadata(meta, "tiny-spm", cache=False)
+    assert tok.add_space_prefix and tok.add_bos
+    # best score first: "ab" (-5) before "bc" (-8), then ab + c -> "abc" (-9); "▁ab" is no token
+    assert tok.encode("abc", add_special=False) == [ids["▁"], ids["abc"]]
+    assert tok.encode("a b", add_special=False) == [ids["▁a"], ids["▁b"]]
+    # a prefix space after each special token, as llama.cpp does (is_prev_special)
+    assert tok.encode("a</s>b", add_special=True) == [1, ids["▁a"], 2, ids["▁b"]]
+    # unknown character -> UTF-8 bytes
+    assert tok.encode("é", add_special=False) == [ids["▁"], ids["<0xC3>"], ids["<0xA9>"]]
+    # decoding takes the prefix space off again
+    assert tok.decode(tok.encode("a b", add_special=False)) == "a b"
+    assert tok.decode(tok.encode("abc é")) == "<s>abc é"
+    assert tok.decode(tok.encode("abc é"), skip_special=True) == "abc é"
+    det = tok.detokenizer()
+    assert "".join(det.feed(i) for i in tok.encode("a bé")) + det.flush() == "a bé"
+    off = Tokenizer.from_metadata(_spm_meta(False), "tiny-spm2", cache=False)
+    assert off.encode("a b", add_special=False) == [ids["a"], ids["▁b"]]
+
+
+def test_native_gguf_metadata_builds_the_same_tokenizer():
+    from stowlm.gguffile import GGUFFile
+
+    with GGUFFile(get_model("smollm2-135m")) as f:
+        tok = Tokenizer.from_metadata(f.metadata, "smollm2-135m", cache=False)
+    for r in load_fixture("smollm2-135m"):
+        assert tok.encode(r["text"], add_special=r["add_special"]) == r["ids"]

@@ -283,16 +283,16 @@ class Tokenizer:
     def _piece(self, token_id: int, ttype: int) -> bytes:
         text = self._tokens[token_id]
         if ttype in (TokenType.CONTROL, TokenType.UNKNOWN, TokenType.USER_DEFINED):
-            return text.encode("utf-8")
+            return text.encode("utf-8", "surrogateescape")
         if ttype == TokenType.BYTE and text.startswith("<0x") and text.endswith(">"):
             return bytes([int(text[3:-1], 16)])
         if ttype in (TokenType.NORMAL, TokenType.UNDEFINED, TokenType.BYTE):
             if self.kind == "spm":
-                return text.replace("\u2581", " ").encode("utf-8")
+                return text.replace("\u2581", " ").encode("utf-8", "surrogateescape")
             try:
                 return bytes(_BYTE_DECODER[c] for c in text)
             except KeyError:  # not a byte-level string: show it as it is
-                return text.encode("utf-8")
+                return text.encode("utf-8", "surrogateescape")
         return b""  # unused tokens render as nothing, as in llama.cpp
 
     def decode_bytes(self, ids: Iterable[int], skip_special: bool = False) -> bytes:
@@ -301,7 +301,7 @@ class Tokenizer:
         strip_space = self.add_space_prefix
         for i in ids:
             piece = self.token_bytes(i, special=not skip_special)
-            if strip_space and piece:
+            if strip_space and piece and i != self.bos_id:
                 # SentencePiece models prepend a space to the text; take it off again
                 if piece.startswith(b" ") and int(self.token_types[i]) == TokenType.NORMAL:
                     piece = piece[1:]
@@ -344,13 +344,11 @@ class StreamingDetokenizer:
         tok = self._tok
         token_id = int(token_id)
         self.ids.append(token_id)
-        if self._first and tok.add_bos and token_id == tok.bos_id and self._skip_special:
-            return ""
         piece = tok.token_bytes(token_id, special=not self._skip_special)
-        if self._first and piece and tok.add_space_prefix:
-            if piece.startswith(b" ") and int(tok.token_types[token_id]) == TokenType.NORMAL:
-                piece = piece[1:]
-        if piece:
+        if self._first and piece and token_id != tok.bos_id:
+            if tok.add_space_prefix and piece.startswith(b" ") \
+                    and int(tok.token_types[token_id]) == TokenType.NORMAL:
+                piece = piece[1:]  # the space SentencePiece put in front of the text
             self._first = False
         return self._decoder.decode(piece, final=False)
 
@@ -390,6 +388,16 @@ def _build(meta: Mapping, model: str, pre: str, name: str):
         if t in vocab:
             raise ValueError(f"{where}: duplicate token in vocabulary: {t!r} has ids {vocab[t]} and {i}")
         vocab[t] = i
+    # A token that is not valid UTF-8 (the GGUF reader keeps such bytes as surrogate escapes) can
+    # never match input text; the tokenizers library only takes valid strings, so it gets a
+    # placeholder name there. Decoding still uses the original bytes.
+    for i, t in enumerate(tokens):
+        if not t.isascii():
+            try:
+                t.encode("utf-8")
+            except UnicodeEncodeError:
+                del vocab[t]
+                vocab[f"[INVALID_UTF8_{i}]"] = i
 
     if model == "gpt2":
         if pre not in _PRE:
@@ -404,7 +412,11 @@ def _build(meta: Mapping, model: str, pre: str, name: str):
             pos = m.find(" ", 1)
             if pos < 0:
                 continue
-            merges.append((m[:pos], m[pos + 1:]))
+            left, right = m[:pos], m[pos + 1:]
+            # a merge whose parts or result are not tokens can never apply (llama.cpp skips it
+            # silently); the tokenizers library would refuse the whole table
+            if left in vocab and right in vocab and left + right in vocab:
+                merges.append((left, right))
         bpe = models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges)
         hf = HFTokenizer(bpe)
         hf.pre_tokenizer = pre_tokenizers.Sequence(
@@ -431,6 +443,8 @@ def _build(meta: Mapping, model: str, pre: str, name: str):
     for i in np.nonzero((types == TokenType.CONTROL) | (types == TokenType.UNKNOWN)
                         | (types == TokenType.USER_DEFINED))[0].tolist():
         is_special = types[i] != TokenType.USER_DEFINED
+        if tokens[i] not in vocab:
+            continue
         tok = AddedToken(tokens[i], special=is_special, normalized=False, lstrip=False, rstrip=False,
                          single_word=False)
         (specials if is_special else user).append(tok)
@@ -448,6 +462,6 @@ def _spm_merges(tokens: Sequence[str], types: np.ndarray, scores: np.ndarray, vo
     normal = np.nonzero((types == TokenType.NORMAL) | (types == TokenType.UNDEFINED))[0]
     order = normal[np.argsort(-scores[normal], kind="stable")]
     pieces = set(vocab)  # set membership is cheaper than dict lookup in this 1-2M step loop
-    ordered = [tokens[i] for i in order.tolist()]
+    ordered = [t for t in (tokens[i] for i in order.tolist()) if t in pieces]
     return [(t[:k], t[k:]) for t in ordered for k in range(1, len(t))
             if t[:k] in pieces and t[k:] in pieces]
