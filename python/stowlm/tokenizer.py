@@ -160,10 +160,11 @@ class Tokenizer:
         if built is None:
             # the lock goes with the HF tokenizer: encode_special_tokens is state on that object
             built = _build(meta, model, pre, name) + (threading.Lock(),)
-            with _CACHE_LOCK:
-                _CACHE[key] = built
-                while len(_CACHE) > 4:
-                    _CACHE.popitem(last=False)
+            if cache:
+                with _CACHE_LOCK:
+                    _CACHE[key] = built
+                    while len(_CACHE) > 4:
+                        _CACHE.popitem(last=False)
         hf, tokens_list, types, lock = built
         tok = cls._finish(meta, model, pre, tokens_list, types, hf, name)
         tok._hf_lock = lock
