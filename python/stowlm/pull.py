@@ -129,11 +129,23 @@ def pull(name: Union[str, Path], cache_dir: Optional[Union[str, Path]] = None, p
         _unlink(dest)
         _unlink(_sidecar(dest))
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _clean_stale(dest.parent)
     _download(info, dest, progress)
     return dest
 
 
 # ---------------------------------------------------------------------- internals
+
+def _clean_stale(models: Path, max_age_s: float = 24 * 3600) -> None:
+    """Remove what an interrupted pull left behind (old enough not to be a pull in progress)."""
+    now = time.time()
+    for p in list(models.glob(".pull-*")) + list(models.glob(".*.tmp")):
+        try:
+            if now - p.stat().st_mtime > max_age_s:
+                shutil.rmtree(p) if p.is_dir() else p.unlink()
+        except OSError:
+            pass
+
 
 def _info(name: str) -> ModelInfo:
     info = REGISTRY.get(name)

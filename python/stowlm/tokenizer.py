@@ -165,13 +165,13 @@ class Tokenizer:
                     _CACHE[key] = built
                     while len(_CACHE) > 4:
                         _CACHE.popitem(last=False)
-        hf, tokens_list, types, lock = built
-        tok = cls._finish(meta, model, pre, tokens_list, types, hf, name)
+        hf, tokens_list, types, index, lock = built
+        tok = cls._finish(meta, model, pre, tokens_list, types, index, hf, name)
         tok._hf_lock = lock
         return tok
 
     @classmethod
-    def _finish(cls, meta, model, pre, tokens, types, hf, name):
+    def _finish(cls, meta, model, pre, tokens, types, index, hf, name):
         n = len(tokens)
 
         def tid(key, default):
@@ -207,15 +207,12 @@ class Tokenizer:
             raise ValueError(f"{name or 'model'}: tokenizer.ggml.add_eos_token is set but the EOS id is not")
 
         eot = tid("tokenizer.ggml.eot_token_id", None)
-        index = {t: i for i, t in enumerate(tokens)} if eot is None else None
         if eot is None:
             for t in _EOT_TEXTS:
                 if t in index:
                     eot = index[t]
                     break
         eog = {i for i in (eos, eot, tid("tokenizer.ggml.eom_token_id", None)) if i is not None}
-        if index is None:
-            index = {t: i for i, t in enumerate(tokens)}
         eog.update(index[t] for t in _EOG_TEXTS if t in index)
         tok = cls(kind=kind, pre=pre, tokens=tokens, token_types=types, hf_tokenizer=hf,
                   add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space, bos_id=bos,
@@ -389,6 +386,7 @@ def _build(meta: Mapping, model: str, pre: str, name: str):
         if t in vocab:
             raise ValueError(f"{where}: duplicate token in vocabulary: {t!r} has ids {vocab[t]} and {i}")
         vocab[t] = i
+    index = dict(vocab)  # text -> id for callers; vocab below is what the tokenizers library sees
     # A token that is not valid UTF-8 (the GGUF reader keeps such bytes as surrogate escapes) can
     # never match input text; the tokenizers library only takes valid strings, so it gets a
     # placeholder name there. Decoding still uses the original bytes.
@@ -453,7 +451,7 @@ def _build(meta: Mapping, model: str, pre: str, name: str):
         hf.add_tokens(user)
     if specials:
         hf.add_special_tokens(specials)
-    return hf, tokens, types
+    return hf, tokens, types, index
 
 
 def _spm_merges(tokens: Sequence[str], types: np.ndarray, scores: np.ndarray, vocab: dict):
