@@ -156,14 +156,18 @@ def test_pip_failure_and_missing_member(fake_model, monkeypatch):
 
 def test_existing_models_found_without_pip(monkeypatch):
     # the shared cache already holds the real models; pull must hand them back without pip
+    from conftest import get_model
+
+    expected = get_model("smollm2-135m")  # present (pulled once if it was not)
+
     def no_pip(*a, **k):
         raise AssertionError("pip must not run for a cached model")
 
     monkeypatch.setattr(P.subprocess, "Popen", no_pip)
-    cache = Path(os.environ.get("STOWLM_CACHE", Path.home() / ".cache" / "stowlm"))
-    for name, info in P.REGISTRY.items():
-        path = cache / "models" / f"{name}.gguf"
-        if path.exists() and path.stat().st_size == info.size:
+    assert P.pull("smollm2-135m") == expected
+    for name in P.REGISTRY:
+        path = expected.parent / f"{name}.gguf"
+        if path.exists():
             assert P.pull(name) == path
 
 
