@@ -18,7 +18,7 @@ import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Tuple, Union
 
 __all__ = ["ModelInfo", "PullError", "REGISTRY", "default_cache_dir", "list_models", "model_path", "pull",
            "resolve"]
