@@ -96,6 +96,8 @@ def test_sandbox_helpers_and_errors():
         render_chat("{{ messages.__class__.__mro__[1].__subclasses__() }}", [])
     with pytest.raises(ValueError, match="immutable|rendering failed"):
         render_chat("{% set _ = messages.append(1) %}", [])
+    with pytest.raises(ValueError, match="rendering failed"):  # None content in a str concatenation
+        render_chat("{{ messages[0]['content'] + 'x' }}", [{"role": "user", "content": None}])
     with pytest.raises(ValueError, match="compile"):
         ChatTemplate("{% for %}")
     with pytest.raises(ValueError, match="role"):

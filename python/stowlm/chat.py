@@ -144,8 +144,10 @@ class ChatTemplate:
                                          tools=tools, **kwargs)
         except _TemplateRaised as e:
             raise ValueError(f"{self.name or 'chat template'}: {e}") from None
-        except TemplateError as e:
-            raise ValueError(f"{self.name or 'chat template'}: rendering failed: {e}") from None
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError, IndexError) as e:
+            # e.g. a template concatenating a None content: report it as bad input, naming the template
+            raise ValueError(f"{self.name or 'chat template'}: rendering failed: "
+                             f"{type(e).__name__}: {e}") from None
 
     def encode(self, tokenizer, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
                tools: Optional[list] = None, **kwargs) -> List[int]:
