@@ -60,13 +60,23 @@ void to_f16(const float* x, uint16_t* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = f32_to_fp16(x[i]);
 }
 
-void scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                float* out) {
-    for (int j = 0; j < n; j++) out[j] = dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+float scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                 float scale, float* out) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        out[j] = scale * dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return mx;
 }
-void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                 float* out) {
-    for (int j = 0; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+float scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                  float scale, float* out) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return mx;
 }
 void accum_f16(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx, int n,
                int64_t hd) {
@@ -86,7 +96,7 @@ float exp_sum(float* s, int n, float m) {
 }
 
 const OpsKernels kScalar = {"scalar",   dot_f16,     axpy_f16,  dot_q8_0,   axpy_q8_0, scale,  sum_sq,
-                            scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum};
+                            scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr};
 
 // TODO(cpu_features): switch to active_isa() from csrc/cpu/cpu_features.h once it lands.
 OpsIsa detect_isa() {

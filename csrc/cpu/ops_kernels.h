@@ -29,11 +29,11 @@ struct OpsKernels {
     void (*to_f16)(const float* x, uint16_t* y, int64_t n);
 
     // Attention over one block of KV cells: the rows are at base + idx[j] * stride (j < n).
-    // out[j] = q . row_j (head_dim elements)
-    void (*scores_f16)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
-                       int64_t hd, float* out);
-    void (*scores_q8_0)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
-                        int64_t hd, float* out);
+    // out[j] = scale * (q . row_j) over head_dim elements; returns max_j out[j] (-inf when n == 0).
+    float (*scores_f16)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                        int64_t hd, float scale, float* out);
+    float (*scores_q8_0)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                         int64_t hd, float scale, float* out);
     // acc += sum_j w[j] * row_j
     void (*accum_f16)(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx,
                       int n, int64_t hd);
@@ -41,6 +41,14 @@ struct OpsKernels {
                        int n, int64_t hd);
     // s[j] = exp(s[j] - m) for j < n; returns the sum of the new s.
     float (*exp_sum)(float* s, int n, float m);
+
+    // Several query heads sharing a KV head (GQA) at once, so each F16 row is converted once:
+    // nq queries at q + h * ldq, scores to out + h * ldo, maxima to mx[h]; accumulators at
+    // acc + h * lda, weights at w + h * ldw. Null where the ISA has none (callers loop over heads).
+    void (*scores_f16_mh)(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride,
+                          const int32_t* idx, int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx);
+    void (*accum_f16_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                         size_t stride, const int32_t* idx, int n, int64_t hd);
 };
 
 const OpsKernels& ops_kernels_scalar();

@@ -116,8 +116,18 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-void scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                float* out) {
+inline float max4(__m128 v, float m) {
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_movehdup_ps(v));
+    const float r = _mm_cvtss_f32(v);
+    return r > m ? r : m;
+}
+
+float scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                 float scale, float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     int j = 0;
     if (hd % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
@@ -133,14 +143,23 @@ void scores_f16(const float* q, const unsigned char* base, size_t stride, const 
                 a2 = _mm256_fmadd_ps(qv, load_h(r2 + i), a2);
                 a3 = _mm256_fmadd_ps(qv, load_h(r3 + i), a3);
             }
-            _mm_storeu_ps(out + j, reduce4(a0, a1, a2, a3));
+            const __m128 s4 = _mm_mul_ps(reduce4(a0, a1, a2, a3), vs);
+            mx4 = _mm_max_ps(mx4, s4);
+            _mm_storeu_ps(out + j, s4);
         }
     }
-    for (; j < n; j++) out[j] = dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+    for (; j < n; j++) {
+        out[j] = scale * dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return max4(mx4, mx);
 }
 
-void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                 float* out) {
+float scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                  float scale, float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     int j = 0;
     for (; j + 4 <= n; j += 4) {
         const block_q8_0* r[4];
@@ -159,9 +178,15 @@ void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const
                 a[c] = _mm256_fmadd_ps(t, _mm256_set1_ps(_cvtsh_ss(r[c][b].d)), a[c]);
             }
         }
-        _mm_storeu_ps(out + j, reduce4(a[0], a[1], a[2], a[3]));
+        const __m128 s4 = _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), vs);
+        mx4 = _mm_max_ps(mx4, s4);
+        _mm_storeu_ps(out + j, s4);
     }
-    for (; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+    for (; j < n; j++) {
+        out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return max4(mx4, mx);
 }
 
 template <int NV>
@@ -255,7 +280,7 @@ float exp_sum(float* s, int n, float m) {
 }
 
 const OpsKernels kAvx2 = {"avx2",    dot_f16,   axpy_f16,   dot_q8_0,    axpy_q8_0, scale,      sum_sq,
-                          scale_mul, to_f16,    scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum};
+                          scale_mul, to_f16,    scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr};
 
 }  // namespace
 

@@ -4,6 +4,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "cpu/ops_kernels.h"
 
 namespace stowlm::cpu {
@@ -140,10 +142,20 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+inline float max4(__m128 v, float m) {
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_movehdup_ps(v));
+    const float r = _mm_cvtss_f32(v);
+    return r > m ? r : m;
+}
+
 // NV vectors of 16 lanes cover head_dim; the last one is masked by `last`.
 template <int NV>
-void scores_f16_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, __mmask16 last,
-                  float* out) {
+float scores_f16_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, __mmask16 last,
+                   float scale, float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     __m512 qv[NV];
     for (int i = 0; i < NV; i++) qv[i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, q + 16 * i);
     int j = 0;
@@ -160,35 +172,49 @@ void scores_f16_t(const float* q, const unsigned char* base, size_t stride, cons
             a2 = _mm512_fmadd_ps(qv[i], load_h_mask(r2 + 16 * i, m), a2);
             a3 = _mm512_fmadd_ps(qv[i], load_h_mask(r3 + 16 * i, m), a3);
         }
-        _mm_storeu_ps(out + j, reduce4(a0, a1, a2, a3));
+        const __m128 s4 = _mm_mul_ps(reduce4(a0, a1, a2, a3), vs);
+        mx4 = _mm_max_ps(mx4, s4);
+        _mm_storeu_ps(out + j, s4);
     }
     for (; j < n; j++) {
         const uint16_t* r0 = (const uint16_t*)(base + idx[j] * stride);
         __m512 a0 = _mm512_setzero_ps();
         for (int i = 0; i < NV; i++)
             a0 = _mm512_fmadd_ps(qv[i], load_h_mask(r0 + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a0);
-        out[j] = _mm512_reduce_add_ps(a0);
+        out[j] = _mm512_reduce_add_ps(a0) * scale;
+        mx = out[j] > mx ? out[j] : mx;
     }
+    return max4(mx4, mx);
 }
 
-void scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                float* out) {
+float scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                 float scale, float* out) {
     const int nv = (int)((hd + 15) / 16);
     const __mmask16 last = (hd % 16) ? tail_mask(hd % 16) : (__mmask16)0xFFFF;
     switch (nv) {
 #define CASE(N) \
-    case N: return scores_f16_t<N>(q, base, stride, idx, n, last, out);
+    case N: return scores_f16_t<N>(q, base, stride, idx, n, last, scale, out);
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
         CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
-        default:
-            for (int j = 0; j < n; j++) out[j] = dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+        default: {
+            float mx = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                out[j] = scale * dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+                mx = out[j] > mx ? out[j] : mx;
+            }
+            return mx;
+        }
     }
 }
 
 // NB blocks of 32 cover head_dim.
 template <int NB>
-void scores_q8_0_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, float* out) {
+float scores_q8_0_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, float scale,
+                    float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     int j = 0;
     for (; j + 4 <= n; j += 4) {
         const block_q8_0* r[4];
@@ -201,20 +227,32 @@ void scores_q8_0_t(const float* q, const unsigned char* base, size_t stride, con
                 a[c] = _mm512_fmadd_ps(t, _mm512_set1_ps(_cvtsh_ss(r[c][b].d)), a[c]);
             }
         }
-        _mm_storeu_ps(out + j, reduce4(a[0], a[1], a[2], a[3]));
+        const __m128 s4 = _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), vs);
+        mx4 = _mm_max_ps(mx4, s4);
+        _mm_storeu_ps(out + j, s4);
     }
-    for (; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), 32 * NB);
+    for (; j < n; j++) {
+        out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), 32 * NB);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return max4(mx4, mx);
 }
 
-void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                 float* out) {
+float scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                  float scale, float* out) {
     switch (hd / 32) {
 #define CASE(N) \
-    case N: return scores_q8_0_t<N>(q, base, stride, idx, n, out);
+    case N: return scores_q8_0_t<N>(q, base, stride, idx, n, scale, out);
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
-        default:
-            for (int j = 0; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+        default: {
+            float mx = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+                mx = out[j] > mx ? out[j] : mx;
+            }
+            return mx;
+        }
     }
 }
 
@@ -222,15 +260,32 @@ void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const
 template <int NV>
 void accum_f16_t(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx, int n,
                  __mmask16 last) {
-    __m512 a[NV];
-    for (int i = 0; i < NV; i++) a[i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + 16 * i);
-    for (int j = 0; j < n; j++) {
+    // Short rows get a second set of accumulators (even/odd cells) so FMA latency, not the
+    // chain through one register per lane group, sets the pace.
+    constexpr int NS = NV <= 4 ? 2 : 1;
+    __m512 a[NS][NV];
+    for (int i = 0; i < NV; i++) {
+        a[0][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + 16 * i);
+        if (NS == 2) a[NS - 1][i] = _mm512_setzero_ps();
+    }
+    int j = 0;
+    for (; j + NS <= n; j += NS)
+        for (int s = 0; s < NS; s++) {
+            const uint16_t* r = (const uint16_t*)(base + idx[j + s] * stride);
+            const __m512 wj = _mm512_set1_ps(w[j + s]);
+            for (int i = 0; i < NV; i++)
+                a[s][i] = _mm512_fmadd_ps(wj, load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a[s][i]);
+        }
+    for (; j < n; j++) {
         const uint16_t* r = (const uint16_t*)(base + idx[j] * stride);
         const __m512 wj = _mm512_set1_ps(w[j]);
         for (int i = 0; i < NV; i++)
-            a[i] = _mm512_fmadd_ps(wj, load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a[i]);
+            a[0][i] = _mm512_fmadd_ps(wj, load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a[0][i]);
     }
-    for (int i = 0; i < NV; i++) _mm512_mask_storeu_ps(acc + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, a[i]);
+    for (int i = 0; i < NV; i++) {
+        const __m512 t = NS == 2 ? _mm512_add_ps(a[0][i], a[NS - 1][i]) : a[0][i];
+        _mm512_mask_storeu_ps(acc + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, t);
+    }
 }
 
 void accum_f16(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx, int n,
@@ -316,8 +371,127 @@ float exp_sum(float* s, int n, float m) {
     return _mm512_reduce_add_ps(acc);
 }
 
+// ---- GQA: G query heads per pass over the rows (NV vectors of 16 cover head_dim) -------------
+
+template <int NV, int G>
+void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                 __mmask16 last, float scale, float* out, int64_t ldo, float* mx) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4[G];
+    float mx1[G];
+    for (int h = 0; h < G; h++) {
+        mx4[h] = _mm_set1_ps(-INFINITY);
+        mx1[h] = -INFINITY;
+    }
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const uint16_t* r[4];
+        for (int c = 0; c < 4; c++) r[c] = (const uint16_t*)(base + idx[j + c] * stride);
+        __m512 a[G][4];
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+        for (int i = 0; i < NV; i++) {
+            const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
+            __m512 kv[4];
+            for (int c = 0; c < 4; c++) kv[c] = load_h_mask(r[c] + 16 * i, m);
+            for (int h = 0; h < G; h++) {
+                const __m512 qv = _mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i);
+                for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(qv, kv[c], a[h][c]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            const __m128 s4 = _mm_mul_ps(reduce4(a[h][0], a[h][1], a[h][2], a[h][3]), vs);
+            mx4[h] = _mm_max_ps(mx4[h], s4);
+            _mm_storeu_ps(out + h * ldo + j, s4);
+        }
+    }
+    for (; j < n; j++) {
+        const uint16_t* r = (const uint16_t*)(base + idx[j] * stride);
+        for (int h = 0; h < G; h++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int i = 0; i < NV; i++) {
+                const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i), load_h_mask(r + 16 * i, m), a);
+            }
+            const float sv = _mm512_reduce_add_ps(a) * scale;
+            out[h * ldo + j] = sv;
+            mx1[h] = sv > mx1[h] ? sv : mx1[h];
+        }
+    }
+    for (int h = 0; h < G; h++) mx[h] = max4(mx4[h], mx1[h]);
+}
+
+template <int NV, int G>
+void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+                const int32_t* idx, int n, __mmask16 last) {
+    __m512 a[G][NV];
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < NV; i++)
+            a[h][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + h * lda + 16 * i);
+    for (int j = 0; j < n; j++) {
+        const uint16_t* r = (const uint16_t*)(base + idx[j] * stride);
+        __m512 wv[G];
+        for (int h = 0; h < G; h++) wv[h] = _mm512_set1_ps(w[h * ldw + j]);
+        for (int i = 0; i < NV; i++) {
+            const __m512 vv = load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF);
+            for (int h = 0; h < G; h++) a[h][i] = _mm512_fmadd_ps(wv[h], vv, a[h][i]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < NV; i++)
+            _mm512_mask_storeu_ps(acc + h * lda + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, a[h][i]);
+}
+
+// Heads in groups of up to 4 (3 when a row needs more than 4 vectors: registers).
+void scores_f16_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                   int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    const int nv = (int)((hd + 15) / 16);
+    const __mmask16 last = (hd % 16) ? tail_mask(hd % 16) : (__mmask16)0xFFFF;
+    const int gmax = nv <= 4 ? 4 : 3;
+    for (int h0 = 0; h0 < nq;) {
+        const int g = nq - h0 < gmax ? nq - h0 : gmax;
+        const float* qh = q + h0 * ldq;
+        float* oh = out + h0 * ldo;
+        bool done = true;
+#define CASE(NV_, G_) \
+    if (nv == NV_ && g == G_) scores_mh_t<NV_, G_>(qh, ldq, base, stride, idx, n, last, scale, oh, ldo, mx + h0); else
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
+        CASE(8, 1) CASE(8, 2) CASE(8, 3) done = false;
+#undef CASE
+        if (!done)
+            for (int h = 0; h < g; h++) mx[h0 + h] = scores_f16(qh + h * ldq, base, stride, idx, n, hd, scale, oh + h * ldo);
+        h0 += g;
+    }
+}
+
+void accum_f16_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                  size_t stride, const int32_t* idx, int n, int64_t hd) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 128) {
+        const int64_t len = hd - d0 < 128 ? hd - d0 : 128;
+        const int nv = (int)((len + 15) / 16);
+        const __mmask16 last = (len % 16) ? tail_mask(len % 16) : (__mmask16)0xFFFF;
+        const int gmax = nv <= 4 ? 4 : 3;
+        for (int h0 = 0; h0 < nq;) {
+            const int g = nq - h0 < gmax ? nq - h0 : gmax;
+            float* ah = acc + h0 * lda + d0;
+            const float* wh = w + h0 * ldw;
+            const unsigned char* b = base + d0 * 2;
+            bool done = true;
+#define CASE(NV_, G_) \
+    if (nv == NV_ && g == G_ && (G_ > 1 || NV_ > 4)) accum_mh_t<NV_, G_>(ah, lda, wh, ldw, b, stride, idx, n, last); else
+            CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
+            CASE(8, 1) CASE(8, 2) CASE(8, 3) done = false;
+#undef CASE
+            if (!done)
+                for (int h = 0; h < g; h++) accum_f16(ah + h * lda, wh + h * ldw, b, stride, idx, n, len);
+            h0 += g;
+        }
+    }
+}
+
 const OpsKernels kAvx512 = {"avx512",  dot_f16,    axpy_f16,    dot_q8_0,  axpy_q8_0,  scale,  sum_sq,
-                            scale_mul, to_f16,     scores_f16,  scores_q8_0, accum_f16, accum_q8_0, exp_sum};
+                            scale_mul, to_f16,     scores_f16,  scores_q8_0, accum_f16, accum_q8_0, exp_sum,
+                            scores_f16_mh, accum_f16_mh};
 
 }  // namespace
 
