@@ -5,20 +5,22 @@ import pytest
 from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType as GT
 
-from stowlm._core import ops
 from stowlm import _core
+from stowlm import ops as stowlm_ops
+from stowlm._core import ops
 
 ISAS = ["scalar", "avx2", "avx512"]
 
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    got = ops.set_ops_isa(request.param)
-    if got != request.param:
-        ops.set_ops_isa("avx512")
+    info = stowlm_ops.cpu_info()
+    if request.param not in info["supported"]:
         pytest.skip(f"CPU has no {request.param}")
+    stowlm_ops.set_isa(request.param)
+    assert ops.ops_isa() == request.param
     yield request.param
-    ops.set_ops_isa("avx512")  # back to the best the CPU has
+    stowlm_ops.set_isa(info["best"])
 
 
 def rng(seed=0):
@@ -276,8 +278,6 @@ def test_store_kv(isa, hd, n_head_kv):
 # byte offsets of the fp16 scale fields inside one block, so random blocks decode to finite values
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
                "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
-# decoders get_rows must have now (the rest arrive with the shared dequantize_row)
-REQUIRED = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"}
 
 
 def random_rows(r, name, n_rows, n_cols):
@@ -297,8 +297,8 @@ def random_rows(r, name, n_rows, n_cols):
     return raw.reshape(n_rows, nb * block_bytes)
 
 
-GET_ROWS_TYPES = [t for t in ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-                              "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]]
+GET_ROWS_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                  "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("name", GET_ROWS_TYPES)
@@ -310,12 +310,7 @@ def test_get_rows(name):
     n_cols = 33 if block_elems == 1 else 2 * block_elems
     raw = random_rows(r, name, 7, n_cols)
     ids = np.array([6, 0, 3, 3, 1], np.int32)
-    try:
-        got = ops.get_rows(raw, name, ids, n_cols)
-    except RuntimeError as e:
-        if name in REQUIRED:
-            raise
-        pytest.skip(f"no decoder for {name} yet: {e}")
+    got = ops.get_rows(raw, name, ids, n_cols)
     ref = gq.dequantize(raw, GT[name]).astype(np.float32).reshape(7, n_cols)
     np.testing.assert_allclose(got, ref[ids], rtol=1e-6, atol=1e-7)
 

@@ -274,14 +274,6 @@ STOWLM_BIND(nn) {
         return y;
     }, nb::arg("x"), nb::arg("cap"));
 
-    // Instruction-set path of these ops (until the shared set_isa of cpu_features lands).
+    // The kernel path these ops use now (follows stowlm._core.cpu.set_isa).
     ops.def("ops_isa", [] { return std::string(cpu::ops_isa_name(cpu::ops_isa())); });
-    ops.def("set_ops_isa", [](const std::string& name) {
-        cpu::OpsIsa want;
-        if (name == "scalar") want = cpu::OpsIsa::Scalar;
-        else if (name == "avx2") want = cpu::OpsIsa::Avx2;
-        else if (name == "avx512") want = cpu::OpsIsa::Avx512;
-        else throw InvalidInput("set_ops_isa: unknown instruction set '" + name + "' (scalar, avx2, avx512)");
-        return std::string(cpu::ops_isa_name(cpu::set_ops_isa(want)));
-    }, nb::arg("name"));
 }

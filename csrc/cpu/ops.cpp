@@ -11,9 +11,9 @@
 #include "common.h"
 #include "cpu/attn_math.h"
 #include "cpu/ops_kernels.h"
-#include "cpu/ops_tmp_dequant.h"  // TEMPORARY: becomes "quant/dequant.h"
 #include "error.h"
 #include "quant/blocks.h"
+#include "quant/dequant.h"
 
 namespace stowlm::cpu {
 

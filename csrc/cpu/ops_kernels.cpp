@@ -2,12 +2,10 @@
 // run-time choice between instruction sets.
 #include "cpu/ops_kernels.h"
 
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #include "common.h"
+#include "cpu/cpu_features.h"
 
 namespace stowlm::cpu {
 
@@ -98,48 +96,17 @@ float exp_sum(float* s, int n, float m) {
 const OpsKernels kScalar = {"scalar",   dot_f16,     axpy_f16,  dot_q8_0,   axpy_q8_0, scale,  sum_sq,
                             scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr};
 
-// TODO(cpu_features): switch to active_isa() from csrc/cpu/cpu_features.h once it lands.
-OpsIsa detect_isa() {
-#if defined(STOWLM_X86) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
-        return OpsIsa::Avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-        __builtin_cpu_supports("bmi2"))
-        return OpsIsa::Avx2;
-#endif
-    return OpsIsa::Scalar;
-}
-
-OpsIsa env_or_detect() {
-    const OpsIsa best = detect_isa();
-    const char* e = std::getenv("STOWLM_OPS_ISA");
-    if (!e) return best;
-    OpsIsa want = best;
-    if (!std::strcmp(e, "scalar")) want = OpsIsa::Scalar;
-    else if (!std::strcmp(e, "avx2")) want = OpsIsa::Avx2;
-    else if (!std::strcmp(e, "avx512")) want = OpsIsa::Avx512;
-    return want < best ? want : best;
-}
-
-std::atomic<int>& current() {
-    static std::atomic<int> isa{(int)env_or_detect()};
-    return isa;
-}
-
 }  // namespace
 
 const OpsKernels& ops_kernels_scalar() { return kScalar; }
 
-OpsIsa ops_isa() { return (OpsIsa)current().load(std::memory_order_relaxed); }
-
-OpsIsa set_ops_isa(OpsIsa isa) {
-    const OpsIsa best = detect_isa();
-    const OpsIsa got = isa < best ? isa : best;
-    current().store((int)got);
-    return got;
+OpsIsa ops_isa() {
+    switch (active_isa()) {
+        case Isa::AMX:
+        case Isa::AVX512_VNNI: return OpsIsa::Avx512;
+        case Isa::AVX2: return OpsIsa::Avx2;
+        default: return OpsIsa::Scalar;
+    }
 }
 
 const char* ops_isa_name(OpsIsa isa) {

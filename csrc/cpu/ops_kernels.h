@@ -57,10 +57,9 @@ const OpsKernels& ops_kernels_avx2();
 const OpsKernels& ops_kernels_avx512();
 #endif
 
-// Best instruction set this CPU runs, unless forced (set_ops_isa or STOWLM_OPS_ISA=scalar|avx2|avx512).
+// The path of cpu_features' active_isa() (AMX machines use the AVX-512 kernels here), so
+// STOWLM_ISA / set_isa() force the ops and matmul together.
 OpsIsa ops_isa();
-// Forces a path (lowered to what the CPU supports); returns the one in effect.
-OpsIsa set_ops_isa(OpsIsa isa);
 const OpsKernels& ops_kernels();
 const char* ops_isa_name(OpsIsa isa);
 
