@@ -91,10 +91,11 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
                            std::to_string(head_dim));
     const int64_t half = p.n_rot / 2;
     // cos/sin once per token, shared by all heads.
-    std::vector<float> cs((size_t)(n_tok * half * 2));
+    std::vector<float> inv((size_t)half), cs((size_t)(n_tok * half * 2));
+    for (int64_t i = 0; i < half; i++) inv[i] = rope_inv_freq((int)i, p.n_rot, p.freq_base);
     for (int64_t t = 0; t < n_tok; t++)
         for (int64_t i = 0; i < half; i++) {
-            const float th = rope_theta(pos[t], (int)i, p.n_rot, p.freq_base, p.freq_scale);
+            const float th = rope_theta_f(pos[t], inv[i], p.freq_scale);
             cs[(size_t)(t * half + i) * 2] = std::cos(th);
             cs[(size_t)(t * half + i) * 2 + 1] = std::sin(th);
         }

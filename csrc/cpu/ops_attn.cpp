@@ -72,8 +72,10 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const int nth = pool.size();
     const int64_t n_rep = n_head / n_head_kv;
     const int64_t n_tiles = cdiv(n_tok, kTokTile);
+    // Below this many q.k multiply-adds waking the workers costs more than it saves.
+    const bool small = n_tok * n_head * n_kv * head_dim < (1 << 16);
     int64_t n_split = 1;
-    if (n_tiles * n_head_kv < 4 * nth) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
+    if (n_tiles * n_head_kv < 4 * nth && !small) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
     const int64_t split_len = cdiv(std::max<int64_t>(n_kv, 1), n_split);
 
     std::vector<unsigned char> own;
@@ -187,7 +189,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     };
 
     const int64_t n_units = n_tiles * n_head_kv * n_split;
-    if (nth == 1 || n_units == 1) {
+    if (nth == 1 || n_units == 1 || small) {
         for (int64_t u = 0; u < n_units; u++) unit(u, 0);
     } else if (n_split > 1) {
         // Equal-cost units (whole tiles split evenly): a static partition balances exactly.
