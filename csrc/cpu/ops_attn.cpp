@@ -143,9 +143,10 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                 const unsigned char* vb = vbase + (size_t)jb * kv_cell_bytes;
                 const float* qg = q + t * ld_q + g * n_rep * head_dim;
                 float* acc0 = acc_of(t, g * n_rep);
-                if (f16 && kr.scores_f16_mh) {
-                    kr.scores_f16_mh(qg, head_dim, (int)n_rep, kb, kv_cell_bytes, vis, nv, head_dim, scale, sc,
-                                     kKvBlock, mx);
+                auto scores_mh = f16 ? kr.scores_f16_mh : kr.scores_q8_0_mh;
+                auto accum_mh = f16 ? kr.accum_f16_mh : kr.accum_q8_0_mh;
+                if (scores_mh) {
+                    scores_mh(qg, head_dim, (int)n_rep, kb, kv_cell_bytes, vis, nv, head_dim, scale, sc, kKvBlock, mx);
                 } else {
                     for (int64_t r = 0; r < n_rep; r++)
                         mx[r] = f16 ? kr.scores_f16(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
@@ -164,8 +165,8 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                     if (f != 1.0f) kr.scale(acc0 + r * acc_ld, f, head_dim);
                     st[1] += kr.exp_sum(sr, nv, st[0]);  // sr now holds the weights
                 }
-                if (f16 && kr.accum_f16_mh) {
-                    kr.accum_f16_mh(acc0, acc_ld, (int)n_rep, sc, kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                if (accum_mh) {
+                    accum_mh(acc0, acc_ld, (int)n_rep, sc, kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
                 } else {
                     for (int64_t r = 0; r < n_rep; r++) {
                         if (f16) kr.accum_f16(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);

@@ -94,7 +94,7 @@ float exp_sum(float* s, int n, float m) {
 }
 
 const OpsKernels kScalar = {"scalar",   dot_f16,     axpy_f16,  dot_q8_0,   axpy_q8_0, scale,  sum_sq,
-                            scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr};
+                            scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

@@ -49,6 +49,10 @@ struct OpsKernels {
                           const int32_t* idx, int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx);
     void (*accum_f16_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
                          size_t stride, const int32_t* idx, int n, int64_t hd);
+    void (*scores_q8_0_mh)(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride,
+                           const int32_t* idx, int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx);
+    void (*accum_q8_0_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                          size_t stride, const int32_t* idx, int n, int64_t hd);
 };
 
 const OpsKernels& ops_kernels_scalar();

@@ -373,7 +373,21 @@ float exp_sum(float* s, int n, float m) {
 
 // ---- GQA: G query heads per pass over the rows (NV vectors of 16 cover head_dim) -------------
 
-template <int NV, int G>
+// Vector i of a row as 16 floats, for each KV type.
+struct F16Row {
+    const uint16_t* r;
+    F16Row(const unsigned char* p) : r((const uint16_t*)p) {}
+    __m512 load(int i, __mmask16 m) const { return load_h_mask(r + 16 * i, m); }
+};
+struct Q8Row {  // head_dim is a multiple of 32, so no vector is partial
+    const block_q8_0* r;
+    Q8Row(const unsigned char* p) : r((const block_q8_0*)p) {}
+    __m512 load(int i, __mmask16) const {
+        return _mm512_mul_ps(load_i8(r[i / 2].qs + 16 * (i % 2)), _mm512_set1_ps(_cvtsh_ss(r[i / 2].d)));
+    }
+};
+
+template <class Row, int NV, int G>
 void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
                  __mmask16 last, float scale, float* out, int64_t ldo, float* mx) {
     const __m128 vs = _mm_set1_ps(scale);
@@ -385,18 +399,20 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
     }
     int j = 0;
     for (; j + 4 <= n; j += 4) {
-        const uint16_t* r[4];
-        for (int c = 0; c < 4; c++) r[c] = (const uint16_t*)(base + idx[j + c] * stride);
+        const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
+            r3(base + idx[j + 3] * stride);
         __m512 a[G][4];
         for (int h = 0; h < G; h++)
             for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
         for (int i = 0; i < NV; i++) {
             const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
-            __m512 kv[4];
-            for (int c = 0; c < 4; c++) kv[c] = load_h_mask(r[c] + 16 * i, m);
+            const __m512 k0 = r0.load(i, m), k1 = r1.load(i, m), k2 = r2.load(i, m), k3 = r3.load(i, m);
             for (int h = 0; h < G; h++) {
                 const __m512 qv = _mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i);
-                for (int c = 0; c < 4; c++) a[h][c] = _mm512_fmadd_ps(qv, kv[c], a[h][c]);
+                a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
+                a[h][1] = _mm512_fmadd_ps(qv, k1, a[h][1]);
+                a[h][2] = _mm512_fmadd_ps(qv, k2, a[h][2]);
+                a[h][3] = _mm512_fmadd_ps(qv, k3, a[h][3]);
             }
         }
         for (int h = 0; h < G; h++) {
@@ -406,12 +422,12 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
         }
     }
     for (; j < n; j++) {
-        const uint16_t* r = (const uint16_t*)(base + idx[j] * stride);
+        const Row r(base + idx[j] * stride);
         for (int h = 0; h < G; h++) {
             __m512 a = _mm512_setzero_ps();
             for (int i = 0; i < NV; i++) {
                 const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
-                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i), load_h_mask(r + 16 * i, m), a);
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i), r.load(i, m), a);
             }
             const float sv = _mm512_reduce_add_ps(a) * scale;
             out[h * ldo + j] = sv;
@@ -421,7 +437,7 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
     for (int h = 0; h < G; h++) mx[h] = max4(mx4[h], mx1[h]);
 }
 
-template <int NV, int G>
+template <class Row, int NV, int G>
 void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
                 const int32_t* idx, int n, __mmask16 last) {
     __m512 a[G][NV];
@@ -429,11 +445,11 @@ void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsi
         for (int i = 0; i < NV; i++)
             a[h][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + h * lda + 16 * i);
     for (int j = 0; j < n; j++) {
-        const uint16_t* r = (const uint16_t*)(base + idx[j] * stride);
+        const Row r(base + idx[j] * stride);
         __m512 wv[G];
         for (int h = 0; h < G; h++) wv[h] = _mm512_set1_ps(w[h * ldw + j]);
         for (int i = 0; i < NV; i++) {
-            const __m512 vv = load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF);
+            const __m512 vv = r.load(i, i == NV - 1 ? last : (__mmask16)0xFFFF);
             for (int h = 0; h < G; h++) a[h][i] = _mm512_fmadd_ps(wv[h], vv, a[h][i]);
         }
     }
@@ -442,56 +458,75 @@ void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsi
             _mm512_mask_storeu_ps(acc + h * lda + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, a[h][i]);
 }
 
-// Heads in groups of up to 4 (3 when a row needs more than 4 vectors: registers).
-void scores_f16_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
-                   int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+// Heads in groups of up to 4 (3 when a row needs more than 4 vectors: registers). Shapes without
+// an instance take the one-head kernels.
+template <class Row>
+void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+               int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx,
+               float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
     const int nv = (int)((hd + 15) / 16);
     const __mmask16 last = (hd % 16) ? tail_mask(hd % 16) : (__mmask16)0xFFFF;
     const int gmax = nv <= 4 ? 4 : 3;
     for (int h0 = 0; h0 < nq;) {
         const int g = nq - h0 < gmax ? nq - h0 : gmax;
+        // CASE chain: the first matching instance runs; the else of the last is the fallback loop.
         const float* qh = q + h0 * ldq;
         float* oh = out + h0 * ldo;
-        bool done = true;
 #define CASE(NV_, G_) \
-    if (nv == NV_ && g == G_) scores_mh_t<NV_, G_>(qh, ldq, base, stride, idx, n, last, scale, oh, ldo, mx + h0); else
+    if (nv == NV_ && g == G_) scores_mh_t<Row, NV_, G_>(qh, ldq, base, stride, idx, n, last, scale, oh, ldo, mx + h0); else
         CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
-        CASE(8, 1) CASE(8, 2) CASE(8, 3) done = false;
+        CASE(8, 1) CASE(8, 2) CASE(8, 3)
 #undef CASE
-        if (!done)
-            for (int h = 0; h < g; h++) mx[h0 + h] = scores_f16(qh + h * ldq, base, stride, idx, n, hd, scale, oh + h * ldo);
+        for (int h = 0; h < g; h++) mx[h0 + h] = one(qh + h * ldq, base, stride, idx, n, hd, scale, oh + h * ldo);
         h0 += g;
     }
 }
 
-void accum_f16_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
-                  size_t stride, const int32_t* idx, int n, int64_t hd) {
+template <class Row>
+void accum_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+              const int32_t* idx, int n, int64_t hd, size_t elem_bytes_x32,
+              void (*one)(float*, const float*, const unsigned char*, size_t, const int32_t*, int, int64_t)) {
     for (int64_t d0 = 0; d0 < hd; d0 += 128) {
         const int64_t len = hd - d0 < 128 ? hd - d0 : 128;
         const int nv = (int)((len + 15) / 16);
         const __mmask16 last = (len % 16) ? tail_mask(len % 16) : (__mmask16)0xFFFF;
         const int gmax = nv <= 4 ? 4 : 3;
+        const unsigned char* b = base + d0 / 32 * elem_bytes_x32 + (d0 % 32) * (elem_bytes_x32 / 32);
         for (int h0 = 0; h0 < nq;) {
             const int g = nq - h0 < gmax ? nq - h0 : gmax;
             float* ah = acc + h0 * lda + d0;
             const float* wh = w + h0 * ldw;
-            const unsigned char* b = base + d0 * 2;
-            bool done = true;
 #define CASE(NV_, G_) \
-    if (nv == NV_ && g == G_ && (G_ > 1 || NV_ > 4)) accum_mh_t<NV_, G_>(ah, lda, wh, ldw, b, stride, idx, n, last); else
+    if (nv == NV_ && g == G_) accum_mh_t<Row, NV_, G_>(ah, lda, wh, ldw, b, stride, idx, n, last); else
             CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
-            CASE(8, 1) CASE(8, 2) CASE(8, 3) done = false;
+            CASE(8, 1) CASE(8, 2) CASE(8, 3)
 #undef CASE
-            if (!done)
-                for (int h = 0; h < g; h++) accum_f16(ah + h * lda, wh + h * ldw, b, stride, idx, n, len);
+            for (int h = 0; h < g; h++) one(ah + h * lda, wh + h * ldw, b, stride, idx, n, len);
             h0 += g;
         }
     }
 }
 
-const OpsKernels kAvx512 = {"avx512",  dot_f16,    axpy_f16,    dot_q8_0,  axpy_q8_0,  scale,  sum_sq,
-                            scale_mul, to_f16,     scores_f16,  scores_q8_0, accum_f16, accum_q8_0, exp_sum,
-                            scores_f16_mh, accum_f16_mh};
+void scores_f16_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                   int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    scores_mh<F16Row>(q, ldq, nq, base, stride, idx, n, hd, scale, out, ldo, mx, scores_f16);
+}
+void accum_f16_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                  size_t stride, const int32_t* idx, int n, int64_t hd) {
+    accum_mh<F16Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, 64, accum_f16);
+}
+void scores_q8_0_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                    int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    scores_mh<Q8Row>(q, ldq, nq, base, stride, idx, n, hd, scale, out, ldo, mx, scores_q8_0);
+}
+void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                   size_t stride, const int32_t* idx, int n, int64_t hd) {
+    accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
+}
+
+const OpsKernels kAvx512 = {"avx512",      dot_f16,       axpy_f16,    dot_q8_0,       axpy_q8_0,    scale,
+                            sum_sq,        scale_mul,     to_f16,      scores_f16,     scores_q8_0,  accum_f16,
+                            accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh};
 
 }  // namespace
 
