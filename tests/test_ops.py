@@ -111,6 +111,18 @@ def test_rope(isa, neox, n_tok, n_head, hd, n_rot, base, scale):
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
 
 
+def test_rope_repeated_calls_follow_positions_and_params():
+    # The cos/sin table is reused between calls with the same positions; any change must show.
+    r = rng(3)
+    x = r.standard_normal((4, 2, 64)).astype(np.float32)
+    a = np.array([5, 6, 7, 8], np.int32)
+    b = np.array([5, 6, 7, 9], np.int32)
+    for pos, base, scale, n_rot in [(a, 1e4, 1.0, 64), (a, 1e4, 1.0, 64), (b, 1e4, 1.0, 64), (b, 5e5, 1.0, 64),
+                                    (b, 5e5, 0.5, 64), (b, 5e5, 0.5, 32), (a[:3], 1e4, 1.0, 64)]:
+        got = ops.rope(x[:len(pos)], pos, n_rot, base, scale, False)
+        np.testing.assert_allclose(got, rope_ref(x[:len(pos)], pos, n_rot, base, scale, False), atol=5e-5)
+
+
 def test_rope_bad_n_rot():
     x = np.ones((1, 1, 64), np.float32)
     with pytest.raises(ValueError, match="n_rot"):

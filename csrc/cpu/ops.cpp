@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -50,6 +52,45 @@ void quantize_q8_0(const float* x, block_q8_0* y, int64_t n) {
     }
 }
 
+// cos/sin of every (token, pair) of a call. A layer's q and k, and every layer of a
+// micro-batch, rotate by the same positions, so the last table is kept and reused when the
+// positions and parameters match (a memcmp instead of n_tok * n_rot/2 sincos).
+struct RopeTable {
+    std::vector<int32_t> pos;
+    int32_t n_rot;
+    float base, scale;
+    std::vector<float> cs;  // [n_tok][n_rot/2][cos, sin]
+};
+
+std::shared_ptr<const RopeTable> rope_table(const int32_t* pos, int64_t n_tok, const RopeParams& p) {
+    static std::mutex mu;
+    static std::shared_ptr<const RopeTable> last;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        if (last && last->n_rot == p.n_rot && last->base == p.freq_base && last->scale == p.freq_scale &&
+            (int64_t)last->pos.size() == n_tok && std::memcmp(last->pos.data(), pos, (size_t)n_tok * 4) == 0)
+            return last;
+    }
+    auto t = std::make_shared<RopeTable>();
+    t->pos.assign(pos, pos + n_tok);
+    t->n_rot = p.n_rot;
+    t->base = p.freq_base;
+    t->scale = p.freq_scale;
+    const int64_t half = p.n_rot / 2;
+    std::vector<float> inv((size_t)half);
+    for (int64_t i = 0; i < half; i++) inv[i] = rope_inv_freq((int)i, p.n_rot, p.freq_base);
+    t->cs.resize((size_t)(n_tok * half * 2));
+    for (int64_t tk = 0; tk < n_tok; tk++)
+        for (int64_t i = 0; i < half; i++) {
+            const float th = rope_theta_f(pos[tk], inv[i], p.freq_scale);
+            t->cs[(size_t)(tk * half + i) * 2] = std::cos(th);
+            t->cs[(size_t)(tk * half + i) * 2 + 1] = std::sin(th);
+        }
+    std::lock_guard<std::mutex> lock(mu);
+    last = t;
+    return t;
+}
+
 }  // namespace
 
 void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids, int64_t n_ids,
@@ -90,15 +131,8 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
         throw InvalidInput("rope: n_rot " + std::to_string(p.n_rot) + " must be even, > 0 and <= head_dim " +
                            std::to_string(head_dim));
     const int64_t half = p.n_rot / 2;
-    // cos/sin once per token, shared by all heads.
-    std::vector<float> inv((size_t)half), cs((size_t)(n_tok * half * 2));
-    for (int64_t i = 0; i < half; i++) inv[i] = rope_inv_freq((int)i, p.n_rot, p.freq_base);
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t i = 0; i < half; i++) {
-            const float th = rope_theta_f(pos[t], inv[i], p.freq_scale);
-            cs[(size_t)(t * half + i) * 2] = std::cos(th);
-            cs[(size_t)(t * half + i) * 2 + 1] = std::sin(th);
-        }
+    const std::shared_ptr<const RopeTable> tab = rope_table(pos, n_tok, p);
+    const std::vector<float>& cs = tab->cs;
     const bool neox = p.neox;
     for_rows(pool, n_tok * n_head, p.n_rot, [&](int64_t b, int64_t e) {
         for (int64_t r = b; r < e; r++) {
