@@ -54,6 +54,15 @@ void scale_mul(const float* x, float s, const float* w, float* y, int64_t n) {
     else
         for (int64_t i = 0; i < n; i++) y[i] = x[i] * s;
 }
+void rope_head(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox) {
+    const int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x0 = x[a], x1 = x[b];
+        x[a] = x0 * cc[a] + x1 * ss[a];
+        x[b] = x1 * cc[b] + x0 * ss[b];
+    }
+}
 void to_f16(const float* x, uint16_t* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = f32_to_fp16(x[i]);
 }
@@ -94,7 +103,7 @@ float exp_sum(float* s, int n, float m) {
 }
 
 const OpsKernels kScalar = {"scalar",   dot_f16,     axpy_f16,  dot_q8_0,   axpy_q8_0, scale,  sum_sq,
-                            scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
+                            scale_mul,  rope_head, to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

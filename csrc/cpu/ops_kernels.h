@@ -25,6 +25,9 @@ struct OpsKernels {
     float (*sum_sq)(const float* x, int64_t n);
     // y[i] = x[i] * s * w[i]  (w may be null: y[i] = x[i] * s)
     void (*scale_mul)(const float* x, float s, const float* w, float* y, int64_t n);
+    // Rope of one head in place: y[j] = x[j] * cc[j] + x[partner(j)] * ss[j] for j < n_rot, where
+    // partner(j) = j ^ 1 (adjacent pairs) or j +- n_rot/2 (NeoX); ss carries the sign.
+    void (*rope_head)(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox);
     // f32 -> f16 (round to nearest even)
     void (*to_f16)(const float* x, uint16_t* y, int64_t n);
 

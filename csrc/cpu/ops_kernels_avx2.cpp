@@ -101,6 +101,35 @@ void scale_mul(const float* x, float s, const float* w, float* y, int64_t n) {
     }
 }
 
+void rope_head(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox) {
+    int64_t j = 0;
+    if (!neox) {
+        for (; j + 8 <= n_rot; j += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + j);
+            const __m256 sw = _mm256_permute_ps(xv, 0xB1);  // swap adjacent pairs
+            _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xv, _mm256_loadu_ps(cc + j), _mm256_mul_ps(sw, _mm256_loadu_ps(ss + j))));
+        }
+        for (; j < n_rot; j += 2) {
+            const float x0 = x[j], x1 = x[j + 1];
+            x[j] = x0 * cc[j] + x1 * ss[j];
+            x[j + 1] = x1 * cc[j + 1] + x0 * ss[j + 1];
+        }
+        return;
+    }
+    const int64_t half = n_rot / 2;
+    for (; j + 8 <= half; j += 8) {
+        const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + half + j);
+        _mm256_storeu_ps(x + j, _mm256_fmadd_ps(x0, _mm256_loadu_ps(cc + j), _mm256_mul_ps(x1, _mm256_loadu_ps(ss + j))));
+        _mm256_storeu_ps(x + half + j, _mm256_fmadd_ps(x1, _mm256_loadu_ps(cc + half + j),
+                                                       _mm256_mul_ps(x0, _mm256_loadu_ps(ss + half + j))));
+    }
+    for (; j < half; j++) {
+        const float x0 = x[j], x1 = x[half + j];
+        x[j] = x0 * cc[j] + x1 * ss[j];
+        x[half + j] = x1 * cc[half + j] + x0 * ss[half + j];
+    }
+}
+
 void to_f16(const float* x, uint16_t* y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -280,7 +309,7 @@ float exp_sum(float* s, int n, float m) {
 }
 
 const OpsKernels kAvx2 = {"avx2",    dot_f16,   axpy_f16,   dot_q8_0,    axpy_q8_0, scale,      sum_sq,
-                          scale_mul, to_f16,    scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
+                          scale_mul, rope_head, to_f16,    scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

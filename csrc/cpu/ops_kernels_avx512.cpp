@@ -117,6 +117,28 @@ void scale_mul(const float* x, float s, const float* w, float* y, int64_t n) {
     }
 }
 
+void rope_head(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox) {
+    if (!neox) {
+        for (int64_t j = 0; j < n_rot; j += 16) {
+            const __mmask16 m = n_rot - j >= 16 ? (__mmask16)0xFFFF : tail_mask(n_rot - j);  // n_rot is even
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + j);
+            const __m512 sw = _mm512_permute_ps(xv, 0xB1);  // swap adjacent pairs
+            _mm512_mask_storeu_ps(x + j, m, _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, cc + j),
+                                                            _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m, ss + j))));
+        }
+        return;
+    }
+    const int64_t half = n_rot / 2;
+    for (int64_t j = 0; j < half; j += 16) {
+        const __mmask16 m = half - j >= 16 ? (__mmask16)0xFFFF : tail_mask(half - j);
+        const __m512 x0 = _mm512_maskz_loadu_ps(m, x + j), x1 = _mm512_maskz_loadu_ps(m, x + half + j);
+        _mm512_mask_storeu_ps(x + j, m, _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(m, cc + j),
+                                                        _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, ss + j))));
+        _mm512_mask_storeu_ps(x + half + j, m, _mm512_fmadd_ps(x1, _mm512_maskz_loadu_ps(m, cc + half + j),
+                                                               _mm512_mul_ps(x0, _mm512_maskz_loadu_ps(m, ss + half + j))));
+    }
+}
+
 void to_f16(const float* x, uint16_t* y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -525,7 +547,7 @@ void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw,
 }
 
 const OpsKernels kAvx512 = {"avx512",      dot_f16,       axpy_f16,    dot_q8_0,       axpy_q8_0,    scale,
-                            sum_sq,        scale_mul,     to_f16,      scores_f16,     scores_q8_0,  accum_f16,
+                            sum_sq,        scale_mul,     rope_head,   to_f16,      scores_f16,     scores_q8_0,  accum_f16,
                             accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh};
 
 }  // namespace
