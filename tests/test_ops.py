@@ -185,7 +185,7 @@ def run_attn(r, n_tok, n_head, n_head_kv, hd, q_pos, kv_pos, kv_type="F16", scal
     return got, ref
 
 
-@pytest.mark.parametrize("hd", [64, 80, 128, 256])
+@pytest.mark.parametrize("hd", [36, 64, 80, 128, 256])
 @pytest.mark.parametrize("n_head,n_head_kv", [(2, 2), (9, 3), (7, 1)])
 def test_attn_prompt_causal(isa, hd, n_head, n_head_kv):
     n = 5
