@@ -171,7 +171,7 @@ def attn_ref(q, k, v, q_pos, kv_pos, scale, softcap, window, causal, kv_type):
 
 
 def run_attn(r, n_tok, n_head, n_head_kv, hd, q_pos, kv_pos, kv_type="F16", scale=None, softcap=0.0, window=0,
-             causal=True, k_f16_input=False):
+             causal=True, k_f16_input=False, threads=0):
     q = r.standard_normal((n_tok, n_head, hd)).astype(np.float32)
     k = r.standard_normal((len(kv_pos), n_head_kv, hd)).astype(np.float32)
     v = r.standard_normal((len(kv_pos), n_head_kv, hd)).astype(np.float32)
@@ -179,7 +179,7 @@ def run_attn(r, n_tok, n_head, n_head_kv, hd, q_pos, kv_pos, kv_type="F16", scal
     q_pos = np.asarray(q_pos, np.int32)
     kv_pos = np.asarray(kv_pos, np.int32)
     kk, vv = (k.astype(np.float16), v.astype(np.float16)) if k_f16_input else (k, v)
-    got = ops.flash_attn(q, kk, vv, q_pos, kv_pos, scale, softcap, window, causal, kv_type)
+    got = ops.flash_attn(q, kk, vv, q_pos, kv_pos, scale, softcap, window, causal, kv_type, threads)
     ref = attn_ref(q, k, v, q_pos, kv_pos, scale, softcap, window, causal, kv_type)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-5)
     return got, ref
@@ -245,6 +245,19 @@ def test_attn_softcap_noncausal_gqa7(isa, kv_type):
 def test_attn_decode(isa, n_kv):
     r = rng(n_kv)
     run_attn(r, 1, 9, 3, 64, [n_kv - 1], np.arange(n_kv), k_f16_input=True)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+def test_attn_decode_kv_split_threads(isa, threads, kv_type):
+    # Single-token decoding splits the KV range across the pool's threads and merges the partial
+    # softmax states; uneven splits, empty cells and a window cutting across splits included.
+    r = rng(threads)
+    n_kv = 2000
+    kv_pos = np.arange(n_kv)
+    kv_pos[r.choice(n_kv, 50, replace=False)] = -1
+    run_attn(r, 1, 4, 2, 64, [n_kv - 1], kv_pos, kv_type=kv_type, threads=threads)
+    run_attn(r, 2, 4, 2, 64, [1500, 1501], kv_pos, kv_type=kv_type, window=700, threads=threads)
 
 
 def test_attn_bad_input():
