@@ -3,6 +3,7 @@
 #include "cpu/ops_kernels.h"
 
 #include <cmath>
+#include <vector>
 
 #include "common.h"
 #include "cpu/cpu_features.h"
@@ -11,13 +12,26 @@ namespace stowlm::cpu {
 
 namespace {
 
+// Every half's float value (256 KiB, built once): the branchy exact conversion per element
+// would dominate the scalar attention loops.
+const float* half_table() {
+    static const std::vector<float> t = [] {
+        std::vector<float> v(65536);
+        for (uint32_t h = 0; h < 65536; h++) v[h] = fp16_to_f32((uint16_t)h);
+        return v;
+    }();
+    return t.data();
+}
+
 float dot_f16(const float* q, const uint16_t* k, int64_t n) {
+    const float* ht = half_table();
     float s = 0;
-    for (int64_t i = 0; i < n; i++) s += q[i] * fp16_to_f32(k[i]);
+    for (int64_t i = 0; i < n; i++) s += q[i] * ht[k[i]];
     return s;
 }
 void axpy_f16(float* acc, float a, const uint16_t* v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) acc[i] += a * fp16_to_f32(v[i]);
+    const float* ht = half_table();
+    for (int64_t i = 0; i < n; i++) acc[i] += a * ht[v[i]];
 }
 float dot_q8_0(const float* q, const block_q8_0* k, int64_t n) {
     float s = 0;
