@@ -227,7 +227,7 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 
 // The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block, unpacked with 32-bit masks
-// (same result as k4_scale_min for j = 0..7): sc bytes in out[0..7], mins in out[8..15].
+// (same result as get_scale_min_k4 for j = 0..7): sc bytes in out[0..7], mins in out[8..15].
 inline void k4_scales_all(const uint8_t* s, uint8_t* out) {
     uint32_t u[3], r[4];
     memcpy(u, s, 12);

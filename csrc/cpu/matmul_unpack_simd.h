@@ -101,10 +101,10 @@ inline bool unpack_row_simd(QType t, const uint8_t* src, int64_t cols, uint8_t* 
                 const block_q4_K* h = (const block_q4_K*)blk;
                 d[i] = h2f(h->d), m[i] = h2f(h->dmin);
                 for (int j = 0; j < 8; j++) {
-                    int s, mm;
-                    k4_scale_min(j, h->scales, &s, &mm);
-                    sc[16 * i + 2 * j] = sc[16 * i + 2 * j + 1] = (int16_t)s;
-                    mn[16 * i + 2 * j] = mn[16 * i + 2 * j + 1] = (int16_t)mm;
+                    uint8_t s, mm;
+                    get_scale_min_k4(j, h->scales, &s, &mm);
+                    sc[16 * i + 2 * j] = sc[16 * i + 2 * j + 1] = s;
+                    mn[16 * i + 2 * j] = mn[16 * i + 2 * j + 1] = mm;
                 }
                 const uint8_t* qs = t == QType::Q4_K ? h->qs : ((const block_q5_K*)blk)->qs;
                 const __m256i qh = t == QType::Q5_K ? _mm256_loadu_si256((const __m256i*)((const block_q5_K*)blk)->qh)
@@ -162,8 +162,7 @@ inline bool unpack_row_simd(QType t, const uint8_t* src, int64_t cols, uint8_t* 
             for (int64_t i = 0; i < nsb; i++) {
                 d[i] = h2f(b[i].d), m[i] = 0;
                 for (int ib = 0; ib < 8; ib++) {
-                    const int ls = ((b[i].scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf) | (((b[i].scales_h >> (2 * ib)) & 3) << 4);
-                    sc[16 * i + 2 * ib] = sc[16 * i + 2 * ib + 1] = (int16_t)(ls - 32);
+                    sc[16 * i + 2 * ib] = sc[16 * i + 2 * ib + 1] = (int16_t)iq4xs_scale(&b[i], ib);
                     mn[16 * i + 2 * ib] = mn[16 * i + 2 * ib + 1] = 0;
                     _mm256_storeu_si256((__m256i*)(q + QK_K * i + 32 * ib), iq4_lookup(nibbles32(b[i].qs + 16 * ib)));
                 }
