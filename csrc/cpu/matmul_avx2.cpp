@@ -4,6 +4,7 @@
 
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
+#include "cpu/matmul_fused.h"
 
 namespace stowlm::cpu {
 
@@ -100,6 +101,10 @@ void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n) {
     else quantize_q8_K_simd(x, (block_q8_K*)dst, n);
 }
 
-void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx2Kern, SimdUnpack>(a, r0, r1); }
+void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) {
+    // Fused kernels stream raw blocks; the other types go through an unpacked panel.
+    if (has_fused(a.type)) fused_rows(a, r0, r1);
+    else rows_generic<Avx2Kern, SimdUnpack>(a, r0, r1);
+}
 
 }  // namespace stowlm::cpu

@@ -1,8 +1,9 @@
-// Fused AVX-512 VNNI kernels for the weight types of the common models: weight blocks are
-// decoded in registers and dotted straight away (no panel), RT rows x TT tokens at a time so
-// each decoded block serves TT tokens and each activation block RT rows. Used for small
-// batches (matrix-vector), where the weights stream from memory once.
-// Only included by matmul_avx512.cpp (anonymous namespace, AVX-512 VL + VNNI code).
+// Fused kernels for the weight types of the common models: weight blocks are decoded in
+// registers and dotted straight away (no panel), RT rows x TT tokens at a time so each decoded
+// block serves TT tokens and each activation block RT rows; the weights stream from memory
+// once per TT tokens. Included by matmul_avx2.cpp and matmul_avx512.cpp: with AVX-512 VNNI the
+// byte products use vpdpbusd (and two 32-blocks per ZMM), with AVX2 maddubs/madd.
+// Anonymous namespace: each file compiles its own copy.
 #pragma once
 #include <immintrin.h>
 
@@ -12,15 +13,33 @@
 namespace stowlm::cpu {
 namespace {
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__) && defined(__AVX512BW__)
+#define STOWLM_FUSED_VNNI 1
+#else
+#define STOWLM_FUSED_VNNI 0
+#endif
+
+// acc + sum of 4 products u * a per int32 lane (u unsigned bytes, a signed). Without VNNI,
+// maddubs pairs must stay below the int16 limit: callers keep u <= 128 there.
+inline __m256i dot_u8(__m256i acc, __m256i u, __m256i a) {
+#if STOWLM_FUSED_VNNI
+    return _mm256_dpbusd_epi32(acc, u, a);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, a), _mm256_set1_epi16(1)));
+#endif
+}
+
 inline float hsum256(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
+#if STOWLM_FUSED_VNNI
 inline float hsum512(__m512 v) {
     return hsum256(_mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)));
 }
+#endif
 inline int hsum256i(__m256i v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
@@ -92,11 +111,14 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const __m256i offv = _mm256_set1_epi8((char)L::OFF);
     for (int64_t b = 0; b < nb; b++) {
         __m256i av[TT], neg[TT];
+        // Without VNNI, bytes up to 255 would saturate maddubs: the OFF = 128 formats go back
+        // to signed values and the sign trick (|w| x sign(a, w)) with no offset to remove.
+        constexpr bool SIGNED = !STOWLM_FUSED_VNNI && L::OFF == 128;
         for (int j = 0; j < TT; j++) {
             av[j] = _mm256_loadu_si256((const __m256i*)a[j][b].qs);
             // start each dot at -OFF * sum(a), spread over the lanes: exact integer offset removal
-            neg[j] = L::OFF ? _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), offv, av[j]))
-                            : _mm256_setzero_si256();
+            neg[j] = (L::OFF && !SIGNED) ? _mm256_sub_epi32(_mm256_setzero_si256(), dot_u8(_mm256_setzero_si256(), offv, av[j]))
+                                         : _mm256_setzero_si256();
         }
         for (int i = 0; i < RT; i++) {
             const B& blk = w[i][b];
@@ -105,7 +127,14 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
             float mw = 0;
             if (L::HAS_M) mw = L::m(blk);
             for (int j = 0; j < TT; j++) {
-                const __m256i dot = _mm256_dpbusd_epi32(neg[j], wu, av[j]);
+                __m256i dot;
+                if constexpr (SIGNED) {
+                    const __m256i q = _mm256_xor_si256(wu, _mm256_set1_epi8((char)0x80));
+                    dot = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(av[j], q)),
+                                            _mm256_set1_epi16(1));
+                } else {
+                    dot = dot_u8(neg[j], wu, av[j]);
+                }
                 const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
                 acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(a[j][b].d), acc[i][j]);
                 if (L::HAS_M) macc[i][j] += mw * a[j][b].s;
@@ -116,6 +145,7 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]) + macc[i][j];
 }
 
+#if STOWLM_FUSED_VNNI
 // Two blocks per ZMM: the 4/5-bit formats (NIB) place bytes as [lo nibbles of b, of b+1, hi
 // nibbles of b, of b+1] (16 bytes each), so the activations are permuted to match once per
 // token and block pair; Q8_0 keeps [b, b+1]. Int32 lane l then belongs to block b or b+1 by
@@ -226,6 +256,8 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]) + macc[i][j];
 }
 
+#endif  // STOWLM_FUSED_VNNI
+
 // The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block, unpacked with 32-bit masks
 // (same result as get_scale_min_k4 for j = 0..7): sc bytes in out[0..7], mins in out[8..15].
 inline void k4_scales_all(const uint8_t* s, uint8_t* out) {
@@ -320,10 +352,14 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             // scale pair k: scale 2k on the low 8 words (elements 0..15 of the group of 32),
             // scale 2k+1 on the high 8
             for (int k = 0; k < 8; k++)
+#if STOWLM_FUSED_VNNI
                 scv[k] = _mm256_permutexvar_epi16(
                     _mm256_set_epi16(2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1, 2 * k + 1,
                                      2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k, 2 * k),
                     sc16);
+#else
+                scv[k] = _mm256_set_m128i(_mm_set1_epi16(x.scales[2 * k + 1]), _mm_set1_epi16(x.scales[2 * k]));
+#endif
             const float d = h2f(x.d);
             for (int j = 0; j < TT; j++) {
                 const block_q8_K& y = a[j][b];
@@ -343,16 +379,20 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 
 template <int RT, int TT>
 void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
-    const bool even = (A.cols / QK) % 2 == 0;
     switch (A.type) {
-        // block pairs in ZMM when the row has an even number of blocks
-        case QType::Q4_0: return even ? fused_q32_x2<Z4_0, RT, TT>(A, r0, t0) : fused_q32<LQ4_0, RT, TT>(A, r0, t0);
-        case QType::Q4_1: return even ? fused_q32_x2<Z4_1, RT, TT>(A, r0, t0) : fused_q32<LQ4_1, RT, TT>(A, r0, t0);
-        case QType::Q5_0: return even ? fused_q32_x2<Z5_0, RT, TT>(A, r0, t0) : fused_q32<LQ5_0, RT, TT>(A, r0, t0);
-        case QType::Q5_1: return even ? fused_q32_x2<Z5_1, RT, TT>(A, r0, t0) : fused_q32<LQ5_1, RT, TT>(A, r0, t0);
-        case QType::Q8_0: return even ? fused_q32_x2<Z8_0, RT, TT>(A, r0, t0) : fused_q32<LQ8_0, RT, TT>(A, r0, t0);
-        case QType::IQ4_NL:
-            return even ? fused_q32_x2<ZIQ4_NL, RT, TT>(A, r0, t0) : fused_q32<LIQ4_NL, RT, TT>(A, r0, t0);
+#if STOWLM_FUSED_VNNI
+    // block pairs in ZMM when the row has an even number of blocks
+#define STOWLM_Q32(Z, L) return (A.cols / QK) % 2 == 0 ? fused_q32_x2<Z, RT, TT>(A, r0, t0) : fused_q32<L, RT, TT>(A, r0, t0)
+#else
+#define STOWLM_Q32(Z, L) return fused_q32<L, RT, TT>(A, r0, t0)
+#endif
+        case QType::Q4_0: STOWLM_Q32(Z4_0, LQ4_0);
+        case QType::Q4_1: STOWLM_Q32(Z4_1, LQ4_1);
+        case QType::Q5_0: STOWLM_Q32(Z5_0, LQ5_0);
+        case QType::Q5_1: STOWLM_Q32(Z5_1, LQ5_1);
+        case QType::Q8_0: STOWLM_Q32(Z8_0, LQ8_0);
+        case QType::IQ4_NL: STOWLM_Q32(ZIQ4_NL, LIQ4_NL);
+#undef STOWLM_Q32
         case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
         case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
         default: return;
