@@ -108,12 +108,22 @@ int main(int argc, char** argv) {
                     ThreadPool pool(nth);
                     cpu::WeightRef wr{w.data(), t, rows, cols};
                     auto call = [&] { cpu::matmul(wr, x.data(), n_tok, cols, y.data(), rows, scratch.data(), pool); };
+                    // warm-up call (skipped when one call is long anyway: the scalar path)
+                    const auto w0 = std::chrono::steady_clock::now();
                     call();
+                    const double first = std::chrono::duration<double>(std::chrono::steady_clock::now() - w0).count();
                     int reps = 0;
                     const double c0 = cpu_seconds();
                     auto t0 = std::chrono::steady_clock::now();
                     double el = 0;
                     do {
+                        if (reps == 0 && first > seconds) {
+                            // the warm-up call already took longer than the budget: time it alone
+                            call();
+                            reps = 1;
+                            el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+                            break;
+                        }
                         call();
                         reps++;
                         el = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
