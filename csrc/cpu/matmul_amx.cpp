@@ -122,7 +122,13 @@ void run_panels(const MatmulArgs& A, const Layout& lo, int64_t p0, int64_t p1) {
         for (int n = 0; n < PR; n++) {
             const uint8_t* row = un + n * L.bytes;
             const int8_t* q = (const int8_t*)(row + L.q_off);
-            for (int64_t s = 0; s < nsteps; s++) memcpy(wp + (s * PR + n) * step, q + s * step, step);
+            if (step == 32) {
+                for (int64_t s = 0; s < nsteps; s++)
+                    _mm256_store_si256((__m256i*)(wp + (s * PR + n) * 32), _mm256_loadu_si256((const __m256i*)(q + s * 32)));
+            } else {
+                for (int64_t s = 0; s < nsteps; s++)
+                    _mm_store_si128((__m128i*)(wp + (s * PR + n) * 16), _mm_loadu_si128((const __m128i*)(q + s * 16)));
+            }
             const float* d = (const float*)(row + L.d_off);
             const float* m = (const float*)(row + L.m_off);
             if (fam == DotFamily::Q32) {
