@@ -237,12 +237,36 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
                             : _mm512_setzero_si512();
             dav[j] = pair_sel<L::NIB>(a[j][b].d, a[j][b + 1].d);
         }
+        // The 2 x RT weight scales converted together (fp16 -> f32 once for all rows).
+        __m512 dw_all;
+        if constexpr (RT == 4) {
+            __m128i h = _mm_cvtsi32_si128(w[0][b].d);
+            h = _mm_insert_epi16(h, w[0][b + 1].d, 1);
+            h = _mm_insert_epi16(h, w[1][b].d, 2);
+            h = _mm_insert_epi16(h, w[1][b + 1].d, 3);
+            h = _mm_insert_epi16(h, w[2][b].d, 4);
+            h = _mm_insert_epi16(h, w[2][b + 1].d, 5);
+            h = _mm_insert_epi16(h, w[3][b].d, 6);
+            h = _mm_insert_epi16(h, w[3][b + 1].d, 7);
+            dw_all = _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+        }
         for (int i = 0; i < RT; i++) {
             const B& x0 = w[i][b];
             const B& x1 = w[i][b + 1];
             const __m512i wu = L::u2(x0, x1);
-            const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)x0.d | ((int)x1.d << 16)));
-            const __m512 dwv = pair_sel<L::NIB>(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+            __m512 dwv;
+            if constexpr (RT == 4) {
+                // lanes of block b read element 2i, of block b+1 element 2i+1
+                const __m512i idx = L::NIB ? _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                                               2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)
+                                           : _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i,
+                                                               2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
+                                                               2 * i + 1, 2 * i + 1);
+                dwv = _mm512_permutexvar_ps(idx, dw_all);
+            } else {
+                const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)x0.d | ((int)x1.d << 16)));
+                dwv = pair_sel<L::NIB>(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+            }
             float m0 = 0, m1 = 0;
             if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
             for (int j = 0; j < TT; j++) {
