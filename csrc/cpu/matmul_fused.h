@@ -345,6 +345,68 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
 }
 
+#if STOWLM_FUSED_VNNI
+// Q4_K with VNNI: two 32-groups per ZMM (vpdpbusd, no int16 step); the groups' integer
+// scales become a float pattern per row (d * sc), applied with one FMA per ZMM; the super-block's
+// activation scale multiplies the sum once.
+template <int RT, int TT>
+void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const int64_t nsb = A.cols / QK_K;
+    const block_q4_K* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
+    const block_q8_K* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    __m512 acc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    for (int64_t b = 0; b < nsb; b++) {
+        __m128i bpair[TT];  // sums of the activations of each 32-group
+        __m512i av[TT][4];
+        for (int j = 0; j < TT; j++) {
+            const __m128i b0 = _mm_loadu_si128((const __m128i*)a[j][b].bsums);
+            const __m128i b1 = _mm_loadu_si128((const __m128i*)(a[j][b].bsums + 8));
+            bpair[j] = _mm_hadd_epi16(b0, b1);
+            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
+        }
+        for (int i = 0; i < RT; i++) {
+            const block_q4_K& x = w[i][b];
+            alignas(16) uint8_t sm[16];
+            k4_scales_all(x.scales, sm);
+            const __m128i sm8 = _mm_load_si128((const __m128i*)sm);
+            const float d = h2f(x.d), dmin = h2f(x.dmin);
+            // d * sc_k in lanes 0..7, then pattern per ZMM c: groups 2c (lanes 0-7), 2c+1 (8-15)
+            const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm8)), _mm512_set1_ps(d));
+            __m512 scv[4];
+            for (int c = 0; c < 4; c++)
+                scv[c] = _mm512_permutexvar_ps(_mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
+                                                                 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
+                                                                 2 * c + 1, 2 * c + 1, 2 * c + 1),
+                                               scf);
+            const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm8, 8));
+            __m512i q[4];
+            for (int c = 0; c < 4; c++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
+                q[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
+                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+            }
+            for (int j = 0; j < TT; j++) {
+                __m512 sb = _mm512_setzero_ps();
+                for (int c = 0; c < 4; c++)
+                    sb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], av[j][c])),
+                                         scv[c], sb);
+                const float yd = a[j][b].d;
+                const __m512 ms = _mm512_castps256_ps512(_mm256_castps128_ps256(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bpair[j]))));
+                acc[i][j] = _mm512_fmadd_ps(sb, _mm512_set1_ps(yd), acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(ms, _mm512_set1_ps(dmin * yd), acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]);
+}
+#endif
+
 // Q6_K: 6-bit values as unsigned q + 32, per-16 int8 scales applied in int16 madd, the 32
 // offset removed with the activation sums (bsums).
 template <int RT, int TT>
@@ -417,7 +479,11 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
         case QType::Q8_0: STOWLM_Q32(Z8_0, LQ8_0);
         case QType::IQ4_NL: STOWLM_Q32(ZIQ4_NL, LIQ4_NL);
 #undef STOWLM_Q32
+#if STOWLM_FUSED_VNNI
+        case QType::Q4_K: return fused_q4_K_vnni<RT, TT>(A, r0, t0);
+#else
         case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
+#endif
         case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
         default: return;
     }
