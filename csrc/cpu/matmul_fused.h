@@ -463,6 +463,71 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
 }
 
+#if STOWLM_FUSED_VNNI
+// Q6_K with VNNI: values as unsigned q + 32 two 32-element vectors per ZMM (four 16-groups),
+// float scale pattern d * sc per ZMM, the +32 offset removed with sum_j sc_j * bsum_j.
+template <int RT, int TT>
+void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const int64_t nsb = A.cols / QK_K;
+    const block_q6_K* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
+    const block_q8_K* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    __m512 acc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
+    for (int64_t b = 0; b < nsb; b++) {
+        __m512i av[TT][4];
+        __m256i bs[TT];
+        for (int j = 0; j < TT; j++) {
+            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
+            bs[j] = _mm256_loadu_si256((const __m256i*)a[j][b].bsums);
+        }
+        for (int i = 0; i < RT; i++) {
+            const block_q6_K& x = w[i][b];
+            const __m128i sc8 = _mm_loadu_si128((const __m128i*)x.scales);
+            const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+            const float d = h2f(x.d);
+            const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(d));
+            __m512 scv[4];
+            for (int c = 0; c < 4; c++) {
+                const int g = 4 * c;
+                scv[c] = _mm512_permutexvar_ps(_mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
+                                                                 g + 2, g + 3, g + 3, g + 3, g + 3),
+                                               scf);
+            }
+            __m256i q[8];
+            for (int n = 0; n < 2; n++) {
+                const __m256i l0 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * n));
+                const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * n + 32));
+                const __m256i h = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * n));
+                auto hb = [&](int s) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4); };
+                q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), hb(0));
+                q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), hb(2));
+                q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hb(4));
+                q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hb(6));
+            }
+            __m512i qz[4];
+            for (int c = 0; c < 4; c++)
+                qz[c] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * c]), q[2 * c + 1], 1);
+            for (int j = 0; j < TT; j++) {
+                __m512 sb = _mm512_setzero_ps();
+                for (int c = 0; c < 4; c++)
+                    sb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
+                                         scv[c], sb);
+                // offset: 32 * d * sum_j sc_j * bsum_j, in 8 lanes
+                const __m512 off = _mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs[j])));
+                sb = _mm512_fnmadd_ps(off, _mm512_set1_ps(32.f * d), sb);
+                acc[i][j] = _mm512_fmadd_ps(sb, _mm512_set1_ps(a[j][b].d), acc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]);
+}
+#endif
+
 template <int RT, int TT>
 void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
     switch (A.type) {
@@ -484,7 +549,11 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
 #else
         case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
 #endif
+#if STOWLM_FUSED_VNNI
+        case QType::Q6_K: return fused_q6_K_vnni<RT, TT>(A, r0, t0);
+#else
         case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
+#endif
         default: return;
     }
 }
