@@ -20,7 +20,7 @@ struct ScalarKern {
         return s;
     }
     static float dot_qk(const int8_t* q, const int16_t* sc, const int16_t* mn, const float* d, const float* dmin,
-                        const block_q8_K* a, int64_t nsb) {
+                        const block_q8_K32* a, int64_t nsb) {
         float s = 0;
         for (int64_t b = 0; b < nsb; b++)
             s += stowlm::dot_qk(q + b * QK_K, sc + 16 * b, mn + 16 * b, d[b], dmin[b], a[b]);
@@ -64,7 +64,7 @@ size_t act_row_bytes(QType t, int64_t cols) {
     switch (dot_family(t)) {
         case DotFamily::Float: return 0;
         case DotFamily::Q32: return (size_t)(cols / QK) * sizeof(block_q8_a);
-        default: return (size_t)(cols / QK_K) * sizeof(block_q8_K);
+        default: return (size_t)(cols / QK_K) * sizeof(block_q8_K32);
     }
 }
 
@@ -82,7 +82,7 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
 
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n) {
     if (fam == DotFamily::Q32) quantize_row_q8_a(x, (block_q8_a*)dst, n);
-    else quantize_row_q8_K(x, (block_q8_K*)dst, n);
+    else quantize_row_q8_K32(x, (block_q8_K32*)dst, n);
 }
 
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<ScalarKern>(a, r0, r1); }
@@ -122,7 +122,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
                 const int64_t n = std::min(e - b, nblk - j);
                 const float* xs = x + t * ldx + j * belems;
                 uint8_t* dst = act + t * A.act_stride;
-                void* blk = dst + j * (fam == DotFamily::Q32 ? sizeof(block_q8_a) : sizeof(block_q8_K));
+                void* blk = dst + j * (fam == DotFamily::Q32 ? sizeof(block_q8_a) : sizeof(block_q8_K32));
 #ifdef STOWLM_X86
                 if (isa != Isa::Scalar) quantize_act_avx2(fam, xs, blk, n * belems);
                 else

@@ -1,6 +1,7 @@
 // CPU quantized matrix products: y = W x for every weight type against F32 activations.
 // Activations are quantized once per call into `scratch` (8-bit blocks of 32 with their sums
-// for the 32-element weight formats, Q8_K for the K formats and IQ4_XS; float weights use the
+// for the 32-element weight formats; for the K formats and IQ4_XS also one scale per 32, in
+// 256-blocks with per-16 sums (quant/dot.h block_q8_K32); float weights use the
 // F32 activations as they are), then dotted with the kernel path chosen at run time
 // (cpu_features.h): scalar, AVX2, AVX-512 VNNI, or AMX tiles for batches of 24+ tokens.
 // Rows (AMX: panels of 32 rows) are split over the pool's threads. Paths that unpack weights

@@ -257,12 +257,12 @@ bool matmul_amx(const MatmulArgs& A, ThreadPool& pool) {
                     qs = b->qs, da[t] = b->d, sa[t] = b->s;
                 } else {
                     const int per = QK_K / step;
-                    const block_q8_K* b = (const block_q8_K*)ap + s / per;
-                    const int j = (int)(s % per) * (step / 16);
+                    const block_q8_K32* b = (const block_q8_K32*)ap + s / per;
+                    const int j = (int)(s % per) * (step / 16);  // first 16-group of the step
                     int sum = b->bsums[j];
                     if (step == 32) sum += b->bsums[j + 1];
                     qs = b->qs + (s % per) * step;
-                    da[t] = b->d, sa[t] = b->d * (float)sum;
+                    da[t] = b->d[j / 2], sa[t] = b->d[j / 2] * (float)sum;
                 }
                 for (int k4 = 0; k4 < step / 4; k4++) memcpy(bp + k4 * 64 + t * 4, qs + 4 * k4, 4);
             }

@@ -16,12 +16,6 @@ inline float hsum8(__m256 v) {
     s = _mm_add_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
 }
-inline int hsum8i(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-    return _mm_cvtsi128_si32(s);
-}
 // 16 int16 pair sums of w*a (w, a signed int8).
 inline __m256i mul_pairs(__m256i w, __m256i a) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
@@ -47,24 +41,27 @@ struct Avx2Kern {
         }
         return hsum8(acc) + macc;
     }
+    // Per 32-group k: 8 int32 lanes, scaled by d * d_act[k]; the mins of all groups as 8
+    // lanes scaled by dmin * d_act; one horizontal sum per row.
     static float dot_qk(const int8_t* q, const int16_t* sc, const int16_t* mn, const float* d, const float* dmin,
-                        const block_q8_K* a, int64_t nsb) {
-        float sum = 0;
+                        const block_q8_K32* a, int64_t nsb) {
+        __m256 acc = _mm256_setzero_ps();
         for (int64_t b = 0; b < nsb; b++) {
             const int8_t* qb = q + b * QK_K;
             const int16_t* scb = sc + 16 * b;
-            __m256i isum = _mm256_setzero_si256();
             for (int k = 0; k < 8; k++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i*)(qb + 32 * k));
                 const __m256i x = _mm256_loadu_si256((const __m256i*)(a[b].qs + 32 * k));
                 const __m256i s = _mm256_set_m128i(_mm_set1_epi16(scb[2 * k + 1]), _mm_set1_epi16(scb[2 * k]));
-                isum = _mm256_add_epi32(isum, _mm256_madd_epi16(mul_pairs(w, x), s));
+                const __m256i isum = _mm256_madd_epi16(mul_pairs(w, x), s);
+                acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d[b] * a[b].d[k]), acc);
             }
             const __m256i bs = _mm256_loadu_si256((const __m256i*)a[b].bsums);
-            const int msum = hsum8i(_mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(mn + 16 * b)), bs));
-            sum += a[b].d * (d[b] * (float)hsum8i(isum) - dmin[b] * (float)msum);
+            const __m256i msum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(mn + 16 * b)), bs);
+            acc = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(msum),
+                                   _mm256_mul_ps(_mm256_loadu_ps(a[b].d), _mm256_set1_ps(dmin[b])), acc);
         }
-        return sum;
+        return hsum8(acc);
     }
     static float dot_f(const float* w, const float* x, int64_t n) {
         __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -98,7 +95,7 @@ struct Avx2Kern {
 
 void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n) {
     if (fam == DotFamily::Q32) quantize_q8_a_simd(x, (block_q8_a*)dst, n);
-    else quantize_q8_K_simd(x, (block_q8_K*)dst, n);
+    else quantize_q8_K32_simd(x, (block_q8_K32*)dst, n);
 }
 
 void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) {

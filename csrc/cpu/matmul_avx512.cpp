@@ -1,6 +1,6 @@
 // AVX-512 VNNI path: vpdpbusd multiplies unsigned by signed bytes, so unpacked signed weights
 // are flipped to w + 128 (xor 0x80) and the excess 128 * sum(a) is taken off per block, using
-// the activation sums quantization already made (a.s for 32-blocks, bsums for Q8_K).
+// the activation sums quantization already made (a.s for 32-blocks, bsums for the K formats).
 // GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as (maybe-)uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
@@ -40,38 +40,37 @@ struct Avx512Kern {
         s = _mm_add_ss(s, _mm_movehdup_ps(s));
         return _mm_cvtss_f32(s);
     }
+    // Product k (64 bytes) covers 32-groups 2k (lanes 0-7) and 2k+1 (lanes 8-15): its int32
+    // lanes times the integer 16-group scales, then times d * d_act of the lane's group. The
+    // mins are per-32-group lanes of madd over the 16-group sums.
     static float dot_qk(const int8_t* q, const int16_t* sc, const int16_t* mn, const float* d, const float* dmin,
-                        const block_q8_K* a, int64_t nsb) {
-        float sum = 0;
+                        const block_q8_K32* a, int64_t nsb) {
+        __m512 acc = _mm512_setzero_ps();
+        __m256 acc8 = _mm256_setzero_ps();
         const __m512i flip = _mm512_set1_epi8((char)0x80);
+        const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+        const __m512i lane8 = _mm512_srli_epi32(lane4, 1);
         for (int64_t b = 0; b < nsb; b++) {
             const int8_t* qb = q + b * QK_K;
             const __m256i sc16 = _mm256_loadu_si256((const __m256i*)(sc + 16 * b));
             const __m512i sc32 = _mm512_cvtepi16_epi32(sc16);
-            __m512i isum = _mm512_setzero_si512();
+            const __m256 dact = _mm256_loadu_ps(a[b].d);
+            const __m512 dd = _mm512_castps256_ps512(_mm256_mul_ps(dact, _mm256_set1_ps(d[b])));
             for (int k = 0; k < 4; k++) {
                 const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qb + 64 * k), flip);
                 const __m512i x = _mm512_loadu_si512(a[b].qs + 64 * k);
-                const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
-                // lane l of this product belongs to 16-group 4k + l/4
-                const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * k),
-                                                     _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
-                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(s, _mm512_permutexvar_epi32(idx, sc32)));
+                // starts at -128 * (sums of 4 activations): the offset leaves in integers, exactly
+                const __m512i s = _mm512_dpbusd_epi32(_mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), flip, x)), w, x);
+                // lane l of this product belongs to 16-group 4k + l/4, 32-group 2k + l/8
+                const __m512i is = _mm512_mullo_epi32(s, _mm512_permutexvar_epi32(_mm512_add_epi32(_mm512_set1_epi32(4 * k), lane4), sc32));
+                const __m512 ds = _mm512_permutexvar_ps(_mm512_add_epi32(_mm512_set1_epi32(2 * k), lane8), dd);
+                acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is), ds, acc);
             }
             const __m256i bs = _mm256_loadu_si256((const __m256i*)a[b].bsums);
-            const __m256i corr = _mm256_madd_epi16(sc16, bs);  // sum sc_j * bsum_j (the 128 offset)
             const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(mn + 16 * b)), bs);
-            const int ci = hsum8i(corr), mi = hsum8i(mins);
-            const int is = _mm512_reduce_add_epi32(isum) - 128 * ci;
-            sum += a[b].d * (d[b] * (float)is - dmin[b] * (float)mi);
+            acc8 = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(mins), _mm256_mul_ps(dact, _mm256_set1_ps(dmin[b])), acc8);
         }
-        return sum;
-    }
-    static int hsum8i(__m256i v) {
-        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
-        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
-        return _mm_cvtsi128_si32(s);
+        return _mm512_reduce_add_ps(acc) + hsum8(acc8);
     }
     static float dot_f(const float* w, const float* x, int64_t n) {
         __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();

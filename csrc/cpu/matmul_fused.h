@@ -301,18 +301,19 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q4_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
-    const block_q8_K* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const block_q8_K32* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m256 acc[RT][TT];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nsb; b++) {
-        __m128i bpair[TT];  // sums of the activations of each 32-group
+        __m256 bpf[TT];  // per 32-group: activation sum times activation scale
         for (int j = 0; j < TT; j++) {
             const __m128i b0 = _mm_loadu_si128((const __m128i*)a[j][b].bsums);
             const __m128i b1 = _mm_loadu_si128((const __m128i*)(a[j][b].bsums + 8));
-            bpair[j] = _mm_hadd_epi16(b0, b1);
+            bpf[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_hadd_epi16(b0, b1))),
+                                   _mm256_loadu_ps(a[j][b].d));
         }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
@@ -320,24 +321,24 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             k4_scales_all(x.scales, sm);
             int16_t sc[8];
             for (int k = 0; k < 8; k++) sc[k] = sm[k];
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i*)(sm + 8)));
+            const float d = h2f(x.d), dmin = h2f(x.dmin);
+            const __m256 minsf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 8)))),
+                                               _mm256_set1_ps(dmin));
             __m256i q[8];
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
                 q[2 * c] = _mm256_and_si256(v, m4);
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
             }
-            const float d = h2f(x.d), dmin = h2f(x.dmin);
             for (int j = 0; j < TT; j++) {
-                const block_q8_K& y = a[j][b];
-                __m256i isum = _mm256_setzero_si256();
+                const block_q8_K32& y = a[j][b];
+                // each 32-group k: its 8 int32 lanes scaled by d * d_act[k]
                 for (int k = 0; k < 8; k++) {
                     const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, _mm256_set1_epi16(sc[k])));
+                    const __m256i is = _mm256_madd_epi16(p, _mm256_set1_epi16(sc[k]));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * y.d[k]), acc[i][j]);
                 }
-                const __m256i ms = _mm256_zextsi128_si256(_mm_madd_epi16(mins, bpair[j]));
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * y.d), acc[i][j]);
-                acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms), _mm256_set1_ps(dmin * y.d), acc[i][j]);
+                acc[i][j] = _mm256_fnmadd_ps(minsf, bpf[j], acc[i][j]);
             }
         }
     }
@@ -346,28 +347,39 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 
 #if STOWLM_FUSED_VNNI
+// Patterns of the 8 per-32-group activation scales for the four ZMMs of a super-block: ZMM c
+// holds groups 2c (lanes 0-7) and 2c+1 (lanes 8-15).
+inline void act_scale_pats(const float* d8, __m512* pat) {
+    const __m512 v = _mm512_castps256_ps512(_mm256_loadu_ps(d8));
+    const __m512i half = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    for (int c = 0; c < 4; c++) pat[c] = _mm512_permutexvar_ps(_mm512_add_epi32(half, _mm512_set1_epi32(2 * c)), v);
+}
+
 // Q4_K with VNNI: two 32-groups per ZMM (vpdpbusd, no int16 step); the groups' integer
-// scales become a float pattern per row (d * sc), applied with one FMA per ZMM; the super-block's
-// activation scale multiplies the sum once.
+// scales become a float pattern per row (d * sc), times the activations' per-group scale
+// pattern, applied with one FMA per ZMM; the mins with one FMA per super-block.
 template <int RT, int TT>
 void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q4_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
-    const block_q8_K* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const block_q8_K32* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m512 acc[RT][TT];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nsb; b++) {
-        __m128i bpair[TT];  // sums of the activations of each 32-group
+        __m512 bpf[TT];  // per 32-group (lanes 0-7): activation sum times activation scale
         __m512i av[TT][4];
+        __m512 dpat[TT][4];
         for (int j = 0; j < TT; j++) {
             const __m128i b0 = _mm_loadu_si128((const __m128i*)a[j][b].bsums);
             const __m128i b1 = _mm_loadu_si128((const __m128i*)(a[j][b].bsums + 8));
-            bpair[j] = _mm_hadd_epi16(b0, b1);
+            bpf[j] = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_hadd_epi16(b0, b1))),
+                                                          _mm256_loadu_ps(a[j][b].d)));
             for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
+            act_scale_pats(a[j][b].d, dpat[j]);
         }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
@@ -383,7 +395,9 @@ void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
                                                                  2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
                                                                  2 * c + 1, 2 * c + 1, 2 * c + 1),
                                                scf);
-            const __m128i mins = _mm_cvtepu8_epi16(_mm_srli_si128(sm8, 8));
+            // dmin * min_k in lanes 0..7 (zero above, as bpf)
+            const __m512 minsf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_srli_si128(sm8, 8))),
+                                               _mm512_set1_ps(dmin));
             __m512i q[4];
             for (int c = 0; c < 4; c++) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
@@ -391,14 +405,10 @@ void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
                                           _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
             }
             for (int j = 0; j < TT; j++) {
-                __m512 sb = _mm512_setzero_ps();
                 for (int c = 0; c < 4; c++)
-                    sb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], av[j][c])),
-                                         scv[c], sb);
-                const float yd = a[j][b].d;
-                const __m512 ms = _mm512_castps256_ps512(_mm256_castps128_ps256(_mm_cvtepi32_ps(_mm_madd_epi16(mins, bpair[j]))));
-                acc[i][j] = _mm512_fmadd_ps(sb, _mm512_set1_ps(yd), acc[i][j]);
-                acc[i][j] = _mm512_fnmadd_ps(ms, _mm512_set1_ps(dmin * yd), acc[i][j]);
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], av[j][c])),
+                                                _mm512_mul_ps(scv[c], dpat[j][c]), acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(minsf, bpf[j], acc[i][j]);
             }
         }
     }
@@ -414,8 +424,8 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q6_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
-    const block_q8_K* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const block_q8_K32* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m256 acc[RT][TT];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
@@ -448,14 +458,17 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 #endif
             const float d = h2f(x.d);
             for (int j = 0; j < TT; j++) {
-                const block_q8_K& y = a[j][b];
-                __m256i isum = _mm256_mullo_epi32(_mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)y.bsums)),
-                                                  _mm256_set1_epi32(-32));
+                const block_q8_K32& y = a[j][b];
+                // each 32-group k: 8 int32 lanes scaled by d * d_act[k]
                 for (int k = 0; k < 8; k++) {
                     const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
-                    isum = _mm256_add_epi32(isum, _mm256_madd_epi16(p, scv[k]));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv[k])), _mm256_set1_ps(d * y.d[k]),
+                                                acc[i][j]);
                 }
-                acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_set1_ps(d * y.d), acc[i][j]);
+                // the +32 offset: per 32-group lanes of sum sc * bsum, times 32 * d * d_act
+                const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)y.bsums));
+                acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(_mm256_loadu_ps(y.d), _mm256_set1_ps(32.f * d)),
+                                             acc[i][j]);
             }
         }
     }
@@ -465,14 +478,15 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 
 #if STOWLM_FUSED_VNNI
 // Q6_K with VNNI: values as unsigned q + 32 two 32-element vectors per ZMM (four 16-groups),
-// float scale pattern d * sc per ZMM, the +32 offset removed with sum_j sc_j * bsum_j.
+// float scale pattern d * sc per ZMM times the activations' per-group pattern, the +32 offset
+// removed with sum_j sc_j * bsum_j per 32-group.
 template <int RT, int TT>
 void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q6_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
-    const block_q8_K* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const block_q8_K32* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m512 acc[RT][TT];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
@@ -480,9 +494,11 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int64_t b = 0; b < nsb; b++) {
         __m512i av[TT][4];
         __m256i bs[TT];
+        __m512 dpat[TT][4];
         for (int j = 0; j < TT; j++) {
             for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
             bs[j] = _mm256_loadu_si256((const __m256i*)a[j][b].bsums);
+            act_scale_pats(a[j][b].d, dpat[j]);
         }
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
@@ -512,14 +528,12 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             for (int c = 0; c < 4; c++)
                 qz[c] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * c]), q[2 * c + 1], 1);
             for (int j = 0; j < TT; j++) {
-                __m512 sb = _mm512_setzero_ps();
                 for (int c = 0; c < 4; c++)
-                    sb = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
-                                         scv[c], sb);
-                // offset: 32 * d * sum_j sc_j * bsum_j, in 8 lanes
-                const __m512 off = _mm512_castps256_ps512(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs[j])));
-                sb = _mm512_fnmadd_ps(off, _mm512_set1_ps(32.f * d), sb);
-                acc[i][j] = _mm512_fmadd_ps(sb, _mm512_set1_ps(a[j][b].d), acc[i][j]);
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
+                                                _mm512_mul_ps(scv[c], dpat[j][c]), acc[i][j]);
+                // offset: 32 * d * sum sc * bsum per 32-group (8 lanes) times that group's d_act
+                const __m256 off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs[j])), _mm256_loadu_ps(a[j][b].d));
+                acc[i][j] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(off), _mm512_set1_ps(32.f * d), acc[i][j]);
             }
         }
     }

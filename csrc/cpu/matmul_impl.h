@@ -33,7 +33,7 @@ void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
 // Activation quantization of n elements of one token (Q8_a blocks for the 32-element
-// weight formats, Q8_K otherwise), per instruction set.
+// weight formats, block_q8_K32 otherwise), per instruction set.
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n);
 void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n);
 
@@ -155,7 +155,7 @@ void rows_generic(const MatmulArgs& A, int64_t r0, int64_t r1) {
                 } else {
                     yt[i] = Kern::dot_qk((const int8_t*)(p + L.q_off), (const int16_t*)(p + L.sc_off),
                                          (const int16_t*)(p + L.mn_off), (const float*)(p + L.d_off),
-                                         (const float*)(p + L.m_off), (const block_q8_K*)at, nsb);
+                                         (const float*)(p + L.m_off), (const block_q8_K32*)at, nsb);
                 }
             }
         }

@@ -220,13 +220,12 @@ inline void quantize_q8_a_simd(const float* x, block_q8_a* y, int64_t k) {
     }
 }
 
-inline void quantize_q8_K_simd(const float* x, block_q8_K* y, int64_t k) {
+inline void quantize_q8_K32_simd(const float* x, block_q8_K32* y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++) {
-        const float* xb = x + b * QK_K;
-        const float d = absmax(xb, QK_K) / 127.f, id = d > 0 ? 1.f / d : 0.f;
-        const __m256 idv = _mm256_set1_ps(id);
         for (int j = 0; j < 8; j++) {
-            const __m256i q = quant8x4(xb + 32 * j, idv);
+            const float* xg = x + b * QK_K + 32 * j;
+            const float d = absmax(xg, 32) / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            const __m256i q = quant8x4(xg, _mm256_set1_ps(id));
             _mm256_storeu_si256((__m256i*)(y[b].qs + 32 * j), q);
             // sums of each 16 (maddubs needs unsigned first: ones x q)
             const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
@@ -235,8 +234,8 @@ inline void quantize_q8_K_simd(const float* x, block_q8_K* y, int64_t k) {
             const __m256i s4 = _mm256_hadd_epi32(s2, s2);                       // per lane: sum of 16
             y[b].bsums[2 * j] = (int16_t)_mm256_extract_epi32(s4, 0);
             y[b].bsums[2 * j + 1] = (int16_t)_mm256_extract_epi32(s4, 4);
+            y[b].d[j] = d;
         }
-        y[b].d = d;
     }
 }
 

@@ -6,7 +6,9 @@
 //   32-element formats (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL): w[i] = d * q[i] + m,
 //     dotted with block_q8_a activations (x[i] ~ a.d * a.qs[i], a.s = a.d * sum a.qs).
 //   256-element formats (Q2_K..Q8_K, IQ4_XS): w[i] = d * sc[i/16] * q[i] - dmin * mn[i/16],
-//     dotted with block_q8_K activations (bsums = sums of 16 qs), all in integers but d.
+//     dotted with block_q8_K32 activations: one scale per 32 elements (a per-256 scale lets one
+//     outlier coarsen the rounding of 255 other values, which moved real models' logits most),
+//     sums of each 16 qs; integer products per 32-group, scaled by d_w * d_act[group].
 // Scale unpacking and the IQ4 codebook come from the decoders (quant/kquants.h, iquants.h,
 // legacy.h). Functions here are static so that each instruction-set build of a kernel file keeps its own copy
 // (an inline function shared across files compiled with different -m flags could be linked
@@ -38,6 +40,15 @@ struct block_q8_a {
     int8_t qs[QK];
 };
 static_assert(sizeof(block_q8_a) == 40, "q8_a layout");
+
+// 256 activations for the K formats: 8-bit values, a scale per 32, the sums of each 16 values.
+// The scales first so that qs starts 64 bytes in (aligned loads in 64-byte aligned arrays).
+struct block_q8_K32 {
+    float d[8];
+    int16_t bsums[16];
+    int8_t qs[256];
+};
+static_assert(sizeof(block_q8_K32) == 320, "q8_K32 layout");
 
 enum class DotFamily { Float, Q32, QK256 };
 
@@ -74,23 +85,25 @@ STOWLM_DOT_FN void quantize_row_q8_a(const float* x, block_q8_a* y, int64_t k) {
     }
 }
 
-// k elements (multiple of 256) into k/256 Q8_K blocks, with the sums of each 16.
-STOWLM_DOT_FN void quantize_row_q8_K(const float* x, block_q8_K* y, int64_t k) {
+// k elements (multiple of 256) into k/256 block_q8_K32: per 32, scale = max|x| / 127.
+STOWLM_DOT_FN void quantize_row_q8_K32(const float* x, block_q8_K32* y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++) {
-        const float* xb = x + b * QK_K;
-        float amax = 0;
-        for (int i = 0; i < QK_K; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
-        const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
-        for (int j = 0; j < QK_K / 16; j++) {
-            int sum = 0;
-            for (int i = 0; i < 16; i++) {
-                const int q = nearest_int(xb[16 * j + i] * id);
-                y[b].qs[16 * j + i] = (int8_t)q;
-                sum += q;
+        for (int g = 0; g < 8; g++) {
+            const float* xg = x + b * QK_K + 32 * g;
+            float amax = 0;
+            for (int i = 0; i < 32; i++) { const float a = fabsf(xg[i]); amax = a > amax ? a : amax; }
+            const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
+            for (int h = 0; h < 2; h++) {
+                int sum = 0;
+                for (int i = 0; i < 16; i++) {
+                    const int q = nearest_int(xg[16 * h + i] * id);
+                    y[b].qs[32 * g + 16 * h + i] = (int8_t)q;
+                    sum += q;
+                }
+                y[b].bsums[2 * g + h] = (int16_t)sum;
             }
-            y[b].bsums[j] = (int16_t)sum;
+            y[b].d[g] = d;
         }
-        y[b].d = d;
     }
 }
 
@@ -279,15 +292,20 @@ STOWLM_DOT_FN float dot_q32(const int8_t* q, float d, float m, const block_q8_a&
     return d * a.d * (float)dot_i8(q, a.qs, QK) + m * a.s;
 }
 
-// One unpacked 256-element weight block against one Q8_K activation block.
+// One unpacked 256-element weight block against one activation block: per 32-group the
+// integer sums, scaled by that group's activation scale.
 STOWLM_DOT_FN float dot_qk(const int8_t* q, const int16_t* sc, const int16_t* mn, float d, float dmin,
-                           const block_q8_K& a) {
-    int32_t isum = 0, msum = 0;
-    for (int j = 0; j < 16; j++) {
-        isum += (int32_t)sc[j] * dot_i8(q + 16 * j, a.qs + 16 * j, 16);
-        msum += (int32_t)mn[j] * a.bsums[j];
+                           const block_q8_K32& a) {
+    float s = 0;
+    for (int g = 0; g < 8; g++) {
+        int32_t isum = 0, msum = 0;
+        for (int j = 2 * g; j < 2 * g + 2; j++) {
+            isum += (int32_t)sc[j] * dot_i8(q + 16 * j, a.qs + 16 * j, 16);
+            msum += (int32_t)mn[j] * a.bsums[j];
+        }
+        s += a.d[g] * (d * (float)isum - dmin * (float)msum);
     }
-    return a.d * (d * (float)isum - dmin * (float)msum);
+    return s;
 }
 
 }  // namespace stowlm
