@@ -47,6 +47,14 @@ inline int hsum256i(__m256i v) {
     return _mm_cvtsi128_si32(s);
 }
 
+// Rows are short streams (a few KB each, RT of them at a time), too short for the hardware
+// prefetcher to ramp up: each step prefetches the same bytes of the next tile's rows (RT rows
+// further on, i.e. one tile's time ahead). Prefetches never fault past the matrix's end.
+template <int BYTES>
+inline void prefetch_next(const void* p, size_t dist) {
+    for (int off = 0; off < BYTES; off += 64) _mm_prefetch((const char*)p + dist + off, _MM_HINT_T0);
+}
+
 // 32-element formats as unsigned bytes u = q + OFF (so vpdpbusd applies), w = d * q + m.
 struct LQ4_0 {
     using B = block_q4_0;
@@ -102,6 +110,7 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nb = A.cols / QK;
     const B* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = RT * A.w_stride;
     const block_q8_a* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m256 acc[RT][TT];
@@ -122,6 +131,7 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const B& blk = w[i][b];
+            prefetch_next<(int)sizeof(B)>(&blk, pf);
             const __m256i wu = L::u(blk);
             const __m256 dw = _mm256_set1_ps(h2f(blk.d));
             float mw = 0;
@@ -218,6 +228,7 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nb = A.cols / QK;
     const B* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = RT * A.w_stride;
     const block_q8_a* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m512 acc[RT][TT];
@@ -252,6 +263,7 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const B& x0 = w[i][b];
+            prefetch_next<2 * (int)sizeof(B)>(&x0, pf);
             const B& x1 = w[i][b + 1];
             const __m512i wu = L::u2(x0, x1);
             __m512 dwv;
@@ -301,6 +313,7 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q4_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = RT * A.w_stride;
     const block_q8_K32* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m256 acc[RT][TT];
@@ -317,6 +330,7 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
+            prefetch_next<(int)sizeof(block_q4_K)>(&x, pf);
             alignas(16) uint8_t sm[16];
             k4_scales_all(x.scales, sm);
             int16_t sc[8];
@@ -363,6 +377,7 @@ void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q4_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = RT * A.w_stride;
     const block_q8_K32* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m512 acc[RT][TT];
@@ -383,6 +398,7 @@ void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
+            prefetch_next<(int)sizeof(block_q4_K)>(&x, pf);
             alignas(16) uint8_t sm[16];
             k4_scales_all(x.scales, sm);
             const __m128i sm8 = _mm_load_si128((const __m128i*)sm);
@@ -424,6 +440,7 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q6_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = RT * A.w_stride;
     const block_q8_K32* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m256 acc[RT][TT];
@@ -433,6 +450,7 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int64_t b = 0; b < nsb; b++) {
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
+            prefetch_next<(int)sizeof(block_q6_K)>(&x, pf);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));
             __m256i q[8], scv[8];
             for (int n = 0; n < 2; n++) {
@@ -485,6 +503,7 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const block_q6_K* w[RT];
     for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = RT * A.w_stride;
     const block_q8_K32* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m512 acc[RT][TT];
@@ -502,6 +521,7 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
+            prefetch_next<(int)sizeof(block_q6_K)>(&x, pf);
             const __m128i sc8 = _mm_loadu_si128((const __m128i*)x.scales);
             const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
             const float d = h2f(x.d);
