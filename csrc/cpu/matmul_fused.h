@@ -7,6 +7,9 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cstddef>
+#include <cstring>
+
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
 
@@ -222,6 +225,25 @@ inline __m512 pair_sel(float s0, float s1) {
     return _mm512_permutexvar_ps(idx, v);
 }
 
+// The two blocks' fp16 fields at byte offset OFF of 4 rows as 8 floats: [row0 b, row0 b+1,
+// row1 b, ...]. Pairs are combined in scalar registers and unpacked in two levels (a chain of
+// 8 word inserts delayed every product behind it).
+template <int OFF, class B>
+inline __m256 pair_halves4(const B* const* w, int64_t b) {
+    __m128i p[4];
+    for (int i = 0; i < 4; i++) {
+        uint16_t h0, h1;
+        memcpy(&h0, (const uint8_t*)&w[i][b] + OFF, 2);
+        memcpy(&h1, (const uint8_t*)&w[i][b + 1] + OFF, 2);
+        p[i] = _mm_cvtsi32_si128((int)h0 | ((int)h1 << 16));
+    }
+    return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(p[0], p[1]), _mm_unpacklo_epi32(p[2], p[3])));
+}
+// [x0, x1] repeated over 8 lanes.
+inline __m256 pair_bcast(float x0, float x1) {
+    return _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(_mm_unpacklo_ps(_mm_set_ss(x0), _mm_set_ss(x1)))));
+}
+
 template <class L, int RT, int TT>
 void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
@@ -233,8 +255,10 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     __m512 acc[RT][TT];
     float macc[RT][TT];
+    __m256 maccv[TT];  // RT == 4: lanes 2i, 2i+1 hold row i's min terms (blocks b, b+1)
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = 0;
+    for (int j = 0; j < TT; j++) maccv[j] = _mm256_setzero_ps();
     const __m512i offv = _mm512_set1_epi8((char)L::OFF);
     const __m512i aperm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
     for (int64_t b = 0; b < nb; b += 2) {
@@ -246,27 +270,25 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
             av[j] = L::NIB ? _mm512_permutexvar_epi64(aperm, z) : z;
             neg[j] = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av[j]))
                             : _mm512_setzero_si512();
-            dav[j] = pair_sel<L::NIB>(a[j][b].d, a[j][b + 1].d);
         }
-        // The 2 x RT weight scales converted together (fp16 -> f32 once for all rows).
-        __m512 dw_all;
         if constexpr (RT == 4) {
-            __m128i h = _mm_cvtsi32_si128(w[0][b].d);
-            h = _mm_insert_epi16(h, w[0][b + 1].d, 1);
-            h = _mm_insert_epi16(h, w[1][b].d, 2);
-            h = _mm_insert_epi16(h, w[1][b + 1].d, 3);
-            h = _mm_insert_epi16(h, w[2][b].d, 4);
-            h = _mm_insert_epi16(h, w[2][b + 1].d, 5);
-            h = _mm_insert_epi16(h, w[3][b].d, 6);
-            h = _mm_insert_epi16(h, w[3][b + 1].d, 7);
-            dw_all = _mm512_castps256_ps512(_mm256_cvtph_ps(h));
+            // products d_w * d_a of the 4 rows' two blocks per token, in 8 lanes; each row's
+            // lane pattern is one permute of them
+            const __m256 dw8 = pair_halves4<0>(w, b);
+            for (int j = 0; j < TT; j++)
+                dav[j] = _mm512_castps256_ps512(_mm256_mul_ps(dw8, pair_bcast(a[j][b].d, a[j][b + 1].d)));
+            if constexpr (L::HAS_M) {
+                const __m256 m8 = pair_halves4<offsetof(B, m)>(w, b);
+                for (int j = 0; j < TT; j++) maccv[j] = _mm256_fmadd_ps(m8, pair_bcast(a[j][b].s, a[j][b + 1].s), maccv[j]);
+            }
+        } else {
+            for (int j = 0; j < TT; j++) dav[j] = pair_sel<L::NIB>(a[j][b].d, a[j][b + 1].d);
         }
         for (int i = 0; i < RT; i++) {
             const B& x0 = w[i][b];
             prefetch_next<2 * (int)sizeof(B)>(&x0, pf);
             const B& x1 = w[i][b + 1];
             const __m512i wu = L::u2(x0, x1);
-            __m512 dwv;
             if constexpr (RT == 4) {
                 // lanes of block b read element 2i, of block b+1 element 2i+1
                 const __m512i idx = L::NIB ? _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
@@ -274,18 +296,28 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
                                            : _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i,
                                                                2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
                                                                2 * i + 1, 2 * i + 1);
-                dwv = _mm512_permutexvar_ps(idx, dw_all);
+                for (int j = 0; j < TT; j++) {
+                    const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dav[j]), acc[i][j]);
+                }
             } else {
                 const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)x0.d | ((int)x1.d << 16)));
-                dwv = pair_sel<L::NIB>(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                const __m512 dwv = pair_sel<L::NIB>(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                float m0 = 0, m1 = 0;
+                if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
+                for (int j = 0; j < TT; j++) {
+                    const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, dav[j]), acc[i][j]);
+                    if constexpr (L::HAS_M) macc[i][j] += m0 * a[j][b].s + m1 * a[j][b + 1].s;
+                }
             }
-            float m0 = 0, m1 = 0;
-            if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
-            for (int j = 0; j < TT; j++) {
-                const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, dav[j]), acc[i][j]);
-                if constexpr (L::HAS_M) macc[i][j] += m0 * a[j][b].s + m1 * a[j][b + 1].s;
-            }
+        }
+    }
+    if constexpr (RT == 4 && L::HAS_M) {
+        for (int j = 0; j < TT; j++) {
+            alignas(32) float m[8];
+            _mm256_store_ps(m, maccv[j]);
+            for (int i = 0; i < 4; i++) macc[i][j] = m[2 * i] + m[2 * i + 1];
         }
     }
     for (int j = 0; j < TT; j++)
