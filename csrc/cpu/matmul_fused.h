@@ -409,9 +409,23 @@ inline void act_scale_pats(const float* d8, __m512* pat) {
     for (int c = 0; c < 4; c++) pat[c] = _mm512_permutexvar_ps(_mm512_add_epi32(half, _mm512_set1_epi32(2 * c)), v);
 }
 
-// Q4_K with VNNI: two 32-groups per ZMM (vpdpbusd, no int16 step); the groups' integer
-// scales become a float pattern per row (d * sc), times the activations' per-group scale
-// pattern, applied with one FMA per ZMM; the mins with one FMA per super-block.
+// k4_scales_all in vector registers (no store and reload): the 16 bytes from `s` (the 12
+// scale bytes and 4 bytes of what follows in the block) -> sc 0..7, min 0..7.
+inline __m128i k4_scales_vec(const uint8_t* s) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)s);        // dwords u0 u1 u2 -
+    const __m128i a = _mm_shuffle_epi32(v, _MM_SHUFFLE(2, 1, 2, 0));  // u0 u2 u1 u2
+    const __m128i b = _mm_shuffle_epi32(v, _MM_SHUFFLE(1, 1, 0, 0));  // u0 u0 u1 u1
+    const __m128i even = _mm_and_si128(a, _mm_set1_epi8(0x3f));
+    const __m128i t = _mm_srlv_epi32(a, _mm_setr_epi32(0, 0, 0, 4));
+    const __m128i odd = _mm_or_si128(_mm_and_si128(t, _mm_set1_epi8(0x0f)), _mm_and_si128(_mm_srli_epi32(b, 2), _mm_set1_epi8(0x30)));
+    return _mm_blend_epi32(even, odd, 0xa);
+}
+
+// Q4_K with VNNI. ZMM k holds two 32-groups: the low nibbles of 64 qs bytes are groups
+// {0, 2} (or {4, 6}), the high nibbles {1, 3} ({5, 7}); the activations are loaded in that
+// order. Per row and token one multiply makes P = [d sc_g d_act_g | dmin min_g bsum_g d_act_g]
+// (g = 0..7 in lanes 0-7 | 8-15); each ZMM's scale pattern is one permute of P, and the mins
+// leave with one masked subtract (lanes are summed at the end).
 template <int RT, int TT>
 void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
@@ -423,48 +437,44 @@ void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     __m512 acc[RT][TT];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int64_t b = 0; b < nsb; b++) {
-        __m512 bpf[TT];  // per 32-group (lanes 0-7): activation sum times activation scale
         __m512i av[TT][4];
-        __m512 dpat[TT][4];
+        __m512 V[TT];  // [d_act_g | bsum_g * d_act_g]
         for (int j = 0; j < TT; j++) {
+            const int8_t* q = a[j][b].qs;
+            auto ld2 = [&](int o0, int o1) {
+                return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(q + o0))),
+                                          _mm256_loadu_si256((const __m256i*)(q + o1)), 1);
+            };
+            av[j][0] = ld2(0, 64), av[j][1] = ld2(32, 96), av[j][2] = ld2(128, 192), av[j][3] = ld2(160, 224);
             const __m128i b0 = _mm_loadu_si128((const __m128i*)a[j][b].bsums);
             const __m128i b1 = _mm_loadu_si128((const __m128i*)(a[j][b].bsums + 8));
-            bpf[j] = _mm512_zextps256_ps512(_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_hadd_epi16(b0, b1))),
-                                                          _mm256_loadu_ps(a[j][b].d)));
-            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
-            act_scale_pats(a[j][b].d, dpat[j]);
+            const __m256 da = _mm256_loadu_ps(a[j][b].d);
+            const __m256 bs = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_hadd_epi16(b0, b1))), da);
+            V[j] = _mm512_insertf32x8(_mm512_castps256_ps512(da), bs, 1);
         }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
             prefetch_next<(int)sizeof(block_q4_K)>(&x, pf);
-            alignas(16) uint8_t sm[16];
-            k4_scales_all(x.scales, sm);
-            const __m128i sm8 = _mm_load_si128((const __m128i*)sm);
-            const float d = h2f(x.d), dmin = h2f(x.dmin);
-            // d * sc_k in lanes 0..7, then pattern per ZMM c: groups 2c (lanes 0-7), 2c+1 (8-15)
-            const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(sm8)), _mm512_set1_ps(d));
-            __m512 scv[4];
-            for (int c = 0; c < 4; c++)
-                scv[c] = _mm512_permutexvar_ps(_mm512_setr_epi32(2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c, 2 * c,
-                                                                 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1, 2 * c + 1,
-                                                                 2 * c + 1, 2 * c + 1, 2 * c + 1),
-                                               scf);
-            // dmin * min_k in lanes 0..7 (zero above, as bpf)
-            const __m512 minsf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_srli_si128(sm8, 8))),
-                                               _mm512_set1_ps(dmin));
-            __m512i q[4];
-            for (int c = 0; c < 4; c++) {
-                const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
-                q[c] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
-            }
+            uint32_t ddm;
+            memcpy(&ddm, &x, 4);  // d, dmin
+            const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)ddm))));
+            const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_vec(x.scales))), dd);
+            const __m512i z0 = _mm512_loadu_si512(x.qs), z1 = _mm512_loadu_si512(x.qs + 64);
+            const __m512i qz[4] = {_mm512_and_si512(z0, m4), _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4),
+                                   _mm512_and_si512(z1, m4), _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4)};
             for (int j = 0; j < TT; j++) {
-                for (int c = 0; c < 4; c++)
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], av[j][c])),
-                                                _mm512_mul_ps(scv[c], dpat[j][c]), acc[i][j]);
-                acc[i][j] = _mm512_fnmadd_ps(minsf, bpf[j], acc[i][j]);
+                const __m512 P = _mm512_mul_ps(scf, V[j]);
+                for (int k = 0; k < 4; k++) {
+                    // groups g0 = {0, 1, 4, 5}[k] in lanes 0-7, g0 + 2 in lanes 8-15
+                    const int g0 = (k & 1) + 4 * (k >> 1);
+                    const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(g0), _mm512_add_epi32(halves, halves));
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[k], av[j][k])),
+                                                _mm512_permutexvar_ps(idx, P), acc[i][j]);
+                }
+                acc[i][j] = _mm512_mask_sub_ps(acc[i][j], 0xff00, acc[i][j], P);
             }
         }
     }
