@@ -545,9 +545,11 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 
 #if STOWLM_FUSED_VNNI
-// Q6_K with VNNI: values as unsigned q + 32 two 32-element vectors per ZMM (four 16-groups),
-// float scale pattern d * sc per ZMM times the activations' per-group pattern, the +32 offset
-// removed with sum_j sc_j * bsum_j per 32-group.
+// Q6_K with VNNI: values as unsigned q + 32, four 16-groups per ZMM in element order. The
+// 64 ql bytes of a half give its low nibbles (elements 0-63) and high nibbles (64-127); its
+// 32 qh bytes, doubled, give the two high bits with per-half shifts. Per row and token one
+// multiply makes P = d sc_g d_act[g/2] (16-group g in lane g); each ZMM's pattern is one
+// permute of P, and the +32 offset leaves as one FMA of P with 32 * bsum_g.
 template <int RT, int TT>
 void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
@@ -559,51 +561,43 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     __m512 acc[RT][TT];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
+    const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
+    // words of the first 32 bytes shift by (4 | 0), of the second by (2 | 2): bits (0-1 | 4-5)
+    // of qh for elements 0-31, bits (2-3 | 6-7) for 32-63, to bits 4-5
+    const __m512i shl_lo = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i shr_hi = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
     for (int64_t b = 0; b < nsb; b++) {
         __m512i av[TT][4];
-        __m256i bs[TT];
-        __m512 dpat[TT][4];
+        __m512 V[TT], Bf[TT];  // d_act of each 16-group's 32-group; 32 * bsum
         for (int j = 0; j < TT; j++) {
             for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
-            bs[j] = _mm256_loadu_si256((const __m256i*)a[j][b].bsums);
-            act_scale_pats(a[j][b].d, dpat[j]);
+            V[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1),
+                                         _mm512_castps256_ps512(_mm256_loadu_ps(a[j][b].d)));
+            Bf[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)a[j][b].bsums))),
+                                  _mm512_set1_ps(32.f));
         }
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
             prefetch_next<(int)sizeof(block_q6_K)>(&x, pf);
-            const __m128i sc8 = _mm_loadu_si128((const __m128i*)x.scales);
-            const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
-            const float d = h2f(x.d);
-            const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)), _mm512_set1_ps(d));
-            __m512 scv[4];
-            for (int c = 0; c < 4; c++) {
-                const int g = 4 * c;
-                scv[c] = _mm512_permutexvar_ps(_mm512_setr_epi32(g, g, g, g, g + 1, g + 1, g + 1, g + 1, g + 2, g + 2, g + 2,
-                                                                 g + 2, g + 3, g + 3, g + 3, g + 3),
-                                               scf);
-            }
-            __m256i q[8];
-            for (int n = 0; n < 2; n++) {
-                const __m256i l0 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * n));
-                const __m256i l1 = _mm256_loadu_si256((const __m256i*)(x.ql + 64 * n + 32));
-                const __m256i h = _mm256_loadu_si256((const __m256i*)(x.qh + 32 * n));
-                auto hb = [&](int s) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4); };
-                q[4 * n + 0] = _mm256_or_si256(_mm256_and_si256(l0, m4), hb(0));
-                q[4 * n + 1] = _mm256_or_si256(_mm256_and_si256(l1, m4), hb(2));
-                q[4 * n + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hb(4));
-                q[4 * n + 3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hb(6));
-            }
+            const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)x.scales))),
+                                             _mm512_set1_ps(h2f(x.d)));
             __m512i qz[4];
-            for (int c = 0; c < 4; c++)
-                qz[c] = _mm512_inserti64x4(_mm512_castsi256_si512(q[2 * c]), q[2 * c + 1], 1);
+            for (int n = 0; n < 2; n++) {
+                const __m512i l = _mm512_loadu_si512(x.ql + 64 * n);
+                const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(x.qh + 32 * n)));
+                const __m512i hlo = _mm512_and_si512(_mm512_sllv_epi16(h, shl_lo), m30);
+                const __m512i hhi = _mm512_and_si512(_mm512_srlv_epi16(h, shr_hi), m30);
+                qz[2 * n] = _mm512_ternarylogic_epi32(l, m4, hlo, 0xea);  // (l & m4) | hlo
+                qz[2 * n + 1] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 4), m4, hhi, 0xea);
+            }
             for (int j = 0; j < TT; j++) {
+                const __m512 P = _mm512_mul_ps(scf, V[j]);
                 for (int c = 0; c < 4; c++)
                     acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
-                                                _mm512_mul_ps(scv[c], dpat[j][c]), acc[i][j]);
-                // offset: 32 * d * sum sc * bsum per 32-group (8 lanes) times that group's d_act
-                const __m256 off = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs[j])), _mm256_loadu_ps(a[j][b].d));
-                acc[i][j] = _mm512_fnmadd_ps(_mm512_zextps256_ps512(off), _mm512_set1_ps(32.f * d), acc[i][j]);
+                                                _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * c)), P),
+                                                acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(P, Bf[j], acc[i][j]);
             }
         }
     }
