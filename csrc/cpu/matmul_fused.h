@@ -171,9 +171,9 @@ struct Z4_0 {
     static __m512i nib64(const uint8_t* p, const uint8_t* q) {
         const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
                                                   _mm_loadu_si128((const __m128i*)q), 1);
-        const __m256i m4 = _mm256_set1_epi8(0x0f);
-        return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, m4)),
-                                  _mm256_and_si256(_mm256_srli_epi16(v, 4), m4), 1);
+        // [v, v], the upper copy shifted down a nibble, then one mask for both
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+        return _mm512_and_si512(_mm512_mask_srli_epi16(z, (__mmask32)0xffff0000u, z, 4), _mm512_set1_epi8(0x0f));
     }
 };
 struct Z4_1 : Z4_0 {
@@ -240,10 +240,10 @@ template <int OFF, class B>
 inline __m256 pair_halves4(const B* const* w, int64_t b) {
     __m128i p[4];
     for (int i = 0; i < 4; i++) {
-        uint16_t h0, h1;
-        memcpy(&h0, (const uint8_t*)&w[i][b] + OFF, 2);
-        memcpy(&h1, (const uint8_t*)&w[i][b + 1] + OFF, 2);
-        p[i] = _mm_cvtsi32_si128((int)h0 | ((int)h1 << 16));
+        // word 0 from block b, word 1 from block b+1 (loaded 2 bytes early: no read past it)
+        const __m128i lo = _mm_loadu_si32((const uint8_t*)&w[i][b] + OFF);
+        const __m128i hi = _mm_loadu_si32((const uint8_t*)&w[i][b + 1] + OFF - 2);
+        p[i] = _mm_blend_epi16(lo, hi, 0x2);
     }
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(p[0], p[1]), _mm_unpacklo_epi32(p[2], p[3])));
 }
