@@ -1,0 +1,98 @@
+#include "models/blocks.h"
+
+#include <cmath>
+
+#include "kv/kv_cache.h"
+
+namespace stowlm {
+
+std::string layer_tensor(int il, const char* what) { return "blk." + std::to_string(il) + "." + what; }
+
+void load_standard_layer(Model& m, int il, LayerWeights& w) {
+    auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
+    auto opt = [&](const char* n) { return m.optional(layer_tensor(il, n)); };
+    w.attn_norm = req("attn_norm.weight");
+    w.wq = req("attn_q.weight");
+    w.wk = req("attn_k.weight");
+    w.wv = req("attn_v.weight");
+    w.wo = req("attn_output.weight");
+    w.bq = opt("attn_q.bias");
+    w.bk = opt("attn_k.bias");
+    w.bv = opt("attn_v.bias");
+    w.bo = opt("attn_output.bias");
+    w.q_norm = opt("attn_q_norm.weight");
+    w.k_norm = opt("attn_k_norm.weight");
+    w.post_attn_norm = opt("post_attention_norm.weight");
+    w.ffn_norm = req("ffn_norm.weight");
+    w.ffn_gate = req("ffn_gate.weight");
+    w.ffn_up = req("ffn_up.weight");
+    w.ffn_down = req("ffn_down.weight");
+    w.post_ffn_norm = opt("post_ffw_norm.weight");
+}
+
+static Tensor* named(Tensor* t, int il, const char* what) {
+    t->name = il >= 0 ? layer_tensor(il, what) : what;
+    return t;
+}
+
+Tensor* build_embedding(BuildContext& c) {
+    Tensor* x = named(get_rows(c.g, c.model.tok_embd(), c.in.tokens), -1, "inp_embd");
+    if (c.model.hp().embed_scale != 1.0f) x = named(scale(c.g, x, c.model.hp().embed_scale), -1, "inp_scaled");
+    return x;
+}
+
+Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
+    const HParams& hp = c.model.hp();
+    const LayerWeights& w = c.model.layers()[il];
+    Graph& g = c.g;
+    const int64_t hd = hp.head_dim_k, n = c.n_tok;
+
+    Tensor* q = named(mul_mat(g, w.wq, x), il, "q");
+    Tensor* k = named(mul_mat(g, w.wk, x), il, "k");
+    Tensor* v = named(mul_mat(g, w.wv, x), il, "v");
+    if (w.bq) q = named(add(g, q, w.bq), il, "q_bias");
+    if (w.bk) k = named(add(g, k, w.bk), il, "k_bias");
+    if (w.bv) v = named(add(g, v, w.bv), il, "v_bias");
+    q = reshape(g, q, hd, hp.n_head, n);
+    k = reshape(g, k, hd, hp.n_head_kv, n);
+    v = reshape(g, v, hd, hp.n_head_kv, n);
+    if (w.q_norm) q = named(rms_norm(g, q, w.q_norm, hp.eps), il, "q_norm");
+    if (w.k_norm) k = named(rms_norm(g, k, w.k_norm, hp.eps), il, "k_norm");
+
+    const bool swa = hp.swa_layer[il];
+    const float base = swa ? hp.rope_base_swa : hp.rope_base;
+    const float fscale = swa ? hp.rope_scale_swa : hp.rope_scale;
+    q = named(rope(g, q, c.in.pos, (int32_t)hp.n_rot, base, fscale, hp.rope_neox), il, "q_rope");
+    k = named(rope(g, k, c.in.pos, (int32_t)hp.n_rot, base, fscale, hp.rope_neox), il, "k_rope");
+
+    Tensor* k_stored = named(store_kv(g, k, c.kv.k(il), c.in.cells), il, "k_store");
+    Tensor* v_stored = named(store_kv(g, v, c.kv.v(il), c.in.cells), il, "v_store");
+    Tensor* k_cells = view_rows(g, c.kv.k(il), c.n_kv);
+    Tensor* v_cells = view_rows(g, c.kv.v(il), c.n_kv);
+    const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
+    Tensor* a = named(flash_attn(g, q, k_cells, v_cells, c.in.pos, c.in.kv_pos, k_stored, v_stored, kq_scale,
+                                 hp.attn_softcap, swa ? hp.sliding_window : 0),
+                      il, "attn");
+    Tensor* o = named(mul_mat(g, w.wo, a), il, "attn_out");
+    if (w.bo) o = named(add(g, o, w.bo), il, "attn_out_bias");
+    return o;
+}
+
+Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
+    const LayerWeights& w = c.model.layers()[il];
+    Tensor* gate = named(mul_mat(c.g, w.ffn_gate, x), il, "ffn_gate");
+    Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
+    Tensor* h = named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act");
+    return named(mul_mat(c.g, w.ffn_down, h), il, "ffn_out");
+}
+
+Tensor* build_output(BuildContext& c, Tensor* x) {
+    const HParams& hp = c.model.hp();
+    x = named(get_rows(c.g, x, c.in.out_ids), -1, "out_rows");
+    x = named(rms_norm(c.g, x, c.model.output_norm(), hp.eps), -1, "out_norm");
+    Tensor* logits = named(mul_mat(c.g, c.model.output(), x), -1, "logits");
+    if (hp.final_softcap > 0) logits = named(softcap(c.g, logits, hp.final_softcap), -1, "logits_softcap");
+    return logits;
+}
+
+}  // namespace stowlm

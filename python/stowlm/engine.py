@@ -1,0 +1,112 @@
+"""Low-level inference: a loaded model on one or several devices, and contexts that evaluate
+token ids into next-token logits. The graph, scheduling, memory planning and kernels all live
+in the native core (stowlm._core.engine); this module only shapes arguments and results."""
+from __future__ import annotations
+
+import os
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .devices import DeviceSpec, parse_devices
+
+_native = _core.engine
+
+
+def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
+    if layer_split is None:
+        return []
+    split = [int(n) for n in layer_split]
+    if any(n < 0 for n in split):
+        raise ValueError(f"layer_split {split}: layer counts must be >= 0")
+    return split
+
+
+class Model:
+    """A GGUF model mapped (zero copy) and placed on devices.
+
+    layer_split gives the number of layers per device (contiguous ranges); by default the layers
+    are spread evenly. Each device's share of the weights counts against its budget; a device
+    too small raises MemoryError naming it, and nothing stays allocated."""
+
+    def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None):
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"model file {path!r} does not exist")
+        self.path = path
+        self.devices: List[DeviceSpec] = parse_devices(devices)
+        self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split))
+
+    arch = property(lambda self: self._m.arch)
+    n_layer = property(lambda self: self._m.n_layer)
+    n_vocab = property(lambda self: self._m.n_vocab)
+    n_embd = property(lambda self: self._m.n_embd)
+    n_ctx_train = property(lambda self: self._m.n_ctx_train)
+    layer_devices = property(lambda self: list(self._m.layer_devices))
+
+    def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16") -> List[dict]:
+        """Bytes per device (weights, kv, compute, total, budget) a Context with these
+        parameters would take; allocates nothing."""
+        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type)
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
+
+
+def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
+         kv_type: str = "f16") -> List[dict]:
+    """Like Model.plan but without loading (nothing is counted against any budget)."""
+    specs = parse_devices(devices)
+    return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
+                           int(n_ctx), int(n_ubatch), kv_type)
+
+
+class Context:
+    """KV cache + compute buffers for one sequence over a Model."""
+
+    def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: int = 512, kv_type: str = "f16"):
+        if n_ctx is None:
+            n_ctx = min(4096, model.n_ctx_train)
+        if int(n_ctx) <= 0:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        if int(n_ubatch) <= 0:
+            raise ValueError(f"n_ubatch must be positive, got {n_ubatch}")
+        self.model = model
+        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type)
+
+    def eval(self, tokens, positions=None, logits: str = "last") -> np.ndarray:
+        """Appends tokens to the sequence and returns float32 logits: [n_vocab] for
+        logits="last", [len(tokens), n_vocab] for logits="all"."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        toks = np.asarray(tokens).reshape(-1)
+        if toks.size == 0:
+            raise ValueError("eval: no tokens")
+        if not np.issubdtype(toks.dtype, np.integer):
+            raise ValueError(f"eval: tokens must be integers, got {toks.dtype}")
+        if self.n_past + toks.size > self.n_ctx:
+            raise ValueError(f"eval: {toks.size} tokens (+{self.n_past} already cached) exceed the context "
+                             f"n_ctx={self.n_ctx}")
+        pos: List[int] = []
+        if positions is not None:
+            pos = [int(p) for p in np.asarray(positions).reshape(-1)]
+            if len(pos) != toks.size:
+                raise ValueError(f"eval: {len(pos)} positions for {toks.size} tokens")
+        out = self._c.eval(toks.astype(np.int64).tolist(), pos, logits == "all")
+        return out if logits == "all" else out[0]
+
+    def kv_truncate(self, n: int) -> None:
+        """Keeps the first n tokens of the sequence in the KV cache."""
+        self._c.kv_truncate(int(n))
+
+    def clear(self) -> None:
+        self._c.clear()
+
+    n_past = property(lambda self: self._c.n_past)
+    n_ctx = property(lambda self: self._c.n_ctx)
+
+    def memory_report(self) -> List[dict]:
+        """Per device: weights, kv, compute (incl. copies), total, budget, and the bytes the
+        device has actually handed out (allocated)."""
+        return self._c.memory_report(self.model._m)
