@@ -134,6 +134,7 @@ STOWLM_BIND(engine) {
         .def_prop_ro("n_past", [](const BoundContext& s) { return s.c->n_past(); })
         .def_prop_ro("n_ctx", [](const BoundContext& s) { return s.c->n_ctx(); })
         .def_prop_ro("n_graphs", [](const BoundContext& s) { return s.c->n_graphs(); })
+        .def("check_plan", [](const BoundContext& s) { return s.c->check_plan_sound(); })
         .def_prop_ro("n_inplace", [](const BoundContext& s) { return s.c->plan().n_inplace; })
         .def("memory_report", [](const BoundContext& s, const BoundModel& model) {
             auto backends = model.m->backends();

@@ -93,6 +93,14 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
     compute_ = allocate_compute(plan_, backends_);
 }
 
+std::string Context::check_plan_sound() const {
+    Graph ref;
+    BuildInputs in;
+    KVCache shape_only(kv_layout(model_, params_), backends_, false);
+    build_scheduled_graph(model_, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_ubatch, ref, in, nullptr);
+    return check_plan(ref, plan_);
+}
+
 std::vector<DeviceMemory> Context::memory_report() const { return report(model_, kv_->device_bytes(), plan_); }
 
 Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out) {

@@ -47,6 +47,8 @@ public:
     std::vector<DeviceMemory> memory_report() const;
     size_t n_graphs() const { return graphs_.size(); }
     const ComputePlan& plan() const { return plan_; }
+    // check_plan() over the worst-case graph (the one the plan was made for).
+    std::string check_plan_sound() const;
 
 private:
     struct ShapeGraph {

@@ -159,6 +159,47 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends) 
     return plan;
 }
 
+std::string check_plan(const Graph& g, const ComputePlan& plan) {
+    const std::vector<Tensor*> order = g.exec_order();
+    std::unordered_map<const Tensor*, int> index, last_use;
+    for (int i = 0; i < (int)order.size(); i++) index[order[i]] = i;
+    for (int i = 0; i < (int)order.size(); i++)
+        for (int s = 0; s < order[i]->n_src(); s++)
+            if (Tensor* src = order[i]->src[s]) last_use[src->storage_root()] = i;
+    const Tensor* out_root = g.output ? g.output->storage_root() : nullptr;
+    struct Live {
+        int i, birth, death, dev;
+        size_t lo, hi;
+    };
+    std::vector<Live> live;
+    for (int i = 0; i < (int)order.size(); i++) {
+        if (plan.offsets[i] < 0) continue;
+        const Tensor* n = order[i];
+        int death = last_use.count(n) ? last_use[n] : i;
+        if (n == out_root) death = (int)order.size();
+        const size_t lo = (size_t)plan.offsets[i], hi = lo + n->nbytes();
+        if (hi > plan.devices[n->device].tensor_bytes)
+            return "tensor " + n->name + " ends past its device's tensor region";
+        live.push_back({i, i, death, n->device, lo, hi});
+    }
+    for (size_t a = 0; a < live.size(); a++)
+        for (size_t b = a + 1; b < live.size(); b++) {
+            const Live &x = live[a], &y = live[b];  // x born first
+            if (x.dev != y.dev || x.hi <= y.lo || y.hi <= x.lo) continue;
+            if (y.birth > x.death) continue;  // x dead before y is born
+            if (y.birth == x.death) {
+                // Allowed only when y runs in place over x (x is one of y's inputs).
+                const Tensor* yn = order[y.i];
+                bool in_place = false;
+                for (int s = 0; s < yn->n_src(); s++)
+                    if (yn->src[s] && yn->src[s]->storage_root() == order[x.i]) in_place = true;
+                if (in_place && may_run_in_place(yn->op) && x.lo == y.lo) continue;
+            }
+            return "tensors " + order[x.i]->name + " and " + order[y.i]->name + " share bytes while both live";
+        }
+    return "";
+}
+
 ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backend*>& backends) {
     ComputeBuffers bufs;
     bufs.buffers.resize(backends.size());

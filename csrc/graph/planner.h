@@ -6,6 +6,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "backend/backend.h"
@@ -31,6 +32,11 @@ struct ComputePlan {
 };
 
 ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends);
+
+// Independent check of a plan: every placed tensor lies inside its device's buffer, and no two
+// tensors whose lifetimes overlap share bytes (except an in-place output taking over the input
+// that dies at it). Returns an empty string when the plan is sound, else what is wrong.
+std::string check_plan(const Graph& g, const ComputePlan& plan);
 
 struct ComputeBuffers {
     std::vector<BufferPtr> buffers;  // one per backend (null where the plan needs no bytes)
