@@ -1,5 +1,5 @@
 // TEMPORARY (engine branch only): naive float reference versions of the pieces other helpers
-// are building (GGUF reader, dequantization, matmul, CPU ops), so the engine can be tested end
+// are building (GGUF reader, matmul, CPU ops), so the engine can be tested end
 // to end before they land on main. Deleted once the real ones are merged.
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -16,6 +16,7 @@
 #include "error.h"
 #include "gguf/gguf.h"
 #include "quant/blocks.h"
+#include "quant/dequant.h"
 
 namespace stowlm {
 
@@ -164,100 +165,9 @@ const GGUFTensor& GGUFFile::tensor(const std::string& name) const {
     return *t;
 }
 
-// ---------------- dequant ----------------
+// Dequantization is the real one (quant/dequant.h).
 namespace {
-void deq_row(const void* src, QType type, int64_t n, float* y) {
-    const uint8_t* p = (const uint8_t*)src;
-    switch (type) {
-        case QType::F32: memcpy(y, p, n * 4); return;
-        case QType::F16:
-            for (int64_t i = 0; i < n; i++) y[i] = fp16_to_f32(((const uint16_t*)p)[i]);
-            return;
-        case QType::Q8_0:
-            for (int64_t b = 0; b < n / 32; b++) {
-                const block_q8_0& x = ((const block_q8_0*)p)[b];
-                const float d = fp16_to_f32(x.d);
-                for (int j = 0; j < 32; j++) y[b * 32 + j] = d * x.qs[j];
-            }
-            return;
-        case QType::Q4_1:
-            for (int64_t b = 0; b < n / 32; b++) {
-                const block_q4_1& x = ((const block_q4_1*)p)[b];
-                const float d = fp16_to_f32(x.d), m = fp16_to_f32(x.m);
-                for (int j = 0; j < 16; j++) {
-                    y[b * 32 + j] = (x.qs[j] & 15) * d + m;
-                    y[b * 32 + j + 16] = (x.qs[j] >> 4) * d + m;
-                }
-            }
-            return;
-        case QType::Q5_0:
-            for (int64_t b = 0; b < n / 32; b++) {
-                const block_q5_0& x = ((const block_q5_0*)p)[b];
-                const float d = fp16_to_f32(x.d);
-                uint32_t qh;
-                memcpy(&qh, x.qh, 4);
-                for (int j = 0; j < 16; j++) {
-                    const int h0 = ((qh >> j) << 4) & 0x10, h1 = (qh >> (j + 12)) & 0x10;
-                    y[b * 32 + j] = (((x.qs[j] & 15) | h0) - 16) * d;
-                    y[b * 32 + j + 16] = (((x.qs[j] >> 4) | h1) - 16) * d;
-                }
-            }
-            return;
-        case QType::Q4_K:
-            for (int64_t b = 0; b < n / 256; b++) {
-                const block_q4_K& x = ((const block_q4_K*)p)[b];
-                const float d = fp16_to_f32(x.d), dmin = fp16_to_f32(x.dmin);
-                const uint8_t* q = x.qs;
-                const uint8_t* s = x.scales;
-                float* o = y + b * 256;
-                auto sm = [&](int j, uint8_t& sc, uint8_t& m) {
-                    if (j < 4) {
-                        sc = s[j] & 63, m = s[j + 4] & 63;
-                    } else {
-                        sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
-                        m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-                    }
-                };
-                for (int j = 0, is = 0; j < 256; j += 64, is += 2) {
-                    uint8_t sc, m;
-                    sm(is, sc, m);
-                    const float d1 = d * sc, m1 = dmin * m;
-                    sm(is + 1, sc, m);
-                    const float d2 = d * sc, m2 = dmin * m;
-                    for (int l = 0; l < 32; l++) *o++ = d1 * (q[l] & 0xF) - m1;
-                    for (int l = 0; l < 32; l++) *o++ = d2 * (q[l] >> 4) - m2;
-                    q += 32;
-                }
-            }
-            return;
-        case QType::Q6_K:
-            for (int64_t b = 0; b < n / 256; b++) {
-                const block_q6_K& x = ((const block_q6_K*)p)[b];
-                const float d = fp16_to_f32(x.d);
-                const uint8_t* ql = x.ql;
-                const uint8_t* qh = x.qh;
-                const int8_t* sc = x.scales;
-                float* o = y + b * 256;
-                for (int nn = 0; nn < 256; nn += 128) {
-                    for (int l = 0; l < 32; l++) {
-                        const int is = l / 16;
-                        const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
-                        const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
-                        const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
-                        const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
-                        o[l] = d * sc[is] * q1;
-                        o[l + 32] = d * sc[is + 2] * q2;
-                        o[l + 64] = d * sc[is + 4] * q3;
-                        o[l + 96] = d * sc[is + 6] * q4;
-                    }
-                    o += 128, ql += 64, qh += 32, sc += 8;
-                }
-            }
-            return;
-        default:
-            throw InvalidInput(std::string("tmp dequant: type ") + qtype_name(type) + " not supported");
-    }
-}
+void deq_row(const void* src, QType type, int64_t n, float* y) { dequantize_row(type, src, y, n); }
 }  // namespace
 
 namespace cpu {
