@@ -41,7 +41,9 @@ struct AttnParams {
 // k, v: KV cells of kv_type (F16 or Q8_0 rows of head_dim per head), cell j at k + j * kv_cell_bytes,
 //       head h at + h * row_bytes(kv_type, head_dim).
 // kv_pos[j]: position held by cell j, or -1 for an empty cell (never visible).
-// out: [n_tok][n_head][head_dim] f32, token t at out + t * ld_out.
+// out: [n_tok][n_head][head_dim] f32, token t at out + t * ld_out; must not overlap q.
+// A query that sees no cell gets zeros. scratch: flash_attn_scratch_bytes(..., pool.size())
+// bytes, or null to allocate per call.
 size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_threads);
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
                 QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
@@ -50,7 +52,8 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
 
 // Writes n_tok rows of [n_head_kv][head_dim] f32 into KV cells dst_cells[i] of kv_type.
 void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
-              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, ThreadPool& pool);
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, ThreadPool& pool,
+              int64_t n_cells = -1);  // n_cells >= 0: dst_cells are checked against it
 
 // Gated FFN activations: out = act(gate) * up, elementwise over n rows of dim.
 void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim,

@@ -13,10 +13,17 @@
 
 namespace stowlm {
 
+// The path given (or a split part it implies) does not exist: Python FileNotFoundError.
+struct GGUFFileNotFound : InvalidInput {
+    using InvalidInput::InvalidInput;
+};
+
 enum class GGUFType : uint32_t {
     UINT8 = 0, INT8 = 1, UINT16 = 2, INT16 = 3, UINT32 = 4, INT32 = 5, FLOAT32 = 6,
     BOOL = 7, STRING = 8, ARRAY = 9, UINT64 = 10, INT64 = 11, FLOAT64 = 12,
 };
+
+const char* gguf_type_name(GGUFType t);  // "UINT8", ..., "?" for ids outside the enum
 
 // One metadata value. Scalars are decoded; numeric arrays stay in the mapping (zero copy).
 struct GGUFValue {
@@ -24,6 +31,7 @@ struct GGUFValue {
     GGUFType elem_type = GGUFType::UINT8;  // element type when type == ARRAY
     uint64_t count = 0;                    // element count when type == ARRAY
     int64_t i = 0;                         // any integer scalar or BOOL, widened
+    uint64_t u = 0;                        // UINT64 scalar exactly (i wraps above INT64_MAX)
     double f = 0;                          // FLOAT32 / FLOAT64 scalar
     std::string s;                         // STRING scalar
     const uint8_t* data = nullptr;         // numeric array elements, little endian, in the mapping
@@ -56,6 +64,8 @@ public:
     uint32_t version() const { return version_; }
     size_t n_splits() const { return maps_.size(); }
     size_t total_file_bytes() const;
+    const std::string& split_path(size_t split) const { return maps_.at(split).path; }
+    uint32_t alignment(size_t split = 0) const { return alignments_.at(split); }  // general.alignment
 
     // Metadata of the first split (the one that carries the model's keys).
     const std::map<std::string, GGUFValue>& metadata() const { return kv_; }
@@ -89,6 +99,10 @@ private:
         int fd = -1;
     };
     void parse_split(size_t index, bool first);
+    void map_file(const std::string& path, const std::string& why);
+
+    std::vector<uint32_t> alignments_;  // general.alignment of each split
+    int n_splits_expected_ = 1;         // split.count of the first part
 
     std::string path_;
     uint32_t version_ = 0;

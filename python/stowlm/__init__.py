@@ -1,8 +1,10 @@
 """stowlm: run GGUF language models fast, stowed across the memory you have."""
 
 from . import _core
+from . import gguffile
 from .engine import Context, Model
+from .gguffile import GGUFFile
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "Model", "Context"]
+__all__ = ["__version__", "GGUFFile", "Model", "Context"]

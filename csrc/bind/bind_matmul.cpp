@@ -1,0 +1,71 @@
+// stowlm._core.ops.matmul: the CPU quantized matrix product on numpy arrays.
+#include <nanobind/ndarray.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bind.h"
+#include "cpu/matmul.h"
+#include "error.h"
+#include "quant/types.h"
+
+namespace nb = nanobind;
+using stowlm::InvalidInput;
+using stowlm::QType;
+
+namespace {
+
+// Pools are made once per thread count and kept: no thread creation per call.
+stowlm::ThreadPool& pool_for(int threads) {
+    if (threads <= 0) return stowlm::ThreadPool::global();
+    static std::mutex mu;
+    static std::map<int, std::unique_ptr<stowlm::ThreadPool>> pools;
+    std::lock_guard<std::mutex> lk(mu);
+    auto& p = pools[threads];
+    if (!p) p = std::make_unique<stowlm::ThreadPool>(threads);
+    return *p;
+}
+
+using WArr = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
+using XArr = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+
+nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, int64_t rows, int64_t cols, XArr x,
+                                                      int threads) {
+    const stowlm::QTypeInfo& info = stowlm::qtype_checked(qtype);
+    const QType t = (QType)qtype;
+    if (rows < 0) throw InvalidInput("matmul: rows must be >= 0");
+    if (cols <= 0 || cols % info.block_elems)
+        throw InvalidInput("matmul: cols=" + std::to_string(cols) + " is not a positive multiple of the " +
+                           info.name + " block size " + std::to_string(info.block_elems));
+    const size_t rb = stowlm::row_bytes(t, cols);
+    if (w.size() != rb * (size_t)rows)
+        throw InvalidInput("matmul: W_raw has " + std::to_string(w.size()) + " bytes, expected rows*row_bytes = " +
+                           std::to_string(rows) + "*" + std::to_string(rb) + " for " + info.name + " with cols=" +
+                           std::to_string(cols));
+    if ((int64_t)x.shape(1) != cols)
+        throw InvalidInput("matmul: x has " + std::to_string(x.shape(1)) + " columns, W has cols=" + std::to_string(cols));
+    const int64_t n_tok = (int64_t)x.shape(0);
+    const size_t scratch_bytes = stowlm::cpu::matmul_scratch_bytes(t, cols, n_tok);
+    float* out = new float[(size_t)std::max<int64_t>(1, n_tok * rows)];
+    nb::capsule owner(out, [](void* p) noexcept { delete[] (float*)p; });
+    {
+        std::vector<uint8_t> scratch(scratch_bytes);
+        nb::gil_scoped_release nogil;
+        stowlm::cpu::WeightRef wr{w.data(), t, rows, cols};
+        stowlm::cpu::matmul(wr, x.data(), n_tok, cols, out, rows, scratch.data(), pool_for(threads));
+    }
+    return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {(size_t)n_tok, (size_t)rows}, owner);
+}
+
+}  // namespace
+
+STOWLM_BIND(matmul) {
+    nb::module_ ops = stowlm::bind::submodule(m, "ops");
+    ops.def("matmul_raw", &matmul_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+            nb::arg("x"), nb::arg("threads") = 0,
+            "y[t, r] = sum_c W[r, c] x[t, c] for raw GGUF weight bytes of type id `qtype`; returns float32 "
+            "(n_tok, rows). threads=0 uses the global pool.");
+}

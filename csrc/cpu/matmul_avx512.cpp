@@ -1,0 +1,99 @@
+// AVX-512 VNNI path: vpdpbusd multiplies unsigned by signed bytes, so unpacked signed weights
+// are flipped to w + 128 (xor 0x80) and the excess 128 * sum(a) is taken off per block, using
+// the activation sums quantization already made (a.s for 32-blocks, bsums for Q8_K).
+// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as maybe-uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+
+#include "cpu/matmul_impl.h"
+
+namespace stowlm::cpu {
+
+namespace {
+
+struct Avx512Kern {
+    static float dot_q32(const int8_t* q, const float* d, const float* m, const block_q8_a* a, int64_t nb) {
+        __m256 acc = _mm256_setzero_ps();
+        float macc = 0;
+        const __m256i flip = _mm256_set1_epi8((char)0x80);
+        for (int64_t b = 0; b < nb; b++) {
+            const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * QK)), flip);
+            const __m256i x = _mm256_loadu_si256((const __m256i*)a[b].qs);
+            const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+            acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d[b] * a[b].d), acc);
+            macc += (m[b] - 128.f * d[b]) * a[b].s;
+        }
+        return hsum8(acc) + macc;
+    }
+    static float hsum8(__m256 v) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static float dot_qk(const int8_t* q, const int16_t* sc, const int16_t* mn, const float* d, const float* dmin,
+                        const block_q8_K* a, int64_t nsb) {
+        float sum = 0;
+        const __m512i flip = _mm512_set1_epi8((char)0x80);
+        for (int64_t b = 0; b < nsb; b++) {
+            const int8_t* qb = q + b * QK_K;
+            const __m256i sc16 = _mm256_loadu_si256((const __m256i*)(sc + 16 * b));
+            const __m512i sc32 = _mm512_cvtepi16_epi32(sc16);
+            __m512i isum = _mm512_setzero_si512();
+            for (int k = 0; k < 4; k++) {
+                const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(qb + 64 * k), flip);
+                const __m512i x = _mm512_loadu_si512(a[b].qs + 64 * k);
+                const __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, x);
+                // lane l of this product belongs to 16-group 4k + l/4
+                const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(4 * k),
+                                                     _mm512_srli_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), 2));
+                isum = _mm512_add_epi32(isum, _mm512_mullo_epi32(s, _mm512_permutexvar_epi32(idx, sc32)));
+            }
+            const __m256i bs = _mm256_loadu_si256((const __m256i*)a[b].bsums);
+            const __m256i corr = _mm256_madd_epi16(sc16, bs);  // sum sc_j * bsum_j (the 128 offset)
+            const __m256i mins = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)(mn + 16 * b)), bs);
+            const int ci = hsum8i(corr), mi = hsum8i(mins);
+            const int is = _mm512_reduce_add_epi32(isum) - 128 * ci;
+            sum += a[b].d * (d[b] * (float)is - dmin[b] * (float)mi);
+        }
+        return sum;
+    }
+    static int hsum8i(__m256i v) {
+        __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+        return _mm_cvtsi128_si32(s);
+    }
+    static float dot_f(const float* w, const float* x, int64_t n) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+        int64_t i = 0;
+        for (; i + 32 <= n; i += 32) {
+            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i), _mm512_loadu_ps(x + i), a0);
+            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+        }
+        float s = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+        for (; i < n; i++) s += w[i] * x[i];
+        return s;
+    }
+    static void to_f32(QType t, const void* src, float* dst, int64_t n) {
+        const uint16_t* h = (const uint16_t*)src;
+        int64_t i = 0;
+        if (t == QType::F16) {
+            for (; i + 16 <= n; i += 16)
+                _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(h + i))));
+            for (; i < n; i++) dst[i] = _cvtsh_ss(h[i]);
+        } else {
+            for (; i + 16 <= n; i += 16) {
+                const __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(h + i)));
+                _mm512_storeu_ps(dst + i, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            }
+            for (; i < n; i++) dst[i] = bf16_to_f32(h[i]);
+        }
+    }
+};
+
+}  // namespace
+
+void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx512Kern>(a, r0, r1); }
+
+}  // namespace stowlm::cpu

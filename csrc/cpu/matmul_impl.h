@@ -1,0 +1,148 @@
+// Internals of matmul shared by its per-instruction-set files: the call's arguments, the
+// per-ISA entry points, and the generic tiled driver (unpack a tile of weight rows into an
+// int8 panel once, dot it with every token). Everything here that holds code is in an
+// anonymous namespace: each ISA file compiles its own copy with its own -m flags.
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "cpu/matmul.h"
+#include "quant/dot.h"
+
+namespace stowlm::cpu {
+
+struct MatmulArgs {
+    QType type;
+    const uint8_t* w;     // row r at w + r * w_stride
+    size_t w_stride;
+    int64_t rows, cols;
+    const float* x;       // token t at x + t * ldx (used by the float weight types)
+    int64_t ldx;
+    const void* act;      // quantized activations: token t at act + t * act_stride bytes
+    size_t act_stride;
+    int64_t n_tok;
+    float* y;
+    int64_t ldy;
+};
+
+// Rows [r0, r1) for every token. Each is defined in its own file.
+void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1);
+void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1);
+void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
+// Whole product on AMX tiles (rows split over the pool); false when this type/shape is
+// better left to the AVX-512 path.
+bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
+
+namespace {
+
+// Per-thread unpack buffer, grown (rarely) to the largest panel seen; never freed per call.
+struct Panel {
+    void* p = nullptr;
+    size_t cap = 0;
+    ~Panel() { std::free(p); }
+    void* get(size_t bytes) {
+        if (bytes > cap) {
+            std::free(p);
+            cap = (bytes + 4095) & ~(size_t)4095;
+            p = std::aligned_alloc(64, cap);
+            if (!p) std::abort();
+        }
+        return p;
+    }
+};
+
+// Byte layout of one unpacked row in the panel.
+struct RowLayout {
+    size_t q_off, d_off, m_off, sc_off, mn_off, bytes;
+};
+
+inline RowLayout row_layout(DotFamily fam, int64_t cols) {
+    RowLayout L{};
+    auto up = [](size_t v) { return (v + 63) & ~(size_t)63; };
+    if (fam == DotFamily::Float) {
+        L.q_off = 0;
+        L.bytes = up(cols * 4);
+    } else if (fam == DotFamily::Q32) {
+        const size_t nb = cols / QK;
+        L.q_off = 0;
+        L.d_off = up(cols);
+        L.m_off = L.d_off + up(nb * 4);
+        L.bytes = L.m_off + up(nb * 4);
+    } else {
+        const size_t nsb = cols / QK_K;
+        L.q_off = 0;
+        L.sc_off = up(cols);
+        L.mn_off = L.sc_off + up(nsb * 32);
+        L.d_off = L.mn_off + up(nsb * 32);
+        L.m_off = L.d_off + up(nsb * 4);
+        L.bytes = L.m_off + up(nsb * 4);
+    }
+    return L;
+}
+
+// Unpacks one quantized weight row into the panel row at `dst` (layout L).
+inline void unpack_row(QType t, DotFamily fam, const uint8_t* src, int64_t cols, uint8_t* dst,
+                       const RowLayout& L) {
+    const QTypeInfo& info = qtype_checked((uint32_t)t);
+    int8_t* q = (int8_t*)(dst + L.q_off);
+    float* d = (float*)(dst + L.d_off);
+    float* m = (float*)(dst + L.m_off);
+    if (fam == DotFamily::Q32) {
+        for (int64_t b = 0; b < cols / QK; b++)
+            unpack_q32(t, src + b * info.block_bytes, q + b * QK, d + b, m + b);
+    } else {
+        int16_t* sc = (int16_t*)(dst + L.sc_off);
+        int16_t* mn = (int16_t*)(dst + L.mn_off);
+        for (int64_t b = 0; b < cols / QK_K; b++)
+            unpack_qk(t, src + b * info.block_bytes, q + b * QK_K, sc + 16 * b, mn + 16 * b, d + b, m + b);
+    }
+}
+
+// The generic path: RT rows at a time are unpacked once and dotted with every token, so each
+// weight byte is read from memory once per call however many tokens there are.
+// Kern supplies dot_q32 / dot_qk / dot_f (one row x one token) and to_f32 (F16/BF16 rows).
+template <class Kern, int RT = 4>
+void rows_generic(const MatmulArgs& A, int64_t r0, int64_t r1) {
+    static thread_local Panel panel;
+    const DotFamily fam = dot_family(A.type);
+    const RowLayout L = row_layout(fam, A.cols);
+    const bool direct_f32 = A.type == QType::F32;
+    uint8_t* buf = direct_f32 ? nullptr : (uint8_t*)panel.get(L.bytes * RT);
+    const int64_t nb = A.cols / QK, nsb = A.cols / QK_K;
+    for (int64_t r = r0; r < r1; r += RT) {
+        const int nr = (int)(r1 - r < RT ? r1 - r : RT);
+        const uint8_t* rowp[RT];
+        for (int i = 0; i < nr; i++) {
+            const uint8_t* src = A.w + (r + i) * A.w_stride;
+            if (direct_f32) {
+                rowp[i] = src;
+                continue;
+            }
+            uint8_t* dst = buf + i * L.bytes;
+            if (fam == DotFamily::Float) Kern::to_f32(A.type, src, (float*)dst, A.cols);
+            else unpack_row(A.type, fam, src, A.cols, dst, L);
+            rowp[i] = dst;
+        }
+        for (int64_t t = 0; t < A.n_tok; t++) {
+            float* yt = A.y + t * A.ldy + r;
+            const uint8_t* at = (const uint8_t*)A.act + t * A.act_stride;
+            for (int i = 0; i < nr; i++) {
+                const uint8_t* p = rowp[i];
+                if (fam == DotFamily::Float) {
+                    yt[i] = Kern::dot_f((const float*)p, A.x + t * A.ldx, A.cols);
+                } else if (fam == DotFamily::Q32) {
+                    yt[i] = Kern::dot_q32((const int8_t*)(p + L.q_off), (const float*)(p + L.d_off),
+                                          (const float*)(p + L.m_off), (const block_q8_a*)at, nb);
+                } else {
+                    yt[i] = Kern::dot_qk((const int8_t*)(p + L.q_off), (const int16_t*)(p + L.sc_off),
+                                         (const int16_t*)(p + L.mn_off), (const float*)(p + L.d_off),
+                                         (const float*)(p + L.m_off), (const block_q8_K*)at, nsb);
+                }
+            }
+        }
+    }
+}
+
+}  // namespace
+}  // namespace stowlm::cpu

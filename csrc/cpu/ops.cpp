@@ -1,0 +1,257 @@
+// The CPU ops besides matmul and attention (ops.h). Rows are spread over the pool only when a
+// call has enough work to pay for waking the workers (decoding calls are mostly single rows).
+#include "cpu/ops.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "cpu/attn_math.h"
+#include "cpu/ops_kernels.h"
+#include "error.h"
+#include "quant/blocks.h"
+#include "quant/dequant.h"
+
+namespace stowlm::cpu {
+
+namespace {
+
+constexpr int64_t kInlineWork = 1 << 15;  // elements below which a call runs on the caller alone
+
+// fn(begin, end) over rows [0, n); elems_per_row sizes the decision to go parallel.
+template <class F>
+void for_rows(ThreadPool& pool, int64_t n, int64_t elems_per_row, F&& fn) {
+    if (n <= 0) return;
+    if (pool.size() == 1 || n == 1 || n * elems_per_row < kInlineWork) {
+        fn((int64_t)0, n);
+        return;
+    }
+    pool.parallel_for(n, [&](int64_t b, int64_t e, int) { fn(b, e); });
+}
+
+void check_dims(const char* op, int64_t n, int64_t dim) {
+    if (n < 0 || dim < 0)
+        throw InvalidInput(std::string(op) + ": negative size (n=" + std::to_string(n) + ", dim=" +
+                           std::to_string(dim) + ")");
+}
+
+void quantize_q8_0(const float* x, block_q8_0* y, int64_t n) {
+    for (int64_t b = 0; b < n / QK; b++) {
+        const float* xb = x + b * QK;
+        float amax = 0;
+        for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
+        const float d = amax / 127.0f;
+        const float id = d != 0.0f ? 1.0f / d : 0.0f;
+        y[b].d = f32_to_fp16(d);
+        for (int i = 0; i < QK; i++) y[b].qs[i] = (int8_t)roundf(xb[i] * id);
+    }
+}
+
+// cos/sin of every (token, pair) of a call. A layer's q and k, and every layer of a
+// micro-batch, rotate by the same positions, so the last table is kept and reused when the
+// positions and parameters match (a memcmp instead of n_tok * n_rot/2 sincos).
+struct RopeTable {
+    std::vector<int32_t> pos;
+    int32_t n_rot;
+    float base, scale;
+    bool neox;
+    std::vector<float> cs;  // [n_tok][cc[n_rot], ss[n_rot]] in rope_head's form for this mode
+};
+
+std::shared_ptr<const RopeTable> rope_table(const int32_t* pos, int64_t n_tok, const RopeParams& p) {
+    static std::mutex mu;
+    static std::shared_ptr<const RopeTable> last;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        if (last && last->n_rot == p.n_rot && last->base == p.freq_base && last->scale == p.freq_scale &&
+            last->neox == p.neox &&
+            (int64_t)last->pos.size() == n_tok && std::memcmp(last->pos.data(), pos, (size_t)n_tok * 4) == 0)
+            return last;
+    }
+    auto t = std::make_shared<RopeTable>();
+    t->pos.assign(pos, pos + n_tok);
+    t->n_rot = p.n_rot;
+    t->base = p.freq_base;
+    t->scale = p.freq_scale;
+    t->neox = p.neox;
+    const int64_t half = p.n_rot / 2, n_rot = p.n_rot;
+    std::vector<float> inv((size_t)half);
+    for (int64_t i = 0; i < half; i++) inv[i] = rope_inv_freq((int)i, p.n_rot, p.freq_base);
+    t->cs.resize((size_t)(n_tok * n_rot * 2));
+    for (int64_t tk = 0; tk < n_tok; tk++) {
+        float* cc = t->cs.data() + (size_t)tk * n_rot * 2;
+        float* ss = cc + n_rot;
+        for (int64_t i = 0; i < half; i++) {
+            const float th = rope_theta_f(pos[tk], inv[i], p.freq_scale);
+            const float c = std::cos(th), sn = std::sin(th);
+            // pair (a, b): y_a = x_a cos - x_b sin, y_b = x_b cos + x_a sin
+            const int64_t a = p.neox ? i : 2 * i, b = p.neox ? i + half : 2 * i + 1;
+            cc[a] = cc[b] = c;
+            ss[a] = -sn;
+            ss[b] = sn;
+        }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    last = t;
+    return t;
+}
+
+}  // namespace
+
+void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids, int64_t n_ids,
+              float* out, int64_t ld_out, ThreadPool& pool) {
+    check_dims("get_rows", n_ids, n_cols);
+    const size_t rb = row_bytes(type, n_cols);
+    for (int64_t i = 0; i < n_ids; i++)
+        if (ids[i] < 0 || ids[i] >= n_rows)
+            throw InvalidInput("get_rows: id " + std::to_string(ids[i]) + " (at index " + std::to_string(i) +
+                               ") is outside [0, " + std::to_string(n_rows) + ")");
+    if (n_ids == 0) return;
+    // The first row on the caller, so an undecodable type throws here, not on a worker.
+    dequantize_row(type, (const unsigned char*)table + (size_t)ids[0] * rb, out, n_cols);
+    for_rows(pool, n_ids - 1, n_cols, [&](int64_t b, int64_t e) {
+        for (int64_t i = b + 1; i < e + 1; i++)
+            dequantize_row(type, (const unsigned char*)table + (size_t)ids[i] * rb, out + i * ld_out, n_cols);
+    });
+}
+
+void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
+              int64_t ldy, ThreadPool& pool) {
+    check_dims("rms_norm", n_rows, dim);
+    if (dim == 0) return;
+    const OpsKernels& kr = ops_kernels();
+    for_rows(pool, n_rows, dim, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+            const float* xr = x + r * ldx;
+            const float ms = kr.sum_sq(xr, dim) / (float)dim;
+            kr.scale_mul(xr, 1.0f / std::sqrt(ms + eps), weight, y + r * ldy, dim);
+        }
+    });
+}
+
+void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
+          const RopeParams& p, ThreadPool& pool) {
+    check_dims("rope", n_tok, n_head);
+    if (p.n_rot <= 0 || p.n_rot % 2 != 0 || p.n_rot > head_dim)
+        throw InvalidInput("rope: n_rot " + std::to_string(p.n_rot) + " must be even, > 0 and <= head_dim " +
+                           std::to_string(head_dim));
+    const std::shared_ptr<const RopeTable> tab = rope_table(pos, n_tok, p);
+    const std::vector<float>& cs = tab->cs;
+    const OpsKernels& kr = ops_kernels();
+    const int64_t n_rot = p.n_rot;
+    for_rows(pool, n_tok * n_head, p.n_rot, [&](int64_t b, int64_t e) {
+        int64_t t = b / n_head, h = b % n_head;  // (token, head) of row b, then stepped
+        for (int64_t r = b; r < e; r++) {
+            const float* cc = cs.data() + (size_t)t * n_rot * 2;
+            kr.rope_head(x + t * ld_tok + h * head_dim, cc, cc + n_rot, n_rot, p.neox);
+            if (++h == n_head) {
+                h = 0;
+                t++;
+            }
+        }
+    });
+}
+
+void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, ThreadPool& pool, int64_t n_cells) {
+    if (kv_type != QType::F16 && kv_type != QType::Q8_0)
+        throw InvalidInput(std::string("store_kv: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
+    check_dims("store_kv", n_tok, head_dim);
+    const size_t rb = row_bytes(kv_type, head_dim);
+    if (kv_cell_bytes < (size_t)n_head_kv * rb)
+        throw InvalidInput("store_kv: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
+                           std::to_string((size_t)n_head_kv * rb));
+    for (int64_t i = 0; i < n_tok; i++)
+        if (dst_cells[i] < 0 || (n_cells >= 0 && dst_cells[i] >= n_cells))
+            throw InvalidInput("store_kv: destination cell " + std::to_string(dst_cells[i]) + " (token " +
+                               std::to_string(i) + ") is outside the cache");
+    const OpsKernels& kr = ops_kernels();
+    for_rows(pool, n_tok, n_head_kv * head_dim, [&](int64_t b, int64_t e) {
+        for (int64_t i = b; i < e; i++) {
+            unsigned char* cell = (unsigned char*)cache + (size_t)dst_cells[i] * kv_cell_bytes;
+            for (int64_t h = 0; h < n_head_kv; h++) {
+                const float* src = x + i * ld_x + h * head_dim;
+                if (kv_type == QType::F16) kr.to_f16(src, (uint16_t*)(cell + h * rb), head_dim);
+                else quantize_q8_0(src, (block_q8_0*)(cell + h * rb), head_dim);
+            }
+        }
+    });
+}
+
+void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+            int64_t ld_out, ThreadPool& pool) {
+    check_dims("swiglu", n, dim);
+    for_rows(pool, n, dim, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+            const float* g = gate + r * ld_gate;
+            const float* u = up + r * ld_up;
+            float* o = out + r * ld_out;
+            for (int64_t i = 0; i < dim; i++) o[i] = silu(g[i]) * u[i];
+        }
+    });
+}
+
+void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+           int64_t ld_out, ThreadPool& pool) {
+    check_dims("geglu", n, dim);
+    for_rows(pool, n, dim, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+            const float* g = gate + r * ld_gate;
+            const float* u = up + r * ld_up;
+            float* o = out + r * ld_out;
+            for (int64_t i = 0; i < dim; i++) o[i] = gelu_tanh(g[i]) * u[i];
+        }
+    });
+}
+
+void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, ThreadPool& pool) {
+    check_dims("add", n, dim);
+    for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; r++) {
+            const float* x = a + r * ld_a;
+            const float* y = b + r * ld_b;
+            float* o = out + r * ld_out;
+            for (int64_t i = 0; i < dim; i++) o[i] = x[i] + y[i];
+        }
+    });
+}
+
+void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, ThreadPool& pool) {
+    check_dims("mul", n, dim);
+    for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; r++) {
+            const float* x = a + r * ld_a;
+            const float* y = b + r * ld_b;
+            float* o = out + r * ld_out;
+            for (int64_t i = 0; i < dim; i++) o[i] = x[i] * y[i];
+        }
+    });
+}
+
+void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float s, ThreadPool& pool) {
+    check_dims("scale", n, dim);
+    const OpsKernels& kr = ops_kernels();
+    for_rows(pool, n, dim, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) kr.scale(x + r * ldx, s, dim);
+    });
+}
+
+void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, ThreadPool& pool) {
+    check_dims("softcap", n, dim);
+    if (cap == 0.0f) throw InvalidInput("softcap: cap must be non-zero");
+    for_rows(pool, n, dim, [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++) {
+            float* xr = x + r * ldx;
+            for (int64_t i = 0; i < dim; i++) xr[i] = apply_softcap(xr[i], cap);
+        }
+    });
+}
+
+}  // namespace stowlm::cpu

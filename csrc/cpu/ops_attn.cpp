@@ -1,0 +1,227 @@
+// Flash attention on the CPU: one pass over the KV cells in blocks with an online softmax,
+// never holding an n_tok x n_kv score matrix. Work units are (query-token tile, KV head, KV
+// split): the query heads sharing a KV head and the tokens of a tile reuse each KV block
+// while it is in cache. When there are too few units for the pool (decoding), the KV range
+// is split across threads and the partial softmax states are merged afterwards.
+#include <algorithm>
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu/attn_math.h"
+#include "cpu/ops.h"
+#include "cpu/ops_kernels.h"
+#include "error.h"
+#include "quant/blocks.h"
+
+namespace stowlm::cpu {
+
+namespace {
+
+constexpr int64_t kKvBlock = 128;      // KV cells per block
+constexpr int64_t kTokTile = 4;        // query tokens per work unit
+constexpr int64_t kMinSplitCells = 256;  // a KV split is never smaller than this
+
+int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
+
+// Splits are considered only when the token tiles alone cannot keep the pool busy; the
+// bound depends on n_tok and the threads only, so the scratch size can be given up front.
+int64_t max_splits(int64_t n_tok, int n_threads) {
+    return (n_threads > 1 && cdiv(n_tok, kTokTile) < 4 * n_threads) ? n_threads : 1;
+}
+
+// scores [n_rep][kKvBlock], visible-cell list, (m, l) per (token, head) of a unit, block maxima.
+size_t per_thread_bytes(int64_t n_head) {
+    return align64(n_head * kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
+           align64(2 * kTokTile * n_head * sizeof(float)) + align64(n_head * sizeof(float));
+}
+
+size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t n_split) {
+    return n_split > 1 ? align64((size_t)(n_tok * n_head * n_split * (head_dim + 2)) * sizeof(float)) : 0;
+}
+
+}  // namespace
+
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    return partial_bytes(n_tok, n_head, head_dim, max_splits(n_tok, n_threads)) +
+           (size_t)n_threads * per_thread_bytes(n_head) + 64;
+}
+
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
+                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+                const int32_t* q_pos, const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out,
+                void* scratch, ThreadPool& pool) {
+    if (kv_type != QType::F16 && kv_type != QType::Q8_0)
+        throw InvalidInput(std::string("flash_attn: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
+    if (n_tok < 0 || n_kv < 0 || head_dim <= 0 || n_head <= 0 || n_head_kv <= 0)
+        throw InvalidInput("flash_attn: n_tok, n_kv must be >= 0 and n_head, n_head_kv, head_dim > 0");
+    if (n_head % n_head_kv != 0)
+        throw InvalidInput("flash_attn: n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
+                           std::to_string(n_head_kv));
+    const size_t rb = row_bytes(kv_type, head_dim);  // throws for a Q8_0 head_dim not a multiple of 32
+    if (kv_cell_bytes < (size_t)n_head_kv * rb)
+        throw InvalidInput("flash_attn: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
+                           std::to_string((size_t)n_head_kv * rb));
+    if (ld_q < n_head * head_dim || ld_out < n_head * head_dim)
+        throw InvalidInput("flash_attn: ld_q / ld_out smaller than n_head * head_dim");
+    if (p.window < 0) throw InvalidInput("flash_attn: window must be >= 0");
+    if (n_tok == 0) return;
+
+    const int nth = pool.size();
+    const int64_t n_rep = n_head / n_head_kv;
+    const int64_t n_tiles = cdiv(n_tok, kTokTile);
+    // Below this many q.k multiply-adds waking the workers costs more than it saves.
+    const bool small = n_tok * n_head * n_kv * head_dim < (1 << 16);
+    int64_t n_split = 1;
+    if (n_tiles * n_head_kv < 4 * nth && !small) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
+    const int64_t split_len = cdiv(std::max<int64_t>(n_kv, 1), n_split);
+
+    std::vector<unsigned char> own;
+    if (!scratch) {
+        own.resize(flash_attn_scratch_bytes(n_tok, n_head, head_dim, nth));
+        scratch = own.data();
+    }
+    unsigned char* base = (unsigned char*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    float* partial = (float*)base;
+    unsigned char* thread_base = base + partial_bytes(n_tok, n_head, head_dim, n_split);
+    const size_t ptb = per_thread_bytes(n_head);
+
+    const OpsKernels& kr = ops_kernels();
+    const bool f16 = kv_type == QType::F16;
+    const float scale = p.scale, cap = p.softcap;
+    const int32_t window = p.window;
+    const bool causal = p.causal;
+    const int64_t slot = head_dim + 2;  // partial state: acc[head_dim], m, l
+    // distance between the accumulators of consecutive heads (output rows or partial slots)
+    const int64_t acc_ld = n_split == 1 ? head_dim : n_split * slot;
+
+    auto unit = [&](int64_t u, int ith) {
+        const int64_t s = u % n_split;
+        const int64_t g = (u / n_split) % n_head_kv;
+        const int64_t tile = u / (n_split * n_head_kv);
+        const int64_t t0 = tile * kTokTile, t1 = std::min(n_tok, t0 + kTokTile);
+        const int64_t j_begin = s * split_len, j_end = std::min(n_kv, j_begin + split_len);
+
+        unsigned char* tb = thread_base + (size_t)ith * ptb;
+        float* sc = (float*)tb;
+        tb += align64(n_head * kKvBlock * sizeof(float));
+        int32_t* vis = (int32_t*)tb;
+        tb += align64(kKvBlock * sizeof(int32_t));
+        float* ml = (float*)tb;
+        tb += align64(2 * kTokTile * n_head * sizeof(float));
+        float* mx = (float*)tb;
+
+        auto acc_of = [&](int64_t t, int64_t h) -> float* {
+            return n_split == 1 ? out + t * ld_out + h * head_dim
+                                : partial + ((t * n_head + h) * n_split + s) * slot;
+        };
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t r = 0; r < n_rep; r++) {
+                std::fill(acc_of(t, g * n_rep + r), acc_of(t, g * n_rep + r) + head_dim, 0.0f);
+                const int64_t i = ((t - t0) * n_rep + r) * 2;
+                ml[i] = -INFINITY;
+                ml[i + 1] = 0.0f;
+            }
+
+        const unsigned char* kbase = (const unsigned char*)k + g * rb;
+        const unsigned char* vbase = (const unsigned char*)v + g * rb;
+        for (int64_t jb = j_begin; jb < j_end; jb += kKvBlock) {
+            const int64_t je = std::min(j_end, jb + kKvBlock);
+            for (int64_t t = t0; t < t1; t++) {
+                const int32_t qp = q_pos[t];
+                int nv = 0;
+                for (int64_t j = jb; j < je; j++) {
+                    const int32_t kp = kv_pos[j];
+                    const bool ok = kp >= 0 && (!causal || kp <= qp) &&
+                                    (window == 0 || (int64_t)qp - (int64_t)kp < (int64_t)window);
+                    if (ok) vis[nv++] = (int32_t)(j - jb);
+                }
+                if (nv == 0) continue;
+                const unsigned char* kb = kbase + (size_t)jb * kv_cell_bytes;
+                const unsigned char* vb = vbase + (size_t)jb * kv_cell_bytes;
+                const float* qg = q + t * ld_q + g * n_rep * head_dim;
+                float* acc0 = acc_of(t, g * n_rep);
+                auto scores_mh = f16 ? kr.scores_f16_mh : kr.scores_q8_0_mh;
+                auto accum_mh = f16 ? kr.accum_f16_mh : kr.accum_q8_0_mh;
+                if (scores_mh) {
+                    scores_mh(qg, head_dim, (int)n_rep, kb, kv_cell_bytes, vis, nv, head_dim, scale, sc, kKvBlock, mx);
+                } else {
+                    for (int64_t r = 0; r < n_rep; r++)
+                        mx[r] = f16 ? kr.scores_f16(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
+                                                    sc + r * kKvBlock)
+                                    : kr.scores_q8_0(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
+                                                     sc + r * kKvBlock);
+                }
+                for (int64_t r = 0; r < n_rep; r++) {
+                    float* sr = sc + r * kKvBlock;
+                    if (cap != 0.0f) {  // tanh is monotonic: the max maps to the max
+                        for (int i = 0; i < nv; i++) sr[i] = apply_softcap(sr[i], cap);
+                        mx[r] = apply_softcap(mx[r], cap);
+                    }
+                    float* st = ml + ((t - t0) * n_rep + r) * 2;
+                    const float f = online_softmax_rescale(st[0], st[1], mx[r]);
+                    if (f != 1.0f) kr.scale(acc0 + r * acc_ld, f, head_dim);
+                    st[1] += kr.exp_sum(sr, nv, st[0]);  // sr now holds the weights
+                }
+                if (accum_mh) {
+                    accum_mh(acc0, acc_ld, (int)n_rep, sc, kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                } else {
+                    for (int64_t r = 0; r < n_rep; r++) {
+                        if (f16) kr.accum_f16(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                        else kr.accum_q8_0(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                    }
+                }
+            }
+        }
+        for (int64_t t = t0; t < t1; t++)
+            for (int64_t r = 0; r < n_rep; r++) {
+                const float* st = ml + ((t - t0) * n_rep + r) * 2;
+                float* acc = acc_of(t, g * n_rep + r);
+                if (n_split == 1) {
+                    // A query with no visible key gets zeros rather than NaN.
+                    kr.scale(acc, st[1] > 0 ? 1.0f / st[1] : 0.0f, head_dim);
+                } else {
+                    acc[head_dim] = st[0];
+                    acc[head_dim + 1] = st[1];
+                }
+            }
+    };
+
+    const int64_t n_units = n_tiles * n_head_kv * n_split;
+    if (nth == 1 || n_units == 1 || small) {
+        for (int64_t u = 0; u < n_units; u++) unit(u, 0);
+    } else if (n_split > 1) {
+        // Equal-cost units (whole tiles split evenly): a static partition balances exactly.
+        pool.parallel_for(n_units, [&](int64_t b, int64_t e, int ith) {
+            for (int64_t u = b; u < e; u++) unit(u, ith);
+        });
+    } else {
+        pool.parallel_for_dynamic(n_units, 1, [&](int64_t b, int64_t e, int ith) {
+            for (int64_t u = b; u < e; u++) unit(u, ith);
+        });
+    }
+
+    if (n_split > 1) {
+        auto merge = [&](int64_t b, int64_t e) {
+            for (int64_t th = b; th < e; th++) {
+                const int64_t t = th / n_head, h = th % n_head;
+                float* o = out + t * ld_out + h * head_dim;
+                const float* ps = partial + (t * n_head + h) * n_split * slot;
+                float m = -INFINITY, l = 0.0f;
+                std::fill(o, o + head_dim, 0.0f);
+                for (int64_t s = 0; s < n_split; s++) {
+                    const float* a = ps + s * slot;
+                    float fa, fb;
+                    online_softmax_merge(m, l, a[head_dim], a[head_dim + 1], &fa, &fb);
+                    for (int64_t d = 0; d < head_dim; d++) o[d] = o[d] * fa + a[d] * fb;
+                }
+                kr.scale(o, l > 0 ? 1.0f / l : 0.0f, head_dim);
+            }
+        };
+        merge(0, n_tok * n_head);  // tiny: n_tok * n_head * n_split * head_dim flops
+    }
+}
+
+}  // namespace stowlm::cpu

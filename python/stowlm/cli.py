@@ -1,0 +1,247 @@
+"""The `stowlm` command line: run, pull, info, bench."""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import time
+from typing import List, Optional
+
+from . import __version__
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_sampling(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--temp", "--temperature", dest="temperature", type=float, default=0.8,
+                   help="temperature; 0 = greedy (default 0.8)")
+    g.add_argument("--top-k", type=int, default=40, help="keep the k most likely tokens; 0 = off (default 40)")
+    g.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass; 1 = off (default 0.95)")
+    g.add_argument("--min-p", type=float, default=0.05, help="drop tokens below min-p x the best; 0 = off (default 0.05)")
+    g.add_argument("--repeat-penalty", type=float, default=1.0, help="penalise recent tokens; 1 = off (default 1.0)")
+    g.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (default 64)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def _sampling_kwargs(a: argparse.Namespace) -> dict:
+    return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
+                repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
+                frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
+                seed=a.seed, stop=a.stop)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="stowlm",
+        description="Run GGUF language models fast on the memory you have.",
+        epilog="Examples:\n"
+               "  stowlm run -p 'The capital of France is' -n 32   # pulls smollm2-135m on first use\n"
+               "  stowlm run qwen2.5-coder-0.5b                       # interactive chat\n"
+               "  stowlm pull gemma3-270m\n"
+               "  stowlm info ./model.gguf",
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--version", action="version", version=f"stowlm {__version__}")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+
+    r = sub.add_parser("run", help="generate text, or chat when no prompt is given",
+                       description="Generate a completion of PROMPT, or chat interactively when no prompt is given.")
+    r.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                   help=f"model name (see `stowlm pull --list`) or .gguf path (default {DEFAULT_MODEL})")
+    r.add_argument("-p", "--prompt", help="prompt to complete (no prompt: interactive chat)")
+    r.add_argument("-n", "--n-predict", type=int, default=256, help="maximum tokens to generate (default 256)")
+    r.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default min(4096, trained))")
+    r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    r.add_argument("--devices", default=None, help="device list, e.g. 'cpu:0[threads=2,mem=4GiB]'")
+    r.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT")
+    r.add_argument("--system", default=None, help="system message for chat")
+    r.add_argument("-q", "--quiet", action="store_true", help="do not print timings")
+    _add_sampling(r)
+
+    pl = sub.add_parser("pull", help="download a model into the cache")
+    pl.add_argument("name", nargs="?", help="model name")
+    pl.add_argument("--list", action="store_true", help="list the known models")
+    pl.add_argument("--verify", action="store_true", help="re-check the checksum of a cached file")
+
+    i = sub.add_parser("info", help="show a model's architecture, metadata and tensors")
+    i.add_argument("model", help="model name or .gguf path")
+    i.add_argument("--tensors", action="store_true", help="list every tensor")
+    i.add_argument("-c", "--ctx-size", type=int, default=4096, help="context for the memory projection")
+
+    b = sub.add_parser("bench", help="run the native benchmark stowlm-bench (arguments pass through)",
+                       add_help=False)
+    b.add_argument("args", nargs=argparse.REMAINDER)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = _parser()
+    a = p.parse_args(argv)
+    if a.command is None:
+        p.print_help()
+        return 0
+    try:
+        return {"run": _run, "pull": _pull, "info": _info, "bench": _bench}[a.command](a)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError, MemoryError, RuntimeError, OSError) as e:
+        print(f"stowlm: error: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(a: argparse.Namespace) -> int:
+    from .llm import LLM
+
+    if a.n_predict is not None and a.n_predict < 0:
+        raise ValueError(f"-n must be >= 0, got {a.n_predict}")
+    kw = _sampling_kwargs(a)
+    # validate sampling values before the (slow) load
+    from .sampling import SamplingParams
+
+    SamplingParams(max_tokens=a.n_predict, **kw)
+    devices = [d.strip() for d in a.devices.split(",")] if a.devices else None
+    t0 = time.perf_counter()
+    llm = LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, devices=devices)
+    if not a.quiet:
+        print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    with llm:
+        if a.prompt is None:
+            return _interactive(llm, a, kw)
+        if a.chat:
+            msgs = ([{"role": "system", "content": a.system}] if a.system else [])
+            msgs.append({"role": "user", "content": a.prompt})
+            it = llm.chat(msgs, stream=True, max_tokens=a.n_predict, **kw)
+        else:
+            sys.stdout.write(a.prompt)
+            it = llm.generate(a.prompt, stream=True, max_tokens=a.n_predict, **kw)
+        _stream(it, a.quiet)
+    return 0
+
+
+def _stream(it, quiet: bool) -> None:
+    t0 = time.perf_counter()
+    first = None
+    for piece in it:
+        if first is None:
+            first = time.perf_counter()
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    c = it.completion
+    if not quiet and c is not None:
+        t1 = time.perf_counter()
+        gen_s = (t1 - first) if first else 0.0
+        rate = (c.completion_tokens - 1) / gen_s if gen_s > 0 and c.completion_tokens > 1 else 0.0
+        print(f"[prompt {c.prompt_tokens} tokens, generated {c.completion_tokens} tokens, "
+              f"{rate:.1f} tokens/s, finish: {c.finish_reason}, first token after "
+              f"{((first or t1) - t0):.2f} s]", file=sys.stderr)
+
+
+def _interactive(llm, a: argparse.Namespace, kw: dict) -> int:
+    msgs = [{"role": "system", "content": a.system}] if a.system else []
+    print("chat with the model; empty line or Ctrl-D to quit", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        if not line.strip():
+            return 0
+        msgs.append({"role": "user", "content": line})
+        it = llm.chat(msgs, stream=True, max_tokens=a.n_predict, **kw)
+        _stream(it, a.quiet)
+        msgs.append({"role": "assistant", "content": it.completion.text})
+
+
+def _pull(a: argparse.Namespace) -> int:
+    from . import pull
+
+    if a.list or not a.name:
+        for m in pull.list_models():
+            state = m["path"] or "not downloaded"
+            print(f"{m['name']:<22} {m['size'] / 1e6:7.1f} MB  {m['description']}  [{state}]")
+        return 0
+    path = pull.pull(a.name, verify=a.verify)
+    print(path)
+    return 0
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _info(a: argparse.Namespace) -> int:
+    from . import pull
+    from .engine import plan
+    from .gguffile import GGUFFile
+
+    path = pull.resolve(a.model, download=False)
+    with GGUFFile(path) as f:
+        meta = f.metadata
+        tensors = f.tensors
+    arch = meta.get("general.architecture", "?")
+    print(f"file:          {path}")
+    print(f"architecture:  {arch}")
+    print(f"name:          {meta.get('general.name', '')}")
+    total = sum(t[3] for t in tensors)
+    n_params = 0
+    for t in tensors:
+        n = 1
+        for d in t[2]:
+            n *= int(d)
+        n_params += n
+    print(f"tensors:       {len(tensors)}, {_fmt_bytes(total)}, {n_params / 1e6:.1f} M parameters")
+    print("metadata:")
+    for k in sorted(meta):
+        if k.startswith("tokenizer.ggml.") or k == "tokenizer.chat_template":
+            v = meta[k]
+            desc = f"<{len(v)} entries>" if hasattr(v, "__len__") and not isinstance(v, str) else \
+                f"<{len(v)} chars>" if isinstance(v, str) and len(v) > 60 else repr(v)
+            print(f"  {k:<42} {desc}")
+            continue
+        print(f"  {k:<42} {meta[k]!r}")
+    by_type: dict = {}
+    for t in tensors:
+        c = by_type.setdefault(t[1], [0, 0])
+        c[0] += 1
+        c[1] += t[3]
+    print("tensor types:")
+    for name, (count, nbytes) in sorted(by_type.items(), key=lambda kv: -kv[1][1]):
+        print(f"  {name:<8} {count:5d} tensors  {_fmt_bytes(nbytes)}")
+    if a.tensors:
+        for t in tensors:
+            print(f"  {t[0]:<40} {t[1]:<8} {str(tuple(t[2])):<20} {_fmt_bytes(t[3])}")
+    try:
+        rows = plan(path, n_ctx=a.ctx_size)
+        print(f"memory on each device (n_ctx={a.ctx_size}):")
+        for r in rows:
+            print(f"  {r['device']:<10} weights {_fmt_bytes(r['weights'])}, KV {_fmt_bytes(r['kv'])}, "
+                  f"compute {_fmt_bytes(r['compute'])}, total {_fmt_bytes(r['total'])}")
+    except ValueError as e:  # e.g. an architecture the engine does not know
+        print(f"memory projection unavailable: {e}")
+    return 0
+
+
+def _bench(a: argparse.Namespace) -> int:
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "stowlm-bench")
+    exe = here if os.path.exists(here) else shutil.which("stowlm-bench")
+    if exe is None:
+        raise FileNotFoundError("stowlm-bench is not installed with this package")
+    return subprocess.call([exe] + list(a.args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

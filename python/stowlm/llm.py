@@ -1,0 +1,251 @@
+"""The user-facing model object: load by name or path, generate, chat, stream.
+
+    llm = stowlm.LLM("smollm2-135m")                # pulled into the cache on first use
+    print(llm.generate("Once upon a time", max_tokens=32).text)
+    for piece in llm.generate("Hi", stream=True): print(piece, end="")
+
+The KV cache is kept between calls: a prompt that starts with the tokens already evaluated
+re-uses them and only evaluates the rest."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Iterator, List, Mapping, Optional, Sequence, Union
+
+import numpy as np
+
+from .chat import ChatTemplate
+from .engine import Context, Model
+from .gguffile import GGUFFile
+from .pull import pull
+from .sampling import Sampler, SamplingParams, StopChecker
+from .tokenizer import Tokenizer
+
+__all__ = ["LLM", "Completion"]
+
+
+@dataclass
+class Completion:
+    """The result of a generate/chat call."""
+
+    text: str
+    finish_reason: str  # "stop" (end-of-generation token or stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    tokens: List[int] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        return self.text
+
+
+class LLM:
+    """A model, its tokenizer and one context, ready to generate.
+
+    model: a name from ``stowlm.pull.list_models()`` (downloaded on first use) or a .gguf path.
+    devices: device specs as ``stowlm.Model`` takes them (default: the CPU, all cores).
+    n_threads: threads of the default CPU device (ignored when ``devices`` is given).
+    chat_template: Jinja source or a built-in name ("chatml", "gemma") replacing the model's own.
+    """
+
+    def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
+                 n_threads: Optional[int] = None, devices=None, n_ubatch: int = 512, kv_type: str = "f16",
+                 layer_split: Optional[Sequence[int]] = None, chat_template: Optional[str] = None,
+                 progress: bool = True):
+        if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
+            raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
+        self.path = pull(model, progress=progress)
+        if devices is None and n_threads is not None:
+            devices = [f"cpu:0[threads={n_threads}]"]
+        self.model = Model(self.path, devices=devices, layer_split=layer_split)
+        with GGUFFile(self.path) as f:
+            meta = f.metadata
+            self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
+            self.tokenizer = Tokenizer.from_metadata(meta, name=os.path.basename(self.path))
+            if chat_template is None and not meta.get("tokenizer.chat_template") \
+                    and str(meta.get("general.architecture", "")).startswith("gemma"):
+                chat_template = "gemma"  # gemma GGUFs often ship without one; the family's format is fixed
+            try:
+                self._template: Optional[ChatTemplate] = ChatTemplate.from_metadata(
+                    meta, self.tokenizer, name=os.path.basename(self.path), template=chat_template)
+            except ValueError as e:
+                self._template, self._template_error = None, str(e)
+        if n_ctx is None:
+            n_ctx = min(4096, self.model.n_ctx_train)
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type)
+        self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
+
+    # -- tokens -----------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:
+        return self.tokenizer.encode(text, add_special=add_special, parse_special=parse_special)
+
+    def detokenize(self, tokens: Sequence[int], skip_special: bool = False) -> str:
+        return self.tokenizer.decode(tokens, skip_special=skip_special)
+
+    @property
+    def n_ctx(self) -> int:
+        return self.ctx.n_ctx
+
+    def logits(self, tokens: Sequence[int]) -> np.ndarray:
+        """Logits [len(tokens), n_vocab] for every position of ``tokens``, as a fresh sequence."""
+        tokens = self._check_tokens(tokens)
+        self._rewind(0)
+        out = self.ctx.eval(tokens, logits="all")
+        self._cached = list(tokens)
+        return out
+
+    # -- generation -------------------------------------------------------------------------
+    def generate(self, prompt: Union[str, Sequence[int]], max_tokens: Optional[int] = 256,
+                 temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
+                 repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0, seed: Optional[int] = None, stop=None,
+                 logit_bias: Optional[Mapping[int, float]] = None, stream: bool = False,
+                 add_special: bool = True):
+        """Continue ``prompt`` (text, or token ids). Returns a Completion, or with stream=True
+        an iterator of text pieces whose ``completion`` attribute holds the Completion at the end."""
+        params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
+                                frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                                seed=seed, max_tokens=max_tokens, stop=list(_as_list(stop)),
+                                logit_bias=dict(logit_bias or {}))
+        if isinstance(prompt, str):
+            tokens = self.tokenizer.encode(prompt, add_special=add_special, parse_special=False)
+        else:
+            tokens = list(prompt)
+        tokens = self._check_tokens(tokens)
+        it = _Generation(self, tokens, params)
+        if stream:
+            return it
+        for _ in it:
+            pass
+        return it.completion
+
+    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs):
+        """Answer a conversation rendered with the model's chat template (GGUF
+        ``tokenizer.chat_template``). Same sampling options as generate()."""
+        if self._template is None:
+            raise ValueError(self._template_error)
+        tokens = self._template.encode(self.tokenizer, messages, add_generation_prompt=True)
+        return self.generate(tokens, stream=stream, **kwargs)
+
+    # -- lifetime -------------------------------------------------------------------------------
+    def close(self) -> None:
+        self.ctx = None
+        self.model = None
+        self._cached = []
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"LLM({os.fspath(self.path)!r}, n_ctx={self.n_ctx})"
+
+    # -- internals -------------------------------------------------------------------------------
+    def _check_tokens(self, tokens) -> List[int]:
+        if self.ctx is None:
+            raise ValueError("this LLM is closed")
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("the prompt is empty (no tokens)")
+        n_vocab = self.model.n_vocab
+        bad = [t for t in tokens if not 0 <= t < n_vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{n_vocab - 1})")
+        if len(tokens) > self.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context n_ctx={self.n_ctx}")
+        return tokens
+
+    def _common_prefix(self, tokens: Sequence[int]) -> int:
+        n = 0
+        for a, b in zip(self._cached, tokens):
+            if a != b:
+                break
+            n += 1
+        return n
+
+    def _rewind(self, n: int) -> None:
+        if n < len(self._cached) or self.ctx.n_past != n:
+            self.ctx.kv_truncate(n)
+        del self._cached[n:]
+
+    def _prefill(self, tokens: List[int]) -> np.ndarray:
+        """Brings the cache to exactly ``tokens`` and returns the last position's logits."""
+        n_keep = min(self._common_prefix(tokens), len(tokens) - 1)
+        self._rewind(n_keep)
+        try:
+            out = self.ctx.eval(tokens[n_keep:], logits="last")
+        except BaseException:
+            self._cached = []
+            self.ctx.clear()
+            raise
+        self._cached = list(tokens)
+        return out
+
+    def _step(self, token: int) -> np.ndarray:
+        out = self.ctx.eval([token], logits="last")
+        self._cached.append(token)
+        return out
+
+
+class _Generation:
+    """Iterator of text pieces for one generate() call."""
+
+    def __init__(self, llm: LLM, prompt: List[int], params: SamplingParams):
+        self.llm = llm
+        self.prompt = prompt
+        self.params = params
+        self.completion: Optional[Completion] = None
+        self._gen = self._run()
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        return next(self._gen)
+
+    def _run(self) -> Iterator[str]:
+        llm, p = self.llm, self.params
+        sampler = Sampler(p, vocab_size=llm.model.n_vocab)
+        detok = llm.tokenizer.detokenizer(skip_special=True)
+        stops = StopChecker(p.stop)
+        logits = llm._prefill(self.prompt)
+        history = list(self.prompt)
+        out_tokens: List[int] = []
+        text: List[str] = []
+        finish = "length"
+        limit = p.max_tokens if p.max_tokens is not None else llm.n_ctx
+        while len(out_tokens) < limit:
+            tok = sampler.sample(logits, history)
+            if llm.tokenizer.is_eog(tok):
+                finish = "stop"
+                break
+            out_tokens.append(tok)
+            history.append(tok)
+            piece, stopped = stops.feed(detok.feed(tok))
+            if piece:
+                text.append(piece)
+                yield piece
+            if stopped:
+                finish = "stop"
+                break
+            if len(history) >= llm.n_ctx:  # the context is full
+                break
+            if len(out_tokens) < limit:
+                logits = llm._step(tok)
+        if finish != "stop":
+            tail, _ = stops.feed(detok.flush())
+            tail += stops.flush()
+            if tail:
+                text.append(tail)
+                yield tail
+        self.completion = Completion("".join(text), finish, len(self.prompt), len(out_tokens), out_tokens)
+
+
+def _as_list(stop) -> List[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        return [stop]
+    return list(stop)

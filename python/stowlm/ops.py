@@ -1,0 +1,78 @@
+"""CPU operators on numpy arrays, thin over stowlm._core.ops / stowlm._core.cpu.
+
+Each group of ops adds its wrappers below its own section header; native functions that need
+no wrapper are re-exported as they are.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from . import _core
+
+_ops = _core.ops
+_cpu = _core.cpu
+
+
+def _qtype_id(qtype) -> int:
+    """GGUF type id from an id, a name ('Q4_K'), or a gguf.GGMLQuantizationType."""
+    table = _core.qtypes()  # {name: (id, block_elems, block_bytes)} of the supported types
+    if isinstance(qtype, str):
+        key = qtype.upper()
+        for name, info in table.items():
+            if name.upper() == key:
+                return info[0]
+        raise ValueError(f"unknown weight type {qtype!r}; known: {sorted(table)}")
+    try:
+        return int(qtype)
+    except (TypeError, ValueError):
+        raise ValueError(f"weight type must be a GGUF type id or name, got {qtype!r}") from None
+
+
+# ---- CPU features / kernel path ------------------------------------------------------------
+
+def cpu_info() -> dict:
+    """{'flags': usable CPU features, 'best': best kernel path, 'active': path in use,
+    'supported': every path this CPU/OS can run}."""
+    return {"flags": list(_cpu.features()), "best": _cpu.best_isa(), "active": _cpu.active_isa(),
+            "supported": list(_cpu.supported_isas())}
+
+
+def set_isa(name: str) -> None:
+    """Force the matmul kernel path: 'scalar', 'avx2', 'avx512' or 'amx' (RuntimeError if the
+    CPU/OS cannot run it, ValueError for an unknown name)."""
+    _cpu.set_isa(name)
+
+
+# ---- matmul --------------------------------------------------------------------------------
+
+def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None, threads: int = 0):
+    """y = W x for GGUF weight bytes W_raw of type `qtype` (id or name).
+
+    W_raw: uint8 (rows, row_bytes), or flat with rows= and cols= given.
+    x: float32 (n_tok, cols) -> returns (n_tok, rows); or (cols,) -> returns (rows,).
+    """
+    table = {v[0]: (k, v[1], v[2]) for k, v in _core.qtypes().items()}
+    tid = _qtype_id(qtype)
+    if tid not in table:
+        raise ValueError(f"unknown or unsupported weight type id {tid}")
+    name, belems, bbytes = table[tid]
+    W = np.ascontiguousarray(W_raw)
+    if W.dtype != np.uint8:
+        raise ValueError(f"W_raw must be uint8 bytes, got dtype {W.dtype}")
+    if W.ndim == 2 and rows is None and cols is None:
+        rows = W.shape[0]
+        if W.shape[1] % bbytes:
+            raise ValueError(f"W_raw row of {W.shape[1]} bytes is not a whole number of {name} blocks "
+                             f"({bbytes} bytes)")
+        cols = W.shape[1] // bbytes * belems
+    elif rows is None or cols is None:
+        raise ValueError("give rows= and cols= for a W_raw that is not (rows, row_bytes)")
+    xa = np.asarray(x)
+    if xa.dtype != np.float32:
+        raise ValueError(f"x must be float32, got dtype {xa.dtype}")
+    if xa.ndim not in (1, 2):
+        raise ValueError(f"x must be (cols,) or (n_tok, cols), got shape {xa.shape}")
+    vec = xa.ndim == 1
+    x2 = np.ascontiguousarray(xa.reshape(1, -1) if vec else xa)
+    y = _ops.matmul_raw(W.reshape(-1), tid, int(rows), int(cols), x2, int(threads))
+    return y[0] if vec else y

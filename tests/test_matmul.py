@@ -1,0 +1,215 @@
+"""CPU quantized matmul against an independent oracle: the weights dequantized by the `gguf`
+package's numpy code (Q8_K, which gguf does not decode, by a one-line numpy formula), times the
+activations in float64. Every weight type runs on every kernel path this CPU offers."""
+import os
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from conftest import subprocess_env
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize  # noqa: E402
+
+from stowlm import ops  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+         "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"]
+ISAS = ["scalar", "avx2", "avx512", "amx"]
+# (rows, cols, n_tok): rows that no tile divides, several token counts, both column sizes.
+SHAPES = [(1, 256, 1), (7, 512, 2), (33, 256, 3), (131, 512, 8), (33, 512, 17), (131, 256, 67)]
+
+# Byte offsets of the fp16 scale fields within a block, set to sane values in random blocks
+# (random bytes elsewhere exercise every bit pattern of the quants and sub-scales).
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
+              "IQ4_XS": [0]}
+
+
+def make_weights(name, rows, cols, rng):
+    """Random GGUF bytes of type `name`, shape (rows, row_bytes), and their float64 values."""
+    if name == "F32":
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        return w.view(np.uint8), w.astype(np.float64)
+    if name == "F16":
+        w = rng.standard_normal((rows, cols)).astype(np.float16)
+        return w.view(np.uint8), w.astype(np.float64)
+    if name == "BF16":
+        bits = (rng.standard_normal((rows, cols)).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16)
+        return bits.view(np.uint8), (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+    belems, bbytes = gguf.GGML_QUANT_SIZES[T[name]]
+    nb = rows * cols // belems
+    blocks = rng.integers(0, 256, size=(nb, bbytes), dtype=np.uint8)
+    if name == "Q8_K":
+        blocks[:, 0:4] = rng.uniform(0.001, 0.02, nb).astype(np.float32).view(np.uint8).reshape(nb, 4)
+        d = blocks[:, 0:4].copy().view(np.float32)
+        q = blocks[:, 4:260].view(np.int8).astype(np.float64)
+        return blocks.reshape(rows, -1), (d.astype(np.float64) * q).reshape(rows, cols)
+    for k, off in enumerate(F16_FIELDS[name]):
+        # signed scale; the min field (second, where present) positive as quantizers make it
+        v = rng.uniform(0.002, 0.02, nb) * (rng.choice([-1, 1], nb) if k == 0 else 1)
+        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    raw = blocks.reshape(rows, -1)
+    ref = dequantize(raw, T[name]).astype(np.float64).reshape(rows, cols)
+    return raw, ref
+
+
+def check(name, y, ref_w, x):
+    x64 = x.astype(np.float64)
+    ref = x64 @ ref_w.T
+    # Bound: activations are rounded to 8 bits per block with scale max|x_block|/127, so each
+    # element is off by at most max|x|/254; the output error is then at most
+    # sum_c |W[r,c]| * max|x_t| / 254 (plus float32 accumulation slack, 1e-5 relative).
+    # Float weight types have no activation rounding, only the float32 accumulation.
+    mag = np.abs(x64) @ np.abs(ref_w).T
+    xmax = np.abs(x64).max(axis=1, keepdims=True)
+    act = 0.0 if name in ("F32", "F16", "BF16") else 1.0 / 254.0
+    bound = act * (np.abs(ref_w).sum(axis=1)[None, :] * xmax) + 1e-5 * mag + 1e-30
+    err = np.abs(y - ref)
+    assert np.all(err <= bound), (name, float((err / bound).max()))
+
+
+@pytest.fixture
+def restore_isa():
+    yield
+    ops.set_isa(ops.cpu_info()["best"])
+
+
+_WCACHE = {}
+
+
+def weights(name, rows, cols):
+    key = (name, rows, cols)
+    if key not in _WCACHE:
+        _WCACHE[key] = make_weights(name, rows, cols, np.random.default_rng(hash(key) & 0xffff))
+    return _WCACHE[key]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", TYPES)
+def test_matmul_all_types(name, isa, restore_isa):
+    if isa not in ops.cpu_info()["supported"]:
+        pytest.skip(f"this CPU/OS cannot run the {isa} path: {ops.cpu_info()['flags']}")
+    ops.set_isa(isa)
+    assert ops.cpu_info()["active"] == isa
+    belems = gguf.GGML_QUANT_SIZES[T[name]][0]
+    rng = np.random.default_rng(7)
+    for rows, cols, n_tok in SHAPES:
+        if cols % belems:
+            continue
+        raw, ref_w = weights(name, rows, cols)
+        x = (rng.standard_normal((n_tok, cols)) * rng.uniform(0.1, 3)).astype(np.float32)
+        y = ops.matmul(raw, name, x)
+        assert y.shape == (n_tok, rows) and y.dtype == np.float32
+        check(name, y.astype(np.float64), ref_w, x)
+        y2 = ops.matmul(raw, name, x, threads=2)
+        check(name, y2.astype(np.float64), ref_w, x)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_matmul_vector_and_flat(name):
+    rows, cols = 33, 512
+    raw, ref_w = weights(name, rows, cols)
+    x = np.random.default_rng(1).standard_normal(cols).astype(np.float32)
+    y = ops.matmul(raw, name, x)
+    assert y.shape == (rows,)
+    check(name, y[None, :].astype(np.float64), ref_w, x[None, :])
+    y2 = ops.matmul(raw.reshape(-1), int(T[name]), x, rows=rows, cols=cols)
+    np.testing.assert_array_equal(y, y2)
+
+
+def test_matmul_errors():
+    raw, _ = weights("Q4_0", 7, 512)
+    x = np.zeros((2, 512), np.float32)
+    with pytest.raises(ValueError, match="unknown weight type"):
+        ops.matmul(raw, "Q9_9", x)
+    with pytest.raises(ValueError):
+        ops.matmul(raw, 99, x)
+    with pytest.raises(ValueError, match="columns"):
+        ops.matmul(raw, "Q4_0", np.zeros((2, 256), np.float32))
+    with pytest.raises(ValueError, match="bytes"):
+        ops.matmul(raw.reshape(-1)[:-1], "Q4_0", x, rows=7, cols=512)
+    with pytest.raises(ValueError, match="multiple"):
+        ops.matmul(raw.reshape(-1), "Q4_0", np.zeros((2, 500), np.float32), rows=7, cols=500)
+    with pytest.raises(ValueError, match="multiple"):
+        kraw, _ = weights("Q4_K", 7, 512)
+        ops.matmul(kraw.reshape(-1)[:7 * 144], "Q4_K", np.zeros((2, 224), np.float32), rows=7, cols=224)
+    with pytest.raises(ValueError, match="float32"):
+        ops.matmul(raw, "Q4_0", x.astype(np.float64))
+    with pytest.raises(ValueError, match="uint8"):
+        ops.matmul(raw.view(np.int8), "Q4_0", x)
+    with pytest.raises(ValueError, match="unknown ISA"):
+        ops.set_isa("sse9")
+
+
+def test_cpu_info_consistent():
+    info = ops.cpu_info()
+    assert info["best"] == info["supported"][-1]
+    assert "scalar" in info["supported"]
+    if "amx" in info["supported"]:
+        assert {"amx_tile", "amx_int8", "avx512vnni"} <= set(info["flags"])
+    if "avx512" in info["supported"]:
+        assert {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512vnni"} <= set(info["flags"])
+
+
+def _run_py(code, env_extra=None):
+    env = subprocess_env(**(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_isa_env_var_forces_lower_path():
+    supported = ops.cpu_info()["supported"]
+    for isa in supported:
+        r = _run_py("from stowlm import ops; print(ops.cpu_info()['active'])", {"STOWLM_ISA": isa})
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == isa
+
+
+def test_set_isa_refuses_missing():
+    missing = [i for i in ISAS if i not in ops.cpu_info()["supported"]]
+    if not missing:
+        pytest.skip("this CPU runs every path; nothing to refuse")
+    with pytest.raises(RuntimeError, match=missing[0]):
+        ops.set_isa(missing[0])
+
+
+def test_amx_fresh_process_other_threads():
+    """AMX tiles fault (SIGILL) unless the process asked Linux for permission first; run the
+    AMX path in a fresh interpreter, from a non-main thread and from pool worker threads."""
+    if "amx" not in ops.cpu_info()["supported"]:
+        print("skipping: no AMX on this CPU/OS; flags:", ops.cpu_info()["flags"])
+        pytest.skip("CPU/OS without AMX-INT8")
+    code = """
+        import threading, numpy as np, gguf
+        from gguf.quants import dequantize
+        from stowlm import ops
+        ops.set_isa('amx')
+        rng = np.random.default_rng(3)
+        out = {}
+        def work(name):
+            belems, bbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+            rows, cols, n = 64, 512, 64
+            blocks = rng.integers(0, 256, size=(rows * cols // belems, bbytes), dtype=np.uint8)
+            for off in {'Q6_K': [208], 'Q4_K': [0, 2]}.get(name, [0]):
+                blocks[:, off:off + 2] = np.full(len(blocks), 0.01, np.float16).view(np.uint8).reshape(-1, 2)
+            raw = blocks.reshape(rows, -1)
+            w = dequantize(raw, gguf.GGMLQuantizationType[name]).astype(np.float64)
+            x = rng.standard_normal((n, cols)).astype(np.float32)
+            y = ops.matmul(raw, name, x, threads=2)
+            ref = x.astype(np.float64) @ w.T
+            bound = np.abs(w).sum(1)[None, :] * np.abs(x).max(1, keepdims=True) / 254 + 1e-4
+            out[name] = bool(np.all(np.abs(y - ref) <= bound))
+        ts = [threading.Thread(target=work, args=(n,)) for n in ['Q4_0', 'Q8_0', 'Q4_K', 'Q6_K']]
+        for t in ts: t.start()
+        for t in ts: t.join()
+        print(ops.cpu_info()['active'], sorted(out.items()))
+    """
+    r = _run_py(code)
+    assert r.returncode == 0, (r.returncode, r.stderr)
+    assert r.stdout.split()[0] == "amx"
+    assert "False" not in r.stdout and r.stdout.count("True") == 4, r.stdout
