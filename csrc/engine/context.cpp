@@ -15,7 +15,11 @@ constexpr int64_t kKvBucket = 256;
 void check_params(const Model& m, const ContextParams& p) {
     if (p.n_ctx <= 0) throw InvalidInput("n_ctx must be positive, got " + std::to_string(p.n_ctx));
     if (p.n_ubatch <= 0) throw InvalidInput("n_ubatch must be positive, got " + std::to_string(p.n_ubatch));
-    (void)m;
+    const QTypeInfo* kv = qtype_info((uint32_t)p.kv_type);
+    const int64_t hd = m.hp().head_dim_k;
+    if (hd % kv->block_elems)
+        throw InvalidInput(std::string("kv_type ") + kv->name + " stores blocks of " + std::to_string(kv->block_elems) +
+                           " but the model's head_dim is " + std::to_string(hd));
 }
 
 KVLayout kv_layout(const Model& m, const ContextParams& p) {
