@@ -233,3 +233,28 @@ def test_q8_0_kv_cache(tiny):
     got = q8_kv.eval(ids, logits="all")
     err = np.abs(got - want).max() / np.abs(want).max()
     assert 1e-5 < err < 3e-2, f"Q8_0 KV: max error {err:.2e}"  # close, but not the F16 numbers
+
+
+def test_tensor_overrides(tiny):
+    """FFN weights of every layer on a second device while attention stays on the first: the
+    scheduler runs the FFN matmuls there and copies activations both ways; same logits."""
+    path, T = tiny("qwen3", True)
+    ids = [(3 * i + 2) % N_VOCAB for i in range(9)]
+    want = reference(T, "qwen3", ids, np.arange(len(ids)))
+    devices = ["cpu:0[threads=1,mem=64MiB]", "cpu:1[threads=1,mem=64MiB]"]
+    model = stowlm.Model(path, devices=devices, layer_split=[6, 0],
+                         overrides={r"blk\.\d+\.ffn_(gate|up|down)\.weight": "cpu:1"})
+    assert model.tensor_device("blk.2.ffn_up.weight") == 1
+    assert model.tensor_device("blk.2.ffn_norm.weight") == 0
+    assert model.tensor_device("blk.2.attn_q.weight") == 0
+    ffn_bytes = sum(T[f"blk.{il}.ffn_{t}.weight"].nbytes for il in range(N_LAYER) for t in ("gate", "up", "down"))
+    ctx = stowlm.Context(model, n_ctx=16, n_ubatch=4)
+    report = ctx.memory_report()
+    assert report[1]["weights"] == ffn_bytes
+    assert report[0]["copies"] > 0 and report[1]["copies"] > 0
+    assert all(r["allocated"] == r["total"] for r in report)
+    assert_close(ctx.eval(ids, logits="all"), want, "qwen3 with FFN weights on cpu:1")
+    with pytest.raises(ValueError, match="cpu:7"):
+        stowlm.Model(path, devices=devices, overrides={"ffn": "cpu:7"})
+    with pytest.raises(ValueError, match="regular expression"):
+        stowlm.Model(path, devices=devices, overrides={"ffn[": 1})

@@ -29,6 +29,12 @@ std::vector<DeviceSpec> to_specs(const std::vector<SpecTuple>& in) {
     return out;
 }
 
+std::vector<TensorOverride> to_overrides(const std::vector<std::tuple<std::string, int>>& in) {
+    std::vector<TensorOverride> out;
+    for (const auto& t : in) out.push_back({std::get<0>(t), std::get<1>(t)});
+    return out;
+}
+
 nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* backends) {
     nb::list out;
     for (size_t d = 0; d < r.size(); d++) {
@@ -71,21 +77,23 @@ STOWLM_BIND(engine) {
     nb::class_<BoundModel>(e, "Model")
         .def("__init__",
              [](BoundModel* self, const std::string& path, const std::vector<SpecTuple>& devices,
-                const std::vector<int>& layer_split) {
+                const std::vector<int>& layer_split, const std::vector<std::tuple<std::string, int>>& overrides) {
                  std::unique_ptr<Model> model;
                  {
                      nb::gil_scoped_release nogil;
-                     model = Model::load(path, to_specs(devices), layer_split, true);
+                     model = Model::load(path, to_specs(devices), layer_split, true, to_overrides(overrides));
                  }
                  new (self) BoundModel{std::move(model)};
              },
-             nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"))
+             nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"))
         .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
         .def_prop_ro("n_layer", [](const BoundModel& s) { return s.m->hp().n_layer; })
         .def_prop_ro("n_vocab", [](const BoundModel& s) { return s.m->hp().n_vocab; })
         .def_prop_ro("n_embd", [](const BoundModel& s) { return s.m->hp().n_embd; })
         .def_prop_ro("n_ctx_train", [](const BoundModel& s) { return s.m->hp().n_ctx_train; })
         .def_prop_ro("layer_devices", [](const BoundModel& s) { return s.m->layer_devices(); })
+        .def("tensor_device",
+             [](const BoundModel& s, const std::string& name) { return s.m->weight_device(name); })
         .def_prop_ro("device_names",
                      [](const BoundModel& s) {
                          std::vector<std::string> n;
@@ -144,10 +152,11 @@ STOWLM_BIND(engine) {
     e.def(
         "project",
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
-           int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type) {
-            auto model = Model::load(path, to_specs(devices), layer_split, false);
+           const std::vector<std::tuple<std::string, int>>& overrides, int64_t n_ctx, int64_t n_ubatch,
+           const std::string& kv_type) {
+            auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides));
             return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type)), nullptr);
         },
-        nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
+        nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
         nb::arg("kv_type"));
 }

@@ -43,7 +43,8 @@ void load_common_hparams(const GGUFFile& f, HParams& hp) {
 }
 
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
-                                   const std::vector<int>& layer_split, bool count_weights) {
+                                   const std::vector<int>& layer_split, bool count_weights,
+                                   const std::vector<TensorOverride>& overrides) {
     if (devices.empty()) throw InvalidInput("Model: devices is empty");
     std::unique_ptr<Model> m(new Model());
     m->file_ = GGUFFile::open(path);
@@ -57,6 +58,16 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
     HParams& hp = m->hp_;
 
     for (size_t d = 0; d < devices.size(); d++) m->backends_.push_back(make_backend((int)d, devices[d]));
+    for (const TensorOverride& o : overrides) {
+        if (o.device < 0 || o.device >= (int)devices.size())
+            throw InvalidInput("tensor override '" + o.pattern + "': device index " + std::to_string(o.device) +
+                               " is not in the device list");
+        try {
+            m->overrides_.emplace_back(std::regex(o.pattern), o.device);
+        } catch (const std::regex_error& e) {
+            throw InvalidInput("tensor override '" + o.pattern + "' is not a valid regular expression: " + e.what());
+        }
+    }
 
     // Contiguous layer ranges per device.
     std::vector<int> split = layer_split;
@@ -136,6 +147,11 @@ std::vector<Backend*> Model::backends() const {
     return r;
 }
 
+int Model::weight_device(const std::string& name) const {
+    auto it = weights_.find(name);
+    return it == weights_.end() ? -1 : it->second.device;
+}
+
 Tensor* Model::optional(const std::string& name) {
     auto it = weights_.find(name);
     if (it != weights_.end()) return &it->second;
@@ -148,6 +164,11 @@ Tensor* Model::optional(const std::string& name) {
     set_contiguous_strides(t);
     t.role = TensorRole::WEIGHT;
     t.device = loading_device_;
+    for (const auto& o : overrides_)
+        if (std::regex_match(name, o.first)) {
+            t.device = o.second;
+            break;
+        }
     t.data = const_cast<uint8_t*>(gt->data);
     return &weights_.emplace(name, std::move(t)).first->second;
 }

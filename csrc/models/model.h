@@ -5,6 +5,7 @@
 #pragma once
 #include <map>
 #include <memory>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -69,12 +70,21 @@ const ArchDef* find_arch(const std::string& name);  // nullptr if unknown
 // objects, so self-registration would be lost).
 extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3;
 
+// A tensor override: weights whose name matches `pattern` (ECMAScript regex, whole name) live
+// on `device` instead of their layer's device; the first matching override wins. The scheduler
+// then runs the nodes that read them there and copies activations across.
+struct TensorOverride {
+    std::string pattern;
+    int device = 0;
+};
+
 class Model {
 public:
     // layer_split: layers per device (contiguous ranges, sums to n_layer); empty: even split.
     // count_weights=false: build shapes and placement only (projections), nothing reserved.
     static std::unique_ptr<Model> load(const std::string& path, const std::vector<DeviceSpec>& devices,
-                                       const std::vector<int>& layer_split, bool count_weights = true);
+                                       const std::vector<int>& layer_split, bool count_weights = true,
+                                       const std::vector<TensorOverride>& overrides = {});
 
     const GGUFFile& file() const { return *file_; }
     const HParams& hp() const { return hp_; }
@@ -88,6 +98,7 @@ public:
     int layer_device(int il) const { return layer_device_[il]; }
     const std::vector<int>& layer_devices() const { return layer_device_; }
     const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
+    int weight_device(const std::string& name) const;  // -1 when the model does not use it
 
     // Used by the arch files while loading.
     Tensor* require(const std::string& name);  // InvalidInput naming the tensor and file if absent
@@ -106,6 +117,7 @@ private:
     std::vector<size_t> weight_bytes_;
     std::vector<BufferPtr> weight_buffers_;
     int loading_device_ = 0;  // device for tensors named while loading a layer
+    std::vector<std::pair<std::regex, int>> overrides_;
 };
 
 // Hyperparameter helpers for the arch files.

@@ -14,6 +14,25 @@ from .devices import DeviceSpec, parse_devices
 _native = _core.engine
 
 
+def _overrides(overrides, devices: List[DeviceSpec]):
+    """{regex: device} (or [(regex, device)]) -> [(regex, device index)]; a device is named as in
+    the device list ("cpu:1") or given by its index."""
+    if not overrides:
+        return []
+    items = overrides.items() if hasattr(overrides, "items") else overrides
+    names = [d.name for d in devices]
+    out = []
+    for pattern, dev in items:
+        if isinstance(dev, int):
+            index = dev
+        elif str(dev) in names:
+            index = names.index(str(dev))
+        else:
+            raise ValueError(f"tensor override {pattern!r}: device {dev!r} is not one of {names}")
+        out.append((str(pattern), int(index)))
+    return out
+
+
 def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
     if layer_split is None:
         return []
@@ -27,16 +46,19 @@ class Model:
     """A GGUF model mapped (zero copy) and placed on devices.
 
     layer_split gives the number of layers per device (contiguous ranges); by default the layers
-    are spread evenly. Each device's share of the weights counts against its budget; a device
-    too small raises MemoryError naming it, and nothing stays allocated."""
+    are spread evenly. overrides ({regex: device}, first match wins) put the weights whose names
+    match on another device (e.g. {r"blk\\..*\\.ffn_.*": "cpu:1"}); the nodes that read them run
+    there. Each device's share of the weights counts against its budget; a device too small
+    raises MemoryError naming it, and nothing stays allocated."""
 
-    def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None):
+    def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"model file {path!r} does not exist")
         self.path = path
         self.devices: List[DeviceSpec] = parse_devices(devices)
-        self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split))
+        self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
+                                _overrides(overrides, self.devices))
 
     arch = property(lambda self: self._m.arch)
     n_layer = property(lambda self: self._m.n_layer)
@@ -44,6 +66,10 @@ class Model:
     n_embd = property(lambda self: self._m.n_embd)
     n_ctx_train = property(lambda self: self._m.n_ctx_train)
     layer_devices = property(lambda self: list(self._m.layer_devices))
+
+    def tensor_device(self, name: str) -> int:
+        """Index of the device holding weight `name` (-1 if the model does not use it)."""
+        return self._m.tensor_device(name)
 
     def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16") -> List[dict]:
         """Bytes per device (weights, kv, compute, total, budget) a Context with these
@@ -55,11 +81,11 @@ class Model:
 
 
 def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
-         kv_type: str = "f16") -> List[dict]:
+         kv_type: str = "f16", overrides=None) -> List[dict]:
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
-                           int(n_ctx), int(n_ubatch), kv_type)
+                           _overrides(overrides, specs), int(n_ctx), int(n_ubatch), kv_type)
 
 
 class Context:
