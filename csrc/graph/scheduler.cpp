@@ -15,7 +15,12 @@ int fallback_device(const std::vector<Backend*>& backends) {
     throw Unsupported("scheduler: no host-accessible device to run unsupported ops on");
 }
 
-int choose_device(const Tensor* n, const std::vector<Backend*>& backends) {
+// Execution index of each node, so that a weightless op follows its most recently produced
+// input: the residual add of a layer runs with that layer (its attention/FFN output), not where
+// the residual stream came from, which would send the stream back and forth between devices.
+using NodeIndex = std::map<const Tensor*, int>;
+
+int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
     int dev = -1;
     // Bytes that cannot move decide first.
     for (int i = 0; i < n->n_src() && dev < 0; i++) {
@@ -24,11 +29,17 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends) {
         const Tensor* r = s->storage_root();
         if (r->role == TensorRole::WEIGHT || r->role == TensorRole::KV) dev = r->device;
     }
-    for (int i = 0; i < n->n_src() && dev < 0; i++) {
-        const Tensor* s = n->src[i];
-        if (!s) continue;
-        const Tensor* r = s->storage_root();
-        if (r->role == TensorRole::COMPUTE) dev = r->device;
+    if (dev < 0) {
+        int latest = -1;
+        for (int i = 0; i < n->n_src(); i++) {
+            const Tensor* s = n->src[i];
+            if (!s) continue;
+            const Tensor* r = s->storage_root();
+            if (r->role != TensorRole::COMPUTE) continue;
+            auto it = index.find(r);
+            const int at = it == index.end() ? -1 : it->second;
+            if (dev < 0 || at > latest) latest = at, dev = r->device;
+        }
     }
     if (dev < 0) dev = 0;
     if (!backends.at(dev)->supports(*n)) dev = fallback_device(backends);
@@ -40,8 +51,10 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends) {
 void schedule(Graph& g, const std::vector<Backend*>& backends) {
     g.splits.clear();
     std::map<std::pair<const Tensor*, int>, Tensor*> copies;
+    NodeIndex index;
+    for (Tensor* n : g.nodes()) index.emplace(n, (int)index.size());
     for (Tensor* n : g.nodes()) {
-        const int dev = choose_device(n, backends);
+        const int dev = choose_device(n, backends, index);
         n->device = dev;
         if (g.splits.empty() || g.splits.back().device != dev) {
             g.splits.emplace_back();
