@@ -124,7 +124,7 @@ def test_greedy_matches_llama_cpp(loaded, prompt_figures):
 
 @pytest.mark.parametrize("name,splits", [
     ("smollm2-135m", [[15, 15], [10, 10, 10], [0, 30]]),
-    ("gemma3-270m", [[9, 9], [5, 7, 6]]),
+    ("gemma3-270m", [[5, 7, 6]]),
 ])
 def test_device_splits_give_same_logits(model_path, name, splits):
     path = model_path(name)
@@ -143,8 +143,8 @@ def test_device_splits_give_same_logits(model_path, name, splits):
 
 
 def test_micro_batches_and_truncate(model_path):
-    path = model_path("qwen2.5-coder-0.5b")
-    recs = [r for r in load_fixture("qwen2.5-coder-0.5b") if r["kind"] == "logits"]
+    path = model_path("smollm2-135m")
+    recs = [r for r in load_fixture("smollm2-135m") if r["kind"] == "logits"]
     ids = recs[1]["ids"]
     model = stowlm.Model(path, devices=ONE_THREAD)
     one = stowlm.Context(model, n_ctx=128, n_ubatch=64)
