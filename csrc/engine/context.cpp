@@ -137,6 +137,7 @@ void Context::run(ShapeGraph& sg) {
 
 std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                                  bool all_logits) {
+    std::lock_guard<std::mutex> lock(mu_);
     const int64_t n = (int64_t)tokens.size();
     if (n == 0) throw InvalidInput("eval: no tokens");
     if (!positions.empty() && (int64_t)positions.size() != n)

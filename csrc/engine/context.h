@@ -5,6 +5,7 @@
 #pragma once
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -39,8 +40,14 @@ public:
     // when all_logits, else the last token's.
     std::vector<float> eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                             bool all_logits);
-    void kv_truncate(int64_t n) { kv_->truncate(n); }
-    void clear() { kv_->clear(); }
+    void kv_truncate(int64_t n) {
+        std::lock_guard<std::mutex> lock(mu_);
+        kv_->truncate(n);
+    }
+    void clear() {
+        std::lock_guard<std::mutex> lock(mu_);
+        kv_->clear();
+    }
     int64_t n_past() const { return kv_->n_used(); }
     int64_t n_ctx() const { return params_.n_ctx; }
     int64_t n_vocab() const { return model_.hp().n_vocab; }
@@ -66,6 +73,7 @@ private:
     ComputePlan plan_;
     ComputeBuffers compute_;
     std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<ShapeGraph>> graphs_;
+    std::mutex mu_;  // eval runs without the GIL: one call at a time per context
 };
 
 // Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg).
