@@ -1,5 +1,6 @@
 """Memory planner: projected bytes equal allocated bytes per device; too-small devices fail
 cleanly; plans are sound (no two live tensors share bytes)."""
+import numpy as np
 import pytest
 
 import stowlm
@@ -47,6 +48,25 @@ def test_kv_and_compute_scale_with_parameters(model_path):
     assert a["kv"] == 30 * 2 * 128 * 192 * 2
     with pytest.raises(ValueError, match="kv_type"):
         plan(path, None, n_ctx=128, n_ubatch=16, kv_type="q3")
+
+
+def test_n_outputs_shrinks_the_logits_buffer(model_path):
+    """gemma3's 262144-token vocabulary: logits rows dominate the compute buffer. Fewer output
+    rows per micro-batch cost exactly that many fewer rows of n_vocab floats at the output, and
+    logits="all" still returns every row, the same numbers."""
+    path = model_path("gemma3-270m")
+    full = plan(path, None, n_ctx=64, n_ubatch=32)[0]
+    small = plan(path, None, n_ctx=64, n_ubatch=32, n_outputs=4)[0]
+    assert full["compute"] - small["compute"] >= (32 - 4) * 262144 * 4
+    assert plan(path, None, n_ctx=16, n_ubatch=512) == plan(path, None, n_ctx=16, n_ubatch=16)  # clamped
+    model = stowlm.Model(path, devices=["cpu:0[threads=1]"])
+    ids = list(range(1000, 1011))
+    ref = stowlm.Context(model, n_ctx=64, n_ubatch=32).eval(ids, logits="all")
+    ctx = stowlm.Context(model, n_ctx=64, n_ubatch=32, n_outputs=4)
+    assert ctx.memory_report()[0]["compute"] == small["compute"]
+    np.testing.assert_allclose(ctx.eval(ids, logits="all"), ref, rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(ctx.eval([5], logits="last"), stowlm.Context(model, n_ctx=64).eval(ids + [5]),
+                               rtol=1e-3, atol=2e-3)
 
 
 def test_context_too_big_fails_cleanly_then_fits(model_path):

@@ -53,10 +53,11 @@ nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* 
     return out;
 }
 
-ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type) {
+ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs) {
     ContextParams p;
     p.n_ctx = n_ctx;
     p.n_ubatch = n_ubatch;
+    p.n_outputs = n_outputs;
     p.kv_type = parse_kv_type(kv_type);
     return p;
 }
@@ -107,15 +108,16 @@ STOWLM_BIND(engine) {
                  return n;
              })
         .def("plan",
-             [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type) {
-                 return to_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type)), nullptr);
+             [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs) {
+                 return to_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
              },
-             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"));
+             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"));
 
     nb::class_<BoundContext>(e, "Context")
         .def("__init__",
-             [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type) {
-                 const ContextParams p = params(n_ctx, n_ubatch, kv_type);
+             [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type,
+                int64_t n_outputs) {
+                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs);
                  std::unique_ptr<Context> c;
                  {
                      nb::gil_scoped_release nogil;
@@ -123,7 +125,8 @@ STOWLM_BIND(engine) {
                  }
                  new (self) BoundContext{std::move(c)};
              },
-             nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::keep_alive<1, 2>())
+             nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"),
+             nb::keep_alive<1, 2>())
         .def("eval",
              [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions, bool all) {
                  std::vector<float>* out = nullptr;
@@ -153,10 +156,10 @@ STOWLM_BIND(engine) {
         "project",
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
            const std::vector<std::tuple<std::string, int>>& overrides, int64_t n_ctx, int64_t n_ubatch,
-           const std::string& kv_type) {
+           const std::string& kv_type, int64_t n_outputs) {
             auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides));
-            return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type)), nullptr);
+            return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
         },
         nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-        nb::arg("kv_type"));
+        nb::arg("kv_type"), nb::arg("n_outputs"));
 }

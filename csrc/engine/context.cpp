@@ -12,14 +12,20 @@ namespace {
 // The visible KV range grows in buckets, so decode reuses one graph for many tokens.
 constexpr int64_t kKvBucket = 256;
 
-void check_params(const Model& m, const ContextParams& p) {
+// Checked and clamped parameters; projection and allocation both go through here, so they
+// plan the same shapes.
+ContextParams checked(const Model& m, ContextParams p) {
     if (p.n_ctx <= 0) throw InvalidInput("n_ctx must be positive, got " + std::to_string(p.n_ctx));
     if (p.n_ubatch <= 0) throw InvalidInput("n_ubatch must be positive, got " + std::to_string(p.n_ubatch));
+    if (p.n_outputs < 0) throw InvalidInput("n_outputs must be >= 0, got " + std::to_string(p.n_outputs));
+    p.n_ubatch = std::min(p.n_ubatch, p.n_ctx);
+    p.n_outputs = p.n_outputs == 0 ? p.n_ubatch : std::min(p.n_outputs, p.n_ubatch);
     const QTypeInfo* kv = qtype_info((uint32_t)p.kv_type);
     const int64_t hd = m.hp().head_dim_k;
     if (hd % kv->block_elems)
         throw InvalidInput(std::string("kv_type ") + kv->name + " stores blocks of " + std::to_string(kv->block_elems) +
                            " but the model's head_dim is " + std::to_string(hd));
+    return p;
 }
 
 KVLayout kv_layout(const Model& m, const ContextParams& p) {
@@ -71,27 +77,25 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     schedule(g, model.backends());
 }
 
-std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& p) {
-    check_params(model, p);
+std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& params) {
+    const ContextParams p = checked(model, params);
     const KVLayout layout = kv_layout(model, p);
     KVCache kv(layout, model.backends(), /*allocate=*/false);
     Graph g;
     BuildInputs in;
-    build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_ubatch, g, in, nullptr);
+    build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
     const ComputePlan plan = plan_compute(g, model.backends());
     return report(model, kv.device_bytes(), plan);
 }
 
-Context::Context(Model& model, const ContextParams& p) : model_(model), params_(p) {
-    check_params(model, p);
-    params_.n_ubatch = std::min(p.n_ubatch, p.n_ctx);
+Context::Context(Model& model, const ContextParams& p) : model_(model), params_(checked(model, p)) {
     backends_ = model.backends();
     // Plan on the worst shape first; the smaller shapes reuse its offsets (same topology,
     // every tensor no larger), so nothing is allocated per token or per shape.
     Graph ref;
     BuildInputs in;
     KVCache shape_only(kv_layout(model, params_), backends_, false);
-    build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_ubatch, ref, in, nullptr);
+    build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
     plan_ = plan_compute(ref, backends_);
     kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true);
     compute_ = allocate_compute(plan_, backends_);
@@ -101,7 +105,7 @@ std::string Context::check_plan_sound() const {
     Graph ref;
     BuildInputs in;
     KVCache shape_only(kv_layout(model_, params_), backends_, false);
-    build_scheduled_graph(model_, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_ubatch, ref, in, nullptr);
+    build_scheduled_graph(model_, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
     return check_plan(ref, plan_);
 }
 
@@ -157,8 +161,9 @@ std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::
 
     std::vector<float> logits((all_logits ? n : 1) * n_vocab);
     const int64_t n_start = kv_->n_used();
-    for (int64_t b0 = 0; b0 < n; b0 += params_.n_ubatch) {
-        const int64_t nt = std::min(params_.n_ubatch, n - b0);
+    const int64_t step = all_logits ? params_.n_outputs : params_.n_ubatch;
+    for (int64_t b0 = 0; b0 < n; b0 += step) {
+        const int64_t nt = std::min(step, n - b0);
         const bool last = b0 + nt == n;
         // Earlier micro-batches of a "last" request still select one row; it is discarded.
         const int64_t n_out = all_logits ? nt : 1;

@@ -19,6 +19,10 @@ namespace stowlm {
 struct ContextParams {
     int64_t n_ctx = 4096;
     int64_t n_ubatch = 512;
+    // Most rows of logits one micro-batch returns (0: n_ubatch). The logits tensor is the
+    // largest in the compute buffer (n_vocab floats per row), so a context that mostly wants
+    // the last token's logits can keep it small; "all" requests then go n_outputs at a time.
+    int64_t n_outputs = 0;
     QType kv_type = QType::F16;
 };
 

@@ -71,27 +71,43 @@ class Model:
         """Index of the device holding weight `name` (-1 if the model does not use it)."""
         return self._m.tensor_device(name)
 
-    def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16") -> List[dict]:
+    def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16",
+             n_outputs: Optional[int] = None) -> List[dict]:
         """Bytes per device (weights, kv, compute, total, budget) a Context with these
         parameters would take; allocates nothing."""
-        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type)
+        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs))
 
     def __repr__(self) -> str:
         return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
 
 
 def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
-         kv_type: str = "f16", overrides=None) -> List[dict]:
+         kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None) -> List[dict]:
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
-                           _overrides(overrides, specs), int(n_ctx), int(n_ubatch), kv_type)
+                           _overrides(overrides, specs), int(n_ctx), int(n_ubatch), kv_type,
+                           _n_outputs(n_outputs))
+
+
+def _n_outputs(n_outputs: Optional[int]) -> int:
+    if n_outputs is None:
+        return 0
+    if int(n_outputs) <= 0:
+        raise ValueError(f"n_outputs must be positive, got {n_outputs}")
+    return int(n_outputs)
 
 
 class Context:
-    """KV cache + compute buffers for one sequence over a Model."""
+    """KV cache + compute buffers for one sequence over a Model.
 
-    def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: int = 512, kv_type: str = "f16"):
+    n_ubatch: tokens per micro-batch of prompt processing. n_outputs: most rows of logits one
+    micro-batch returns (default n_ubatch); the logits buffer (n_vocab floats per row) dominates
+    the compute buffer of large-vocabulary models, so a small n_outputs saves memory and only
+    makes logits="all" requests go in smaller steps."""
+
+    def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: int = 512, kv_type: str = "f16",
+                 n_outputs: Optional[int] = None):
         if n_ctx is None:
             n_ctx = min(4096, model.n_ctx_train)
         if int(n_ctx) <= 0:
@@ -99,7 +115,7 @@ class Context:
         if int(n_ubatch) <= 0:
             raise ValueError(f"n_ubatch must be positive, got {n_ubatch}")
         self.model = model
-        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type)
+        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs))
 
     def eval(self, tokens, positions=None, logits: str = "last") -> np.ndarray:
         """Appends tokens to the sequence and returns float32 logits: [n_vocab] for
