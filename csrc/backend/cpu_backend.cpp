@@ -11,6 +11,7 @@
 
 #include "backend/backend.h"
 #include "cpu/matmul.h"
+#include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "cpu/threadpool.h"
 #include "error.h"
@@ -97,6 +98,9 @@ public:
 
     size_t scratch_bytes(const Tensor& n) const override {
         if (n.op == Op::MUL_MAT) return cpu::matmul_scratch_bytes(n.src[0]->type, n.src[0]->ne[0], n.src[1]->n_rows());
+        if (n.op == Op::MUL_MAT_ID)
+            return cpu::mul_mat_id_scratch_bytes(n.src[0]->type, n.src[0]->ne[1], n.src[0]->ne[0], n.src[0]->ne[2],
+                                                 n.src[2]->ne[0], n.src[2]->ne[1]);
         if (n.op == Op::FLASH_ATTN)
             return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], n.src[0]->ne[0], pool_.size());
         return 0;
@@ -203,6 +207,23 @@ private:
                 return;
             case Op::GEGLU:
                 cpu::geglu(f32(a), a->ne[0], f32(b), b->ne[0], a->n_rows(), a->ne[0], f32(n), n->ne[0], pool);
+                return;
+            case Op::TOP_K:
+                cpu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], n->ne[0], (int32_t*)n->data, pool);
+                return;
+            case Op::MOE_WEIGHTS:
+                cpu::moe_weights(f32(a), a->n_rows(), a->ne[0], (const int32_t*)b->data, b->ne[0],
+                                 (cpu::Gating)n->iparams[0], n->iparams[1] != 0, n->fparams[0], f32(n), pool);
+                return;
+            case Op::MUL_MAT_ID: {
+                Tensor* ids = n->src[2];
+                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0]};
+                cpu::mul_mat_id(w, a->ne[2], (const int32_t*)ids->data, ids->ne[0], f32(b), b->ne[1], b->ne[0],
+                                ids->ne[1], f32(n), n->ne[0], scratch, pool);
+                return;
+            }
+            case Op::MOE_SUM:
+                cpu::moe_sum(f32(a), f32(b), a->ne[2], a->ne[1], a->ne[0], f32(n), pool);
                 return;
         }
     }

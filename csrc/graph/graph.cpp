@@ -21,6 +21,10 @@ const char* op_name(Op op) {
         case Op::SWIGLU: return "swiglu";
         case Op::GEGLU: return "geglu";
         case Op::COPY: return "copy";
+        case Op::TOP_K: return "top_k";
+        case Op::MOE_WEIGHTS: return "moe_weights";
+        case Op::MUL_MAT_ID: return "mul_mat_id";
+        case Op::MOE_SUM: return "moe_sum";
     }
     return "?";
 }
@@ -206,6 +210,51 @@ Tensor* copy_to_device(Graph& g, Tensor* src, int device) {
     t->src[0] = src;
     t->device = device;
     return t;  // the scheduler places it in its split
+}
+
+Tensor* top_k(Graph& g, Tensor* x, int64_t k) {
+    check(x->type == QType::F32 && k >= 1 && k <= x->ne[0], "top_k", x, "k must be in [1, row length] (F32 rows)");
+    Tensor* t = g.new_tensor("top_k", QType::I32, k, x->n_rows());
+    t->op = Op::TOP_K;
+    t->src[0] = x;
+    t->iparams[0] = (int32_t)k;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* moe_weights(Graph& g, Tensor* logits, Tensor* ids, int32_t gating, bool normalize, float scale) {
+    check(ids->type == QType::I32 && ids->ne[1] == logits->n_rows(), "moe_weights", logits,
+          "ids must be I32 [k, tokens]");
+    Tensor* t = g.new_tensor("moe_weights", QType::F32, ids->ne[0], ids->ne[1]);
+    t->op = Op::MOE_WEIGHTS;
+    t->src[0] = logits, t->src[1] = ids;
+    t->iparams[0] = gating, t->iparams[1] = normalize;
+    t->fparams[0] = scale;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* mul_mat_id(Graph& g, Tensor* experts, Tensor* x, Tensor* ids) {
+    const int64_t k = ids->ne[0], n = ids->ne[1];
+    check(experts->ne[0] == x->ne[0], "mul_mat_id", experts, "expert columns differ from activation length");
+    check(x->type == QType::F32 && x->is_contiguous(), "mul_mat_id", x, "activation must be contiguous F32");
+    check(ids->type == QType::I32, "mul_mat_id", ids, "ids must be I32 [k, tokens]");
+    check((x->ne[1] == 1 || x->ne[1] == k) && x->ne[2] == n, "mul_mat_id", x,
+          "activation must be [cols, 1 or k, tokens]");
+    Tensor* t = g.new_tensor("mul_mat_id", QType::F32, experts->ne[1], k, n);
+    t->op = Op::MUL_MAT_ID;
+    t->src[0] = experts, t->src[1] = x, t->src[2] = ids;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* moe_sum(Graph& g, Tensor* e, Tensor* weights) {
+    check(weights->ne[0] == e->ne[1] && weights->ne[1] == e->ne[2], "moe_sum", e, "weights must be [k, tokens]");
+    Tensor* t = g.new_tensor("moe_sum", QType::F32, e->ne[0], e->ne[2]);
+    t->op = Op::MOE_SUM;
+    t->src[0] = e, t->src[1] = weights;
+    g.add_node(t);
+    return t;
 }
 
 }  // namespace stowlm

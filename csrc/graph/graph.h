@@ -62,5 +62,10 @@ Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Ten
 Tensor* swiglu(Graph& g, Tensor* gate, Tensor* up);
 Tensor* geglu(Graph& g, Tensor* gate, Tensor* up);
 Tensor* copy_to_device(Graph& g, Tensor* src, int device);
+// Mixture of experts (see Op in graph/tensor.h).
+Tensor* top_k(Graph& g, Tensor* x, int64_t k);
+Tensor* moe_weights(Graph& g, Tensor* logits, Tensor* ids, int32_t gating, bool normalize, float scale);
+Tensor* mul_mat_id(Graph& g, Tensor* experts, Tensor* x, Tensor* ids);
+Tensor* moe_sum(Graph& g, Tensor* e, Tensor* weights);
 
 }  // namespace stowlm

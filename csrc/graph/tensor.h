@@ -31,6 +31,13 @@ enum class Op : uint8_t {
     SWIGLU,      // silu(src0) * src1
     GEGLU,       // gelu_tanh(src0) * src1
     COPY,        // src0 lives on another device; out is its copy on this node's device
+    // Mixture of experts:
+    TOP_K,       // src0 F32 [n, rows] -> I32 [k, rows]: indices of the k largest, best first; i[0] = k
+    MOE_WEIGHTS, // src0 router logits [n_expert, n], src1 ids I32 [k, n] -> F32 [k, n];
+                 // i[0] gating (cpu::Gating), i[1] normalize, f[0] scale
+    MUL_MAT_ID,  // src0 experts [cols, rows, n_expert], src1 F32 [cols, 1 or k, n], src2 ids I32 [k, n]
+                 // -> F32 [rows, k, n]
+    MOE_SUM,     // src0 F32 [d, k, n], src1 weights [k, n] -> F32 [d, n]
 };
 
 const char* op_name(Op op);

@@ -2,11 +2,35 @@
 
 #include <cmath>
 
+#include "error.h"
 #include "kv/kv_cache.h"
 
 namespace stowlm {
 
 std::string layer_tensor(int il, const char* what) { return "blk." + std::to_string(il) + "." + what; }
+
+void load_moe_layer(Model& m, int il, LayerWeights& w) {
+    const HParams& hp = m.hp();
+    auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
+    w.ffn_gate_inp = req("ffn_gate_inp.weight");
+    w.ffn_gate_exps = req("ffn_gate_exps.weight");
+    w.ffn_up_exps = req("ffn_up_exps.weight");
+    w.ffn_down_exps = req("ffn_down_exps.weight");
+    auto bad = [&](const Tensor* t, const std::string& want) {
+        throw InvalidInput(m.file().path() + ": " + t->name + " has shape [" + std::to_string(t->ne[0]) + ", " +
+                           std::to_string(t->ne[1]) + ", " + std::to_string(t->ne[2]) + "], expected " + want);
+    };
+    const std::string E = std::to_string(hp.n_embd), N = std::to_string(hp.n_expert);
+    if (w.ffn_gate_inp->ne[0] != hp.n_embd || w.ffn_gate_inp->ne[1] != hp.n_expert || w.ffn_gate_inp->ne[2] != 1)
+        bad(w.ffn_gate_inp, "[" + E + ", " + N + "] (n_embd, expert_count)");
+    const int64_t ff = w.ffn_gate_exps->ne[1];
+    const std::string F = std::to_string(ff);
+    for (const Tensor* t : {w.ffn_gate_exps, w.ffn_up_exps})
+        if (t->ne[0] != hp.n_embd || t->ne[1] != ff || t->ne[2] != hp.n_expert)
+            bad(t, "[" + E + ", " + F + ", " + N + "] (n_embd, expert ff, expert_count)");
+    if (w.ffn_down_exps->ne[0] != ff || w.ffn_down_exps->ne[1] != hp.n_embd || w.ffn_down_exps->ne[2] != hp.n_expert)
+        bad(w.ffn_down_exps, "[" + F + ", " + E + ", " + N + "] (expert ff, n_embd, expert_count)");
+}
 
 void load_standard_layer(Model& m, int il, LayerWeights& w) {
     auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
@@ -24,9 +48,13 @@ void load_standard_layer(Model& m, int il, LayerWeights& w) {
     w.k_norm = opt("attn_k_norm.weight");
     w.post_attn_norm = opt("post_attention_norm.weight");
     w.ffn_norm = req("ffn_norm.weight");
-    w.ffn_gate = req("ffn_gate.weight");
-    w.ffn_up = req("ffn_up.weight");
-    w.ffn_down = req("ffn_down.weight");
+    if (m.hp().n_expert > 0) {
+        load_moe_layer(m, il, w);
+    } else {
+        w.ffn_gate = req("ffn_gate.weight");
+        w.ffn_up = req("ffn_up.weight");
+        w.ffn_down = req("ffn_down.weight");
+    }
     w.post_ffn_norm = opt("post_ffw_norm.weight");
 }
 
@@ -84,6 +112,25 @@ Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
     Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
     Tensor* h = named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act");
     return named(mul_mat(c.g, w.ffn_down, h), il, "ffn_out");
+}
+
+Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
+    const HParams& hp = c.model.hp();
+    const LayerWeights& w = c.model.layers()[il];
+    Graph& g = c.g;
+    const int64_t n = c.n_tok, k = hp.n_expert_used;
+    Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
+    // Softmax and sigmoid are monotonic: the top k of the logits are the top k of the probabilities.
+    Tensor* ids = named(top_k(g, logits, k), il, "ffn_moe_topk");
+    Tensor* weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm,
+                                        hp.expert_weights_scale),
+                            il, "ffn_moe_weights");
+    Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
+    Tensor* gate = named(mul_mat_id(g, w.ffn_gate_exps, x3, ids), il, "ffn_moe_gate");
+    Tensor* up = named(mul_mat_id(g, w.ffn_up_exps, x3, ids), il, "ffn_moe_up");
+    Tensor* h = named(swiglu(g, gate, up), il, "ffn_moe_act");
+    Tensor* down = named(mul_mat_id(g, w.ffn_down_exps, h, ids), il, "ffn_moe_down");
+    return named(moe_sum(g, down, weights), il, "ffn_moe_out");
 }
 
 Tensor* build_output(BuildContext& c, Tensor* x) {

@@ -1,5 +1,6 @@
 // llama family (Llama 2/3, SmolLM2): pre-norm, GQA, RoPE on adjacent pairs, SwiGLU FFN;
-// the output head is tied to the embedding when the file has no output.weight.
+// the output head is tied to the embedding when the file has no output.weight. With
+// llama.expert_count > 0 the FFN is a mixture of experts (Mixtral style).
 #include "models/blocks.h"
 
 namespace stowlm {
@@ -8,6 +9,7 @@ namespace {
 
 void llama_hparams(const GGUFFile& f, HParams& hp) {
     load_common_hparams(f, hp);
+    load_moe_hparams(f, hp, true);  // Mixtral-style experts: picked weights renormalised
     hp.rope_neox = false;
 }
 
@@ -25,7 +27,7 @@ Tensor* build_prenorm_decoder(BuildContext& c) {
         x->name = layer_tensor(il, "attn_residual");
         h = rms_norm(c.g, x, w.ffn_norm, hp.eps);
         h->name = layer_tensor(il, "ffn_normed");
-        x = add(c.g, x, build_ffn(c, il, h, FfnAct::SILU));
+        x = add(c.g, x, w.ffn_gate_inp ? build_moe_ffn(c, il, h) : build_ffn(c, il, h, FfnAct::SILU));
         x->name = layer_tensor(il, "ffn_residual");
     }
     return build_output(c, x);

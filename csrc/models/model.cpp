@@ -8,7 +8,7 @@
 namespace stowlm {
 
 const ArchDef* find_arch(const std::string& name) {
-    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3})
+    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe})
         if (name == a->name) return a;
     return nullptr;
 }
@@ -42,6 +42,23 @@ void load_common_hparams(const GGUFFile& f, HParams& hp) {
     hp.swa_layer.assign(hp.n_layer, false);
 }
 
+void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default) {
+    const std::string a = hp.arch + ".";
+    hp.n_expert = f.get_int(a + "expert_count", 0);
+    hp.n_expert_used = f.get_int(a + "expert_used_count", 0);
+    if (hp.n_expert < 0 || hp.n_expert_used < 0 || hp.n_expert_used > hp.n_expert ||
+        (hp.n_expert > 0 && hp.n_expert_used == 0))
+        throw InvalidInput(f.path() + ": " + a + "expert_used_count=" + std::to_string(hp.n_expert_used) +
+                           " must be in [1, expert_count=" + std::to_string(hp.n_expert) + "]");
+    hp.expert_weights_norm = f.get_int(a + "expert_weights_norm", norm_default ? 1 : 0) != 0;
+    hp.expert_weights_scale = (float)f.get_float(a + "expert_weights_scale", 0.0);
+    const int64_t gating = f.get_int(a + "expert_gating_func", 1);  // llama.cpp: 1 softmax, 2 sigmoid
+    if (gating != 1 && gating != 2)
+        throw InvalidInput(f.path() + ": " + a + "expert_gating_func=" + std::to_string(gating) +
+                           " is not supported (1 softmax, 2 sigmoid)");
+    hp.expert_gating = gating == 2 ? 1 : 0;
+}
+
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
                                    const std::vector<TensorOverride>& overrides) {
@@ -53,7 +70,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
     m->arch_ = find_arch(m->hp_.arch);
     if (!m->arch_)
         throw InvalidInput("unknown architecture '" + m->hp_.arch + "' in " + path +
-                           " (stowlm knows llama, qwen2, qwen3, gemma3)");
+                           " (stowlm knows llama, qwen2, qwen3, qwen3moe, gemma3)");
     m->arch_->load_hparams(f, m->hp_);
     HParams& hp = m->hp_;
 

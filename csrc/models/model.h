@@ -28,6 +28,11 @@ struct HParams {
     float attn_scale = 0;         // 0: 1/sqrt(head_dim_k)
     float attn_softcap = 0, final_softcap = 0;
     float embed_scale = 1;        // gemma: sqrt(n_embd)
+    // Mixture of experts (0 experts: dense FFN).
+    int64_t n_expert = 0, n_expert_used = 0;
+    int32_t expert_gating = 0;        // cpu::Gating: 0 softmax, 1 sigmoid
+    bool expert_weights_norm = false; // renormalise the picked experts' weights to sum to 1
+    float expert_weights_scale = 0;   // 0: none
 };
 
 // The weights of one layer a builder may use (null where the file has none).
@@ -36,6 +41,8 @@ struct LayerWeights {
     Tensor *bq = nullptr, *bk = nullptr, *bv = nullptr, *bo = nullptr;
     Tensor *q_norm = nullptr, *k_norm = nullptr, *post_attn_norm = nullptr;
     Tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr, *post_ffn_norm = nullptr;
+    // Mixture of experts: router [n_embd, n_expert] and the 3-d expert stacks [.., .., n_expert].
+    Tensor *ffn_gate_inp = nullptr, *ffn_gate_exps = nullptr, *ffn_up_exps = nullptr, *ffn_down_exps = nullptr;
 };
 
 class Model;
@@ -68,7 +75,7 @@ struct ArchDef {
 const ArchDef* find_arch(const std::string& name);  // nullptr if unknown
 // Defined by the architecture files (listed explicitly: a static library drops unreferenced
 // objects, so self-registration would be lost).
-extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3;
+extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3Moe;
 
 // A tensor override: weights whose name matches `pattern` (ECMAScript regex, whole name) live
 // on `device` instead of their layer's device; the first matching override wins. The scheduler
@@ -122,5 +129,8 @@ private:
 
 // Hyperparameter helpers for the arch files.
 void load_common_hparams(const GGUFFile& f, HParams& hp);
+// The {arch}.expert_* keys; `norm_default` is the architecture's convention when the file does
+// not say whether the picked experts' weights are renormalised.
+void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default);
 
 }  // namespace stowlm
