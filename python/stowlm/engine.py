@@ -4,6 +4,7 @@ in the native core (stowlm._core.engine); this module only shapes arguments and 
 from __future__ import annotations
 
 import os
+import re
 from typing import List, Optional, Sequence
 
 import numpy as np
@@ -33,6 +34,31 @@ def _overrides(overrides, devices: List[DeviceSpec]):
     return out
 
 
+def _tensor_overrides(specs, devices: List[DeviceSpec]):
+    """["REGEX=DEVICE", ...] -> [(pattern, device index)]. REGEX is searched for anywhere in a
+    tensor's name (as llama.cpp's --override-tensor does); the first matching entry wins."""
+    if not specs:
+        return []
+    if isinstance(specs, str):
+        specs = [specs]
+    names = [d.name for d in devices]
+    out = []
+    for spec in specs:
+        pattern, sep, dev = str(spec).rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"tensor override {spec!r} is not of the form REGEX=DEVICE")
+        dev = dev.strip()
+        if dev not in names:
+            raise ValueError(f"tensor override {spec!r}: device {dev!r} is not one of {names}")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"tensor override {spec!r}: invalid regular expression: {e}") from None
+        # The native side matches whole names; wrapping makes that a search.
+        out.append((f"[\\s\\S]*(?:{pattern})[\\s\\S]*", names.index(dev)))
+    return out
+
+
 def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
     if layer_split is None:
         return []
@@ -48,17 +74,20 @@ class Model:
     layer_split gives the number of layers per device (contiguous ranges); by default the layers
     are spread evenly. overrides ({regex: device}, first match wins) put the weights whose names
     match on another device (e.g. {r"blk\\..*\\.ffn_.*": "cpu:1"}); the nodes that read them run
-    there. Each device's share of the weights counts against its budget; a device too small
+    there. tensor_overrides (["REGEX=DEVICE", ...], e.g. [r"blk\\.[0-9]+\\.ffn_.*_exps=cpu:1"] for the
+    experts of a mixture-of-experts model) do the same with llama.cpp's syntax: the regex is
+    searched for in the name; they are tried before `overrides`. Each device's share of the weights counts against its budget; a device too small
     raises MemoryError naming it, and nothing stays allocated."""
 
-    def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None):
+    def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
+                 tensor_overrides: Optional[Sequence[str]] = None):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"model file {path!r} does not exist")
         self.path = path
         self.devices: List[DeviceSpec] = parse_devices(devices)
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
-                                _overrides(overrides, self.devices))
+                                _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices))
 
     arch = property(lambda self: self._m.arch)
     n_layer = property(lambda self: self._m.n_layer)
@@ -82,11 +111,13 @@ class Model:
 
 
 def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
-         kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None) -> List[dict]:
+         kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None,
+         tensor_overrides: Optional[Sequence[str]] = None) -> List[dict]:
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
-                           _overrides(overrides, specs), int(n_ctx), int(n_ubatch), kv_type,
+                           _tensor_overrides(tensor_overrides, specs) + _overrides(overrides, specs), int(n_ctx),
+                           int(n_ubatch), kv_type,
                            _n_outputs(n_outputs))
 
 
