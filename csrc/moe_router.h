@@ -16,26 +16,24 @@ struct RouterParams {
     bool normalize = false;
 };
 
-// Index of the largest logit among those not yet taken; ties go to the lower index and
-// NaN is never picked over a number. `taken` is a bit set of chosen experts (n <= 64*words).
-HOST_DEVICE int router_argmax(const float* logits, int n, const uint64_t* taken) {
+// Index of the largest logit not among taken[0..n_taken); ties go to the lower index and NaN
+// is never picked over a number. (A scan of the chosen ids rather than a bit set: no local
+// array, so device code keeps everything in registers.)
+HOST_DEVICE int router_argmax(const float* logits, int n, const int* taken, int n_taken) {
     int best = -1;
     for (int e = 0; e < n; e++) {
-        if ((taken[e >> 6] >> (e & 63)) & 1u) continue;
+        bool used = false;
+        for (int u = 0; u < n_taken; u++) used = used || taken[u] == e;
+        if (used) continue;
         const float v = logits[e];
         if (best < 0 || v > logits[best] || (logits[best] != logits[best] && v == v)) best = e;
     }
     return best;
 }
 
-// Experts 0..n-1 (n <= 256), top k (k <= n) into ids[0..k), weights into w[0..k), best first.
+// Experts 0..n-1, top k (k <= n) into ids[0..k), weights into w[0..k), best first.
 HOST_DEVICE void router_topk(const float* logits, int n, const RouterParams& p, int* ids, float* w) {
-    uint64_t taken[4] = {0, 0, 0, 0};
-    for (int j = 0; j < p.k; j++) {
-        const int e = router_argmax(logits, n, taken);
-        taken[e >> 6] |= (uint64_t)1 << (e & 63);
-        ids[j] = e;
-    }
+    for (int j = 0; j < p.k; j++) ids[j] = router_argmax(logits, n, ids, j);
     // Softmax with the largest chosen logit as the shift (it is also the overall maximum).
     const float mx = logits[ids[0]];
     float denom = 0.0f;
