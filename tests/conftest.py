@@ -42,3 +42,14 @@ def load_fixture(name: str):
 @pytest.fixture(scope="session")
 def model_path():
     return get_model
+
+
+def subprocess_env(**extra) -> dict:
+    """Environment for a child Python that must import the same stowlm as this test run
+    (the installed package in CI, python/ in a development build)."""
+    import stowlm
+
+    pkg_parent = str(Path(stowlm.__file__).resolve().parent.parent)
+    env = dict(os.environ, **extra)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [pkg_parent, env.get("PYTHONPATH", "")] if p)
+    return env

@@ -11,6 +11,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
+
 import gguf
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFValueType as VT
@@ -428,7 +430,7 @@ def test_fuzz_truncate_and_flip_never_crash(tmp_path):
     data_end = max(int(t.data_offset) + int(t.n_bytes) for t in ref.tensors)
     script = tmp_path / "fuzz.py"
     script.write_text(FUZZ)
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = subprocess_env()
     p = subprocess.run([sys.executable, str(script), str(small_model), str(tmp_path), str(head_end), str(data_end)],
                        capture_output=True, text=True, env=env, timeout=300)
     lines = p.stdout.splitlines()

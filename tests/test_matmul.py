@@ -9,6 +9,8 @@ import textwrap
 import numpy as np
 import pytest
 
+from conftest import subprocess_env
+
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
 
@@ -155,10 +157,7 @@ def test_cpu_info_consistent():
 
 
 def _run_py(code, env_extra=None):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([os.path.join(os.path.dirname(__file__), "..", "python"),
-                                         env.get("PYTHONPATH", "")])
-    env.update(env_extra or {})
+    env = subprocess_env(**(env_extra or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
                           text=True, timeout=120)
 

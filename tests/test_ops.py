@@ -5,20 +5,22 @@ import pytest
 from gguf import quants as gq
 from gguf.constants import GGMLQuantizationType as GT
 
-from stowlm._core import ops
 from stowlm import _core
+from stowlm import ops as stowlm_ops
+from stowlm._core import ops
 
 ISAS = ["scalar", "avx2", "avx512"]
 
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    got = ops.set_ops_isa(request.param)
-    if got != request.param:
-        ops.set_ops_isa("avx512")
+    info = stowlm_ops.cpu_info()
+    if request.param not in info["supported"]:
         pytest.skip(f"CPU has no {request.param}")
+    stowlm_ops.set_isa(request.param)
+    assert ops.ops_isa() == request.param
     yield request.param
-    ops.set_ops_isa("avx512")  # back to the best the CPU has
+    stowlm_ops.set_isa(info["best"])
 
 
 def rng(seed=0):
@@ -109,6 +111,18 @@ def test_rope(isa, neox, n_tok, n_head, hd, n_rot, base, scale):
     np.testing.assert_array_equal(got[..., n_rot:], x[..., n_rot:])
 
 
+def test_rope_repeated_calls_follow_positions_and_params():
+    # The cos/sin table is reused between calls with the same positions; any change must show.
+    r = rng(3)
+    x = r.standard_normal((4, 2, 64)).astype(np.float32)
+    a = np.array([5, 6, 7, 8], np.int32)
+    b = np.array([5, 6, 7, 9], np.int32)
+    for pos, base, scale, n_rot in [(a, 1e4, 1.0, 64), (a, 1e4, 1.0, 64), (b, 1e4, 1.0, 64), (b, 5e5, 1.0, 64),
+                                    (b, 5e5, 0.5, 64), (b, 5e5, 0.5, 32), (a[:3], 1e4, 1.0, 64)]:
+        got = ops.rope(x[:len(pos)], pos, n_rot, base, scale, False)
+        np.testing.assert_allclose(got, rope_ref(x[:len(pos)], pos, n_rot, base, scale, False), atol=5e-5)
+
+
 def test_rope_bad_n_rot():
     x = np.ones((1, 1, 64), np.float32)
     with pytest.raises(ValueError, match="n_rot"):
@@ -157,7 +171,7 @@ def attn_ref(q, k, v, q_pos, kv_pos, scale, softcap, window, causal, kv_type):
 
 
 def run_attn(r, n_tok, n_head, n_head_kv, hd, q_pos, kv_pos, kv_type="F16", scale=None, softcap=0.0, window=0,
-             causal=True, k_f16_input=False):
+             causal=True, k_f16_input=False, threads=0):
     q = r.standard_normal((n_tok, n_head, hd)).astype(np.float32)
     k = r.standard_normal((len(kv_pos), n_head_kv, hd)).astype(np.float32)
     v = r.standard_normal((len(kv_pos), n_head_kv, hd)).astype(np.float32)
@@ -165,13 +179,13 @@ def run_attn(r, n_tok, n_head, n_head_kv, hd, q_pos, kv_pos, kv_type="F16", scal
     q_pos = np.asarray(q_pos, np.int32)
     kv_pos = np.asarray(kv_pos, np.int32)
     kk, vv = (k.astype(np.float16), v.astype(np.float16)) if k_f16_input else (k, v)
-    got = ops.flash_attn(q, kk, vv, q_pos, kv_pos, scale, softcap, window, causal, kv_type)
+    got = ops.flash_attn(q, kk, vv, q_pos, kv_pos, scale, softcap, window, causal, kv_type, threads)
     ref = attn_ref(q, k, v, q_pos, kv_pos, scale, softcap, window, causal, kv_type)
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=2e-5)
     return got, ref
 
 
-@pytest.mark.parametrize("hd", [64, 80, 128, 256])
+@pytest.mark.parametrize("hd", [36, 64, 80, 128, 256])
 @pytest.mark.parametrize("n_head,n_head_kv", [(2, 2), (9, 3), (7, 1)])
 def test_attn_prompt_causal(isa, hd, n_head, n_head_kv):
     n = 5
@@ -233,6 +247,19 @@ def test_attn_decode(isa, n_kv):
     run_attn(r, 1, 9, 3, 64, [n_kv - 1], np.arange(n_kv), k_f16_input=True)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+def test_attn_decode_kv_split_threads(isa, threads, kv_type):
+    # Single-token decoding splits the KV range across the pool's threads and merges the partial
+    # softmax states; uneven splits, empty cells and a window cutting across splits included.
+    r = rng(threads)
+    n_kv = 2000
+    kv_pos = np.arange(n_kv)
+    kv_pos[r.choice(n_kv, 50, replace=False)] = -1
+    run_attn(r, 1, 4, 2, 64, [n_kv - 1], kv_pos, kv_type=kv_type, threads=threads)
+    run_attn(r, 2, 4, 2, 64, [1500, 1501], kv_pos, kv_type=kv_type, window=700, threads=threads)
+
+
 def test_attn_bad_input():
     q = np.zeros((2, 4, 64), np.float32)
     k = np.zeros((8, 2, 64), np.float32)
@@ -276,8 +303,6 @@ def test_store_kv(isa, hd, n_head_kv):
 # byte offsets of the fp16 scale fields inside one block, so random blocks decode to finite values
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
                "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
-# decoders get_rows must have now (the rest arrive with the shared dequantize_row)
-REQUIRED = {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K"}
 
 
 def random_rows(r, name, n_rows, n_cols):
@@ -297,8 +322,8 @@ def random_rows(r, name, n_rows, n_cols):
     return raw.reshape(n_rows, nb * block_bytes)
 
 
-GET_ROWS_TYPES = [t for t in ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K",
-                              "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"]]
+GET_ROWS_TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                  "IQ4_NL", "IQ4_XS"]
 
 
 @pytest.mark.parametrize("name", GET_ROWS_TYPES)
@@ -310,12 +335,7 @@ def test_get_rows(name):
     n_cols = 33 if block_elems == 1 else 2 * block_elems
     raw = random_rows(r, name, 7, n_cols)
     ids = np.array([6, 0, 3, 3, 1], np.int32)
-    try:
-        got = ops.get_rows(raw, name, ids, n_cols)
-    except RuntimeError as e:
-        if name in REQUIRED:
-            raise
-        pytest.skip(f"no decoder for {name} yet: {e}")
+    got = ops.get_rows(raw, name, ids, n_cols)
     ref = gq.dequantize(raw, GT[name]).astype(np.float32).reshape(7, n_cols)
     np.testing.assert_allclose(got, ref[ids], rtol=1e-6, atol=1e-7)
 

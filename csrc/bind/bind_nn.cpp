@@ -6,6 +6,7 @@
 
 #include <chrono>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -159,7 +160,7 @@ STOWLM_BIND(nn) {
     ops.def("flash_attn",
             [](In<float> q, nb::ndarray<nb::c_contig, nb::device::cpu> k, nb::ndarray<nb::c_contig, nb::device::cpu> v,
                In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap, int window, bool causal,
-               nb::handle kv_type_h) {
+               nb::handle kv_type_h, int threads) {
                 const QType kv_type = parse_qtype(kv_type_h, "kv_type");
                 if (kv_type != QType::F16 && kv_type != QType::Q8_0)
                     throw InvalidInput("kv_type must be F16 or Q8_0");
@@ -185,18 +186,21 @@ STOWLM_BIND(nn) {
                 p.softcap = softcap;
                 p.window = window;
                 p.causal = causal;
-                std::vector<uint8_t> scratch(cpu::flash_attn_scratch_bytes(n_tok, n_head, hd, pool().size()));
+                // threads > 0: a pool of that size for this call (tests of the KV split across threads).
+                std::unique_ptr<ThreadPool> own = threads > 0 ? std::make_unique<ThreadPool>(threads) : nullptr;
+                ThreadPool& tp = own ? *own : pool();
+                std::vector<uint8_t> scratch(cpu::flash_attn_scratch_bytes(n_tok, n_head, hd, tp.size()));
                 {
                     nb::gil_scoped_release rel;
                     cpu::flash_attn(q.data(), n_tok, n_head, n_head * hd, kc.data(), vc.data(), kv_type, n_kv,
                                     n_head_kv, n_head_kv * row_bytes(kv_type, hd), hd, q_pos.data(), kv_pos.data(), p,
-                                    o.data(), n_head * hd, scratch.data(), pool());
+                                    o.data(), n_head * hd, scratch.data(), tp);
                 }
                 return o;
             },
             nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"), nb::arg("scale"),
             nb::arg("softcap") = 0.0f, nb::arg("window") = 0, nb::arg("causal") = true,
-            nb::arg("kv_type") = "F16");
+            nb::arg("kv_type") = "F16", nb::arg("threads") = 0);
 
     // Times `iters` calls of flash_attn on cells encoded once (for benchmarks): seconds per call.
     ops.def("bench_flash_attn",
@@ -274,14 +278,6 @@ STOWLM_BIND(nn) {
         return y;
     }, nb::arg("x"), nb::arg("cap"));
 
-    // Instruction-set path of these ops (until the shared set_isa of cpu_features lands).
+    // The kernel path these ops use now (follows stowlm._core.cpu.set_isa).
     ops.def("ops_isa", [] { return std::string(cpu::ops_isa_name(cpu::ops_isa())); });
-    ops.def("set_ops_isa", [](const std::string& name) {
-        cpu::OpsIsa want;
-        if (name == "scalar") want = cpu::OpsIsa::Scalar;
-        else if (name == "avx2") want = cpu::OpsIsa::Avx2;
-        else if (name == "avx512") want = cpu::OpsIsa::Avx512;
-        else throw InvalidInput("set_ops_isa: unknown instruction set '" + name + "' (scalar, avx2, avx512)");
-        return std::string(cpu::ops_isa_name(cpu::set_ops_isa(want)));
-    }, nb::arg("name"));
 }

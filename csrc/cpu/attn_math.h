@@ -8,9 +8,16 @@
 namespace stowlm {
 
 // Rotation angle of pair i (0 <= i < n_rot/2) at position pos, llama.cpp's convention:
-// theta_i = pos * freq_scale * base^(-2i/n_rot).
+// theta_i = pos * freq_scale * base^(-2i/n_rot). rope_inv_freq is the per-pair factor, so a
+// caller may tabulate it once and get the same bits as rope_theta.
+HOST_DEVICE float rope_inv_freq(int i, int n_rot, float freq_base) {
+    return powf(freq_base, -2.0f * (float)i / (float)n_rot);
+}
+HOST_DEVICE float rope_theta_f(int pos, float inv_freq, float freq_scale) {
+    return (float)pos * freq_scale * inv_freq;
+}
 HOST_DEVICE float rope_theta(int pos, int i, int n_rot, float freq_base, float freq_scale) {
-    return (float)pos * freq_scale * powf(freq_base, -2.0f * (float)i / (float)n_rot);
+    return rope_theta_f(pos, rope_inv_freq(i, n_rot, freq_base), freq_scale);
 }
 
 // Online softmax: running max m, running sum l (of exp(s - m)). Raising the max to new_m

@@ -5,15 +5,17 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common.h"
 #include "cpu/attn_math.h"
 #include "cpu/ops_kernels.h"
-#include "quant/dequant.h"
 #include "error.h"
 #include "quant/blocks.h"
+#include "quant/dequant.h"
 
 namespace stowlm::cpu {
 
@@ -48,6 +50,55 @@ void quantize_q8_0(const float* x, block_q8_0* y, int64_t n) {
         y[b].d = f32_to_fp16(d);
         for (int i = 0; i < QK; i++) y[b].qs[i] = (int8_t)roundf(xb[i] * id);
     }
+}
+
+// cos/sin of every (token, pair) of a call. A layer's q and k, and every layer of a
+// micro-batch, rotate by the same positions, so the last table is kept and reused when the
+// positions and parameters match (a memcmp instead of n_tok * n_rot/2 sincos).
+struct RopeTable {
+    std::vector<int32_t> pos;
+    int32_t n_rot;
+    float base, scale;
+    bool neox;
+    std::vector<float> cs;  // [n_tok][cc[n_rot], ss[n_rot]] in rope_head's form for this mode
+};
+
+std::shared_ptr<const RopeTable> rope_table(const int32_t* pos, int64_t n_tok, const RopeParams& p) {
+    static std::mutex mu;
+    static std::shared_ptr<const RopeTable> last;
+    {
+        std::lock_guard<std::mutex> lock(mu);
+        if (last && last->n_rot == p.n_rot && last->base == p.freq_base && last->scale == p.freq_scale &&
+            last->neox == p.neox &&
+            (int64_t)last->pos.size() == n_tok && std::memcmp(last->pos.data(), pos, (size_t)n_tok * 4) == 0)
+            return last;
+    }
+    auto t = std::make_shared<RopeTable>();
+    t->pos.assign(pos, pos + n_tok);
+    t->n_rot = p.n_rot;
+    t->base = p.freq_base;
+    t->scale = p.freq_scale;
+    t->neox = p.neox;
+    const int64_t half = p.n_rot / 2, n_rot = p.n_rot;
+    std::vector<float> inv((size_t)half);
+    for (int64_t i = 0; i < half; i++) inv[i] = rope_inv_freq((int)i, p.n_rot, p.freq_base);
+    t->cs.resize((size_t)(n_tok * n_rot * 2));
+    for (int64_t tk = 0; tk < n_tok; tk++) {
+        float* cc = t->cs.data() + (size_t)tk * n_rot * 2;
+        float* ss = cc + n_rot;
+        for (int64_t i = 0; i < half; i++) {
+            const float th = rope_theta_f(pos[tk], inv[i], p.freq_scale);
+            const float c = std::cos(th), sn = std::sin(th);
+            // pair (a, b): y_a = x_a cos - x_b sin, y_b = x_b cos + x_a sin
+            const int64_t a = p.neox ? i : 2 * i, b = p.neox ? i + half : 2 * i + 1;
+            cc[a] = cc[b] = c;
+            ss[a] = -sn;
+            ss[b] = sn;
+        }
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    last = t;
+    return t;
 }
 
 }  // namespace
@@ -89,33 +140,18 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
     if (p.n_rot <= 0 || p.n_rot % 2 != 0 || p.n_rot > head_dim)
         throw InvalidInput("rope: n_rot " + std::to_string(p.n_rot) + " must be even, > 0 and <= head_dim " +
                            std::to_string(head_dim));
-    const int64_t half = p.n_rot / 2;
-    // cos/sin once per token, shared by all heads.
-    std::vector<float> cs((size_t)(n_tok * half * 2));
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t i = 0; i < half; i++) {
-            const float th = rope_theta(pos[t], (int)i, p.n_rot, p.freq_base, p.freq_scale);
-            cs[(size_t)(t * half + i) * 2] = std::cos(th);
-            cs[(size_t)(t * half + i) * 2 + 1] = std::sin(th);
-        }
-    const bool neox = p.neox;
+    const std::shared_ptr<const RopeTable> tab = rope_table(pos, n_tok, p);
+    const std::vector<float>& cs = tab->cs;
+    const OpsKernels& kr = ops_kernels();
+    const int64_t n_rot = p.n_rot;
     for_rows(pool, n_tok * n_head, p.n_rot, [&](int64_t b, int64_t e) {
+        int64_t t = b / n_head, h = b % n_head;  // (token, head) of row b, then stepped
         for (int64_t r = b; r < e; r++) {
-            const int64_t t = r / n_head, h = r % n_head;
-            float* xh = x + t * ld_tok + h * head_dim;
-            const float* c = cs.data() + (size_t)t * half * 2;
-            if (neox) {
-                for (int64_t i = 0; i < half; i++) {
-                    const float x0 = xh[i], x1 = xh[i + half], co = c[2 * i], si = c[2 * i + 1];
-                    xh[i] = x0 * co - x1 * si;
-                    xh[i + half] = x0 * si + x1 * co;
-                }
-            } else {
-                for (int64_t i = 0; i < half; i++) {
-                    const float x0 = xh[2 * i], x1 = xh[2 * i + 1], co = c[2 * i], si = c[2 * i + 1];
-                    xh[2 * i] = x0 * co - x1 * si;
-                    xh[2 * i + 1] = x0 * si + x1 * co;
-                }
+            const float* cc = cs.data() + (size_t)t * n_rot * 2;
+            kr.rope_head(x + t * ld_tok + h * head_dim, cc, cc + n_rot, n_rot, p.neox);
+            if (++h == n_head) {
+                h = 0;
+                t++;
             }
         }
     });

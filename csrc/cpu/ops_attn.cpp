@@ -31,9 +31,10 @@ int64_t max_splits(int64_t n_tok, int n_threads) {
     return (n_threads > 1 && cdiv(n_tok, kTokTile) < 4 * n_threads) ? n_threads : 1;
 }
 
+// scores [n_rep][kKvBlock], visible-cell list, (m, l) per (token, head) of a unit, block maxima.
 size_t per_thread_bytes(int64_t n_head) {
-    return align64(kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
-           align64(2 * kTokTile * n_head * sizeof(float));
+    return align64(n_head * kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
+           align64(2 * kTokTile * n_head * sizeof(float)) + align64(n_head * sizeof(float));
 }
 
 size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t n_split) {
@@ -71,8 +72,10 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const int nth = pool.size();
     const int64_t n_rep = n_head / n_head_kv;
     const int64_t n_tiles = cdiv(n_tok, kTokTile);
+    // Below this many q.k multiply-adds waking the workers costs more than it saves.
+    const bool small = n_tok * n_head * n_kv * head_dim < (1 << 16);
     int64_t n_split = 1;
-    if (n_tiles * n_head_kv < 4 * nth) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
+    if (n_tiles * n_head_kv < 4 * nth && !small) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
     const int64_t split_len = cdiv(std::max<int64_t>(n_kv, 1), n_split);
 
     std::vector<unsigned char> own;
@@ -91,6 +94,8 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const int32_t window = p.window;
     const bool causal = p.causal;
     const int64_t slot = head_dim + 2;  // partial state: acc[head_dim], m, l
+    // distance between the accumulators of consecutive heads (output rows or partial slots)
+    const int64_t acc_ld = n_split == 1 ? head_dim : n_split * slot;
 
     auto unit = [&](int64_t u, int ith) {
         const int64_t s = u % n_split;
@@ -101,8 +106,12 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
 
         unsigned char* tb = thread_base + (size_t)ith * ptb;
         float* sc = (float*)tb;
-        int32_t* vis = (int32_t*)(tb + align64(kKvBlock * sizeof(float)));
-        float* ml = (float*)(tb + align64(kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)));
+        tb += align64(n_head * kKvBlock * sizeof(float));
+        int32_t* vis = (int32_t*)tb;
+        tb += align64(kKvBlock * sizeof(int32_t));
+        float* ml = (float*)tb;
+        tb += align64(2 * kTokTile * n_head * sizeof(float));
+        float* mx = (float*)tb;
 
         auto acc_of = [&](int64_t t, int64_t h) -> float* {
             return n_split == 1 ? out + t * ld_out + h * head_dim
@@ -132,25 +141,37 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                 if (nv == 0) continue;
                 const unsigned char* kb = kbase + (size_t)jb * kv_cell_bytes;
                 const unsigned char* vb = vbase + (size_t)jb * kv_cell_bytes;
+                const float* qg = q + t * ld_q + g * n_rep * head_dim;
+                float* acc0 = acc_of(t, g * n_rep);
+                auto scores_mh = f16 ? kr.scores_f16_mh : kr.scores_q8_0_mh;
+                auto accum_mh = f16 ? kr.accum_f16_mh : kr.accum_q8_0_mh;
+                if (scores_mh) {
+                    scores_mh(qg, head_dim, (int)n_rep, kb, kv_cell_bytes, vis, nv, head_dim, scale, sc, kKvBlock, mx);
+                } else {
+                    for (int64_t r = 0; r < n_rep; r++)
+                        mx[r] = f16 ? kr.scores_f16(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
+                                                    sc + r * kKvBlock)
+                                    : kr.scores_q8_0(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
+                                                     sc + r * kKvBlock);
+                }
                 for (int64_t r = 0; r < n_rep; r++) {
-                    const int64_t h = g * n_rep + r;
-                    const float* qh = q + t * ld_q + h * head_dim;
-                    if (f16) kr.scores_f16(qh, kb, kv_cell_bytes, vis, nv, head_dim, sc);
-                    else kr.scores_q8_0(qh, kb, kv_cell_bytes, vis, nv, head_dim, sc);
-                    float mx = -INFINITY;
-                    if (cap != 0.0f) {
-                        for (int i = 0; i < nv; i++) sc[i] = apply_softcap(sc[i] * scale, cap);
-                    } else {
-                        for (int i = 0; i < nv; i++) sc[i] *= scale;
+                    float* sr = sc + r * kKvBlock;
+                    if (cap != 0.0f) {  // tanh is monotonic: the max maps to the max
+                        for (int i = 0; i < nv; i++) sr[i] = apply_softcap(sr[i], cap);
+                        mx[r] = apply_softcap(mx[r], cap);
                     }
-                    for (int i = 0; i < nv; i++) mx = std::max(mx, sc[i]);
                     float* st = ml + ((t - t0) * n_rep + r) * 2;
-                    float* acc = acc_of(t, h);
-                    const float f = online_softmax_rescale(st[0], st[1], mx);
-                    if (f != 1.0f) kr.scale(acc, f, head_dim);
-                    st[1] += kr.exp_sum(sc, nv, st[0]);  // sc now holds the weights
-                    if (f16) kr.accum_f16(acc, sc, vb, kv_cell_bytes, vis, nv, head_dim);
-                    else kr.accum_q8_0(acc, sc, vb, kv_cell_bytes, vis, nv, head_dim);
+                    const float f = online_softmax_rescale(st[0], st[1], mx[r]);
+                    if (f != 1.0f) kr.scale(acc0 + r * acc_ld, f, head_dim);
+                    st[1] += kr.exp_sum(sr, nv, st[0]);  // sr now holds the weights
+                }
+                if (accum_mh) {
+                    accum_mh(acc0, acc_ld, (int)n_rep, sc, kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                } else {
+                    for (int64_t r = 0; r < n_rep; r++) {
+                        if (f16) kr.accum_f16(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                        else kr.accum_q8_0(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                    }
                 }
             }
         }
@@ -169,7 +190,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     };
 
     const int64_t n_units = n_tiles * n_head_kv * n_split;
-    if (nth == 1 || n_units == 1) {
+    if (nth == 1 || n_units == 1 || small) {
         for (int64_t u = 0; u < n_units; u++) unit(u, 0);
     } else if (n_split > 1) {
         // Equal-cost units (whole tiles split evenly): a static partition balances exactly.

@@ -2,24 +2,36 @@
 // run-time choice between instruction sets.
 #include "cpu/ops_kernels.h"
 
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
+#include <vector>
 
 #include "common.h"
+#include "cpu/cpu_features.h"
 
 namespace stowlm::cpu {
 
 namespace {
 
+// Every half's float value (256 KiB, built once): the branchy exact conversion per element
+// would dominate the scalar attention loops.
+const float* half_table() {
+    static const std::vector<float> t = [] {
+        std::vector<float> v(65536);
+        for (uint32_t h = 0; h < 65536; h++) v[h] = fp16_to_f32((uint16_t)h);
+        return v;
+    }();
+    return t.data();
+}
+
 float dot_f16(const float* q, const uint16_t* k, int64_t n) {
+    const float* ht = half_table();
     float s = 0;
-    for (int64_t i = 0; i < n; i++) s += q[i] * fp16_to_f32(k[i]);
+    for (int64_t i = 0; i < n; i++) s += q[i] * ht[k[i]];
     return s;
 }
 void axpy_f16(float* acc, float a, const uint16_t* v, int64_t n) {
-    for (int64_t i = 0; i < n; i++) acc[i] += a * fp16_to_f32(v[i]);
+    const float* ht = half_table();
+    for (int64_t i = 0; i < n; i++) acc[i] += a * ht[v[i]];
 }
 float dot_q8_0(const float* q, const block_q8_0* k, int64_t n) {
     float s = 0;
@@ -56,17 +68,36 @@ void scale_mul(const float* x, float s, const float* w, float* y, int64_t n) {
     else
         for (int64_t i = 0; i < n; i++) y[i] = x[i] * s;
 }
+void rope_head(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox) {
+    const int64_t half = n_rot / 2;
+    for (int64_t i = 0; i < half; i++) {
+        const int64_t a = neox ? i : 2 * i, b = neox ? i + half : 2 * i + 1;
+        const float x0 = x[a], x1 = x[b];
+        x[a] = x0 * cc[a] + x1 * ss[a];
+        x[b] = x1 * cc[b] + x0 * ss[b];
+    }
+}
 void to_f16(const float* x, uint16_t* y, int64_t n) {
     for (int64_t i = 0; i < n; i++) y[i] = f32_to_fp16(x[i]);
 }
 
-void scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                float* out) {
-    for (int j = 0; j < n; j++) out[j] = dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+float scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                 float scale, float* out) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        out[j] = scale * dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return mx;
 }
-void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                 float* out) {
-    for (int j = 0; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+float scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                  float scale, float* out) {
+    float mx = -INFINITY;
+    for (int j = 0; j < n; j++) {
+        out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return mx;
 }
 void accum_f16(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx, int n,
                int64_t hd) {
@@ -86,50 +117,19 @@ float exp_sum(float* s, int n, float m) {
 }
 
 const OpsKernels kScalar = {"scalar",   dot_f16,     axpy_f16,  dot_q8_0,   axpy_q8_0, scale,  sum_sq,
-                            scale_mul,  to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum};
-
-// TODO(cpu_features): switch to active_isa() from csrc/cpu/cpu_features.h once it lands.
-OpsIsa detect_isa() {
-#if defined(STOWLM_X86) && (defined(__GNUC__) || defined(__clang__))
-    __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq") &&
-        __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("f16c") && __builtin_cpu_supports("bmi2"))
-        return OpsIsa::Avx512;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
-        __builtin_cpu_supports("bmi2"))
-        return OpsIsa::Avx2;
-#endif
-    return OpsIsa::Scalar;
-}
-
-OpsIsa env_or_detect() {
-    const OpsIsa best = detect_isa();
-    const char* e = std::getenv("STOWLM_OPS_ISA");
-    if (!e) return best;
-    OpsIsa want = best;
-    if (!std::strcmp(e, "scalar")) want = OpsIsa::Scalar;
-    else if (!std::strcmp(e, "avx2")) want = OpsIsa::Avx2;
-    else if (!std::strcmp(e, "avx512")) want = OpsIsa::Avx512;
-    return want < best ? want : best;
-}
-
-std::atomic<int>& current() {
-    static std::atomic<int> isa{(int)env_or_detect()};
-    return isa;
-}
+                            scale_mul,  rope_head, to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 
 const OpsKernels& ops_kernels_scalar() { return kScalar; }
 
-OpsIsa ops_isa() { return (OpsIsa)current().load(std::memory_order_relaxed); }
-
-OpsIsa set_ops_isa(OpsIsa isa) {
-    const OpsIsa best = detect_isa();
-    const OpsIsa got = isa < best ? isa : best;
-    current().store((int)got);
-    return got;
+OpsIsa ops_isa() {
+    switch (active_isa()) {
+        case Isa::AMX:
+        case Isa::AVX512_VNNI: return OpsIsa::Avx512;
+        case Isa::AVX2: return OpsIsa::Avx2;
+        default: return OpsIsa::Scalar;
+    }
 }
 
 const char* ops_isa_name(OpsIsa isa) {

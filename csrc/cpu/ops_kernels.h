@@ -25,15 +25,18 @@ struct OpsKernels {
     float (*sum_sq)(const float* x, int64_t n);
     // y[i] = x[i] * s * w[i]  (w may be null: y[i] = x[i] * s)
     void (*scale_mul)(const float* x, float s, const float* w, float* y, int64_t n);
+    // Rope of one head in place: y[j] = x[j] * cc[j] + x[partner(j)] * ss[j] for j < n_rot, where
+    // partner(j) = j ^ 1 (adjacent pairs) or j +- n_rot/2 (NeoX); ss carries the sign.
+    void (*rope_head)(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox);
     // f32 -> f16 (round to nearest even)
     void (*to_f16)(const float* x, uint16_t* y, int64_t n);
 
     // Attention over one block of KV cells: the rows are at base + idx[j] * stride (j < n).
-    // out[j] = q . row_j (head_dim elements)
-    void (*scores_f16)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
-                       int64_t hd, float* out);
-    void (*scores_q8_0)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
-                        int64_t hd, float* out);
+    // out[j] = scale * (q . row_j) over head_dim elements; returns max_j out[j] (-inf when n == 0).
+    float (*scores_f16)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                        int64_t hd, float scale, float* out);
+    float (*scores_q8_0)(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                         int64_t hd, float scale, float* out);
     // acc += sum_j w[j] * row_j
     void (*accum_f16)(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx,
                       int n, int64_t hd);
@@ -41,6 +44,18 @@ struct OpsKernels {
                        int n, int64_t hd);
     // s[j] = exp(s[j] - m) for j < n; returns the sum of the new s.
     float (*exp_sum)(float* s, int n, float m);
+
+    // Several query heads sharing a KV head (GQA) at once, so each F16 row is converted once:
+    // nq queries at q + h * ldq, scores to out + h * ldo, maxima to mx[h]; accumulators at
+    // acc + h * lda, weights at w + h * ldw. Null where the ISA has none (callers loop over heads).
+    void (*scores_f16_mh)(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride,
+                          const int32_t* idx, int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx);
+    void (*accum_f16_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                         size_t stride, const int32_t* idx, int n, int64_t hd);
+    void (*scores_q8_0_mh)(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride,
+                           const int32_t* idx, int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx);
+    void (*accum_q8_0_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                          size_t stride, const int32_t* idx, int n, int64_t hd);
 };
 
 const OpsKernels& ops_kernels_scalar();
@@ -49,10 +64,9 @@ const OpsKernels& ops_kernels_avx2();
 const OpsKernels& ops_kernels_avx512();
 #endif
 
-// Best instruction set this CPU runs, unless forced (set_ops_isa or STOWLM_OPS_ISA=scalar|avx2|avx512).
+// The path of cpu_features' active_isa() (AMX machines use the AVX-512 kernels here), so
+// STOWLM_ISA / set_isa() force the ops and matmul together.
 OpsIsa ops_isa();
-// Forces a path (lowered to what the CPU supports); returns the one in effect.
-OpsIsa set_ops_isa(OpsIsa isa);
 const OpsKernels& ops_kernels();
 const char* ops_isa_name(OpsIsa isa);
 

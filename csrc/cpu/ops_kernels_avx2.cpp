@@ -101,6 +101,35 @@ void scale_mul(const float* x, float s, const float* w, float* y, int64_t n) {
     }
 }
 
+void rope_head(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox) {
+    int64_t j = 0;
+    if (!neox) {
+        for (; j + 8 <= n_rot; j += 8) {
+            const __m256 xv = _mm256_loadu_ps(x + j);
+            const __m256 sw = _mm256_permute_ps(xv, 0xB1);  // swap adjacent pairs
+            _mm256_storeu_ps(x + j, _mm256_fmadd_ps(xv, _mm256_loadu_ps(cc + j), _mm256_mul_ps(sw, _mm256_loadu_ps(ss + j))));
+        }
+        for (; j < n_rot; j += 2) {
+            const float x0 = x[j], x1 = x[j + 1];
+            x[j] = x0 * cc[j] + x1 * ss[j];
+            x[j + 1] = x1 * cc[j + 1] + x0 * ss[j + 1];
+        }
+        return;
+    }
+    const int64_t half = n_rot / 2;
+    for (; j + 8 <= half; j += 8) {
+        const __m256 x0 = _mm256_loadu_ps(x + j), x1 = _mm256_loadu_ps(x + half + j);
+        _mm256_storeu_ps(x + j, _mm256_fmadd_ps(x0, _mm256_loadu_ps(cc + j), _mm256_mul_ps(x1, _mm256_loadu_ps(ss + j))));
+        _mm256_storeu_ps(x + half + j, _mm256_fmadd_ps(x1, _mm256_loadu_ps(cc + half + j),
+                                                       _mm256_mul_ps(x0, _mm256_loadu_ps(ss + half + j))));
+    }
+    for (; j < half; j++) {
+        const float x0 = x[j], x1 = x[half + j];
+        x[j] = x0 * cc[j] + x1 * ss[j];
+        x[half + j] = x1 * cc[half + j] + x0 * ss[half + j];
+    }
+}
+
 void to_f16(const float* x, uint16_t* y, int64_t n) {
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
@@ -116,8 +145,18 @@ inline __m128 reduce4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
-void scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                float* out) {
+inline float max4(__m128 v, float m) {
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_movehdup_ps(v));
+    const float r = _mm_cvtss_f32(v);
+    return r > m ? r : m;
+}
+
+float scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                 float scale, float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     int j = 0;
     if (hd % 8 == 0) {
         for (; j + 4 <= n; j += 4) {
@@ -133,14 +172,23 @@ void scores_f16(const float* q, const unsigned char* base, size_t stride, const 
                 a2 = _mm256_fmadd_ps(qv, load_h(r2 + i), a2);
                 a3 = _mm256_fmadd_ps(qv, load_h(r3 + i), a3);
             }
-            _mm_storeu_ps(out + j, reduce4(a0, a1, a2, a3));
+            const __m128 s4 = _mm_mul_ps(reduce4(a0, a1, a2, a3), vs);
+            mx4 = _mm_max_ps(mx4, s4);
+            _mm_storeu_ps(out + j, s4);
         }
     }
-    for (; j < n; j++) out[j] = dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+    for (; j < n; j++) {
+        out[j] = scale * dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return max4(mx4, mx);
 }
 
-void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                 float* out) {
+float scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                  float scale, float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     int j = 0;
     for (; j + 4 <= n; j += 4) {
         const block_q8_0* r[4];
@@ -159,9 +207,15 @@ void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const
                 a[c] = _mm256_fmadd_ps(t, _mm256_set1_ps(_cvtsh_ss(r[c][b].d)), a[c]);
             }
         }
-        _mm_storeu_ps(out + j, reduce4(a[0], a[1], a[2], a[3]));
+        const __m128 s4 = _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), vs);
+        mx4 = _mm_max_ps(mx4, s4);
+        _mm_storeu_ps(out + j, s4);
     }
-    for (; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+    for (; j < n; j++) {
+        out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return max4(mx4, mx);
 }
 
 template <int NV>
@@ -254,8 +308,144 @@ float exp_sum(float* s, int n, float m) {
     return sum;
 }
 
-const OpsKernels kAvx2 = {"avx2",    dot_f16,   axpy_f16,   dot_q8_0,    axpy_q8_0, scale,      sum_sq,
-                          scale_mul, to_f16,    scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum};
+// ---- GQA: 2 query heads per pass over the rows (16 ymm registers allow no more) -------------
+
+struct F16Row {
+    const uint16_t* r;
+    F16Row(const unsigned char* p) : r((const uint16_t*)p) {}
+    __m256 load(int64_t i) const { return load_h(r + 8 * i); }
+};
+struct Q8Row {
+    const block_q8_0* r;
+    Q8Row(const unsigned char* p) : r((const block_q8_0*)p) {}
+    __m256 load(int64_t i) const {
+        return _mm256_mul_ps(load_i8(r[i / 4].qs + 8 * (i % 4)), _mm256_set1_ps(_cvtsh_ss(r[i / 4].d)));
+    }
+};
+
+// nv vectors of 8 cover head_dim (a multiple of 8).
+template <class Row>
+void scores_mh2(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                int64_t nv, float scale, float* out, int64_t ldo, float* mx,
+                float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0;
+    const float* q1 = q + ldq;
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
+            r3(base + idx[j + 3] * stride);
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        for (int64_t i = 0; i < nv; i++) {
+            const __m256 k0 = r0.load(i), k1 = r1.load(i), k2 = r2.load(i), k3 = r3.load(i);
+            const __m256 qa = _mm256_loadu_ps(q + 8 * i), qb = _mm256_loadu_ps(q1 + 8 * i);
+            a0 = _mm256_fmadd_ps(qa, k0, a0);
+            a1 = _mm256_fmadd_ps(qa, k1, a1);
+            a2 = _mm256_fmadd_ps(qa, k2, a2);
+            a3 = _mm256_fmadd_ps(qa, k3, a3);
+            b0 = _mm256_fmadd_ps(qb, k0, b0);
+            b1 = _mm256_fmadd_ps(qb, k1, b1);
+            b2 = _mm256_fmadd_ps(qb, k2, b2);
+            b3 = _mm256_fmadd_ps(qb, k3, b3);
+        }
+        const __m128 sa = _mm_mul_ps(reduce4(a0, a1, a2, a3), vs), sb = _mm_mul_ps(reduce4(b0, b1, b2, b3), vs);
+        m0 = _mm_max_ps(m0, sa);
+        m1 = _mm_max_ps(m1, sb);
+        _mm_storeu_ps(out + j, sa);
+        _mm_storeu_ps(out + ldo + j, sb);
+    }
+    float t0 = -INFINITY, t1 = -INFINITY;
+    if (j < n) {
+        t0 = one(q, base, stride, idx + j, n - j, 8 * nv, scale, out + j);
+        t1 = one(q1, base, stride, idx + j, n - j, 8 * nv, scale, out + ldo + j);
+    }
+    mx[0] = max4(m0, t0);
+    mx[1] = max4(m1, t1);
+}
+
+// acc[0:32) of two heads += sum_j w[j] * row_j[0:32)
+template <class Row>
+void accum_mh2(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+               const int32_t* idx, int n) {
+    float* c = acc + lda;
+    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16),
+           a3 = _mm256_loadu_ps(acc + 24);
+    __m256 b0 = _mm256_loadu_ps(c), b1 = _mm256_loadu_ps(c + 8), b2 = _mm256_loadu_ps(c + 16),
+           b3 = _mm256_loadu_ps(c + 24);
+    for (int j = 0; j < n; j++) {
+        const Row r(base + idx[j] * stride);
+        const __m256 wa = _mm256_set1_ps(w[j]), wb = _mm256_set1_ps(w[ldw + j]);
+        __m256 v = r.load(0);
+        a0 = _mm256_fmadd_ps(wa, v, a0);
+        b0 = _mm256_fmadd_ps(wb, v, b0);
+        v = r.load(1);
+        a1 = _mm256_fmadd_ps(wa, v, a1);
+        b1 = _mm256_fmadd_ps(wb, v, b1);
+        v = r.load(2);
+        a2 = _mm256_fmadd_ps(wa, v, a2);
+        b2 = _mm256_fmadd_ps(wb, v, b2);
+        v = r.load(3);
+        a3 = _mm256_fmadd_ps(wa, v, a3);
+        b3 = _mm256_fmadd_ps(wb, v, b3);
+    }
+    _mm256_storeu_ps(acc, a0);
+    _mm256_storeu_ps(acc + 8, a1);
+    _mm256_storeu_ps(acc + 16, a2);
+    _mm256_storeu_ps(acc + 24, a3);
+    _mm256_storeu_ps(c, b0);
+    _mm256_storeu_ps(c + 8, b1);
+    _mm256_storeu_ps(c + 16, b2);
+    _mm256_storeu_ps(c + 24, b3);
+}
+
+template <class Row>
+void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+               int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx,
+               float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
+    int h = 0;
+    if (hd % 8 == 0)
+        for (; h + 2 <= nq; h += 2)
+            scores_mh2<Row>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+    for (; h < nq; h++) mx[h] = one(q + h * ldq, base, stride, idx, n, hd, scale, out + h * ldo);
+}
+
+// elem_bytes_x32: bytes of 32 elements of the row type.
+template <class Row>
+void accum_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+              const int32_t* idx, int n, int64_t hd, size_t elem_bytes_x32,
+              void (*one)(float*, const float*, const unsigned char*, size_t, const int32_t*, int, int64_t)) {
+    const int64_t hd32 = hd / 32 * 32;
+    int h = 0;
+    for (; h + 2 <= nq; h += 2)
+        for (int64_t d0 = 0; d0 < hd32; d0 += 32)
+            accum_mh2<Row>(acc + h * lda + d0, lda, w + h * ldw, ldw, base + d0 / 32 * elem_bytes_x32, stride, idx, n);
+    if (hd32 < hd)  // F16 rows whose length is not a multiple of 32: the rest one head at a time
+        for (int hh = 0; hh < h; hh++)
+            one(acc + hh * lda + hd32, w + hh * ldw, base + hd32 * 2, stride, idx, n, hd - hd32);
+    for (; h < nq; h++) one(acc + h * lda, w + h * ldw, base, stride, idx, n, hd);
+}
+
+void scores_f16_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                   int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    scores_mh<F16Row>(q, ldq, nq, base, stride, idx, n, hd, scale, out, ldo, mx, scores_f16);
+}
+void accum_f16_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                  size_t stride, const int32_t* idx, int n, int64_t hd) {
+    accum_mh<F16Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, 64, accum_f16);
+}
+void scores_q8_0_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                    int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    scores_mh<Q8Row>(q, ldq, nq, base, stride, idx, n, hd, scale, out, ldo, mx, scores_q8_0);
+}
+void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                   size_t stride, const int32_t* idx, int n, int64_t hd) {
+    accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
+}
+
+const OpsKernels kAvx2 = {"avx2",       dot_f16,      axpy_f16,      dot_q8_0,     axpy_q8_0,      scale,
+                          sum_sq,       scale_mul,    rope_head,     to_f16,       scores_f16,     scores_q8_0,
+                          accum_f16,    accum_q8_0,   exp_sum,       scores_f16_mh, accum_f16_mh,  scores_q8_0_mh,
+                          accum_q8_0_mh};
 
 }  // namespace
 

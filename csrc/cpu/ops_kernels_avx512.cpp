@@ -4,6 +4,8 @@
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 
+#include <cmath>
+
 #include "cpu/ops_kernels.h"
 
 namespace stowlm::cpu {
@@ -115,6 +117,28 @@ void scale_mul(const float* x, float s, const float* w, float* y, int64_t n) {
     }
 }
 
+void rope_head(float* x, const float* cc, const float* ss, int64_t n_rot, bool neox) {
+    if (!neox) {
+        for (int64_t j = 0; j < n_rot; j += 16) {
+            const __mmask16 m = n_rot - j >= 16 ? (__mmask16)0xFFFF : tail_mask(n_rot - j);  // n_rot is even
+            const __m512 xv = _mm512_maskz_loadu_ps(m, x + j);
+            const __m512 sw = _mm512_permute_ps(xv, 0xB1);  // swap adjacent pairs
+            _mm512_mask_storeu_ps(x + j, m, _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(m, cc + j),
+                                                            _mm512_mul_ps(sw, _mm512_maskz_loadu_ps(m, ss + j))));
+        }
+        return;
+    }
+    const int64_t half = n_rot / 2;
+    for (int64_t j = 0; j < half; j += 16) {
+        const __mmask16 m = half - j >= 16 ? (__mmask16)0xFFFF : tail_mask(half - j);
+        const __m512 x0 = _mm512_maskz_loadu_ps(m, x + j), x1 = _mm512_maskz_loadu_ps(m, x + half + j);
+        _mm512_mask_storeu_ps(x + j, m, _mm512_fmadd_ps(x0, _mm512_maskz_loadu_ps(m, cc + j),
+                                                        _mm512_mul_ps(x1, _mm512_maskz_loadu_ps(m, ss + j))));
+        _mm512_mask_storeu_ps(x + half + j, m, _mm512_fmadd_ps(x1, _mm512_maskz_loadu_ps(m, cc + half + j),
+                                                               _mm512_mul_ps(x0, _mm512_maskz_loadu_ps(m, ss + half + j))));
+    }
+}
+
 void to_f16(const float* x, uint16_t* y, int64_t n) {
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
@@ -140,10 +164,20 @@ inline __m128 reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
+inline float max4(__m128 v, float m) {
+    v = _mm_max_ps(v, _mm_movehl_ps(v, v));
+    v = _mm_max_ss(v, _mm_movehdup_ps(v));
+    const float r = _mm_cvtss_f32(v);
+    return r > m ? r : m;
+}
+
 // NV vectors of 16 lanes cover head_dim; the last one is masked by `last`.
 template <int NV>
-void scores_f16_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, __mmask16 last,
-                  float* out) {
+float scores_f16_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, __mmask16 last,
+                   float scale, float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     __m512 qv[NV];
     for (int i = 0; i < NV; i++) qv[i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, q + 16 * i);
     int j = 0;
@@ -160,35 +194,49 @@ void scores_f16_t(const float* q, const unsigned char* base, size_t stride, cons
             a2 = _mm512_fmadd_ps(qv[i], load_h_mask(r2 + 16 * i, m), a2);
             a3 = _mm512_fmadd_ps(qv[i], load_h_mask(r3 + 16 * i, m), a3);
         }
-        _mm_storeu_ps(out + j, reduce4(a0, a1, a2, a3));
+        const __m128 s4 = _mm_mul_ps(reduce4(a0, a1, a2, a3), vs);
+        mx4 = _mm_max_ps(mx4, s4);
+        _mm_storeu_ps(out + j, s4);
     }
     for (; j < n; j++) {
         const uint16_t* r0 = (const uint16_t*)(base + idx[j] * stride);
         __m512 a0 = _mm512_setzero_ps();
         for (int i = 0; i < NV; i++)
             a0 = _mm512_fmadd_ps(qv[i], load_h_mask(r0 + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a0);
-        out[j] = _mm512_reduce_add_ps(a0);
+        out[j] = _mm512_reduce_add_ps(a0) * scale;
+        mx = out[j] > mx ? out[j] : mx;
     }
+    return max4(mx4, mx);
 }
 
-void scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                float* out) {
+float scores_f16(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                 float scale, float* out) {
     const int nv = (int)((hd + 15) / 16);
     const __mmask16 last = (hd % 16) ? tail_mask(hd % 16) : (__mmask16)0xFFFF;
     switch (nv) {
 #define CASE(N) \
-    case N: return scores_f16_t<N>(q, base, stride, idx, n, last, out);
+    case N: return scores_f16_t<N>(q, base, stride, idx, n, last, scale, out);
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
         CASE(9) CASE(10) CASE(11) CASE(12) CASE(13) CASE(14) CASE(15) CASE(16)
 #undef CASE
-        default:
-            for (int j = 0; j < n; j++) out[j] = dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+        default: {
+            float mx = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                out[j] = scale * dot_f16(q, (const uint16_t*)(base + idx[j] * stride), hd);
+                mx = out[j] > mx ? out[j] : mx;
+            }
+            return mx;
+        }
     }
 }
 
 // NB blocks of 32 cover head_dim.
 template <int NB>
-void scores_q8_0_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, float* out) {
+float scores_q8_0_t(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, float scale,
+                    float* out) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4 = _mm_set1_ps(-INFINITY);
+    float mx = -INFINITY;
     int j = 0;
     for (; j + 4 <= n; j += 4) {
         const block_q8_0* r[4];
@@ -201,20 +249,32 @@ void scores_q8_0_t(const float* q, const unsigned char* base, size_t stride, con
                 a[c] = _mm512_fmadd_ps(t, _mm512_set1_ps(_cvtsh_ss(r[c][b].d)), a[c]);
             }
         }
-        _mm_storeu_ps(out + j, reduce4(a[0], a[1], a[2], a[3]));
+        const __m128 s4 = _mm_mul_ps(reduce4(a[0], a[1], a[2], a[3]), vs);
+        mx4 = _mm_max_ps(mx4, s4);
+        _mm_storeu_ps(out + j, s4);
     }
-    for (; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), 32 * NB);
+    for (; j < n; j++) {
+        out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), 32 * NB);
+        mx = out[j] > mx ? out[j] : mx;
+    }
+    return max4(mx4, mx);
 }
 
-void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
-                 float* out) {
+float scores_q8_0(const float* q, const unsigned char* base, size_t stride, const int32_t* idx, int n, int64_t hd,
+                  float scale, float* out) {
     switch (hd / 32) {
 #define CASE(N) \
-    case N: return scores_q8_0_t<N>(q, base, stride, idx, n, out);
+    case N: return scores_q8_0_t<N>(q, base, stride, idx, n, scale, out);
         CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
 #undef CASE
-        default:
-            for (int j = 0; j < n; j++) out[j] = dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+        default: {
+            float mx = -INFINITY;
+            for (int j = 0; j < n; j++) {
+                out[j] = scale * dot_q8_0(q, (const block_q8_0*)(base + idx[j] * stride), hd);
+                mx = out[j] > mx ? out[j] : mx;
+            }
+            return mx;
+        }
     }
 }
 
@@ -222,15 +282,32 @@ void scores_q8_0(const float* q, const unsigned char* base, size_t stride, const
 template <int NV>
 void accum_f16_t(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx, int n,
                  __mmask16 last) {
-    __m512 a[NV];
-    for (int i = 0; i < NV; i++) a[i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + 16 * i);
-    for (int j = 0; j < n; j++) {
+    // Short rows get a second set of accumulators (even/odd cells) so FMA latency, not the
+    // chain through one register per lane group, sets the pace.
+    constexpr int NS = NV <= 4 ? 2 : 1;
+    __m512 a[NS][NV];
+    for (int i = 0; i < NV; i++) {
+        a[0][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + 16 * i);
+        if (NS == 2) a[NS - 1][i] = _mm512_setzero_ps();
+    }
+    int j = 0;
+    for (; j + NS <= n; j += NS)
+        for (int s = 0; s < NS; s++) {
+            const uint16_t* r = (const uint16_t*)(base + idx[j + s] * stride);
+            const __m512 wj = _mm512_set1_ps(w[j + s]);
+            for (int i = 0; i < NV; i++)
+                a[s][i] = _mm512_fmadd_ps(wj, load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a[s][i]);
+        }
+    for (; j < n; j++) {
         const uint16_t* r = (const uint16_t*)(base + idx[j] * stride);
         const __m512 wj = _mm512_set1_ps(w[j]);
         for (int i = 0; i < NV; i++)
-            a[i] = _mm512_fmadd_ps(wj, load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a[i]);
+            a[0][i] = _mm512_fmadd_ps(wj, load_h_mask(r + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF), a[0][i]);
     }
-    for (int i = 0; i < NV; i++) _mm512_mask_storeu_ps(acc + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, a[i]);
+    for (int i = 0; i < NV; i++) {
+        const __m512 t = NS == 2 ? _mm512_add_ps(a[0][i], a[NS - 1][i]) : a[0][i];
+        _mm512_mask_storeu_ps(acc + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, t);
+    }
 }
 
 void accum_f16(float* acc, const float* w, const unsigned char* base, size_t stride, const int32_t* idx, int n,
@@ -316,8 +393,162 @@ float exp_sum(float* s, int n, float m) {
     return _mm512_reduce_add_ps(acc);
 }
 
-const OpsKernels kAvx512 = {"avx512",  dot_f16,    axpy_f16,    dot_q8_0,  axpy_q8_0,  scale,  sum_sq,
-                            scale_mul, to_f16,     scores_f16,  scores_q8_0, accum_f16, accum_q8_0, exp_sum};
+// ---- GQA: G query heads per pass over the rows (NV vectors of 16 cover head_dim) -------------
+
+// Vector i of a row as 16 floats, for each KV type.
+struct F16Row {
+    const uint16_t* r;
+    F16Row(const unsigned char* p) : r((const uint16_t*)p) {}
+    __m512 load(int i, __mmask16 m) const { return load_h_mask(r + 16 * i, m); }
+};
+struct Q8Row {  // head_dim is a multiple of 32, so no vector is partial
+    const block_q8_0* r;
+    Q8Row(const unsigned char* p) : r((const block_q8_0*)p) {}
+    __m512 load(int i, __mmask16) const {
+        return _mm512_mul_ps(load_i8(r[i / 2].qs + 16 * (i % 2)), _mm512_set1_ps(_cvtsh_ss(r[i / 2].d)));
+    }
+};
+
+template <class Row, int NV, int G>
+void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+                 __mmask16 last, float scale, float* out, int64_t ldo, float* mx) {
+    const __m128 vs = _mm_set1_ps(scale);
+    __m128 mx4[G];
+    float mx1[G];
+    for (int h = 0; h < G; h++) {
+        mx4[h] = _mm_set1_ps(-INFINITY);
+        mx1[h] = -INFINITY;
+    }
+    int j = 0;
+    for (; j + 4 <= n; j += 4) {
+        const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
+            r3(base + idx[j + 3] * stride);
+        __m512 a[G][4];
+        for (int h = 0; h < G; h++)
+            for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+        for (int i = 0; i < NV; i++) {
+            const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
+            const __m512 k0 = r0.load(i, m), k1 = r1.load(i, m), k2 = r2.load(i, m), k3 = r3.load(i, m);
+            for (int h = 0; h < G; h++) {
+                const __m512 qv = _mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i);
+                a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
+                a[h][1] = _mm512_fmadd_ps(qv, k1, a[h][1]);
+                a[h][2] = _mm512_fmadd_ps(qv, k2, a[h][2]);
+                a[h][3] = _mm512_fmadd_ps(qv, k3, a[h][3]);
+            }
+        }
+        for (int h = 0; h < G; h++) {
+            const __m128 s4 = _mm_mul_ps(reduce4(a[h][0], a[h][1], a[h][2], a[h][3]), vs);
+            mx4[h] = _mm_max_ps(mx4[h], s4);
+            _mm_storeu_ps(out + h * ldo + j, s4);
+        }
+    }
+    for (; j < n; j++) {
+        const Row r(base + idx[j] * stride);
+        for (int h = 0; h < G; h++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int i = 0; i < NV; i++) {
+                const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
+                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i), r.load(i, m), a);
+            }
+            const float sv = _mm512_reduce_add_ps(a) * scale;
+            out[h * ldo + j] = sv;
+            mx1[h] = sv > mx1[h] ? sv : mx1[h];
+        }
+    }
+    for (int h = 0; h < G; h++) mx[h] = max4(mx4[h], mx1[h]);
+}
+
+template <class Row, int NV, int G>
+void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+                const int32_t* idx, int n, __mmask16 last) {
+    __m512 a[G][NV];
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < NV; i++)
+            a[h][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + h * lda + 16 * i);
+    for (int j = 0; j < n; j++) {
+        const Row r(base + idx[j] * stride);
+        __m512 wv[G];
+        for (int h = 0; h < G; h++) wv[h] = _mm512_set1_ps(w[h * ldw + j]);
+        for (int i = 0; i < NV; i++) {
+            const __m512 vv = r.load(i, i == NV - 1 ? last : (__mmask16)0xFFFF);
+            for (int h = 0; h < G; h++) a[h][i] = _mm512_fmadd_ps(wv[h], vv, a[h][i]);
+        }
+    }
+    for (int h = 0; h < G; h++)
+        for (int i = 0; i < NV; i++)
+            _mm512_mask_storeu_ps(acc + h * lda + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, a[h][i]);
+}
+
+// Heads in groups of up to 4 (3 when a row needs more than 4 vectors: registers). Shapes without
+// an instance take the one-head kernels.
+template <class Row>
+void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+               int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx,
+               float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
+    const int nv = (int)((hd + 15) / 16);
+    const __mmask16 last = (hd % 16) ? tail_mask(hd % 16) : (__mmask16)0xFFFF;
+    const int gmax = nv <= 4 ? 4 : 3;
+    for (int h0 = 0; h0 < nq;) {
+        const int g = nq - h0 < gmax ? nq - h0 : gmax;
+        // CASE chain: the first matching instance runs; the else of the last is the fallback loop.
+        const float* qh = q + h0 * ldq;
+        float* oh = out + h0 * ldo;
+#define CASE(NV_, G_) \
+    if (nv == NV_ && g == G_) scores_mh_t<Row, NV_, G_>(qh, ldq, base, stride, idx, n, last, scale, oh, ldo, mx + h0); else
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
+        CASE(8, 1) CASE(8, 2) CASE(8, 3)
+#undef CASE
+        for (int h = 0; h < g; h++) mx[h0 + h] = one(qh + h * ldq, base, stride, idx, n, hd, scale, oh + h * ldo);
+        h0 += g;
+    }
+}
+
+template <class Row>
+void accum_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+              const int32_t* idx, int n, int64_t hd, size_t elem_bytes_x32,
+              void (*one)(float*, const float*, const unsigned char*, size_t, const int32_t*, int, int64_t)) {
+    for (int64_t d0 = 0; d0 < hd; d0 += 128) {
+        const int64_t len = hd - d0 < 128 ? hd - d0 : 128;
+        const int nv = (int)((len + 15) / 16);
+        const __mmask16 last = (len % 16) ? tail_mask(len % 16) : (__mmask16)0xFFFF;
+        const int gmax = nv <= 4 ? 4 : 3;
+        const unsigned char* b = base + d0 / 32 * elem_bytes_x32 + (d0 % 32) * (elem_bytes_x32 / 32);
+        for (int h0 = 0; h0 < nq;) {
+            const int g = nq - h0 < gmax ? nq - h0 : gmax;
+            float* ah = acc + h0 * lda + d0;
+            const float* wh = w + h0 * ldw;
+#define CASE(NV_, G_) \
+    if (nv == NV_ && g == G_) accum_mh_t<Row, NV_, G_>(ah, lda, wh, ldw, b, stride, idx, n, last); else
+            CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
+            CASE(8, 1) CASE(8, 2) CASE(8, 3)
+#undef CASE
+            for (int h = 0; h < g; h++) one(ah + h * lda, wh + h * ldw, b, stride, idx, n, len);
+            h0 += g;
+        }
+    }
+}
+
+void scores_f16_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                   int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    scores_mh<F16Row>(q, ldq, nq, base, stride, idx, n, hd, scale, out, ldo, mx, scores_f16);
+}
+void accum_f16_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                  size_t stride, const int32_t* idx, int n, int64_t hd) {
+    accum_mh<F16Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, 64, accum_f16);
+}
+void scores_q8_0_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
+                    int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx) {
+    scores_mh<Q8Row>(q, ldq, nq, base, stride, idx, n, hd, scale, out, ldo, mx, scores_q8_0);
+}
+void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
+                   size_t stride, const int32_t* idx, int n, int64_t hd) {
+    accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
+}
+
+const OpsKernels kAvx512 = {"avx512",      dot_f16,       axpy_f16,    dot_q8_0,       axpy_q8_0,    scale,
+                            sum_sq,        scale_mul,     rope_head,   to_f16,      scores_f16,     scores_q8_0,  accum_f16,
+                            accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh};
 
 }  // namespace
 

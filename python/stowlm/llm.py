@@ -44,11 +44,13 @@ class LLM:
     model: a name from ``stowlm.pull.list_models()`` (downloaded on first use) or a .gguf path.
     devices: device specs as ``stowlm.Model`` takes them (default: the CPU, all cores).
     n_threads: threads of the default CPU device (ignored when ``devices`` is given).
+    chat_template: Jinja source or a built-in name ("chatml", "gemma") replacing the model's own.
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
                  n_threads: Optional[int] = None, devices=None, n_ubatch: int = 512, kv_type: str = "f16",
-                 layer_split: Optional[Sequence[int]] = None, progress: bool = True):
+                 layer_split: Optional[Sequence[int]] = None, chat_template: Optional[str] = None,
+                 progress: bool = True):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
@@ -59,9 +61,12 @@ class LLM:
             meta = f.metadata
             self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
             self.tokenizer = Tokenizer.from_metadata(meta, name=os.path.basename(self.path))
+            if chat_template is None and not meta.get("tokenizer.chat_template") \
+                    and str(meta.get("general.architecture", "")).startswith("gemma"):
+                chat_template = "gemma"  # gemma GGUFs often ship without one; the family's format is fixed
             try:
                 self._template: Optional[ChatTemplate] = ChatTemplate.from_metadata(
-                    meta, self.tokenizer, name=os.path.basename(self.path))
+                    meta, self.tokenizer, name=os.path.basename(self.path), template=chat_template)
             except ValueError as e:
                 self._template, self._template_error = None, str(e)
         if n_ctx is None:

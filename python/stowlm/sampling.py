@@ -1,0 +1,373 @@
+"""Choosing the next token from logits, and deciding where generated text stops.
+
+:class:`Sampler` follows llama.cpp's default chain: repetition penalties -> logit bias -> top-k ->
+top-p -> min-p -> temperature -> draw from the softmax (seeded numpy Generator). Temperature 0 is
+greedy: the argmax after penalties and bias.
+
+:class:`StopChecker` takes the text pieces a streaming detokenizer emits and holds back any tail that
+could still grow into a stop string, so a stop string is never emitted, not even in part.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import numpy as np
+
+__all__ = ["SamplingParams", "Sampler", "StopChecker", "TextStream"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. Defaults are llama.cpp's.
+
+    temperature: 0 = greedy; top_k: 0 = off; top_p: 1 = off; min_p: 0 = off;
+    repeat_penalty: 1 = off, applied over the last ``repeat_last_n`` tokens (-1: all, 0: off),
+    as are frequency_penalty / presence_penalty; seed: None = fresh entropy;
+    max_tokens: None = until an end-of-generation token; stop: strings that end the text (not
+    included in it); logit_bias: token id -> value added to its logit (-inf bans it).
+    """
+
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 256
+    stop: List[str] = field(default_factory=list)
+    logit_bias: Dict[int, float] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "SamplingParams":
+        def bad(name, why):
+            raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: {why}")
+
+        if not _is_num(self.temperature) or not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", "must be a finite number >= 0 (0 = greedy)")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            bad("top_k", "must be an integer >= 0 (0 = off)")
+        if not _is_num(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            bad("top_p", "must be in (0, 1] (1 = off)")
+        if not _is_num(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            bad("min_p", "must be in [0, 1] (0 = off)")
+        if not _is_num(self.repeat_penalty) or not math.isfinite(self.repeat_penalty) or self.repeat_penalty <= 0:
+            bad("repeat_penalty", "must be a finite number > 0 (1 = off)")
+        if not _is_int(self.repeat_last_n) or self.repeat_last_n < -1:
+            bad("repeat_last_n", "must be an integer >= -1 (-1 = whole history, 0 = off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not _is_num(v) or not math.isfinite(v):
+                bad(name, "must be a finite number")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            bad("seed", "must be None or an integer >= 0")
+        if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
+            bad("max_tokens", "must be None or an integer >= 1")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if self.stop is None:
+            self.stop = []
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a list of non-empty strings")
+        self.stop = list(self.stop)
+        if not isinstance(self.logit_bias, Mapping):
+            bad("logit_bias", "must be a dict {token_id: bias}")
+        clean = {}
+        for k, v in self.logit_bias.items():
+            if not _is_int(k) or k < 0:
+                raise ValueError(f"SamplingParams.logit_bias: key {k!r} is not a token id (integer >= 0)")
+            if not _is_num(v) or math.isnan(v) or v == math.inf:
+                raise ValueError(f"SamplingParams.logit_bias[{k}]={v!r}: must be a number "
+                                 f"(finite, or -inf to ban the token)")
+            clean[int(k)] = float(v)
+        self.logit_bias = clean
+        return self
+
+
+class Sampler:
+    """Picks token ids from logits according to :class:`SamplingParams`.
+
+    ``sample(logits, history)``: logits is the 1-D vector for the next position, history the ids
+    so far (prompt and generated; the penalties look at its last ``repeat_last_n``).
+    """
+
+    # top-p without top-k first looks for the nucleus among this many best tokens (exact: the
+    # full sort runs when the nucleus is not inside them).
+    _NUCLEUS_PREFETCH = 1024
+
+    def __init__(self, params: Optional[SamplingParams] = None, vocab_size: Optional[int] = None):
+        self.params = (params or SamplingParams()).validate()
+        self.vocab_size = vocab_size
+        if vocab_size is not None:
+            for k in self.params.logit_bias:
+                if k >= vocab_size:
+                    raise ValueError(f"SamplingParams.logit_bias: token id {k} is outside the vocabulary "
+                                     f"(size {vocab_size})")
+        self.rng = np.random.default_rng(self.params.seed)
+
+    def reseed(self, seed: Optional[int]) -> None:
+        self.rng = np.random.default_rng(seed)
+
+    # -- the chain, step by step (public so callers and tests can inspect it) --------------
+
+    def apply_penalties(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
+        """Repetition / frequency / presence penalties (llama.cpp's formula), on a float copy."""
+        p = self.params
+        out = np.array(logits, dtype=np.float32, copy=True)
+        n = p.repeat_last_n
+        if n == 0 or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
+            return out
+        hist = np.asarray(history, dtype=np.int64).ravel()
+        if n > 0:
+            hist = hist[-n:]
+        if hist.size == 0:
+            return out
+        if hist.min() < 0 or hist.max() >= out.shape[0]:
+            raise ValueError(f"history has token ids outside the vocabulary (size {out.shape[0]})")
+        ids, counts = np.unique(hist, return_counts=True)
+        vals = out[ids]
+        # a positive logit is divided, a negative one multiplied, so the penalty always lowers it
+        vals = np.where(vals <= 0, vals * p.repeat_penalty, vals / p.repeat_penalty)
+        vals = vals - counts * p.frequency_penalty - p.presence_penalty
+        out[ids] = vals.astype(np.float32)
+        return out
+
+    def apply_logit_bias(self, logits: np.ndarray) -> np.ndarray:
+        if not self.params.logit_bias:
+            return logits
+        ids = np.fromiter(self.params.logit_bias.keys(), dtype=np.int64)
+        if ids.max() >= logits.shape[0]:
+            raise ValueError(f"logit_bias token id {int(ids.max())} is outside the vocabulary "
+                             f"(size {logits.shape[0]})")
+        logits[ids] += np.fromiter(self.params.logit_bias.values(), dtype=np.float32)
+        return logits
+
+    def candidates(self, logits, history: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
+        """The filtered distribution the next token is drawn from: (ids, probabilities), best first.
+
+        Greedy (temperature 0) gives the single argmax with probability 1.
+        """
+        x = np.asarray(logits)
+        if x.ndim != 1 or x.shape[0] == 0:
+            raise ValueError(f"logits must be a non-empty 1-D vector, got shape {x.shape}")
+        if self.vocab_size is not None and x.shape[0] != self.vocab_size:
+            raise ValueError(f"logits have {x.shape[0]} entries, the vocabulary {self.vocab_size}")
+        x = self.apply_penalties(x, history)
+        x = self.apply_logit_bias(x)
+        if np.isnan(x).any():
+            raise ValueError("logits contain NaN")
+        p = self.params
+        if p.temperature == 0.0:
+            best = int(np.argmax(x))
+            return np.array([best], dtype=np.int64), np.array([1.0])
+        if not np.isfinite(x.max()):
+            raise ValueError("no token has a finite logit (all banned?)")
+        ids, vals = self._top(x)
+        if vals[-1] == -np.inf:  # banned tokens (logit bias -inf) are no candidates
+            finite = vals > -np.inf
+            ids, vals = ids[finite], vals[finite]
+        # top-p and min-p work on the untempered distribution, as in llama.cpp
+        keep = len(ids)
+        if p.top_p < 1.0 and keep > 1:
+            if p.top_k == 0 and ids.shape[0] < x.shape[0]:
+                # prefetched best-N: normalise over the whole vocabulary
+                probs = np.exp(vals.astype(np.float64) - _logsumexp(x))
+            else:
+                probs = _softmax(vals)
+            cum = np.cumsum(probs)
+            hit = np.nonzero(cum >= p.top_p)[0]
+            if hit.size == 0 and ids.shape[0] < x.shape[0]:
+                ids, vals = self._sorted(x, np.arange(x.shape[0]))
+                probs = _softmax(vals)
+                cum = np.cumsum(probs)
+                hit = np.nonzero(cum >= p.top_p)[0]
+            keep = int(hit[0]) + 1 if hit.size else len(ids)
+        ids, vals = ids[:keep], vals[:keep]
+        if p.min_p > 0.0 and len(ids) > 1:
+            keep = int(np.count_nonzero(vals >= vals[0] + math.log(p.min_p)))
+            ids, vals = ids[:max(keep, 1)], vals[:max(keep, 1)]
+        vals = vals.astype(np.float64) / p.temperature
+        return ids, _softmax(vals)
+
+    def sample(self, logits, history: Sequence[int] = ()) -> int:
+        ids, probs = self.candidates(logits, history)
+        if len(ids) == 1:
+            return int(ids[0])
+        cum = np.cumsum(probs)
+        u = self.rng.random() * cum[-1]
+        i = int(np.searchsorted(cum, u, side="right"))
+        return int(ids[min(i, len(ids) - 1)])
+
+    __call__ = sample
+
+    # -- helpers ----------------------------------------------------------------------
+
+    def _top(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Candidates best first: the top-k, or (top-k off) a prefetch of the best, or all."""
+        n = x.shape[0]
+        p = self.params
+        k = p.top_k
+        if k == 0 and p.top_p < 1.0:
+            k_eff = min(self._NUCLEUS_PREFETCH, n)
+        elif k == 0:
+            if p.min_p > 0.0:
+                # min-p is the only filter: apply it before sorting (same result, far less to sort)
+                keep = np.nonzero(x >= x.max() + math.log(p.min_p))[0]
+                return self._sorted(x, keep)
+            k_eff = n
+        else:
+            k_eff = min(k, n)
+        if k_eff < n:
+            part = np.argpartition(-x, k_eff - 1)[:k_eff]
+            if k > 0:
+                # ties at the k-th value: keep the lower ids, so the result does not depend on
+                # argpartition's internal order
+                kth = x[part].min()
+                above = np.nonzero(x > kth)[0]
+                tied = np.nonzero(x == kth)[0][:k_eff - above.size]
+                part = np.concatenate([above, tied])
+            return self._sorted(x, part)
+        return self._sorted(x, np.arange(n))
+
+    @staticmethod
+    def _sorted(x: np.ndarray, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        idx = np.sort(idx)
+        order = np.argsort(-x[idx], kind="stable")  # equal logits: lower id first
+        ids = idx[order].astype(np.int64)
+        return ids, x[ids]
+
+
+def _logsumexp(x: np.ndarray) -> float:
+    m = float(np.max(x))
+    return m + math.log(float(np.sum(np.exp(x.astype(np.float64) - m))))
+
+
+def _softmax(v: np.ndarray) -> np.ndarray:
+    v = v.astype(np.float64)
+    e = np.exp(v - v.max())
+    return e / e.sum()
+
+
+class StopChecker:
+    """Streams text while watching for stop strings.
+
+    ``feed(piece)`` returns ``(text_to_emit, stopped)``. Text that might be the beginning of a stop
+    string is held back until it is decided; when a stop string completes, everything before it is
+    emitted, the stop string and anything after it are dropped, and ``stopped`` is True.
+    ``flush()`` returns the held-back text once generation ends for another reason.
+    """
+
+    def __init__(self, stop: Union[str, Iterable[str], None] = ()):
+        if isinstance(stop, str):
+            stop = [stop]
+        self.stop = [s for s in (stop or ())]
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
+        self._held = ""
+        self.stopped = False
+        self.matched: Optional[str] = None  # the stop string that ended the text
+
+    def feed(self, piece: str) -> Tuple[str, bool]:
+        if self.stopped:
+            return "", True
+        if not self.stop:
+            return piece, False
+        buf = self._held + piece
+        first, which = -1, None
+        for s in self.stop:
+            i = buf.find(s)
+            if i >= 0 and (first < 0 or i < first):
+                first, which = i, s
+        if first >= 0:
+            self._held = ""
+            self.stopped = True
+            self.matched = which
+            return buf[:first], True
+        hold = self._partial_len(buf)
+        self._held = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+    def _partial_len(self, buf: str) -> int:
+        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
+        best = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(buf)), best, -1):
+                if buf.endswith(s[:n]):
+                    best = n
+                    break
+        return best
+
+    def flush(self) -> str:
+        out, self._held = self._held, ""
+        return "" if self.stopped else out
+
+
+class TextStream:
+    """Generated token ids in, finished text out, with all the reasons to stop.
+
+    Combines the tokenizer's streaming detokenizer (whole UTF-8 characters only), a
+    :class:`StopChecker` for ``params.stop``, end-of-generation tokens and ``params.max_tokens``.
+    ``feed(id)`` returns the text that is now certain; once ``finished`` is set, ``finish_reason``
+    says why: ``"stop"`` (end-of-generation token or stop string) or ``"length"`` (max_tokens).
+    Call ``close()`` at the end for any held-back text.
+    """
+
+    def __init__(self, tokenizer, params: Optional[SamplingParams] = None):
+        self.params = params or SamplingParams()
+        self.tokenizer = tokenizer
+        self._detok = tokenizer.detokenizer(skip_special=True)
+        self._stop = StopChecker(self.params.stop)
+        self.n_tokens = 0
+        self.ids: List[int] = []
+        self.finished = False
+        self.finish_reason: Optional[str] = None
+        self.text = ""
+
+    def feed(self, token_id: int) -> str:
+        if self.finished:
+            return ""
+        token_id = int(token_id)
+        self.n_tokens += 1
+        if self.tokenizer.is_eog(token_id):
+            self.finished, self.finish_reason = True, "stop"
+            return self._emit(self._drain())
+        self.ids.append(token_id)
+        out, stopped = self._stop.feed(self._detok.feed(token_id))
+        if stopped:
+            self.finished, self.finish_reason = True, "stop"
+            return self._emit(out)
+        if self.params.max_tokens is not None and self.n_tokens >= self.params.max_tokens:
+            self.finished, self.finish_reason = True, "length"
+            return self._emit(out + self._drain())
+        return self._emit(out)
+
+    def close(self) -> str:
+        """Text still held back (a possible stop-string start, an unfinished character)."""
+        if self._stop.stopped:
+            return ""
+        return self._emit(self._drain())
+
+    def _drain(self) -> str:
+        out, stopped = self._stop.feed(self._detok.flush())
+        if stopped:
+            return out
+        return out + self._stop.flush()
+
+    def _emit(self, s: str) -> str:
+        self.text += s
+        return s
