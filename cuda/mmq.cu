@@ -105,10 +105,10 @@ __global__ void __launch_bounds__(128, 1) mmq_kernel(const uint8_t* __restrict__
                     const int n0 = 8 * j + 2 * tig, n1 = n0 + 1;
                     const float x0 = sm.bd[n0][ks], x1 = sm.bd[n1][ks];
                     const float s0 = sm.bs[n0][ks][h], s1 = sm.bs[n1][ks][h];
-                    acc[j][0] += da * x0 * (float)c[0] + ma * s0;
-                    acc[j][1] += da * x1 * (float)c[1] + ma * s1;
-                    acc[j][2] += db * x0 * (float)c[2] + mb * s0;
-                    acc[j][3] += db * x1 * (float)c[3] + mb * s1;
+                    acc[j][0] += wsub_half_value(da, ma, x0, s0, c[0]);
+                    acc[j][1] += wsub_half_value(da, ma, x1, s1, c[1]);
+                    acc[j][2] += wsub_half_value(db, mb, x0, s0, c[2]);
+                    acc[j][3] += wsub_half_value(db, mb, x1, s1, c[3]);
                 }
             }
         }

@@ -282,9 +282,14 @@ HOST_DEVICE int wsub_half_dot(const WSub& w, const block_q8_1& a, int h) {
     return s;
 }
 
-// Scales the two integer half-dots of one sub-block and one activation block to float.
+// One 16-element half in float: weight scale d and offset m of the half, activation scale ad
+// and scaled half sum as, integer dot i. The tiled kernel (cuda/mmq.cu) applies exactly this
+// to each tensor-core result.
+HOST_DEVICE float wsub_half_value(float d, float m, float ad, float as, int i) { return d * ad * (float)i + m * as; }
+
+// Both halves of one sub-block against one activation block.
 HOST_DEVICE float wsub_combine(const WSub& w, float ad, float as0, float as1, int i0, int i1) {
-    return ad * (w.d[0] * (float)i0 + w.d[1] * (float)i1) + w.m[0] * as0 + w.m[1] * as1;
+    return wsub_half_value(w.d[0], w.m[0], ad, as0, i0) + wsub_half_value(w.d[1], w.m[1], ad, as1, i1);
 }
 
 HOST_DEVICE float dot_wsub_q8_1(const WSub& w, const block_q8_1& a) {
