@@ -8,6 +8,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/quantize_block.h"
 
 namespace stowlm::cuda {
 
@@ -139,7 +140,9 @@ __global__ void __launch_bounds__(256) f16_to_f32_kernel(const uint16_t* x, floa
         y[i] = fp16_to_f32(x[i]);
 }
 
-// Row t of [n_head_kv * head_dim] floats into cell dst_cells[t] as halves (cells < 0 skipped).
+// Row t of [n_head_kv * head_dim] floats into cell cells[t] (cells < 0 skipped): halves, or
+// Q8_0 blocks made by the shared quantize_block_q8_0 (one thread per block, bit-identical to
+// the CPU cache). Heads are contiguous in a cell, so block b of the row is block b of the cell.
 __global__ void __launch_bounds__(256) store_kv_f16_kernel(const float* x, int64_t ld_x, int64_t width,
                                                            uint8_t* cache, size_t cell_bytes,
                                                            const int32_t* __restrict__ cells) {
@@ -149,6 +152,16 @@ __global__ void __launch_bounds__(256) store_kv_f16_kernel(const float* x, int64
     uint16_t* dst = (uint16_t*)(cache + (size_t)c * cell_bytes);
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < width; i += (int64_t)gridDim.x * blockDim.x)
         dst[i] = f32_to_fp16(x[t * ld_x + i]);
+}
+__global__ void __launch_bounds__(128) store_kv_q8_0_kernel(const float* x, int64_t ld_x, int64_t n_blocks,
+                                                            uint8_t* cache, size_t cell_bytes,
+                                                            const int32_t* __restrict__ cells) {
+    const int64_t t = blockIdx.y;
+    const int32_t c = cells[t];
+    if (c < 0) return;
+    block_q8_0* dst = (block_q8_0*)(cache + (size_t)c * cell_bytes);
+    for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks; b += (int64_t)gridDim.x * blockDim.x)
+        quantize_block_q8_0(x + t * ld_x + b * QK, dst + b);
 }
 
 dim3 rows_grid(int64_t n, int64_t dim) { return dim3((unsigned)std::min<int64_t>(ceil_div(dim, 256), 64), (unsigned)n); }
@@ -285,15 +298,24 @@ void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_by
 
 void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
               void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s) {
-    if (kv_type != QType::F16)
-        throw InvalidInput(std::string("cuda store_kv: kv_type ") + qtype_name(kv_type) + " is not F16");
+    if (kv_type != QType::F16 && kv_type != QType::Q8_0)
+        throw InvalidInput(std::string("cuda store_kv: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
     check_rows("store_kv", n_tok, head_dim);
+    const size_t rb = row_bytes(kv_type, head_dim);
+    if (kv_cell_bytes < (size_t)n_head_kv * rb)
+        throw InvalidInput("cuda store_kv: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
+                           std::to_string((size_t)n_head_kv * rb));
     const int64_t width = n_head_kv * head_dim;
-    if (kv_cell_bytes < (size_t)width * 2) throw InvalidInput("cuda store_kv: kv_cell_bytes < n_head_kv*head_dim halves");
     if (n_tok == 0 || width == 0) return;
-    store_kv_f16_kernel<<<rows_grid(n_tok, width), 256, 0, (cudaStream_t)s>>>(x, ld_x, width, (uint8_t*)cache,
-                                                                              kv_cell_bytes, dst_cells);
-    check_launch("store_kv_f16_kernel");
+    if (kv_type == QType::F16) {
+        store_kv_f16_kernel<<<rows_grid(n_tok, width), 256, 0, (cudaStream_t)s>>>(x, ld_x, width, (uint8_t*)cache,
+                                                                                  kv_cell_bytes, dst_cells);
+    } else {
+        const int64_t nb = width / QK;
+        const dim3 grid((unsigned)std::min<int64_t>(ceil_div(nb, 128), 64), (unsigned)n_tok);
+        store_kv_q8_0_kernel<<<grid, 128, 0, (cudaStream_t)s>>>(x, ld_x, nb, (uint8_t*)cache, kv_cell_bytes, dst_cells);
+    }
+    check_launch("store_kv");
 }
 
 }  // namespace stowlm::cuda

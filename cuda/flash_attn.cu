@@ -1,4 +1,4 @@
-// Flash attention over F16 KV cells, same semantics as cpu::flash_attn: cells visible by
+// Flash attention over F16 or Q8_0 KV cells, same semantics as cpu::flash_attn: cells visible by
 // their positions (attn_visibility.h), optional softcap, GQA, online softmax (attn_math.h).
 // One block of 4 warps per (query token, head) and KV split; each warp walks every 4th cell
 // of the split with its own (m, l, acc), lanes holding head_dim/32 elements each; the warps'
@@ -22,6 +22,7 @@ struct FaArgs {
     const uint8_t* v;
     int64_t n_kv, n_head_kv;
     size_t cell_bytes;
+    size_t head_bytes;  // row_bytes(kv_type, head_dim)
     int head_dim;
     const int32_t* q_pos;
     const int32_t* kv_pos;
@@ -34,6 +35,18 @@ struct FaArgs {
     float* partial;  // [n_tok * n_head][n_split][head_dim + 2]: m, l, acc
 };
 
+// Element d of a K or V head row. Q8_0: element lane + 32*i is value `lane` of block i.
+template <QType KV>
+__device__ __forceinline__ float kv_value(const uint8_t* row, int d) {
+    if constexpr (KV == QType::F16) {
+        return fp16_to_f32(((const uint16_t*)row)[d]);
+    } else {
+        const block_q8_0* b = (const block_q8_0*)row + (d >> 5);
+        return fp16_to_f32(b->d) * (float)b->qs[d & 31];
+    }
+}
+
+template <QType KV>
 __global__ void __launch_bounds__(kFaWarps * 32, 1) flash_attn_kernel(FaArgs a) {
     __shared__ float sm_m[kFaWarps], sm_l[kFaWarps];
     __shared__ float sm_acc[kFaWarps][kFaMaxDim];
@@ -54,26 +67,26 @@ __global__ void __launch_bounds__(kFaWarps * 32, 1) flash_attn_kernel(FaArgs a) 
         acc[i] = 0.0f;
     }
     float m = -INFINITY, l = 0.0f;
-    const size_t head_off = (size_t)kvh * D * 2;
+    const size_t head_off = (size_t)kvh * a.head_bytes;
     for (int64_t j = j0 + warp; j < j1; j += kFaWarps) {
         if (!kv_visible(qp, a.kv_pos[j], a.causal, a.window)) continue;  // uniform over the warp
-        const uint16_t* kr = (const uint16_t*)(a.k + (size_t)j * a.cell_bytes + head_off);
+        const uint8_t* kr = a.k + (size_t)j * a.cell_bytes + head_off;
         float s = 0.0f;
 #pragma unroll
         for (int i = 0; i < kFaPerLane; i++) {
             const int d = lane + 32 * i;
-            if (d < D) s += qv[i] * fp16_to_f32(kr[d]);
+            if (d < D) s += qv[i] * kv_value<KV>(kr, d);
         }
         // lane 0's sum for everyone, so every lane updates (m, l) identically
         s = __shfl_sync(0xffffffffu, warp_sum(s), 0) * a.scale;
         if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
         float f;
         const float p = online_softmax_update(m, l, s, &f);
-        const uint16_t* vr = (const uint16_t*)(a.v + (size_t)j * a.cell_bytes + head_off);
+        const uint8_t* vr = a.v + (size_t)j * a.cell_bytes + head_off;
 #pragma unroll
         for (int i = 0; i < kFaPerLane; i++) {
             const int d = lane + 32 * i;
-            if (d < D) acc[i] = acc[i] * f + p * fp16_to_f32(vr[d]);
+            if (d < D) acc[i] = acc[i] * f + p * kv_value<KV>(vr, d);
         }
     }
     if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
@@ -147,25 +160,30 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                 QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
                 int n_split, void* scratch, Stream s) {
-    if (kv_type != QType::F16)
-        throw InvalidInput(std::string("cuda flash_attn: kv_type ") + qtype_name(kv_type) + " is not F16");
+    if (kv_type != QType::F16 && kv_type != QType::Q8_0)
+        throw InvalidInput(std::string("cuda flash_attn: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
     if (head_dim <= 0 || head_dim > kFaMaxDim)
         throw InvalidInput("cuda flash_attn: head_dim " + std::to_string(head_dim) + " outside 1.." + std::to_string(kFaMaxDim));
     if (n_head_kv <= 0 || n_head % n_head_kv)
         throw InvalidInput("cuda flash_attn: n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
                            std::to_string(n_head_kv));
-    if (kv_cell_bytes < (size_t)(n_head_kv * head_dim * 2))
-        throw InvalidInput("cuda flash_attn: kv_cell_bytes smaller than n_head_kv * head_dim halves");
+    const size_t head_bytes = row_bytes(kv_type, head_dim);  // throws for Q8_0 with head_dim % 32
+    if (kv_cell_bytes < (size_t)n_head_kv * head_bytes)
+        throw InvalidInput("cuda flash_attn: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
+                           std::to_string((size_t)n_head_kv * head_bytes));
     if (p.window < 0) throw InvalidInput("cuda flash_attn: window must be >= 0");
     if (n_split < 1 || n_split > 1024) throw InvalidInput("cuda flash_attn: n_split must be in 1..1024");
     if (ld_q < n_head * head_dim || ld_out < n_head * head_dim) throw InvalidInput("cuda flash_attn: ld_q/ld_out < n_head*head_dim");
     if (n_split > 1 && scratch == nullptr) throw InvalidInput("cuda flash_attn: n_split > 1 needs scratch");
     if (n_tok == 0 || n_head == 0) return;
     FaArgs a{q, n_tok, n_head, ld_q, (const uint8_t*)k, (const uint8_t*)v, n_kv, n_head_kv, kv_cell_bytes,
-             (int)head_dim, q_pos, kv_pos, p.scale, p.softcap, p.window, p.causal, out, ld_out, n_split,
+             head_bytes, (int)head_dim, q_pos, kv_pos, p.scale, p.softcap, p.window, p.causal, out, ld_out, n_split,
              (float*)scratch};
     const dim3 grid((unsigned)(n_tok * n_head), (unsigned)n_split);
-    flash_attn_kernel<<<grid, kFaWarps * 32, 0, (cudaStream_t)s>>>(a);
+    if (kv_type == QType::F16)
+        flash_attn_kernel<QType::F16><<<grid, kFaWarps * 32, 0, (cudaStream_t)s>>>(a);
+    else
+        flash_attn_kernel<QType::Q8_0><<<grid, kFaWarps * 32, 0, (cudaStream_t)s>>>(a);
     check_launch("flash_attn_kernel");
     if (n_split > 1) {
         flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), 128, 0, (cudaStream_t)s>>>(

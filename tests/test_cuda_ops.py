@@ -153,22 +153,32 @@ def attn_reference(q, k, v, q_pos, kv_pos, scale, softcap, window, causal):
     return out
 
 
-@pytest.mark.parametrize("n_tok,n_head,n_head_kv,hd,n_kv,softcap,window,n_split", [
+ATTN_CASES = [
     (1, 8, 2, 64, 700, 0.0, 0, 1),
     (1, 8, 2, 64, 700, 0.0, 0, 5),     # split-KV decode
     (5, 4, 4, 80, 37, 30.0, 0, 1),      # head_dim not a multiple of 32, softcap
     (6, 4, 1, 128, 50, 0.0, 8, 3),      # sliding window, MQA, splits
     (3, 2, 2, 256, 20, 0.0, 0, 1),
-])
-def test_flash_attn(dev, n_tok, n_head, n_head_kv, hd, n_kv, softcap, window, n_split):
+]
+
+
+def attn_inputs(n_tok, n_head, n_head_kv, hd, n_kv):
     rng = np.random.default_rng(n_kv + hd)
     q = rng.standard_normal((n_tok, n_head, hd)).astype(np.float32)
-    k = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float16)
-    v = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float16)
+    k = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
     kv_pos = np.arange(n_kv, dtype=np.int32)
     kv_pos[rng.integers(0, n_kv, max(1, n_kv // 10))] = -1  # empty cells
     q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
-    q_pos[0] = -5 if n_tok > 1 else q_pos[0]  # a query that sees nothing gets zeros
+    if n_tok > 1:
+        q_pos[0] = -5  # a query that sees nothing gets zeros
+    return q, k, v, q_pos, kv_pos
+
+
+@pytest.mark.parametrize("n_tok,n_head,n_head_kv,hd,n_kv,softcap,window,n_split", ATTN_CASES)
+def test_flash_attn(dev, n_tok, n_head, n_head_kv, hd, n_kv, softcap, window, n_split):
+    q, k, v, q_pos, kv_pos = attn_inputs(n_tok, n_head, n_head_kv, hd, n_kv)
+    k, v = k.astype(np.float16), v.astype(np.float16)
     scale = 1 / np.sqrt(hd)
     ref = attn_reference(q, k, v, q_pos, kv_pos, scale, softcap, window, True)
     if dev == "cpu":
@@ -176,6 +186,20 @@ def test_flash_attn(dev, n_tok, n_head, n_head_kv, hd, n_kv, softcap, window, n_
     else:
         out = run(dev, "flash_attn", q, k.view(np.uint16), v.view(np.uint16), q_pos, kv_pos, scale,
                   softcap=softcap, window=window, n_split=n_split)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("n_split", [1, 4])
+def test_flash_attn_q8_0_cache(dev, n_split):
+    """float32 K/V stored into Q8_0 cells by the device's own store_kv, then attended; the oracle
+    attends over the gguf package's Q8_0 round trip of the same values."""
+    n_tok, n_head, n_head_kv, hd, n_kv = 3, 4, 2, 64, 300
+    q, k, v, q_pos, kv_pos = attn_inputs(n_tok, n_head, n_head_kv, hd, n_kv)
+    rt = lambda a: dequantize(gguf.quants.quantize(a.reshape(-1, hd), T.Q8_0), T.Q8_0).reshape(a.shape)
+    scale = 1 / np.sqrt(hd)
+    ref = attn_reference(q, rt(k), rt(v), q_pos, kv_pos, scale, 0.0, 0, True)
+    kw = {"kv_type": "Q8_0"} if dev == "cpu" else {"kv_type": "Q8_0", "n_split": n_split}
+    out = run(dev, "flash_attn", q, k, v, q_pos, kv_pos, scale, **kw)
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 
@@ -265,15 +289,20 @@ def test_f16_conversions_bit_exact(dev):
     np.testing.assert_array_equal(run(dev, "f16_to_f32", h), h.view(np.float16).astype(np.float32))
 
 
-def test_store_kv(dev):
-    cuda_only(dev)
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+def test_store_kv_matches_cpu_cache_bytes(dev, kv_type):
     rng = np.random.default_rng(15)
     x = rng.standard_normal((3, 2, 64)).astype(np.float32)
-    cache = np.zeros((10, 2 * 64 * 2), np.uint8)
-    run(dev, "store_kv", x, cache, np.array([4, 0, 9], np.int32))
-    halves = cache.view(np.uint16).reshape(10, 2, 64)
-    np.testing.assert_array_equal(halves[[4, 0, 9]], x.astype(np.float16).view(np.uint16))
-    assert not halves[[1, 2, 3, 5, 6, 7, 8]].any()
+    row = 64 * 2 if kv_type == "F16" else 2 * 34
+    cache = np.zeros((10, 2 * row), np.uint8)
+    cells = np.array([4, 0, 9], np.int32)
+    run(dev, "store_kv", x, kv_type, cache, cells)
+    if kv_type == "F16":
+        want = x.astype(np.float16).view(np.uint8).reshape(3, -1)
+    else:
+        want = gguf.quants.quantize(x.reshape(-1, 64), T.Q8_0).reshape(3, -1)
+    np.testing.assert_array_equal(cache[cells], want)
+    assert not cache[[1, 2, 3, 5, 6, 7, 8]].any()
 
 
 # ---- mixture of experts --------------------------------------------------------------------

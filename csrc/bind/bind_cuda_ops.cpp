@@ -44,6 +44,8 @@ struct Buf {
     void* p = nullptr;
     Buf(cu::CudaDevice& d, size_t bytes) : dev(d), p(d.alloc(bytes, "test")) {}
     Buf(cu::CudaDevice& d, const void* host, size_t bytes) : Buf(d, bytes) { d.copy_to_device(p, host, bytes, d.compute_stream()); }
+    Buf(Buf&& o) noexcept : dev(o.dev), p(o.p) { o.p = nullptr; }
+    Buf(const Buf&) = delete;
     ~Buf() { dev.free(p); }
     template <typename T>
     T* as() const { return (T*)p; }
@@ -112,8 +114,40 @@ Out<uint8_t> quantize_q8_1(In<float> x, int dev_index) {
     return download<uint8_t>(d, qb, {(size_t)n, (size_t)(cols / 32 * sizeof(stowlm::block_q8_1))});
 }
 
-Out<float> flash_attn(In<float> q, In<uint16_t> k, In<uint16_t> v, In<int32_t> q_pos, In<int32_t> kv_pos, float scale,
-                      float softcap, int window, bool causal, int n_split, int dev_index) {
+QType kv_type_of(const std::string& name) {
+    if (name == "F16") return QType::F16;
+    if (name == "Q8_0") return QType::Q8_0;
+    throw InvalidInput("kv_type must be F16 or Q8_0, not '" + name + "'");
+}
+
+using AnyArr = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// KV cells [n_kv][n_head_kv][head_dim] on the device: float16 bits (uint16) as they are for F16,
+// or float32 encoded by the device's store_kv into kv_type.
+Buf upload_kv(cu::CudaDevice& d, const AnyArr& a, QType kv_type, int64_t n_kv, int64_t n_head_kv, int64_t hd,
+              const char* name) {
+    const size_t cell = (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd);
+    Buf cells(d, cell * (size_t)n_kv);
+    if (a.dtype() == nb::dtype<uint16_t>()) {
+        if (kv_type != QType::F16) throw InvalidInput(std::string(name) + ": float16 bits only for kv_type F16");
+        d.copy_to_device(cells.p, a.data(), a.nbytes(), d.compute_stream());
+    } else if (a.dtype() == nb::dtype<float>()) {
+        Buf x(d, a.data(), a.nbytes());
+        std::vector<int32_t> ids((size_t)n_kv);
+        for (int64_t j = 0; j < n_kv; j++) ids[j] = (int32_t)j;
+        Buf ib(d, ids.data(), ids.size() * 4);
+        cu::store_kv(x.as<float>(), n_kv, n_head_kv * hd, n_head_kv, hd, kv_type, cells.p, cell, ib.as<int32_t>(),
+                     d.compute_stream());
+        d.synchronize();  // x and ib are freed on return
+    } else {
+        throw InvalidInput(std::string(name) + " must be uint16 (float16 bits) or float32");
+    }
+    return cells;
+}
+
+Out<float> flash_attn(In<float> q, AnyArr k, AnyArr v, In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap,
+                      int window, bool causal, int n_split, const std::string& kv_type_name, int dev_index) {
+    const QType kv_type = kv_type_of(kv_type_name);
     if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3) throw InvalidInput("flash_attn: q, k, v must be 3-D");
     const int64_t n_tok = q.shape(0), n_head = q.shape(1), hd = q.shape(2), n_kv = k.shape(0), n_head_kv = k.shape(1);
     for (size_t i = 0; i < 3; i++)
@@ -122,14 +156,14 @@ Out<float> flash_attn(In<float> q, In<uint16_t> k, In<uint16_t> v, In<int32_t> q
     if ((int64_t)q_pos.size() != n_tok || (int64_t)kv_pos.size() != n_kv) throw InvalidInput("flash_attn: positions length");
     cu::CudaDevice& d = device(dev_index);
     if (n_split <= 0) n_split = cu::flash_attn_auto_splits(n_tok, n_head, n_kv, d.sm_count());
-    Buf qb(d, q.data(), q.size() * 4), kb(d, k.data(), k.size() * 2), vb(d, v.data(), v.size() * 2),
-        qpb(d, q_pos.data(), q_pos.size() * 4), kpb(d, kv_pos.data(), kv_pos.size() * 4),
+    Buf kb = upload_kv(d, k, kv_type, n_kv, n_head_kv, hd, "k"), vb = upload_kv(d, v, kv_type, n_kv, n_head_kv, hd, "v");
+    Buf qb(d, q.data(), q.size() * 4), qpb(d, q_pos.data(), q_pos.size() * 4), kpb(d, kv_pos.data(), kv_pos.size() * 4),
         ob(d, (size_t)(n_tok * n_head * hd) * 4), sb(d, cu::flash_attn_scratch_bytes(n_tok, n_head, hd, n_split));
     stowlm::cpu::AttnParams p;
     p.scale = scale, p.softcap = softcap, p.window = window, p.causal = causal;
-    cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kb.p, vb.p, QType::F16, n_kv, n_head_kv,
-                   (size_t)(n_head_kv * hd * 2), hd, qpb.as<int32_t>(), kpb.as<int32_t>(), p, ob.as<float>(),
-                   n_head * hd, n_split, sb.p, d.compute_stream());
+    cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kb.p, vb.p, kv_type, n_kv, n_head_kv,
+                   (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd), hd, qpb.as<int32_t>(), kpb.as<int32_t>(), p,
+                   ob.as<float>(), n_head * hd, n_split, sb.p, d.compute_stream());
     return download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd});
 }
 
@@ -178,7 +212,8 @@ STOWLM_BIND(cuda_ops) {
            "block_q8_1 bytes (n, cols/32*48) as the device quantizer writes them");
     co.def("flash_attn", &flash_attn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"),
            nb::arg("scale"), nb::arg("softcap") = 0.0f, nb::arg("window") = 0, nb::arg("causal") = true,
-           nb::arg("n_split") = 1, nb::arg("device") = 0, "k, v: float16 bits as uint16 (n_kv, n_head_kv, head_dim)");
+           nb::arg("n_split") = 1, nb::arg("kv_type") = "F16", nb::arg("device") = 0,
+           "k, v (n_kv, n_head_kv, head_dim): float16 bits as uint16, or float32 stored into kv_type cells on the device");
     co.def("get_rows", &get_rows, nb::arg("raw"), nb::arg("qtype"), nb::arg("ids"), nb::arg("n_cols"), nb::arg("device") = 0);
     co.def("moe_matmul", &moe, nb::arg("w"), nb::arg("qtype"), nb::arg("n_expert"), nb::arg("rows"), nb::arg("cols"),
            nb::arg("x"), nb::arg("ids"), nb::arg("per_slot_input") = false, nb::arg("device") = 0);
@@ -255,17 +290,18 @@ STOWLM_BIND(cuda_ops) {
         return download<float>(d, yb, shape_of(x));
     }, nb::arg("x"), nb::arg("device") = 0);
 
-    co.def("store_kv", [](In<float> x, nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> cache,
-                          In<int32_t> cells, int di) {
+    co.def("store_kv", [](In<float> x, const std::string& kv_type_name,
+                          nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> cache, In<int32_t> cells, int di) {
+        const QType kv_type = kv_type_of(kv_type_name);
         if (x.ndim() != 3 || (size_t)cells.size() != x.shape(0)) throw InvalidInput("store_kv: x (n_tok, n_head_kv, head_dim)");
         for (size_t i = 0; i < cells.size(); i++)
             if (cells.data()[i] >= (int64_t)cache.shape(0)) throw InvalidInput("store_kv: cell out of range");
         cu::CudaDevice& d = device(di);
         Buf xb(d, x.data(), x.size() * 4), cb(d, cache.data(), cache.size()), ib(d, cells.data(), cells.size() * 4);
-        cu::store_kv(xb.as<float>(), x.shape(0), x.shape(1) * x.shape(2), x.shape(1), x.shape(2), QType::F16, cb.p,
+        cu::store_kv(xb.as<float>(), x.shape(0), x.shape(1) * x.shape(2), x.shape(1), x.shape(2), kv_type, cb.p,
                      cache.shape(1), ib.as<int32_t>(), d.compute_stream());
         d.copy_to_host(cache.data(), cb.p, cache.size(), d.compute_stream());
-    }, nb::arg("x"), nb::arg("cache"), nb::arg("dst_cells"), nb::arg("device") = 0);
+    }, nb::arg("x"), nb::arg("kv_type"), nb::arg("cache"), nb::arg("dst_cells"), nb::arg("device") = 0);
 
     co.def("router_topk", [](In<float> logits, int k, bool softmax_all, bool normalize, int di) {
         if (logits.ndim() != 2) throw InvalidInput("router_topk: logits must be (n_tok, n_expert)");
