@@ -348,6 +348,22 @@ def test_allocation_accounting_is_exact(dev):
     assert final == 0
 
 
+@pytest.mark.parametrize("nbytes", [1, 4 << 20, (9 << 20) + 3])  # one staging buffer, several, odd tail
+def test_copies_round_trip(dev, nbytes):
+    cuda_only(dev)
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    np.testing.assert_array_equal(_core.cuda_ops.copy_roundtrip(data), data)
+
+
+def test_peer_copy(dev):
+    cuda_only(dev)
+    devices, _ = _core.cuda.devices()
+    if len(devices) < 2:
+        pytest.skip("peer copies need two CUDA devices")
+    data = np.random.default_rng(1).integers(0, 256, 5 << 20, dtype=np.uint8)
+    np.testing.assert_array_equal(_core.cuda_ops.copy_roundtrip(data, device=0, peer=1), data)
+
+
 def test_out_of_memory_is_memory_error(dev):
     cuda_only(dev)
     with pytest.raises(MemoryError, match="cannot allocate"):

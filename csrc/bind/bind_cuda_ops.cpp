@@ -331,6 +331,23 @@ STOWLM_BIND(cuda_ops) {
         cu::CudaDevice& d = device(di);
         d.free(d.alloc(bytes, "test buffer"));
     }, nb::arg("bytes"), nb::arg("device") = 0);
+    // host -> device (pageable, staged) -> device copy -> (peer copy to device `peer`) -> host.
+    co.def("copy_roundtrip", [](In<uint8_t> data, int di, int peer) {
+        cu::CudaDevice& d = device(di);
+        Buf a(d, data.data(), data.size()), b(d, data.size());
+        d.copy_device(b.p, a.p, data.size(), d.compute_stream());
+        Out<uint8_t> o = new_array<uint8_t>({data.size()});
+        if (peer >= 0) {
+            cu::CudaDevice& e = device(peer);
+            d.synchronize();
+            Buf c(e, data.size());
+            e.copy_from_peer(c.p, d, b.p, data.size(), e.compute_stream());
+            e.copy_to_host(o.data(), c.p, data.size(), e.compute_stream());
+        } else {
+            d.copy_to_host(o.data(), b.p, data.size(), d.compute_stream());
+        }
+        return o;
+    }, nb::arg("data"), nb::arg("device") = 0, nb::arg("peer") = -1);
     co.def("open_device", [](int di) { return device(di).name(); }, nb::arg("device") = 0);
 }
 #endif  // STOWLM_HAVE_CUDA
