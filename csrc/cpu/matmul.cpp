@@ -72,7 +72,17 @@ size_t act_row_bytes(QType t, int64_t cols) {
 
 size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
     check_type_cols(wtype, cols);
-    return act_row_bytes(wtype, cols) * (size_t)(n_tok > 0 ? n_tok : 0) + 64;
+    n_tok = n_tok > 0 ? n_tok : 0;
+    size_t bytes = act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
+#ifdef STOWLM_X86
+    if (dot_family(wtype) != DotFamily::Float && n_tok >= kAmxMinTokens) bytes += amx_scratch_extra(wtype, cols, n_tok);
+#endif
+    return bytes;
+}
+
+void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n) {
+    if (fam == DotFamily::Q32) quantize_row_q8_a(x, (block_q8_a*)dst, n);
+    else quantize_row_q8_K(x, (block_q8_K*)dst, n);
 }
 
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<ScalarKern>(a, r0, r1); }
@@ -99,6 +109,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     A.act = (const void*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     A.n_tok = n_tok, A.y = y, A.ldy = ldy;
 
+    const Isa isa = active_isa();
     // Activations are quantized once per call, split over tokens (or over blocks for one token).
     if (fam != DotFamily::Float) {
         uint8_t* act = (uint8_t*)A.act;
@@ -111,14 +122,17 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
                 const int64_t n = std::min(e - b, nblk - j);
                 const float* xs = x + t * ldx + j * belems;
                 uint8_t* dst = act + t * A.act_stride;
-                if (fam == DotFamily::Q32) quantize_row_q8_a(xs, (block_q8_a*)dst + j, n * belems);
-                else quantize_row_q8_K(xs, (block_q8_K*)dst + j, n * belems);
+                void* blk = dst + j * (fam == DotFamily::Q32 ? sizeof(block_q8_a) : sizeof(block_q8_K));
+#ifdef STOWLM_X86
+                if (isa != Isa::Scalar) quantize_act_avx2(fam, xs, blk, n * belems);
+                else
+#endif
+                    quantize_act_scalar(fam, xs, blk, n * belems);
                 b += n;
             }
         });
     }
 
-    const Isa isa = active_isa();
 #ifdef STOWLM_X86
     if (isa == Isa::AMX && matmul_amx(A, pool)) return;
 #endif

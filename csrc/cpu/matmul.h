@@ -1,6 +1,11 @@
 // CPU quantized matrix products: y = W x for every weight type against F32 activations.
-// Activations are quantized once per call (Q8_0 or Q8_K blocks, by weight type) into
-// `scratch`, then dotted with integer SIMD chosen at run time (cpu_features.h).
+// Activations are quantized once per call into `scratch` (8-bit blocks of 32 with their sums
+// for the 32-element weight formats, Q8_K for the K formats and IQ4_XS; float weights use the
+// F32 activations as they are), then dotted with the kernel path chosen at run time
+// (cpu_features.h): scalar, AVX2, AVX-512 VNNI, or AMX tiles for batches of 24+ tokens.
+// Rows (AMX: panels of 32 rows) are split over the pool's threads. Paths that unpack weights
+// keep a per-thread buffer that is allocated on first use and reused (grown only for a
+// larger `cols`), so steady-state calls allocate nothing and create no threads.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -18,7 +23,9 @@ struct WeightRef {
     int64_t cols = 0;
 };
 
-// Bytes of scratch matmul() needs for n_tok activation rows of `cols` against this weight type.
+// Bytes of scratch matmul() needs for n_tok activation rows of `cols` against this weight type
+// (on any path: it includes the AMX path's repacked activations when n_tok is large).
+// Throws InvalidInput like matmul() for an unsupported type or cols.
 size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
 
 // y[t * ldy + r] = sum_c W[r, c] * x[t * ldx + c]  for t < n_tok, r < rows.

@@ -3,6 +3,8 @@
 #include <immintrin.h>
 
 #include "cpu/matmul_impl.h"
+#include "cpu/matmul_unpack_simd.h"
+#include "cpu/matmul_fused.h"
 
 namespace stowlm::cpu {
 
@@ -24,6 +26,12 @@ inline int hsum8i(__m256i v) {
 inline __m256i mul_pairs(__m256i w, __m256i a) {
     return _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
 }
+
+struct SimdUnpack {
+    static void unpack(QType t, DotFamily fam, const uint8_t* src, int64_t cols, uint8_t* dst, const RowLayout& L) {
+        if (!unpack_row_simd(t, src, cols, dst, L)) unpack_row(t, fam, src, cols, dst, L);
+    }
+};
 
 struct Avx2Kern {
     static float dot_q32(const int8_t* q, const float* d, const float* m, const block_q8_a* a, int64_t nb) {
@@ -88,6 +96,15 @@ struct Avx2Kern {
 
 }  // namespace
 
-void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx2Kern>(a, r0, r1); }
+void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n) {
+    if (fam == DotFamily::Q32) quantize_q8_a_simd(x, (block_q8_a*)dst, n);
+    else quantize_q8_K_simd(x, (block_q8_K*)dst, n);
+}
+
+void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) {
+    // Fused kernels stream raw blocks; the other types go through an unpacked panel.
+    if (has_fused(a.type)) fused_rows(a, r0, r1);
+    else rows_generic<Avx2Kern, SimdUnpack>(a, r0, r1);
+}
 
 }  // namespace stowlm::cpu

@@ -1,15 +1,24 @@
 // AVX-512 VNNI path: vpdpbusd multiplies unsigned by signed bytes, so unpacked signed weights
 // are flipped to w + 128 (xor 0x80) and the excess 128 * sum(a) is taken off per block, using
 // the activation sums quantization already made (a.s for 32-blocks, bsums for Q8_K).
-// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as maybe-uninitialized.
+// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as (maybe-)uninitialized.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include "cpu/matmul_impl.h"
+#include "cpu/matmul_unpack_simd.h"
+#include "cpu/matmul_fused.h"
 
 namespace stowlm::cpu {
 
 namespace {
+
+struct SimdUnpack {
+    static void unpack(QType t, DotFamily fam, const uint8_t* src, int64_t cols, uint8_t* dst, const RowLayout& L) {
+        if (!unpack_row_simd(t, src, cols, dst, L)) unpack_row(t, fam, src, cols, dst, L);
+    }
+};
 
 struct Avx512Kern {
     static float dot_q32(const int8_t* q, const float* d, const float* m, const block_q8_a* a, int64_t nb) {
@@ -94,6 +103,11 @@ struct Avx512Kern {
 
 }  // namespace
 
-void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<Avx512Kern>(a, r0, r1); }
+void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) {
+    // Fused kernels stream raw blocks (measured faster than the panel at every batch size);
+    // the other types go through an unpacked panel. Large batches go to AMX before this.
+    if (has_fused(a.type)) fused_rows(a, r0, r1);
+    else rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1);
+}
 
 }  // namespace stowlm::cpu

@@ -3,6 +3,8 @@
 // int8 panel once, dot it with every token). Everything here that holds code is in an
 // anonymous namespace: each ISA file compiles its own copy with its own -m flags.
 #pragma once
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -30,9 +32,18 @@ struct MatmulArgs {
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
+// Activation quantization of n elements of one token (Q8_a blocks for the 32-element
+// weight formats, Q8_K otherwise), per instruction set.
+void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n);
+void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n);
+
 // Whole product on AMX tiles (rows split over the pool); false when this type/shape is
 // better left to the AVX-512 path.
 bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
+// Extra scratch the AMX path needs after the activations (its per-step activation scales).
+size_t amx_scratch_extra(QType t, int64_t cols, int64_t n_tok);
+// Batches below this many tokens stay on the AVX-512 path.
+constexpr int64_t kAmxMinTokens = 24;
 
 namespace {
 
@@ -99,10 +110,17 @@ inline void unpack_row(QType t, DotFamily fam, const uint8_t* src, int64_t cols,
     }
 }
 
+// Scalar unpack, used where a file has no faster one.
+struct ScalarUnpack {
+    static void unpack(QType t, DotFamily fam, const uint8_t* src, int64_t cols, uint8_t* dst, const RowLayout& L) {
+        unpack_row(t, fam, src, cols, dst, L);
+    }
+};
+
 // The generic path: RT rows at a time are unpacked once and dotted with every token, so each
 // weight byte is read from memory once per call however many tokens there are.
 // Kern supplies dot_q32 / dot_qk / dot_f (one row x one token) and to_f32 (F16/BF16 rows).
-template <class Kern, int RT = 4>
+template <class Kern, class Unpack = ScalarUnpack, int RT = 4>
 void rows_generic(const MatmulArgs& A, int64_t r0, int64_t r1) {
     static thread_local Panel panel;
     const DotFamily fam = dot_family(A.type);
@@ -121,7 +139,7 @@ void rows_generic(const MatmulArgs& A, int64_t r0, int64_t r1) {
             }
             uint8_t* dst = buf + i * L.bytes;
             if (fam == DotFamily::Float) Kern::to_f32(A.type, src, (float*)dst, A.cols);
-            else unpack_row(A.type, fam, src, A.cols, dst, L);
+            else Unpack::unpack(A.type, fam, src, A.cols, dst, L);
             rowp[i] = dst;
         }
         for (int64_t t = 0; t < A.n_tok; t++) {

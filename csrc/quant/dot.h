@@ -7,7 +7,8 @@
 //     dotted with block_q8_a activations (x[i] ~ a.d * a.qs[i], a.s = a.d * sum a.qs).
 //   256-element formats (Q2_K..Q8_K, IQ4_XS): w[i] = d * sc[i/16] * q[i] - dmin * mn[i/16],
 //     dotted with block_q8_K activations (bsums = sums of 16 qs), all in integers but d.
-// Functions are static so that each instruction-set build of a kernel file keeps its own copy
+// Scale unpacking and the IQ4 codebook come from the decoders (quant/kquants.h, iquants.h,
+// legacy.h). Functions here are static so that each instruction-set build of a kernel file keeps its own copy
 // (an inline function shared across files compiled with different -m flags could be linked
 // into the baseline path from the AVX-512 one).
 #pragma once
@@ -16,6 +17,9 @@
 
 #include "common.h"
 #include "quant/blocks.h"
+#include "quant/iquants.h"
+#include "quant/kquants.h"
+#include "quant/legacy.h"
 #include "quant/types.h"
 
 #if defined(__CUDACC__)
@@ -34,13 +38,6 @@ struct block_q8_a {
     int8_t qs[QK];
 };
 static_assert(sizeof(block_q8_a) == 40, "q8_a layout");
-
-// Values of the IQ4_NL / IQ4_XS 4-bit codebook (GGUF's kvalues_iq4nl).
-#if defined(__CUDACC__)
-__host__ __device__
-#endif
-static constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
-                                            1,    13,   25,  38,  53,  69,  89,  113};
 
 enum class DotFamily { Float, Q32, QK256 };
 
@@ -64,7 +61,7 @@ STOWLM_DOT_FN void quantize_row_q8_a(const float* x, block_q8_a* y, int64_t k) {
     for (int64_t b = 0; b < k / QK; b++) {
         const float* xb = x + b * QK;
         float amax = 0;
-        for (int i = 0; i < QK; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < QK; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
         const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
         int sum = 0;
         for (int i = 0; i < QK; i++) {
@@ -82,7 +79,7 @@ STOWLM_DOT_FN void quantize_row_q8_K(const float* x, block_q8_K* y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++) {
         const float* xb = x + b * QK_K;
         float amax = 0;
-        for (int i = 0; i < QK_K; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < QK_K; i++) { const float a = fabsf(xb[i]); amax = a > amax ? a : amax; }
         const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
         for (int j = 0; j < QK_K / 16; j++) {
             int sum = 0;
@@ -155,8 +152,8 @@ STOWLM_DOT_FN void unpack_q32(QType t, const void* blk, int8_t* q, float* d, flo
             const block_iq4_nl* b = (const block_iq4_nl*)blk;
             *d = fp16_to_f32(b->d);
             for (int j = 0; j < 16; j++) {
-                q[j] = kIQ4NLValues[b->qs[j] & 0xf];
-                q[j + 16] = kIQ4NLValues[b->qs[j] >> 4];
+                q[j] = (int8_t)iq4nl_value(b->qs[j] & 0xf);
+                q[j + 16] = (int8_t)iq4nl_value(b->qs[j] >> 4);
             }
             break;
         }
@@ -165,24 +162,6 @@ STOWLM_DOT_FN void unpack_q32(QType t, const void* blk, int8_t* q, float* d, flo
 }
 
 // ---- weight unpacking: 256-element formats -----------------------------------
-
-// The 6-bit scale and min of sub-block j (0..7) of Q4_K / Q5_K.
-STOWLM_DOT_FN void k4_scale_min(int j, const uint8_t* s, int* sc, int* mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0xf) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-// The signed 6-bit scale of 16-element group i (0..15) of Q3_K.
-STOWLM_DOT_FN int k3_scale(int i, const uint8_t* s) {
-    const int lo = i < 8 ? (s[i] & 0xf) : (s[i - 8] >> 4);
-    const int hi = (s[8 + (i & 3)] >> (2 * (i >> 2))) & 3;
-    return (lo | (hi << 4)) - 32;
-}
 
 // q[256] in element order; w = d * sc[i/16] * q[i] - dmin * mn[i/16].
 STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, int16_t* mn, float* d,
@@ -195,8 +174,8 @@ STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, i
             *d = fp16_to_f32(b->d);
             *dmin = fp16_to_f32(b->dmin);
             for (int j = 0; j < 16; j++) {
-                sc[j] = b->scales[j] & 0xf;
-                mn[j] = b->scales[j] >> 4;
+                sc[j] = (int16_t)q2k_scale(b->scales, j);
+                mn[j] = (int16_t)q2k_min(b->scales, j);
             }
             for (int n = 0; n < 2; n++)
                 for (int s = 0; s < 4; s++)
@@ -207,7 +186,7 @@ STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, i
         case QType::Q3_K: {
             const block_q3_K* b = (const block_q3_K*)blk;
             *d = fp16_to_f32(b->d);
-            for (int j = 0; j < 16; j++) sc[j] = (int16_t)k3_scale(j, b->scales);
+            for (int j = 0; j < 16; j++) sc[j] = (int16_t)q3k_scale(b->scales, j);
             for (int n = 0; n < 2; n++)
                 for (int s = 0; s < 4; s++)
                     for (int l = 0; l < 32; l++) {
@@ -230,10 +209,10 @@ STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, i
                 scales = b->scales, qs = b->qs, qh = b->qh;
             }
             for (int j = 0; j < 8; j++) {
-                int s, m;
-                k4_scale_min(j, scales, &s, &m);
-                sc[2 * j] = sc[2 * j + 1] = (int16_t)s;
-                mn[2 * j] = mn[2 * j + 1] = (int16_t)m;
+                uint8_t s, m;
+                get_scale_min_k4(j, scales, &s, &m);
+                sc[2 * j] = sc[2 * j + 1] = s;
+                mn[2 * j] = mn[2 * j + 1] = m;
             }
             for (int c = 0; c < 4; c++)
                 for (int l = 0; l < 32; l++) {
@@ -275,11 +254,10 @@ STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, i
             const block_iq4_xs* b = (const block_iq4_xs*)blk;
             *d = fp16_to_f32(b->d);
             for (int ib = 0; ib < 8; ib++) {
-                const int ls = ((b->scales_l[ib / 2] >> (4 * (ib % 2))) & 0xf) | (((b->scales_h >> (2 * ib)) & 3) << 4);
-                sc[2 * ib] = sc[2 * ib + 1] = (int16_t)(ls - 32);
+                sc[2 * ib] = sc[2 * ib + 1] = (int16_t)iq4xs_scale(b, ib);
                 for (int j = 0; j < 16; j++) {
-                    q[32 * ib + j] = kIQ4NLValues[b->qs[16 * ib + j] & 0xf];
-                    q[32 * ib + j + 16] = kIQ4NLValues[b->qs[16 * ib + j] >> 4];
+                    q[32 * ib + j] = (int8_t)iq4nl_value(b->qs[16 * ib + j] & 0xf);
+                    q[32 * ib + j + 16] = (int8_t)iq4nl_value(b->qs[16 * ib + j] >> 4);
                 }
             }
             break;

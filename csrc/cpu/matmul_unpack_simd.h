@@ -1,0 +1,244 @@
+// AVX2 unpacking of weight rows into the panel form of matmul_impl.h (signed int8 values
+// plus scales), for the files built with AVX2 or more. Falls back to the scalar unpack of
+// quant/dot.h for the types without a vector version here. Anonymous namespace: see
+// matmul_impl.h.
+#pragma once
+#include <immintrin.h>
+
+#include "cpu/matmul_impl.h"
+
+namespace stowlm::cpu {
+namespace {
+
+inline float h2f(uint16_t h) { return _cvtsh_ss(h); }
+
+// 16 bytes -> 32 bytes: low nibbles, then high nibbles (the element order of the 4-bit formats).
+inline __m256i nibbles32(const uint8_t* p) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)p);
+    const __m128i m = _mm_set1_epi8(0x0f);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
+}
+// Bit j of the 32-bit qh -> 0x10 in byte j (the fifth bit of the 5-bit formats).
+inline __m256i bits32(const uint8_t* qh) {
+    uint32_t h;
+    memcpy(&h, qh, 4);
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+}
+inline __m256i iq4_lookup(__m256i idx) {
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIQ4NLValues));
+    return _mm256_shuffle_epi8(tab, idx);
+}
+
+// Vector unpack of one row; false when the type has no vector version.
+inline bool unpack_row_simd(QType t, const uint8_t* src, int64_t cols, uint8_t* dst, const RowLayout& L) {
+    int8_t* q = (int8_t*)(dst + L.q_off);
+    float* d = (float*)(dst + L.d_off);
+    float* m = (float*)(dst + L.m_off);
+    int16_t* sc = (int16_t*)(dst + L.sc_off);
+    int16_t* mn = (int16_t*)(dst + L.mn_off);
+    const int64_t nb = cols / QK, nsb = cols / QK_K;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    switch (t) {
+        case QType::Q4_0: {
+            const block_q4_0* b = (const block_q4_0*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), _mm256_sub_epi8(nibbles32(b[i].qs), _mm256_set1_epi8(8)));
+                d[i] = h2f(b[i].d), m[i] = 0;
+            }
+            return true;
+        }
+        case QType::Q4_1: {
+            const block_q4_1* b = (const block_q4_1*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), nibbles32(b[i].qs));
+                d[i] = h2f(b[i].d), m[i] = h2f(b[i].m);
+            }
+            return true;
+        }
+        case QType::Q5_0: {
+            const block_q5_0* b = (const block_q5_0*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                const __m256i v = _mm256_or_si256(nibbles32(b[i].qs), bits32(b[i].qh));
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), _mm256_sub_epi8(v, _mm256_set1_epi8(16)));
+                d[i] = h2f(b[i].d), m[i] = 0;
+            }
+            return true;
+        }
+        case QType::Q5_1: {
+            const block_q5_1* b = (const block_q5_1*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), _mm256_or_si256(nibbles32(b[i].qs), bits32(b[i].qh)));
+                d[i] = h2f(b[i].d), m[i] = h2f(b[i].m);
+            }
+            return true;
+        }
+        case QType::Q8_0: {
+            const block_q8_0* b = (const block_q8_0*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), _mm256_loadu_si256((const __m256i*)b[i].qs));
+                d[i] = h2f(b[i].d), m[i] = 0;
+            }
+            return true;
+        }
+        case QType::IQ4_NL: {
+            const block_iq4_nl* b = (const block_iq4_nl*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), iq4_lookup(nibbles32(b[i].qs)));
+                d[i] = h2f(b[i].d), m[i] = 0;
+            }
+            return true;
+        }
+        case QType::Q4_K:
+        case QType::Q5_K: {
+            const size_t bb = t == QType::Q4_K ? sizeof(block_q4_K) : sizeof(block_q5_K);
+            for (int64_t i = 0; i < nsb; i++) {
+                const uint8_t* blk = src + i * bb;
+                // Q4_K and Q5_K share d, dmin, scales at the start
+                const block_q4_K* h = (const block_q4_K*)blk;
+                d[i] = h2f(h->d), m[i] = h2f(h->dmin);
+                for (int j = 0; j < 8; j++) {
+                    uint8_t s, mm;
+                    get_scale_min_k4(j, h->scales, &s, &mm);
+                    sc[16 * i + 2 * j] = sc[16 * i + 2 * j + 1] = s;
+                    mn[16 * i + 2 * j] = mn[16 * i + 2 * j + 1] = mm;
+                }
+                const uint8_t* qs = t == QType::Q4_K ? h->qs : ((const block_q5_K*)blk)->qs;
+                const __m256i qh = t == QType::Q5_K ? _mm256_loadu_si256((const __m256i*)((const block_q5_K*)blk)->qh)
+                                                    : _mm256_setzero_si256();
+                int8_t* o = q + QK_K * i;
+                for (int c = 0; c < 4; c++) {
+                    const __m256i v = _mm256_loadu_si256((const __m256i*)(qs + 32 * c));
+                    __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                    if (t == QType::Q5_K) {
+                        const __m256i one = _mm256_set1_epi8(1);
+                        lo = _mm256_or_si256(lo, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c), one), 4));
+                        hi = _mm256_or_si256(hi, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * c + 1), one), 4));
+                    }
+                    _mm256_storeu_si256((__m256i*)(o + 64 * c), lo);
+                    _mm256_storeu_si256((__m256i*)(o + 64 * c + 32), hi);
+                }
+            }
+            return true;
+        }
+        case QType::Q6_K: {
+            const block_q6_K* b = (const block_q6_K*)src;
+            const __m256i m2 = _mm256_set1_epi8(3), off = _mm256_set1_epi8(32);
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = h2f(b[i].d), m[i] = 0;
+                _mm256_storeu_si256((__m256i*)(sc + 16 * i),
+                                    _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)b[i].scales)));
+                _mm256_storeu_si256((__m256i*)(mn + 16 * i), _mm256_setzero_si256());
+                for (int n = 0; n < 2; n++) {
+                    const __m256i l0 = _mm256_loadu_si256((const __m256i*)(b[i].ql + 64 * n));
+                    const __m256i l1 = _mm256_loadu_si256((const __m256i*)(b[i].ql + 64 * n + 32));
+                    const __m256i h = _mm256_loadu_si256((const __m256i*)(b[i].qh + 32 * n));
+                    int8_t* o = q + QK_K * i + 128 * n;
+                    auto hb = [&](int s) { return _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, s), m2), 4); };
+                    _mm256_storeu_si256((__m256i*)(o), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l0, m4), hb(0)), off));
+                    _mm256_storeu_si256((__m256i*)(o + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(l1, m4), hb(2)), off));
+                    _mm256_storeu_si256((__m256i*)(o + 64),
+                                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l0, 4), m4), hb(4)), off));
+                    _mm256_storeu_si256((__m256i*)(o + 96),
+                                        _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(l1, 4), m4), hb(6)), off));
+                }
+            }
+            return true;
+        }
+        case QType::Q8_K: {
+            const block_q8_K* b = (const block_q8_K*)src;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = b[i].d, m[i] = 0;
+                memcpy(q + QK_K * i, b[i].qs, QK_K);
+                for (int j = 0; j < 16; j++) sc[16 * i + j] = 1, mn[16 * i + j] = 0;
+            }
+            return true;
+        }
+        case QType::IQ4_XS: {
+            const block_iq4_xs* b = (const block_iq4_xs*)src;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = h2f(b[i].d), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    sc[16 * i + 2 * ib] = sc[16 * i + 2 * ib + 1] = (int16_t)iq4xs_scale(&b[i], ib);
+                    mn[16 * i + 2 * ib] = mn[16 * i + 2 * ib + 1] = 0;
+                    _mm256_storeu_si256((__m256i*)(q + QK_K * i + 32 * ib), iq4_lookup(nibbles32(b[i].qs + 16 * ib)));
+                }
+            }
+            return true;
+        }
+        default: return false;
+    }
+}
+
+}  // namespace
+}  // namespace stowlm::cpu
+
+namespace stowlm::cpu {
+namespace {
+
+// Activation quantization with AVX2 (same scales as quant/dot.h; ties round to even here).
+inline __m256i quant8x4(const float* x, __m256 id) {
+    // 32 floats -> 32 int8 in element order
+    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x), id));
+    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 8), id));
+    const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 16), id));
+    const __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(x + 24), id));
+    const __m256i ab = _mm256_packs_epi32(a, b), cd = _mm256_packs_epi32(c, d);
+    const __m256i v = _mm256_packs_epi16(ab, cd);
+    // packs works per 128-bit lane: restore the order of the 8 dword groups
+    return _mm256_permutevar8x32_epi32(v, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+inline float absmax(const float* x, int n) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 m = _mm256_setzero_ps();
+    for (int i = 0; i < n; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+inline int hsum_i8x32(__m256i v) {
+    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), v);
+    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+inline void quantize_q8_a_simd(const float* x, block_q8_a* y, int64_t k) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float* xb = x + b * QK;
+        const float d = absmax(xb, QK) / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        const __m256i q = quant8x4(xb, _mm256_set1_ps(id));
+        _mm256_storeu_si256((__m256i*)y[b].qs, q);
+        y[b].d = d;
+        y[b].s = d * (float)hsum_i8x32(q);
+    }
+}
+
+inline void quantize_q8_K_simd(const float* x, block_q8_K* y, int64_t k) {
+    for (int64_t b = 0; b < k / QK_K; b++) {
+        const float* xb = x + b * QK_K;
+        const float d = absmax(xb, QK_K) / 127.f, id = d > 0 ? 1.f / d : 0.f;
+        const __m256 idv = _mm256_set1_ps(id);
+        for (int j = 0; j < 8; j++) {
+            const __m256i q = quant8x4(xb + 32 * j, idv);
+            _mm256_storeu_si256((__m256i*)(y[b].qs + 32 * j), q);
+            // sums of each 16 (maddubs needs unsigned first: ones x q)
+            const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
+            const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));  // 8 sums of 4
+            const __m256i s2 = _mm256_hadd_epi32(s32, s32);                     // per lane: sums of 8
+            const __m256i s4 = _mm256_hadd_epi32(s2, s2);                       // per lane: sum of 16
+            y[b].bsums[2 * j] = (int16_t)_mm256_extract_epi32(s4, 0);
+            y[b].bsums[2 * j + 1] = (int16_t)_mm256_extract_epi32(s4, 4);
+        }
+        y[b].d = d;
+    }
+}
+
+}  // namespace
+}  // namespace stowlm::cpu
