@@ -18,6 +18,9 @@ namespace {
 
 size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 
+// Elements below which quantizing or scattering runs on the calling thread alone.
+constexpr int64_t kInlineWork = 1 << 15;
+
 // Scratch layout (every region 64-byte aligned): expert offsets, sorted (token, slot) entries,
 // activations in sorted order, outputs in sorted order, and a staging area where one expert's
 // activations are copied for the AMX path (which keeps its own data right after them).
@@ -103,7 +106,12 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
     const Isa isa = active_isa();
     const DotFamily fam = dot_family(w.type);
     // Activations in sorted order: quantized rows, or the float rows themselves for float weights.
-    pool.parallel_for(n, [&](int64_t p0, int64_t p1, int) {
+    // Small jobs (a generated token's k rows) run on the caller: waking the pool costs more.
+    auto for_rows = [&](int64_t count, int64_t work, auto&& fn) {
+        if (work < kInlineWork) fn(0, count, 0);
+        else pool.parallel_for(count, fn);
+    };
+    for_rows(n, n * w.cols, [&](int64_t p0, int64_t p1, int) {
         for (int64_t p = p0; p < p1; p++) {
             const int64_t i = entries[p], t = i / k, j = i % k;
             const float* xr = x + (t * x_rows + (x_rows == 1 ? 0 : j)) * ldx;
@@ -175,7 +183,7 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
     }
 
     // Back to (token, slot) order.
-    pool.parallel_for(n, [&](int64_t p0, int64_t p1, int) {
+    for_rows(n, n * w.rows, [&](int64_t p0, int64_t p1, int) {
         for (int64_t p = p0; p < p1; p++)
             memcpy(y + (int64_t)entries[p] * ldy, ys + p * w.rows, (size_t)w.rows * sizeof(float));
     });

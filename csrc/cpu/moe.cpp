@@ -8,9 +8,23 @@
 
 namespace stowlm::cpu {
 
+namespace {
+
+// Routing work is tiny for a few tokens: below this many elements it runs on the caller, as
+// waking the pool would cost more than the work.
+constexpr int64_t kInlineWork = 1 << 14;
+
+template <class F>
+void split(ThreadPool& pool, int64_t count, int64_t work, F&& fn) {
+    if (work < kInlineWork) fn(0, count, 0);
+    else pool.parallel_for(count, fn);
+}
+
+}  // namespace
+
 void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, ThreadPool& pool) {
     if (k < 1 || k > n) throw InvalidInput("top_k: k must be in [1, n]");
-    pool.parallel_for(n_rows, [&](int64_t r0, int64_t r1, int) {
+    split(pool, n_rows, n_rows * n * 8, [&](int64_t r0, int64_t r1, int) {
         std::vector<int32_t> idx((size_t)n);
         for (int64_t r = r0; r < r1; r++) {
             const float* xr = x + r * ldx;
@@ -25,7 +39,7 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, in
 
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k, Gating gating,
                  bool normalize, float scale, float* w, ThreadPool& pool) {
-    pool.parallel_for(n_tok, [&](int64_t t0, int64_t t1, int) {
+    split(pool, n_tok, n_tok * n_expert * 8, [&](int64_t t0, int64_t t1, int) {
         for (int64_t t = t0; t < t1; t++) {
             const float* l = logits + t * n_expert;
             const int32_t* id = ids + t * k;
@@ -52,7 +66,7 @@ void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int
 }
 
 void moe_sum(const float* e, const float* w, int64_t n_tok, int64_t k, int64_t d, float* y, ThreadPool& pool) {
-    pool.parallel_for(n_tok * d, [&](int64_t b, int64_t end, int) {
+    split(pool, n_tok * d, n_tok * d * k, [&](int64_t b, int64_t end, int) {
         // contiguous ranges of (token, column)
         while (b < end) {
             const int64_t t = b / d, c0 = b % d, c1 = std::min(d, c0 + (end - b));
