@@ -30,6 +30,15 @@ void load_moe_layer(Model& m, int il, LayerWeights& w) {
             bad(t, "[" + E + ", " + F + ", " + N + "] (n_embd, expert ff, expert_count)");
     if (w.ffn_down_exps->ne[0] != ff || w.ffn_down_exps->ne[1] != hp.n_embd || w.ffn_down_exps->ne[2] != hp.n_expert)
         bad(w.ffn_down_exps, "[" + F + ", " + E + ", " + N + "] (expert ff, n_embd, expert_count)");
+    auto opt = [&](const char* n) { return m.optional(layer_tensor(il, n)); };
+    w.ffn_up_shexp = opt("ffn_up_shexp.weight");
+    if (w.ffn_up_shexp) {
+        w.ffn_gate_shexp = req("ffn_gate_shexp.weight");
+        w.ffn_down_shexp = req("ffn_down_shexp.weight");
+        w.ffn_gate_inp_shexp = opt("ffn_gate_inp_shexp.weight");
+        if (w.ffn_gate_inp_shexp && (w.ffn_gate_inp_shexp->ne[0] != hp.n_embd || w.ffn_gate_inp_shexp->ne[1] != 1))
+            bad(w.ffn_gate_inp_shexp, "[" + E + "] (n_embd)");
+    }
 }
 
 void load_standard_layer(Model& m, int il, LayerWeights& w) {
@@ -130,7 +139,21 @@ Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     Tensor* up = named(mul_mat_id(g, w.ffn_up_exps, x3, ids), il, "ffn_moe_up");
     Tensor* h = named(swiglu(g, gate, up), il, "ffn_moe_act");
     Tensor* down = named(mul_mat_id(g, w.ffn_down_exps, h, ids), il, "ffn_moe_down");
-    return named(moe_sum(g, down, weights), il, "ffn_moe_out");
+    Tensor* out = named(moe_sum(g, down, weights), il, "ffn_moe_out");
+    if (!w.ffn_up_shexp) return out;
+    Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");
+    Tensor* su = named(mul_mat(g, w.ffn_up_shexp, x), il, "ffn_shexp_up");
+    Tensor* shared = named(mul_mat(g, w.ffn_down_shexp, named(swiglu(g, sg, su), il, "ffn_shexp_act")), il,
+                           "ffn_shexp");
+    if (w.ffn_gate_inp_shexp) {
+        // The sigmoid gate as a one-expert routing: top-1 of one logit is index 0, its sigmoid
+        // weight scales the shared expert's output (moe_sum over k = 1).
+        Tensor* gl = named(mul_mat(g, w.ffn_gate_inp_shexp, x), il, "ffn_shexp_gate_logit");
+        Tensor* zero = named(top_k(g, gl, 1), il, "ffn_shexp_id");
+        Tensor* gw = named(moe_weights(g, gl, zero, /*sigmoid*/ 1, false, 0.0f), il, "ffn_shexp_gate_w");
+        shared = named(moe_sum(g, reshape(g, shared, hp.n_embd, 1, n), gw), il, "ffn_shexp_out");
+    }
+    return named(add(g, out, shared), il, "ffn_moe_shexp_out");
 }
 
 Tensor* build_output(BuildContext& c, Tensor* x) {

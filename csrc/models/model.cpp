@@ -8,7 +8,7 @@
 namespace stowlm {
 
 const ArchDef* find_arch(const std::string& name) {
-    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe})
+    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe, &kArchQwen2Moe})
         if (name == a->name) return a;
     return nullptr;
 }
@@ -70,7 +70,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
     m->arch_ = find_arch(m->hp_.arch);
     if (!m->arch_)
         throw InvalidInput("unknown architecture '" + m->hp_.arch + "' in " + path +
-                           " (stowlm knows llama, qwen2, qwen3, qwen3moe, gemma3)");
+                           " (stowlm knows llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma3)");
     m->arch_->load_hparams(f, m->hp_);
     HParams& hp = m->hp_;
 

@@ -43,6 +43,10 @@ struct LayerWeights {
     Tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr, *post_ffn_norm = nullptr;
     // Mixture of experts: router [n_embd, n_expert] and the 3-d expert stacks [.., .., n_expert].
     Tensor *ffn_gate_inp = nullptr, *ffn_gate_exps = nullptr, *ffn_up_exps = nullptr, *ffn_down_exps = nullptr;
+    // Optional shared expert (qwen2moe): a dense SiLU FFN every token takes, scaled by the
+    // sigmoid of its gate [n_embd] when there is one.
+    Tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
+           *ffn_down_shexp = nullptr;
 };
 
 class Model;
@@ -75,7 +79,7 @@ struct ArchDef {
 const ArchDef* find_arch(const std::string& name);  // nullptr if unknown
 // Defined by the architecture files (listed explicitly: a static library drops unreferenced
 // objects, so self-registration would be lost).
-extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3Moe;
+extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3Moe, kArchQwen2Moe;
 
 // A tensor override: weights whose name matches `pattern` (ECMAScript regex, whole name) live
 // on `device` instead of their layer's device; the first matching override wins. The scheduler
