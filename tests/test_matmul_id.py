@@ -1,5 +1,7 @@
 """mul_mat_id (expert products) against a numpy reference: the experts dequantized by the `gguf`
 package, each (token, slot) product in float64, on every kernel path this CPU offers."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -17,7 +19,7 @@ _W = {}
 
 def experts(name):
     if name not in _W:
-        rng = np.random.default_rng(abs(hash(name)) % 1000)
+        rng = np.random.default_rng(zlib.crc32(name.encode()))
         parts = [make_weights(name, ROWS, COLS, rng) for _ in range(N_EXPERT)]
         _W[name] = (np.concatenate([p[0].reshape(-1) for p in parts]), [p[1] for p in parts])
     return _W[name]
@@ -86,6 +88,40 @@ def test_mul_mat_id_permutation_and_dense(name):
             continue
         dense = ops.matmul(raw[e * rb:(e + 1) * rb].reshape(ROWS, -1), name, x[t])
         np.testing.assert_allclose(y[t, j], dense, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "F32"])
+def test_mul_mat_id_every_batch_size(name):
+    """n_tok = 1..67 with k = 1..n_expert in turn, against the float64 products all at once."""
+    raw, ref_w = experts(name)
+    ref_w = np.stack(ref_w)  # [n_expert, rows, cols]
+    rng = np.random.default_rng(5)
+    act = 0.0 if name == "F32" else 1.0 / 254.0
+    for n_tok in range(1, 68):
+        k = 1 + n_tok % N_EXPERT
+        ids = picks(rng, n_tok, k)
+        x = rng.standard_normal((n_tok, 1, COLS)).astype(np.float32)
+        y = ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, x, ids)
+        w = ref_w[ids]  # [n_tok, k, rows, cols]
+        x64 = x[:, 0].astype(np.float64)
+        ref = np.einsum("tkrc,tc->tkr", w, x64)
+        mag = np.einsum("tkrc,tc->tkr", np.abs(w), np.abs(x64))
+        bound = act * np.abs(w).sum(-1) * np.abs(x64).max(-1)[:, None, None] + 1e-5 * mag + 1e-30
+        assert np.all(np.abs(y - ref) <= bound), (name, n_tok, k)
+
+
+def test_mul_mat_id_repeated_expert():
+    """A token may name one expert in several slots (e.g. experts split over two stacks): every
+    slot still gets its product, also when the repeats make one expert's group longer than the
+    token count."""
+    raw, ref_w = experts("Q8_0")
+    rng = np.random.default_rng(9)
+    n_tok, k = 30, 4
+    ids = np.zeros((n_tok, k), np.int32)
+    ids[:, 1:3] = 3
+    ids[:, 3] = rng.integers(0, N_EXPERT, n_tok)
+    x = rng.standard_normal((n_tok, k, COLS)).astype(np.float32)
+    check("Q8_0", ops.mul_mat_id(raw, "Q8_0", N_EXPERT, ROWS, COLS, x, ids), ref_w, x, ids)
 
 
 def test_mul_mat_id_errors():
