@@ -25,7 +25,7 @@ constexpr int64_t kInlineWork = 1 << 15;
 // activations in sorted order, outputs in sorted order, and a staging area where one expert's
 // activations are copied for the AMX path (which keeps its own data right after them).
 struct Layout {
-    size_t offsets, entries, act, out, stage, total;
+    size_t offsets, entries, act, out, once, stage, total;
     size_t act_row;  // bytes per sorted activation row
     bool float_w;
 };
@@ -40,6 +40,8 @@ Layout layout(QType t, int64_t rows, int64_t cols, int64_t n_expert, int64_t k, 
     L.entries = off, off += up64((size_t)n * sizeof(int32_t));
     L.act = off, off += up64(L.act_row * (size_t)n);
     L.out = off, off += up64((size_t)n * (size_t)rows * sizeof(float));
+    // With one activation row per token and k > 1, each row is quantized once, here, then copied.
+    L.once = off, off += k > 1 && !L.float_w ? up64(L.act_row * (size_t)n_tok) : 0;
     L.stage = off;
 #ifdef STOWLM_X86
     // An expert gets at most n_tok tokens (the k picks of a token are distinct experts in a
@@ -111,20 +113,30 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         if (work < kInlineWork) fn(0, count, 0);
         else pool.parallel_for(count, fn);
     };
+    auto quantize = [&](const float* xr, uint8_t* dst) {
+#ifdef STOWLM_X86
+        if (isa != Isa::Scalar) quantize_act_avx2(fam, xr, dst, w.cols);
+        else
+#endif
+            quantize_act_scalar(fam, xr, dst, w.cols);
+    };
+    const bool once = k > 1 && x_rows == 1 && !L.float_w;
+    uint8_t* qx = base + L.once;
+    if (once)
+        for_rows(n_tok, n_tok * w.cols, [&](int64_t t0, int64_t t1, int) {
+            for (int64_t t = t0; t < t1; t++) quantize(x + t * ldx, qx + (size_t)t * L.act_row);
+        });
     for_rows(n, n * w.cols, [&](int64_t p0, int64_t p1, int) {
         for (int64_t p = p0; p < p1; p++) {
             const int64_t i = entries[p], t = i / k, j = i % k;
-            const float* xr = x + (t * x_rows + (x_rows == 1 ? 0 : j)) * ldx;
             uint8_t* dst = act + (size_t)p * L.act_row;
-            if (L.float_w) {
-                memcpy(dst, xr, (size_t)w.cols * sizeof(float));
+            if (once) {
+                memcpy(dst, qx + (size_t)t * L.act_row, L.act_row);
                 continue;
             }
-#ifdef STOWLM_X86
-            if (isa != Isa::Scalar) quantize_act_avx2(fam, xr, dst, w.cols);
-            else
-#endif
-                quantize_act_scalar(fam, xr, dst, w.cols);
+            const float* xr = x + (t * x_rows + (x_rows == 1 ? 0 : j)) * ldx;
+            if (L.float_w) memcpy(dst, xr, (size_t)w.cols * sizeof(float));
+            else quantize(xr, dst);
         }
     });
 
