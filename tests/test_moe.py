@@ -95,6 +95,11 @@ def test_experts_on_another_device(model_path, name):
 
 def test_tensor_override_errors(model_path):
     path = model_path("qwen3moe-tiny")
+    # A search, not a whole-name match; the first matching entry wins.
+    model = stowlm.Model(path, devices=TWO, layer_split=[4, 0],
+                         tensor_overrides=[r"up_exps=cpu:0", r"_exps=cpu:1", r"^blk\.1\.=cpu:1"])
+    assert [model.tensor_device(f"blk.0.ffn_{n}_exps.weight") for n in ("up", "gate", "down")] == [0, 1, 1]
+    assert model.tensor_device("blk.1.attn_q.weight") == 1 and model.tensor_device("blk.2.attn_q.weight") == 0
     with pytest.raises(ValueError, match=r"'cpu:7' is not one of \['cpu:0', 'cpu:1'\]"):
         stowlm.Model(path, devices=TWO, tensor_overrides=[r"ffn_.*_exps=cpu:7"])
     with pytest.raises(ValueError, match="REGEX=DEVICE"):
