@@ -22,8 +22,9 @@ size_t up64(size_t n) { return (n + 63) & ~(size_t)63; }
 constexpr int64_t kInlineWork = 1 << 15;
 
 // Scratch layout (every region 64-byte aligned): expert offsets, sorted (token, slot) entries,
-// activations in sorted order, outputs in sorted order, and a staging area where one expert's
-// activations are copied for the AMX path (which keeps its own data right after them).
+// activations in sorted order, outputs in sorted order, each token's quantized row (k > 1), and
+// a staging area where one expert's activations are copied for the AMX path (which keeps its
+// own data right after them).
 struct Layout {
     size_t offsets, entries, act, out, once, stage, total;
     size_t act_row;  // bytes per sorted activation row
@@ -44,8 +45,8 @@ Layout layout(QType t, int64_t rows, int64_t cols, int64_t n_expert, int64_t k, 
     L.once = off, off += k > 1 && !L.float_w ? up64(L.act_row * (size_t)n_tok) : 0;
     L.stage = off;
 #ifdef STOWLM_X86
-    // An expert gets at most n_tok tokens (the k picks of a token are distinct experts in a
-    // router; a caller repeating one is still bounded by n_tok * k, which the AMX check sees).
+    // One expert's group: n_tok entries when a token's picks are distinct (a router's are), up to
+    // n_tok * k when a caller repeats an expert; sized for the latter.
     if (!L.float_w && n >= kAmxMinTokens) off += up64(L.act_row * (size_t)n) + amx_scratch_extra(t, cols, n);
 #endif
     L.total = off + 64;  // alignment of the base
