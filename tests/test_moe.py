@@ -89,8 +89,15 @@ def test_experts_on_another_device(model_path, name):
     assert model.tensor_device("blk.0.attn_q.weight") == 0
     assert same[1][1]["weights"] == 0 and moved[1][1]["weights"] > 0
     assert moved[1][0]["weights"] + moved[1][1]["weights"] == same[1][0]["weights"]
-    # Activations cross to cpu:1 and back every layer: both devices stage copies.
-    assert moved[1][1]["copies"] > 0 and moved[1][0]["copies"] > 0 and same[1][1]["copies"] == 0
+    # Activations cross to cpu:1 and back every layer. Per layer cpu:1 receives the normed hidden
+    # state, the expert ids and routing weights (k per token) and the residual stream; cpu:0 gets
+    # the layer's output back (the last one as the rows the output head wants).
+    with stowlm.GGUFFile(path) as f:
+        k = int(f.metadata[f"{model.arch}.expert_used_count"])
+    E, n = model.n_embd, n_ubatch
+    assert moved[1][1]["copies"] == n_layer * (2 * E * n * 4 + 2 * k * n * 4)
+    assert moved[1][0]["copies"] == n_layer * E * n * 4
+    assert same[1][1]["copies"] == same[1][0]["copies"] == 0
 
 
 def test_tensor_override_errors(model_path):
