@@ -70,6 +70,9 @@ size_t act_row_bytes(QType t, int64_t cols) {
 
 }  // namespace
 
+void matmul_check_type_cols(QType t, int64_t cols) { check_type_cols(t, cols); }
+size_t matmul_act_row_bytes(QType t, int64_t cols) { return act_row_bytes(t, cols); }
+
 size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
     check_type_cols(wtype, cols);
     n_tok = n_tok > 0 ? n_tok : 0;

@@ -34,4 +34,17 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy,
             void* scratch, ThreadPool& pool);
 
+// Expert products (ggml's mul_mat_id). `w` describes one expert's matrix (rows x cols); the
+// n_expert matrices follow each other, expert e's at byte e * rows * row_bytes(type, cols).
+// For token t < n_tok and slot j < k, with e = ids[t * k + j]:
+//   y[(t * k + j) * ldy + r] = sum_c W_e[r, c] * x[(t * x_rows + (x_rows == 1 ? 0 : j)) * ldx + c]
+// x_rows is 1 (all slots of a token read its one activation row) or k (a row per slot).
+// The (token, slot) pairs are grouped by expert and each expert's group is one product through
+// matmul's kernels (AMX for groups of 24+ tokens), threads spread over experts and rows; an
+// expert no token picks is never read. Throws InvalidInput for an id outside [0, n_expert).
+size_t mul_mat_id_scratch_bytes(QType wtype, int64_t rows, int64_t cols, int64_t n_expert, int64_t k,
+                                int64_t n_tok);
+void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_t k, const float* x, int64_t x_rows,
+                int64_t ldx, int64_t n_tok, float* y, int64_t ldy, void* scratch, ThreadPool& pool);
+
 }  // namespace stowlm::cpu

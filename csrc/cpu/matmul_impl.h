@@ -42,6 +42,10 @@ void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n);
 bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
 // Extra scratch the AMX path needs after the activations (its per-step activation scales).
 size_t amx_scratch_extra(QType t, int64_t cols, int64_t n_tok);
+// Shared with mul_mat_id (matmul_id.cpp): the checks of matmul(), and the bytes of one token's
+// quantized activations for a weight type (0 for the float types, which read x directly).
+void matmul_check_type_cols(QType t, int64_t cols);
+size_t matmul_act_row_bytes(QType t, int64_t cols);
 // Batches below this many tokens stay on the AVX-512 path.
 constexpr int64_t kAmxMinTokens = 24;
 

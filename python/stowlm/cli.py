@@ -58,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default min(4096, trained))")
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     r.add_argument("--devices", default=None, help="device list, e.g. 'cpu:0[threads=2,mem=4GiB]'")
+    r.add_argument("-ot", "--override-tensor", action="append", default=None, metavar="REGEX=DEVICE",
+                   help="put the weights whose names match REGEX on DEVICE (repeatable; first match wins)")
     r.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT")
     r.add_argument("--system", default=None, help="system message for chat")
     r.add_argument("-q", "--quiet", action="store_true", help="do not print timings")
@@ -108,7 +110,7 @@ def _run(a: argparse.Namespace) -> int:
     SamplingParams(max_tokens=a.n_predict, **kw)
     devices = [d.strip() for d in a.devices.split(",")] if a.devices else None
     t0 = time.perf_counter()
-    llm = LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, devices=devices)
+    llm = LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, devices=devices, tensor_overrides=a.override_tensor)
     if not a.quiet:
         print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     with llm:

@@ -45,18 +45,19 @@ class LLM:
     devices: device specs as ``stowlm.Model`` takes them (default: the CPU, all cores).
     n_threads: threads of the default CPU device (ignored when ``devices`` is given).
     chat_template: Jinja source or a built-in name ("chatml", "gemma") replacing the model's own.
+    tensor_overrides: ["REGEX=DEVICE", ...] weights to place on another device (see ``stowlm.Model``).
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
                  n_threads: Optional[int] = None, devices=None, n_ubatch: int = 512, kv_type: str = "f16",
                  layer_split: Optional[Sequence[int]] = None, chat_template: Optional[str] = None,
-                 progress: bool = True):
+                 progress: bool = True, tensor_overrides: Optional[Sequence[str]] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
         if devices is None and n_threads is not None:
             devices = [f"cpu:0[threads={n_threads}]"]
-        self.model = Model(self.path, devices=devices, layer_split=layer_split)
+        self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides)
         with GGUFFile(self.path) as f:
             meta = f.metadata
             self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
@@ -71,7 +72,10 @@ class LLM:
                 self._template, self._template_error = None, str(e)
         if n_ctx is None:
             n_ctx = min(4096, self.model.n_ctx_train)
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type)
+        # Generation needs one row of logits; a few rows keep logits() reasonably batched while
+        # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
+                           n_outputs=min(n_ubatch, 32))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
 
     # -- tokens -----------------------------------------------------------------------------

@@ -76,3 +76,21 @@ def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None,
     x2 = np.ascontiguousarray(xa.reshape(1, -1) if vec else xa)
     y = _ops.matmul_raw(W.reshape(-1), tid, int(rows), int(cols), x2, int(threads))
     return y[0] if vec else y
+
+
+# ---- mul_mat_id (mixture-of-experts products) ----------------------------------------------
+
+def mul_mat_id(W_raw, qtype, n_expert: int, rows: int, cols: int, x, ids, *, threads: int = 0):
+    """Expert products: y[t, j] = W[ids[t, j]] @ x[t, j] (or x[t] for every j when x is 2-d),
+    W_raw holding n_expert stacked (rows, cols) matrices of GGUF type `qtype` (id or name).
+    x: float32 (n_tok, cols) or (n_tok, k, cols); ids: int (n_tok, k). Returns (n_tok, k, rows)."""
+    ids = np.ascontiguousarray(np.asarray(ids), dtype=np.int32)
+    if ids.ndim != 2:
+        raise ValueError(f"mul_mat_id: ids must be (n_tok, k), got shape {ids.shape}")
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    if x.ndim == 2:
+        x = x[:, None, :]
+    if x.ndim != 3:
+        raise ValueError(f"mul_mat_id: x must be (n_tok, cols) or (n_tok, k, cols), got shape {x.shape}")
+    w = np.ascontiguousarray(np.asarray(W_raw)).view(np.uint8).reshape(-1)
+    return _ops.mul_mat_id_raw(w, _qtype_id(qtype), int(n_expert), int(rows), int(cols), x, ids, int(threads))

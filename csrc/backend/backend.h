@@ -1,0 +1,79 @@
+// One device = one Backend object: a small table of functions (alloc/free buffers, memory
+// total/free, supports(op), compute(split), copies to/from host and peer). The CPU backend
+// (and its "virtual device" form, with its own thread count and a hard memory budget) lives in
+// cpu_backend.cpp; a CUDA backend implements the same table. Buffers know their device.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "graph/graph.h"
+
+namespace stowlm {
+
+class Backend;
+
+// Bytes a backend handed out. Either owned device memory or a window onto host memory the
+// backend reads in place (mmap'd weights on a CPU device), which still counts against the
+// device's budget. Freed (and uncounted) when destroyed.
+struct BackendBuffer {
+    Backend* backend = nullptr;
+    void* data = nullptr;
+    size_t size = 0;
+    bool external = false;  // the bytes belong to someone else (the model mapping)
+    std::string purpose;    // "weights", "kv", "compute": named in errors and reports
+    BackendBuffer() = default;
+    BackendBuffer(const BackendBuffer&) = delete;
+    BackendBuffer& operator=(const BackendBuffer&) = delete;
+    ~BackendBuffer();
+};
+using BufferPtr = std::unique_ptr<BackendBuffer>;
+
+class Backend {
+public:
+    virtual ~Backend() = default;
+    virtual const std::string& name() const = 0;  // "cpu:0"
+    virtual int id() const = 0;                   // index in the model's device list
+    virtual bool host_accessible() const = 0;     // can its kernels read host memory directly?
+
+    virtual size_t memory_total() const = 0;  // the budget
+    virtual size_t memory_used() const = 0;
+    size_t memory_free() const { return memory_total() - memory_used(); }
+
+    // Throws OutOfDeviceMemory naming the device, the bytes asked and the bytes available;
+    // nothing is allocated then.
+    virtual BufferPtr alloc_buffer(size_t bytes, const std::string& purpose) = 0;
+    // Makes host bytes usable by the device: zero copy where host_accessible(), an upload
+    // otherwise. Counted against the budget either way.
+    virtual BufferPtr import_host(const void* data, size_t bytes, const std::string& purpose) = 0;
+    virtual void free_buffer(BackendBuffer& b) = 0;
+
+    virtual bool supports(const Tensor& node) const = 0;
+    // Runs the split's nodes in order; their tensors are placed (data set) already.
+    virtual void compute(const Split& split, void* scratch, size_t scratch_bytes) = 0;
+    // Scratch bytes node needs while it runs (matmul activation quantization, attention).
+    virtual size_t scratch_bytes(const Tensor& node) const = 0;
+
+    virtual void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset = 0) = 0;
+    virtual void copy_to_host(const Tensor& src, void* dst, size_t bytes, size_t offset = 0) = 0;
+    // dst lives on this device, src on `from`.
+    virtual void copy_from_peer(Tensor& dst, const Tensor& src, Backend& from) = 0;
+    virtual void synchronize() = 0;
+};
+
+// A CPU device: `threads` workers (its own pool) and a budget of `mem_bytes` (0: system RAM).
+std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int threads, size_t mem_bytes);
+
+// What a device list entry asks for; parsed in Python (stowlm/devices.py).
+struct DeviceSpec {
+    std::string kind = "cpu";
+    int index = 0;
+    int threads = 0;        // 0: the machine's cores (or STOWLM_THREADS)
+    size_t mem_bytes = 0;   // 0: no budget beyond physical RAM
+    std::string name() const { return kind + ":" + std::to_string(index); }
+};
+
+std::unique_ptr<Backend> make_backend(int id, const DeviceSpec& spec);
+
+}  // namespace stowlm

@@ -1,0 +1,249 @@
+// The CPU backend: kernels of cpu/ops.h and cpu/matmul.h on the device's own thread pool, and a
+// hard memory budget so that a "virtual device" refuses allocations exactly as a GPU would.
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <thread>
+
+#include "backend/backend.h"
+#include "cpu/matmul.h"
+#include "cpu/moe.h"
+#include "cpu/ops.h"
+#include "cpu/threadpool.h"
+#include "error.h"
+
+namespace stowlm {
+
+BackendBuffer::~BackendBuffer() {
+    if (backend) backend->free_buffer(*this);
+}
+
+namespace {
+
+size_t physical_ram() {
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : (size_t)1 << 40;
+}
+
+int default_threads() {
+    if (const char* s = std::getenv("STOWLM_THREADS")) {
+        const int n = std::atoi(s);
+        if (n > 0) return n;
+    }
+    const unsigned n = std::thread::hardware_concurrency();
+    return n ? (int)n : 1;
+}
+
+std::string mib(size_t b) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%zu bytes (%.1f MiB)", b, b / 1048576.0);
+    return buf;
+}
+
+float* f32(Tensor* t) { return (float*)t->data; }
+
+// Ops whose kernels work in place: copy the input to the output first unless the planner
+// already gave them the same bytes.
+void prepare_in_place(Tensor* out) {
+    const Tensor* x = out->src[0];
+    if (out->data != x->data) memcpy(out->data, x->data, out->nbytes());
+}
+
+class CpuBackend final : public Backend {
+public:
+    CpuBackend(int id, std::string name, int threads, size_t mem_bytes)
+        : id_(id), name_(std::move(name)), pool_(threads > 0 ? threads : default_threads()),
+          budget_(mem_bytes ? mem_bytes : physical_ram()) {}
+
+    const std::string& name() const override { return name_; }
+    int id() const override { return id_; }
+    bool host_accessible() const override { return true; }
+    size_t memory_total() const override { return budget_; }
+    size_t memory_used() const override { return used_; }
+
+    BufferPtr alloc_buffer(size_t bytes, const std::string& purpose) override {
+        reserve(bytes, purpose);
+        void* p = nullptr;
+        if (bytes) {
+            p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+            if (!p) {
+                used_ -= bytes;
+                throw OutOfDeviceMemory(name_ + ": the system refused " + mib(bytes) + " for " + purpose);
+            }
+        }
+        auto b = std::make_unique<BackendBuffer>();
+        b->backend = this, b->data = p, b->size = bytes, b->purpose = purpose;
+        return b;
+    }
+
+    BufferPtr import_host(const void* data, size_t bytes, const std::string& purpose) override {
+        reserve(bytes, purpose);  // zero copy, but the bytes are this device's to hold
+        auto b = std::make_unique<BackendBuffer>();
+        b->backend = this, b->data = const_cast<void*>(data), b->size = bytes, b->external = true;
+        b->purpose = purpose;
+        return b;
+    }
+
+    void free_buffer(BackendBuffer& b) override {
+        if (!b.external) std::free(b.data);
+        used_ -= b.size;
+        b.data = nullptr, b.size = 0, b.backend = nullptr;
+    }
+
+    bool supports(const Tensor& node) const override { return node.op != Op::NONE; }
+
+    size_t scratch_bytes(const Tensor& n) const override {
+        if (n.op == Op::MUL_MAT) return cpu::matmul_scratch_bytes(n.src[0]->type, n.src[0]->ne[0], n.src[1]->n_rows());
+        if (n.op == Op::MUL_MAT_ID)
+            return cpu::mul_mat_id_scratch_bytes(n.src[0]->type, n.src[0]->ne[1], n.src[0]->ne[0], n.src[0]->ne[2],
+                                                 n.src[2]->ne[0], n.src[2]->ne[1]);
+        if (n.op == Op::FLASH_ATTN)
+            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], n.src[0]->ne[0], pool_.size());
+        return 0;
+    }
+
+    void compute(const Split& split, void* scratch, size_t scratch_bytes) override {
+        for (Tensor* n : split.nodes) run(n, scratch);
+        (void)scratch_bytes;
+    }
+
+    void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset) override {
+        memcpy((char*)dst.data + offset, src, bytes);
+    }
+    void copy_to_host(const Tensor& src, void* dst, size_t bytes, size_t offset) override {
+        memcpy(dst, (const char*)src.data + offset, bytes);
+    }
+    void copy_from_peer(Tensor& dst, const Tensor& src, Backend& from) override {
+        if (!from.host_accessible()) {
+            from.copy_to_host(src, dst.data, src.nbytes());
+            return;
+        }
+        memcpy(dst.data, src.data, src.nbytes());
+    }
+    void synchronize() override {}
+
+private:
+    void reserve(size_t bytes, const std::string& purpose) {
+        if (bytes > budget_ - used_)
+            throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " + mib(bytes) +
+                                    ", " + mib(budget_ - used_) + " available of a " + mib(budget_) + " budget");
+        used_ += bytes;
+    }
+
+    void run(Tensor* n, void* scratch) {
+        ThreadPool& pool = pool_;
+        Tensor* a = n->src[0];
+        Tensor* b = n->src[1];
+        switch (n->op) {
+            case Op::NONE:
+            case Op::VIEW:
+                return;
+            case Op::COPY:
+                return;  // done by the scheduler's copy step before the split runs
+            case Op::GET_ROWS:
+                cpu::get_rows(a->data, a->type, a->ne[1], a->ne[0], (const int32_t*)b->data, b->ne[0], f32(n), n->ne[0],
+                              pool);
+                return;
+            case Op::MUL_MAT: {
+                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0]};
+                cpu::matmul(w, f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, pool);
+                return;
+            }
+            case Op::ADD:
+                cpu::add(f32(a), a->ne[0], f32(b), b->n_rows() == 1 ? 0 : b->ne[0], a->n_rows(), a->ne[0], f32(n),
+                         n->ne[0], pool);
+                return;
+            case Op::MUL:
+                cpu::mul(f32(a), a->ne[0], f32(b), b->n_rows() == 1 ? 0 : b->ne[0], a->n_rows(), a->ne[0], f32(n),
+                         n->ne[0], pool);
+                return;
+            case Op::SCALE:
+                prepare_in_place(n);
+                cpu::scale(f32(n), n->n_rows(), n->ne[0], n->ne[0], n->fparams[0], pool);
+                return;
+            case Op::SOFTCAP:
+                prepare_in_place(n);
+                cpu::softcap(f32(n), n->n_rows(), n->ne[0], n->ne[0], n->fparams[0], pool);
+                return;
+            case Op::RMS_NORM:
+                cpu::rms_norm(f32(a), a->n_rows(), a->ne[0], a->ne[0], b ? f32(b) : nullptr, n->fparams[0], f32(n),
+                              n->ne[0], pool);
+                return;
+            case Op::ROPE: {
+                prepare_in_place(n);
+                cpu::RopeParams p;
+                p.n_rot = n->iparams[0];
+                p.neox = n->iparams[1] != 0;
+                p.freq_base = n->fparams[0];
+                p.freq_scale = n->fparams[1];
+                cpu::rope(f32(n), n->ne[2], n->ne[1], n->ne[0], n->ne[0] * n->ne[1], (const int32_t*)b->data, p, pool);
+                return;
+            }
+            case Op::STORE_KV: {
+                Tensor* cache = n->src[1];
+                cpu::store_kv(f32(a), a->ne[2], a->ne[0] * a->ne[1], a->ne[1], a->ne[0], cache->type, cache->data,
+                              cache->nb[1], (const int32_t*)n->src[2]->data, pool);
+                return;
+            }
+            case Op::FLASH_ATTN: {
+                Tensor *k = n->src[1], *v = n->src[2];
+                cpu::AttnParams p;
+                p.scale = n->fparams[0];
+                p.softcap = n->fparams[1];
+                p.window = n->iparams[0];
+                p.causal = true;
+                const int64_t hd = a->ne[0];
+                cpu::flash_attn(f32(a), a->ne[2], a->ne[1], hd * a->ne[1], k->data, v->data, k->type, k->ne[1],
+                                k->ne[0] / hd, k->nb[1], hd, (const int32_t*)n->src[3]->data,
+                                (const int32_t*)n->src[4]->data, p, f32(n), n->ne[0], scratch, pool);
+                return;
+            }
+            case Op::SWIGLU:
+                cpu::swiglu(f32(a), a->ne[0], f32(b), b->ne[0], a->n_rows(), a->ne[0], f32(n), n->ne[0], pool);
+                return;
+            case Op::GEGLU:
+                cpu::geglu(f32(a), a->ne[0], f32(b), b->ne[0], a->n_rows(), a->ne[0], f32(n), n->ne[0], pool);
+                return;
+            case Op::TOP_K:
+                cpu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], n->ne[0], (int32_t*)n->data, pool);
+                return;
+            case Op::MOE_WEIGHTS:
+                cpu::moe_weights(f32(a), a->n_rows(), a->ne[0], (const int32_t*)b->data, b->ne[0],
+                                 (cpu::Gating)n->iparams[0], n->iparams[1] != 0, n->fparams[0], f32(n), pool);
+                return;
+            case Op::MUL_MAT_ID: {
+                Tensor* ids = n->src[2];
+                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0]};
+                cpu::mul_mat_id(w, a->ne[2], (const int32_t*)ids->data, ids->ne[0], f32(b), b->ne[1], b->ne[0],
+                                ids->ne[1], f32(n), n->ne[0], scratch, pool);
+                return;
+            }
+            case Op::MOE_SUM:
+                cpu::moe_sum(f32(a), f32(b), a->ne[2], a->ne[1], a->ne[0], f32(n), pool);
+                return;
+        }
+    }
+
+    int id_;
+    std::string name_;
+    mutable ThreadPool pool_;
+    size_t budget_;
+    std::atomic<size_t> used_{0};
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int threads, size_t mem_bytes) {
+    return std::make_unique<CpuBackend>(id, name, threads, mem_bytes);
+}
+
+std::unique_ptr<Backend> make_backend(int id, const DeviceSpec& spec) {
+    if (spec.kind == "cpu") return make_cpu_backend(id, spec.name(), spec.threads, spec.mem_bytes);
+    throw Unsupported("device '" + spec.name() + "': no backend for kind '" + spec.kind + "' in this build");
+}
+
+}  // namespace stowlm

@@ -1,0 +1,165 @@
+// Bindings of the inference engine: _core.engine.Model / Context / project. Thin: device specs
+// come parsed from Python (stowlm/devices.py), results go back as numpy arrays and dicts.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include "bind.h"
+#include "engine/context.h"
+#include "error.h"
+
+namespace nb = nanobind;
+using namespace stowlm;
+
+namespace {
+
+using SpecTuple = std::tuple<std::string, int, int, size_t>;  // kind, index, threads, mem_bytes
+
+std::vector<DeviceSpec> to_specs(const std::vector<SpecTuple>& in) {
+    std::vector<DeviceSpec> out;
+    for (const auto& t : in) {
+        DeviceSpec s;
+        s.kind = std::get<0>(t);
+        s.index = std::get<1>(t);
+        s.threads = std::get<2>(t);
+        s.mem_bytes = std::get<3>(t);
+        out.push_back(s);
+    }
+    return out;
+}
+
+std::vector<TensorOverride> to_overrides(const std::vector<std::tuple<std::string, int>>& in) {
+    std::vector<TensorOverride> out;
+    for (const auto& t : in) out.push_back({std::get<0>(t), std::get<1>(t)});
+    return out;
+}
+
+nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* backends) {
+    nb::list out;
+    for (size_t d = 0; d < r.size(); d++) {
+        const DeviceMemory& m = r[d];
+        nb::dict e;
+        e["device"] = m.name;
+        e["weights"] = m.weights;
+        e["kv"] = m.kv;
+        e["compute"] = m.compute;
+        e["copies"] = m.copies;
+        e["total"] = m.total;
+        e["budget"] = m.budget;
+        if (backends) e["allocated"] = (*backends)[d]->memory_used();
+        out.append(e);
+    }
+    return out;
+}
+
+ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs) {
+    ContextParams p;
+    p.n_ctx = n_ctx;
+    p.n_ubatch = n_ubatch;
+    p.n_outputs = n_outputs;
+    p.kv_type = parse_kv_type(kv_type);
+    return p;
+}
+
+struct BoundModel {
+    std::unique_ptr<Model> m;
+};
+
+struct BoundContext {
+    std::unique_ptr<Context> c;
+};
+
+}  // namespace
+
+STOWLM_BIND(engine) {
+    nb::module_ e = stowlm::bind::submodule(m, "engine");
+
+    nb::class_<BoundModel>(e, "Model")
+        .def("__init__",
+             [](BoundModel* self, const std::string& path, const std::vector<SpecTuple>& devices,
+                const std::vector<int>& layer_split, const std::vector<std::tuple<std::string, int>>& overrides) {
+                 std::unique_ptr<Model> model;
+                 {
+                     nb::gil_scoped_release nogil;
+                     model = Model::load(path, to_specs(devices), layer_split, true, to_overrides(overrides));
+                 }
+                 new (self) BoundModel{std::move(model)};
+             },
+             nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"))
+        .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
+        .def_prop_ro("n_layer", [](const BoundModel& s) { return s.m->hp().n_layer; })
+        .def_prop_ro("n_vocab", [](const BoundModel& s) { return s.m->hp().n_vocab; })
+        .def_prop_ro("n_embd", [](const BoundModel& s) { return s.m->hp().n_embd; })
+        .def_prop_ro("n_ctx_train", [](const BoundModel& s) { return s.m->hp().n_ctx_train; })
+        .def_prop_ro("layer_devices", [](const BoundModel& s) { return s.m->layer_devices(); })
+        .def("tensor_device",
+             [](const BoundModel& s, const std::string& name) { return s.m->weight_device(name); })
+        .def_prop_ro("device_names",
+                     [](const BoundModel& s) {
+                         std::vector<std::string> n;
+                         for (Backend* b : s.m->backends()) n.push_back(b->name());
+                         return n;
+                     })
+        .def("device_used",
+             [](const BoundModel& s) {
+                 std::vector<size_t> n;
+                 for (Backend* b : s.m->backends()) n.push_back(b->memory_used());
+                 return n;
+             })
+        .def("plan",
+             [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs) {
+                 return to_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
+             },
+             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"));
+
+    nb::class_<BoundContext>(e, "Context")
+        .def("__init__",
+             [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type,
+                int64_t n_outputs) {
+                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs);
+                 std::unique_ptr<Context> c;
+                 {
+                     nb::gil_scoped_release nogil;
+                     c = std::make_unique<Context>(*model.m, p);
+                 }
+                 new (self) BoundContext{std::move(c)};
+             },
+             nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"),
+             nb::keep_alive<1, 2>())
+        .def("eval",
+             [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions, bool all) {
+                 std::vector<float>* out = nullptr;
+                 {
+                     nb::gil_scoped_release nogil;
+                     out = new std::vector<float>(s.c->eval(tokens, positions, all));
+                 }
+                 const size_t n_vocab = (size_t)s.c->n_vocab();
+                 const size_t rows = out->size() / n_vocab;
+                 nb::capsule owner(out, [](void* p) noexcept { delete (std::vector<float>*)p; });
+                 return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {rows, n_vocab}, owner);
+             },
+             nb::arg("tokens"), nb::arg("positions"), nb::arg("all_logits"))
+        .def("kv_truncate", [](BoundContext& s, int64_t n) { s.c->kv_truncate(n); })
+        .def("clear", [](BoundContext& s) { s.c->clear(); })
+        .def_prop_ro("n_past", [](const BoundContext& s) { return s.c->n_past(); })
+        .def_prop_ro("n_ctx", [](const BoundContext& s) { return s.c->n_ctx(); })
+        .def_prop_ro("n_graphs", [](const BoundContext& s) { return s.c->n_graphs(); })
+        .def("check_plan", [](const BoundContext& s) { return s.c->check_plan_sound(); })
+        .def_prop_ro("n_inplace", [](const BoundContext& s) { return s.c->plan().n_inplace; })
+        .def("memory_report", [](const BoundContext& s, const BoundModel& model) {
+            auto backends = model.m->backends();
+            return to_py(s.c->memory_report(), &backends);
+        });
+
+    e.def(
+        "project",
+        [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
+           const std::vector<std::tuple<std::string, int>>& overrides, int64_t n_ctx, int64_t n_ubatch,
+           const std::string& kv_type, int64_t n_outputs) {
+            auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides));
+            return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
+        },
+        nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
+        nb::arg("kv_type"), nb::arg("n_outputs"));
+}

@@ -1,0 +1,200 @@
+#include "engine/context.h"
+
+#include <algorithm>
+
+#include "error.h"
+#include "graph/scheduler.h"
+
+namespace stowlm {
+
+namespace {
+
+// The visible KV range grows in buckets, so decode reuses one graph for many tokens.
+constexpr int64_t kKvBucket = 256;
+
+// Checked and clamped parameters; projection and allocation both go through here, so they
+// plan the same shapes.
+ContextParams checked(const Model& m, ContextParams p) {
+    if (p.n_ctx <= 0) throw InvalidInput("n_ctx must be positive, got " + std::to_string(p.n_ctx));
+    if (p.n_ubatch <= 0) throw InvalidInput("n_ubatch must be positive, got " + std::to_string(p.n_ubatch));
+    if (p.n_outputs < 0) throw InvalidInput("n_outputs must be >= 0, got " + std::to_string(p.n_outputs));
+    p.n_ubatch = std::min(p.n_ubatch, p.n_ctx);
+    p.n_outputs = p.n_outputs == 0 ? p.n_ubatch : std::min(p.n_outputs, p.n_ubatch);
+    const QTypeInfo* kv = qtype_info((uint32_t)p.kv_type);
+    const int64_t hd = m.hp().head_dim_k;
+    if (hd % kv->block_elems)
+        throw InvalidInput(std::string("kv_type ") + kv->name + " stores blocks of " + std::to_string(kv->block_elems) +
+                           " but the model's head_dim is " + std::to_string(hd));
+    return p;
+}
+
+KVLayout kv_layout(const Model& m, const ContextParams& p) {
+    KVLayout l;
+    l.n_ctx = p.n_ctx;
+    l.type = p.kv_type;
+    l.layer_device = m.layer_devices();
+    const HParams& hp = m.hp();
+    l.layer_k_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_k);
+    l.layer_v_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_v);
+    return l;
+}
+
+std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, const ComputePlan& plan) {
+    std::vector<DeviceMemory> r;
+    auto backends = m.backends();
+    for (size_t d = 0; d < backends.size(); d++) {
+        DeviceMemory dm;
+        dm.name = backends[d]->name();
+        dm.weights = m.weight_bytes()[d];
+        dm.kv = kv[d];
+        dm.compute = plan.devices[d].total();
+        dm.copies = plan.devices[d].copy_bytes;
+        dm.total = dm.weights + dm.kv + dm.compute;
+        dm.budget = backends[d]->memory_total();
+        r.push_back(dm);
+    }
+    return r;
+}
+
+}  // namespace
+
+void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage) {
+    in.tokens = g.new_input("inp_tokens", QType::I32, n_tok);
+    in.pos = g.new_input("inp_pos", QType::I32, n_tok);
+    in.cells = g.new_input("inp_kv_cells", QType::I32, n_tok);
+    in.kv_pos = g.new_input("inp_kv_pos", QType::I32, n_kv);
+    in.out_ids = g.new_input("inp_out_ids", QType::I32, n_out);
+    if (storage) {
+        storage->clear();
+        for (Tensor* t : g.inputs()) {
+            storage->emplace_back(t->ne[0]);
+            t->data = storage->back().data();
+        }
+    }
+    BuildContext c{g, model, kv, in, n_tok, n_kv, n_out};
+    g.output = model.arch().build(c);
+    schedule(g, model.backends());
+}
+
+std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& params) {
+    const ContextParams p = checked(model, params);
+    const KVLayout layout = kv_layout(model, p);
+    KVCache kv(layout, model.backends(), /*allocate=*/false);
+    Graph g;
+    BuildInputs in;
+    build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
+    const ComputePlan plan = plan_compute(g, model.backends());
+    return report(model, kv.device_bytes(), plan);
+}
+
+Context::Context(Model& model, const ContextParams& p) : model_(model), params_(checked(model, p)) {
+    backends_ = model.backends();
+    // Plan on the worst shape first; the smaller shapes reuse its offsets (same topology,
+    // every tensor no larger), so nothing is allocated per token or per shape.
+    Graph ref;
+    BuildInputs in;
+    KVCache shape_only(kv_layout(model, params_), backends_, false);
+    build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
+    plan_ = plan_compute(ref, backends_);
+    kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true);
+    compute_ = allocate_compute(plan_, backends_);
+}
+
+std::string Context::check_plan_sound() const {
+    Graph ref;
+    BuildInputs in;
+    KVCache shape_only(kv_layout(model_, params_), backends_, false);
+    build_scheduled_graph(model_, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
+    return check_plan(ref, plan_);
+}
+
+std::vector<DeviceMemory> Context::memory_report() const { return report(model_, kv_->device_bytes(), plan_); }
+
+Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out) {
+    auto key = std::make_tuple(n_tok, n_kv, n_out);
+    auto it = graphs_.find(key);
+    if (it != graphs_.end()) return *it->second;
+    auto sg = std::make_unique<ShapeGraph>();
+    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage);
+    place_graph(sg->g, plan_, compute_, backends_);
+    return *graphs_.emplace(key, std::move(sg)).first->second;
+}
+
+void Context::run(ShapeGraph& sg) {
+    for (const Split& s : sg.g.splits) {
+        Backend& b = *backends_[s.device];
+        for (Tensor* n : s.nodes) {
+            if (n->op != Op::COPY) continue;
+            const Tensor* src = n->src[0];
+            if (src->storage_root()->role == TensorRole::INPUT)
+                b.copy_from_host(*n, src->data, src->nbytes());
+            else
+                b.copy_from_peer(*n, *src, *backends_[src->storage_root()->device]);
+        }
+        b.compute(s, (char*)compute_.buffers[s.device]->data + (compute_.buffers[s.device]->size -
+                                                                 plan_.devices[s.device].scratch_bytes),
+                  plan_.devices[s.device].scratch_bytes);
+    }
+    for (Backend* b : backends_) b->synchronize();
+}
+
+std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
+                                 bool all_logits) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t n = (int64_t)tokens.size();
+    if (n == 0) throw InvalidInput("eval: no tokens");
+    if (!positions.empty() && (int64_t)positions.size() != n)
+        throw InvalidInput("eval: " + std::to_string(positions.size()) + " positions for " + std::to_string(n) +
+                           " tokens");
+    if (kv_->n_used() + n > params_.n_ctx)
+        throw InvalidInput("eval: " + std::to_string(n) + " tokens after " + std::to_string(kv_->n_used()) +
+                           " cached need " + std::to_string(kv_->n_used() + n) + " cells, but the context (n_ctx) is " +
+                           std::to_string(params_.n_ctx));
+    const int64_t n_vocab = model_.hp().n_vocab;
+    for (int64_t i = 0; i < n; i++)
+        if (tokens[i] < 0 || tokens[i] >= n_vocab)
+            throw InvalidInput("eval: token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
+                               " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+    std::vector<int32_t> pos(n);
+    for (int64_t i = 0; i < n; i++) pos[i] = positions.empty() ? (int32_t)(kv_->n_used() + i) : positions[i];
+
+    std::vector<float> logits((all_logits ? n : 1) * n_vocab);
+    const int64_t n_start = kv_->n_used();
+    const int64_t step = all_logits ? params_.n_outputs : params_.n_ubatch;
+    for (int64_t b0 = 0; b0 < n; b0 += step) {
+        const int64_t nt = std::min(step, n - b0);
+        const bool last = b0 + nt == n;
+        // Earlier micro-batches of a "last" request still select one row; it is discarded.
+        const int64_t n_out = all_logits ? nt : 1;
+        const int64_t first_cell = kv_->n_used();
+        const int64_t n_kv = std::min(params_.n_ctx, (first_cell + nt + kKvBucket - 1) / kKvBucket * kKvBucket);
+        ShapeGraph& sg = graph_for(nt, n_kv, n_out);
+        int32_t* in_tok = (int32_t*)sg.in.tokens->data;
+        int32_t* in_pos = (int32_t*)sg.in.pos->data;
+        int32_t* in_cells = (int32_t*)sg.in.cells->data;
+        for (int64_t i = 0; i < nt; i++) {
+            in_tok[i] = tokens[b0 + i];
+            in_pos[i] = pos[b0 + i];
+            in_cells[i] = (int32_t)(first_cell + i);
+        }
+        kv_->append(in_pos, nt);
+        std::copy(kv_->cell_pos().begin(), kv_->cell_pos().begin() + n_kv, (int32_t*)sg.in.kv_pos->data);
+        int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
+        for (int64_t i = 0; i < n_out; i++) out_ids[i] = (int32_t)(all_logits ? i : nt - 1);
+        try {
+            run(sg);
+        } catch (...) {
+            kv_->truncate(n_start);  // leave the cache as it was
+            throw;
+        }
+        const Tensor* out = sg.g.output;
+        if (all_logits)
+            backends_[out->device]->copy_to_host(*out, logits.data() + b0 * n_vocab, out->nbytes());
+        else if (last)
+            backends_[out->device]->copy_to_host(*out, logits.data(), out->nbytes());
+    }
+    return logits;
+}
+
+}  // namespace stowlm

@@ -1,0 +1,87 @@
+// An inference context over a loaded model: the KV cache, one compute buffer per device sized
+// for the worst micro-batch (n_ubatch tokens, the whole context, logits for every token), and
+// the graphs of each micro-batch shape built once and reused (a one-token decode graph serves
+// every generated token until the visible KV range grows past its bucket).
+#pragma once
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "graph/planner.h"
+#include "kv/kv_cache.h"
+#include "models/model.h"
+
+namespace stowlm {
+
+struct ContextParams {
+    int64_t n_ctx = 4096;
+    int64_t n_ubatch = 512;
+    // Most rows of logits one micro-batch returns (0: n_ubatch). The logits tensor is the
+    // largest in the compute buffer (n_vocab floats per row), so a context that mostly wants
+    // the last token's logits can keep it small; "all" requests then go n_outputs at a time.
+    int64_t n_outputs = 0;
+    QType kv_type = QType::F16;
+};
+
+struct DeviceMemory {
+    std::string name;
+    size_t weights = 0, kv = 0, compute = 0, copies = 0, total = 0, budget = 0;
+};
+
+// Bytes per device a context with these parameters would take, from the same planner path
+// the context allocates with. Allocates nothing.
+std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& p);
+
+class Context {
+public:
+    Context(Model& model, const ContextParams& p);
+
+    // Evaluates tokens (positions default to n_past, n_past+1, ...), appending them to the KV
+    // cache in micro-batches of n_ubatch. Returns logits row-major [rows][n_vocab]: every token's
+    // when all_logits, else the last token's.
+    std::vector<float> eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
+                            bool all_logits);
+    void kv_truncate(int64_t n) {
+        std::lock_guard<std::mutex> lock(mu_);
+        kv_->truncate(n);
+    }
+    void clear() {
+        std::lock_guard<std::mutex> lock(mu_);
+        kv_->clear();
+    }
+    int64_t n_past() const { return kv_->n_used(); }
+    int64_t n_ctx() const { return params_.n_ctx; }
+    int64_t n_vocab() const { return model_.hp().n_vocab; }
+    std::vector<DeviceMemory> memory_report() const;
+    size_t n_graphs() const { return graphs_.size(); }
+    const ComputePlan& plan() const { return plan_; }
+    // check_plan() over the worst-case graph (the one the plan was made for).
+    std::string check_plan_sound() const;
+
+private:
+    struct ShapeGraph {
+        Graph g;
+        BuildInputs in;
+        std::vector<std::vector<int32_t>> input_storage;
+    };
+    ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out);
+    void run(ShapeGraph& sg);
+
+    Model& model_;
+    ContextParams params_;
+    std::vector<Backend*> backends_;
+    std::unique_ptr<KVCache> kv_;
+    ComputePlan plan_;
+    ComputeBuffers compute_;
+    std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<ShapeGraph>> graphs_;
+    std::mutex mu_;  // eval runs without the GIL: one call at a time per context
+};
+
+// Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg).
+void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage);
+
+}  // namespace stowlm

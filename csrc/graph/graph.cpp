@@ -1,0 +1,260 @@
+#include "graph/graph.h"
+
+#include "error.h"
+
+namespace stowlm {
+
+const char* op_name(Op op) {
+    switch (op) {
+        case Op::NONE: return "none";
+        case Op::VIEW: return "view";
+        case Op::GET_ROWS: return "get_rows";
+        case Op::MUL_MAT: return "mul_mat";
+        case Op::ADD: return "add";
+        case Op::MUL: return "mul";
+        case Op::SCALE: return "scale";
+        case Op::SOFTCAP: return "softcap";
+        case Op::RMS_NORM: return "rms_norm";
+        case Op::ROPE: return "rope";
+        case Op::STORE_KV: return "store_kv";
+        case Op::FLASH_ATTN: return "flash_attn";
+        case Op::SWIGLU: return "swiglu";
+        case Op::GEGLU: return "geglu";
+        case Op::COPY: return "copy";
+        case Op::TOP_K: return "top_k";
+        case Op::MOE_WEIGHTS: return "moe_weights";
+        case Op::MUL_MAT_ID: return "mul_mat_id";
+        case Op::MOE_SUM: return "moe_sum";
+    }
+    return "?";
+}
+
+size_t tensor_row_bytes(QType t, int64_t n) {
+    if (t == QType::I32) return (size_t)n * 4;
+    return row_bytes(t, n);
+}
+
+size_t Tensor::row_size() const { return tensor_row_bytes(type, ne[0]); }
+
+void set_contiguous_strides(Tensor& t) {
+    t.nb[0] = t.type == QType::I32 ? 4 : qtype_info((uint32_t)t.type)->block_bytes;
+    t.nb[1] = tensor_row_bytes(t.type, t.ne[0]);
+    t.nb[2] = t.nb[1] * t.ne[1];
+    t.nb[3] = t.nb[2] * t.ne[2];
+}
+
+bool Tensor::is_contiguous() const {
+    return nb[1] == row_size() && nb[2] == nb[1] * ne[1] && nb[3] == nb[2] * ne[2];
+}
+
+Tensor* Graph::new_tensor(const std::string& name, QType type, int64_t ne0, int64_t ne1, int64_t ne2, int64_t ne3,
+                          TensorRole role) {
+    owned_.emplace_back();
+    Tensor* t = &owned_.back();
+    t->name = name;
+    t->type = type;
+    t->ne[0] = ne0, t->ne[1] = ne1, t->ne[2] = ne2, t->ne[3] = ne3;
+    t->role = role;
+    set_contiguous_strides(*t);
+    return t;
+}
+
+Tensor* Graph::new_input(const std::string& name, QType type, int64_t n) {
+    Tensor* t = new_tensor(name, type, n, 1, 1, 1, TensorRole::INPUT);
+    inputs_.push_back(t);
+    return t;
+}
+
+std::vector<Tensor*> Graph::exec_order() const {
+    std::vector<Tensor*> out;
+    for (const Split& s : splits) out.insert(out.end(), s.nodes.begin(), s.nodes.end());
+    return out;
+}
+
+namespace {
+
+Tensor* node(Graph& g, Op op, const Tensor* shape_of, QType type, std::initializer_list<Tensor*> srcs) {
+    Tensor* t = g.new_tensor(std::string(op_name(op)), type, shape_of->ne[0], shape_of->ne[1], shape_of->ne[2],
+                             shape_of->ne[3]);
+    t->op = op;
+    int i = 0;
+    for (Tensor* s : srcs) t->src[i++] = s;
+    g.add_node(t);
+    return t;
+}
+
+void check(bool ok, const char* op, const Tensor* a, const char* what) {
+    if (!ok) throw InvalidInput(std::string("graph: ") + op + " on '" + a->name + "': " + what);
+}
+
+bool same_shape(const Tensor* a, const Tensor* b) {
+    return a->ne[0] == b->ne[0] && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] && a->ne[3] == b->ne[3];
+}
+
+}  // namespace
+
+Tensor* get_rows(Graph& g, Tensor* table, Tensor* ids) {
+    check(ids->type == QType::I32, "get_rows", ids, "ids must be I32");
+    Tensor* t = g.new_tensor("get_rows", QType::F32, table->ne[0], ids->ne[0]);
+    t->op = Op::GET_ROWS;
+    t->src[0] = table, t->src[1] = ids;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* mul_mat(Graph& g, Tensor* w, Tensor* x) {
+    check(w->ne[0] == x->ne[0], "mul_mat", w, "weight columns differ from activation length");
+    check(x->type == QType::F32, "mul_mat", x, "activation must be F32");
+    Tensor* t = g.new_tensor("mul_mat", QType::F32, w->ne[1], x->n_rows());
+    t->op = Op::MUL_MAT;
+    t->src[0] = w, t->src[1] = x;
+    g.add_node(t);
+    return t;
+}
+
+static Tensor* binary(Graph& g, Op op, Tensor* a, Tensor* b) {
+    check(a->ne[0] == b->ne[0] && (b->n_rows() == 1 || b->n_rows() == a->n_rows()), op_name(op), a,
+          "operands differ in shape");
+    return node(g, op, a, QType::F32, {a, b});
+}
+Tensor* add(Graph& g, Tensor* a, Tensor* b) { return binary(g, Op::ADD, a, b); }
+Tensor* mul(Graph& g, Tensor* a, Tensor* b) { return binary(g, Op::MUL, a, b); }
+
+Tensor* scale(Graph& g, Tensor* a, float s) {
+    Tensor* t = node(g, Op::SCALE, a, QType::F32, {a});
+    t->fparams[0] = s;
+    return t;
+}
+
+Tensor* softcap(Graph& g, Tensor* a, float cap) {
+    Tensor* t = node(g, Op::SOFTCAP, a, QType::F32, {a});
+    t->fparams[0] = cap;
+    return t;
+}
+
+Tensor* rms_norm(Graph& g, Tensor* x, Tensor* weight, float eps) {
+    check(!weight || weight->ne[0] == x->ne[0], "rms_norm", x, "weight length differs from row length");
+    Tensor* t = node(g, Op::RMS_NORM, x, QType::F32, {x, weight});
+    t->fparams[0] = eps;
+    return t;
+}
+
+Tensor* reshape(Graph& g, Tensor* x, int64_t ne0, int64_t ne1, int64_t ne2) {
+    check(x->is_contiguous() && ne0 * ne1 * ne2 == x->n_elements(), "reshape", x, "element count or layout");
+    Tensor* t = g.new_tensor(x->name + ".view", x->type, ne0, ne1, ne2);
+    t->op = Op::VIEW;
+    t->src[0] = x;
+    t->view_src = x;
+    t->role = x->role;
+    return t;  // a view is no node: it computes nothing
+}
+
+Tensor* view_rows(Graph& g, Tensor* x, int64_t n) {
+    check(n <= x->ne[1] && x->ne[2] == 1, "view_rows", x, "row count");
+    Tensor* t = g.new_tensor(x->name + ".rows", x->type, x->ne[0], n);
+    t->op = Op::VIEW;
+    t->src[0] = x;
+    t->view_src = x;
+    t->role = x->role;
+    return t;
+}
+
+Tensor* rope(Graph& g, Tensor* x, Tensor* pos, int32_t n_rot, float freq_base, float freq_scale, bool neox) {
+    check(pos->type == QType::I32 && pos->ne[0] == x->ne[2], "rope", x, "positions must be I32, one per token");
+    check(n_rot <= x->ne[0] && n_rot % 2 == 0, "rope", x, "n_rot must be even and <= head_dim");
+    Tensor* t = node(g, Op::ROPE, x, QType::F32, {x, pos});
+    t->iparams[0] = n_rot, t->iparams[1] = neox;
+    t->fparams[0] = freq_base, t->fparams[1] = freq_scale;
+    return t;
+}
+
+Tensor* store_kv(Graph& g, Tensor* x, Tensor* cache, Tensor* cells) {
+    check(x->ne[0] * x->ne[1] == cache->ne[0], "store_kv", x, "row length differs from the cache's");
+    check(cells->ne[0] == x->ne[2], "store_kv", x, "one cell per token");
+    Tensor* t = g.new_tensor("store_kv", QType::F32, 0);  // ordering token, no bytes
+    t->ne[0] = 0;
+    set_contiguous_strides(*t);
+    t->op = Op::STORE_KV;
+    t->src[0] = x, t->src[1] = cache, t->src[2] = cells;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Tensor* kv_pos, Tensor* k_stored,
+                   Tensor* v_stored, float scale, float softcap, int32_t window) {
+    check(q->ne[1] % (k->ne[0] / q->ne[0]) == 0, "flash_attn", q, "query heads not a multiple of KV heads");
+    check(k->ne[1] == kv_pos->ne[0], "flash_attn", k, "KV cells differ from kv_pos length");
+    Tensor* t = g.new_tensor("flash_attn", QType::F32, q->ne[0] * q->ne[1], q->ne[2]);
+    t->op = Op::FLASH_ATTN;
+    t->src[0] = q, t->src[1] = k, t->src[2] = v, t->src[3] = q_pos, t->src[4] = kv_pos;
+    t->src[5] = k_stored, t->src[6] = v_stored;
+    t->fparams[0] = scale, t->fparams[1] = softcap;
+    t->iparams[0] = window;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* swiglu(Graph& g, Tensor* gate, Tensor* up) {
+    check(same_shape(gate, up), "swiglu", gate, "gate and up differ in shape");
+    return node(g, Op::SWIGLU, gate, QType::F32, {gate, up});
+}
+
+Tensor* geglu(Graph& g, Tensor* gate, Tensor* up) {
+    check(same_shape(gate, up), "geglu", gate, "gate and up differ in shape");
+    return node(g, Op::GEGLU, gate, QType::F32, {gate, up});
+}
+
+Tensor* copy_to_device(Graph& g, Tensor* src, int device) {
+    Tensor* t = g.new_tensor(src->name + ".copy", src->type, src->ne[0], src->ne[1], src->ne[2], src->ne[3]);
+    t->op = Op::COPY;
+    t->src[0] = src;
+    t->device = device;
+    return t;  // the scheduler places it in its split
+}
+
+Tensor* top_k(Graph& g, Tensor* x, int64_t k) {
+    check(x->type == QType::F32 && k >= 1 && k <= x->ne[0], "top_k", x, "k must be in [1, row length] (F32 rows)");
+    Tensor* t = g.new_tensor("top_k", QType::I32, k, x->n_rows());
+    t->op = Op::TOP_K;
+    t->src[0] = x;
+    t->iparams[0] = (int32_t)k;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* moe_weights(Graph& g, Tensor* logits, Tensor* ids, int32_t gating, bool normalize, float scale) {
+    check(ids->type == QType::I32 && ids->ne[1] == logits->n_rows(), "moe_weights", logits,
+          "ids must be I32 [k, tokens]");
+    Tensor* t = g.new_tensor("moe_weights", QType::F32, ids->ne[0], ids->ne[1]);
+    t->op = Op::MOE_WEIGHTS;
+    t->src[0] = logits, t->src[1] = ids;
+    t->iparams[0] = gating, t->iparams[1] = normalize;
+    t->fparams[0] = scale;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* mul_mat_id(Graph& g, Tensor* experts, Tensor* x, Tensor* ids) {
+    const int64_t k = ids->ne[0], n = ids->ne[1];
+    check(experts->ne[0] == x->ne[0], "mul_mat_id", experts, "expert columns differ from activation length");
+    check(x->type == QType::F32 && x->is_contiguous(), "mul_mat_id", x, "activation must be contiguous F32");
+    check(ids->type == QType::I32, "mul_mat_id", ids, "ids must be I32 [k, tokens]");
+    check((x->ne[1] == 1 || x->ne[1] == k) && x->ne[2] == n, "mul_mat_id", x,
+          "activation must be [cols, 1 or k, tokens]");
+    Tensor* t = g.new_tensor("mul_mat_id", QType::F32, experts->ne[1], k, n);
+    t->op = Op::MUL_MAT_ID;
+    t->src[0] = experts, t->src[1] = x, t->src[2] = ids;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* moe_sum(Graph& g, Tensor* e, Tensor* weights) {
+    check(weights->ne[0] == e->ne[1] && weights->ne[1] == e->ne[2], "moe_sum", e, "weights must be [k, tokens]");
+    Tensor* t = g.new_tensor("moe_sum", QType::F32, e->ne[0], e->ne[2]);
+    t->op = Op::MOE_SUM;
+    t->src[0] = e, t->src[1] = weights;
+    g.add_node(t);
+    return t;
+}
+
+}  // namespace stowlm

@@ -1,0 +1,246 @@
+#include "graph/planner.h"
+
+#include <algorithm>
+#include <map>
+#include <unordered_map>
+
+#include "error.h"
+
+namespace stowlm {
+
+namespace {
+
+constexpr size_t kAlign = 64;
+size_t align_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Best-fit allocator over one device's offsets; tracks the high-water mark.
+class OffsetAllocator {
+public:
+    size_t alloc(size_t size) {
+        size = align_up(size);
+        int best = -1;
+        for (int i = 0; i < (int)free_.size(); i++)
+            if (free_[i].second >= size && (best < 0 || free_[i].second < free_[best].second)) best = i;
+        if (best >= 0) {
+            const size_t off = free_[best].first;
+            free_[best].first += size;
+            free_[best].second -= size;
+            if (free_[best].second == 0) free_.erase(free_.begin() + best);
+            return off;
+        }
+        // Grow from the end, absorbing a free block that touches the top.
+        if (!free_.empty() && free_.back().first + free_.back().second == top_) {
+            const size_t off = free_.back().first;
+            free_.pop_back();
+            top_ = off + size;
+            peak_ = std::max(peak_, top_);
+            return off;
+        }
+        const size_t off = top_;
+        top_ += size;
+        peak_ = std::max(peak_, top_);
+        return off;
+    }
+    void release(size_t off, size_t size) {
+        size = align_up(size);
+        auto it = std::lower_bound(free_.begin(), free_.end(), std::make_pair(off, (size_t)0));
+        it = free_.insert(it, {off, size});
+        // merge with neighbours
+        size_t i = it - free_.begin();
+        if (i + 1 < free_.size() && free_[i].first + free_[i].second == free_[i + 1].first) {
+            free_[i].second += free_[i + 1].second;
+            free_.erase(free_.begin() + i + 1);
+        }
+        if (i > 0 && free_[i - 1].first + free_[i - 1].second == free_[i].first) {
+            free_[i - 1].second += free_[i].second;
+            free_.erase(free_.begin() + i);
+        }
+    }
+    size_t peak() const { return peak_; }
+
+private:
+    std::vector<std::pair<size_t, size_t>> free_;  // (offset, size), sorted by offset
+    size_t top_ = 0, peak_ = 0;
+};
+
+bool may_run_in_place(Op op) {
+    switch (op) {
+        case Op::ADD:
+        case Op::MUL:
+        case Op::SCALE:
+        case Op::SOFTCAP:
+        case Op::RMS_NORM:
+        case Op::ROPE:
+        case Op::SWIGLU:
+        case Op::GEGLU:
+            return true;
+        default:
+            return false;
+    }
+}
+
+bool is_placed(const Tensor* t) { return t->op != Op::NONE && t->op != Op::VIEW && t->nbytes() > 0; }
+
+}  // namespace
+
+size_t DeviceComputePlan::total() const { return scratch_bytes ? align_up(tensor_bytes) + scratch_bytes : tensor_bytes; }
+
+ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends) {
+    const std::vector<Tensor*> order = g.exec_order();
+    ComputePlan plan;
+    plan.devices.resize(backends.size());
+    plan.offsets.assign(order.size(), -1);
+    plan.sizes.assign(order.size(), 0);
+    plan.ops.resize(order.size());
+
+    // Liveness: last use of every placed tensor (through any view of it).
+    std::unordered_map<const Tensor*, int> index, last_use;
+    for (int i = 0; i < (int)order.size(); i++) {
+        index[order[i]] = i;
+        plan.ops[i] = order[i]->op;
+    }
+    for (int i = 0; i < (int)order.size(); i++)
+        for (int s = 0; s < order[i]->n_src(); s++)
+            if (Tensor* src = order[i]->src[s]) last_use[src->storage_root()] = i;
+    const Tensor* out_root = g.output ? g.output->storage_root() : nullptr;
+
+    std::vector<OffsetAllocator> alloc(backends.size());
+    // offset held by each live tensor, and which tensors die at each step
+    std::unordered_map<const Tensor*, size_t> held;
+    for (int i = 0; i < (int)order.size(); i++) {
+        Tensor* n = order[i];
+        const int dev = n->device;
+        if (dev < 0 || dev >= (int)backends.size()) throw InvalidInput("planner: node " + n->name + " has no device");
+        DeviceComputePlan& dp = plan.devices[dev];
+        dp.scratch_bytes = std::max(dp.scratch_bytes, backends[dev]->scratch_bytes(*n));
+        if (is_placed(n)) {
+            const size_t size = n->nbytes();
+            int64_t off = -1;
+            if (may_run_in_place(n->op) && n != out_root) {
+                for (int s = 0; s < n->n_src() && off < 0; s++) {
+                    if (!n->src[s]) continue;
+                    const Tensor* r = n->src[s]->storage_root();
+                    auto h = held.find(r);
+                    if (h == held.end() || r->device != dev || r == out_root || last_use[r] != i) continue;
+                    const size_t r_size = plan.sizes[index[r]];
+                    if (r_size < size) continue;
+                    // Take over the dying input's bytes; its block now belongs to n.
+                    off = (int64_t)h->second;
+                    plan.sizes[i] = r_size;
+                    held.erase(h);
+                    plan.n_inplace++;
+                }
+            }
+            if (off < 0) {
+                off = (int64_t)alloc[dev].alloc(size);
+                plan.sizes[i] = size;
+            }
+            plan.offsets[i] = off;
+            if (n->op == Op::COPY) dp.copy_bytes += size;
+            held[n] = (size_t)off;
+        }
+        // Free inputs that die here (never the graph output).
+        for (int s = 0; s < n->n_src(); s++) {
+            if (!n->src[s]) continue;
+            const Tensor* r = n->src[s]->storage_root();
+            if (r == out_root || last_use[r] != i) continue;
+            auto h = held.find(r);
+            if (h == held.end()) continue;
+            alloc[r->device].release(h->second, plan.sizes[index[r]]);
+            held.erase(h);
+        }
+        // A node nobody reads (an ordering token aside) dies at once.
+        if (is_placed(n) && n != out_root && !last_use.count(n) && held.count(n)) {
+            alloc[dev].release(held[n], plan.sizes[i]);
+            held.erase(n);
+        }
+    }
+    for (size_t d = 0; d < backends.size(); d++) plan.devices[d].tensor_bytes = alloc[d].peak();
+    return plan;
+}
+
+std::string check_plan(const Graph& g, const ComputePlan& plan) {
+    const std::vector<Tensor*> order = g.exec_order();
+    std::unordered_map<const Tensor*, int> index, last_use;
+    for (int i = 0; i < (int)order.size(); i++) index[order[i]] = i;
+    for (int i = 0; i < (int)order.size(); i++)
+        for (int s = 0; s < order[i]->n_src(); s++)
+            if (Tensor* src = order[i]->src[s]) last_use[src->storage_root()] = i;
+    const Tensor* out_root = g.output ? g.output->storage_root() : nullptr;
+    struct Live {
+        int i, birth, death, dev;
+        size_t lo, hi;
+    };
+    std::vector<Live> live;
+    for (int i = 0; i < (int)order.size(); i++) {
+        if (plan.offsets[i] < 0) continue;
+        const Tensor* n = order[i];
+        int death = last_use.count(n) ? last_use[n] : i;
+        if (n == out_root) death = (int)order.size();
+        const size_t lo = (size_t)plan.offsets[i], hi = lo + n->nbytes();
+        if (hi > plan.devices[n->device].tensor_bytes)
+            return "tensor " + n->name + " ends past its device's tensor region";
+        live.push_back({i, i, death, n->device, lo, hi});
+    }
+    for (size_t a = 0; a < live.size(); a++)
+        for (size_t b = a + 1; b < live.size(); b++) {
+            const Live &x = live[a], &y = live[b];  // x born first
+            if (x.dev != y.dev || x.hi <= y.lo || y.hi <= x.lo) continue;
+            if (y.birth > x.death) continue;  // x dead before y is born
+            if (y.birth == x.death) {
+                // Allowed only when y runs in place over x (x is one of y's inputs).
+                const Tensor* yn = order[y.i];
+                bool in_place = false;
+                for (int s = 0; s < yn->n_src(); s++)
+                    if (yn->src[s] && yn->src[s]->storage_root() == order[x.i]) in_place = true;
+                if (in_place && may_run_in_place(yn->op) && x.lo == y.lo) continue;
+            }
+            return "tensors " + order[x.i]->name + " and " + order[y.i]->name + " share bytes while both live";
+        }
+    return "";
+}
+
+ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backend*>& backends) {
+    ComputeBuffers bufs;
+    bufs.buffers.resize(backends.size());
+    for (size_t d = 0; d < backends.size(); d++) {
+        const size_t bytes = plan.devices[d].total();
+        if (bytes) bufs.buffers[d] = backends[d]->alloc_buffer(bytes, "compute buffer");
+    }
+    return bufs;  // on a throw, the buffers made so far are freed with `bufs`
+}
+
+void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs,
+                 const std::vector<Backend*>& backends) {
+    const std::vector<Tensor*> order = g.exec_order();
+    if (order.size() != plan.ops.size()) throw InvalidInput("planner: graph topology differs from its plan");
+    for (size_t i = 0; i < order.size(); i++) {
+        Tensor* n = order[i];
+        if (n->op != plan.ops[i]) throw InvalidInput("planner: graph topology differs from its plan at " + n->name);
+        if (plan.offsets[i] < 0) continue;
+        if (n->nbytes() > plan.sizes[i])
+            throw InvalidInput("planner: node " + n->name + " is larger than the plan's reservation");
+        BackendBuffer* b = bufs.buffers[n->device].get();
+        n->buffer = b;
+        n->data = (char*)b->data + plan.offsets[i];
+    }
+    (void)backends;
+    // Views: resolve after their sources (a view of a view resolves through the chain).
+    std::vector<Tensor*> pending;
+    for (Tensor* n : order)
+        for (int s = 0; s < n->n_src(); s++)
+            if (n->src[s] && n->src[s]->view_src) pending.push_back(n->src[s]);
+    if (g.output && g.output->view_src) pending.push_back(g.output);
+    for (Tensor* v : pending) {
+        std::vector<Tensor*> chain;
+        for (Tensor* t = v; t->view_src; t = t->view_src) chain.push_back(t);
+        for (auto it = chain.rbegin(); it != chain.rend(); ++it) {
+            Tensor* t = *it;
+            t->data = (char*)t->view_src->data + t->view_offset;
+            t->buffer = t->view_src->buffer;
+            t->device = t->view_src->device;
+        }
+    }
+}
+
+}  // namespace stowlm

@@ -1,0 +1,89 @@
+#include "graph/scheduler.h"
+
+#include <map>
+#include <utility>
+
+#include "error.h"
+
+namespace stowlm {
+
+namespace {
+
+int fallback_device(const std::vector<Backend*>& backends) {
+    for (Backend* b : backends)
+        if (b->host_accessible()) return b->id();
+    throw Unsupported("scheduler: no host-accessible device to run unsupported ops on");
+}
+
+// Execution index of each node, so that a weightless op follows its most recently produced
+// input: the residual add of a layer runs with that layer (its attention/FFN output), not where
+// the residual stream came from, which would send the stream back and forth between devices.
+using NodeIndex = std::map<const Tensor*, int>;
+
+int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
+    int dev = -1;
+    // Bytes that cannot move decide first.
+    for (int i = 0; i < n->n_src() && dev < 0; i++) {
+        const Tensor* s = n->src[i];
+        if (!s) continue;
+        const Tensor* r = s->storage_root();
+        if (r->role == TensorRole::WEIGHT || r->role == TensorRole::KV) dev = r->device;
+    }
+    if (dev < 0) {
+        int latest = -1;
+        for (int i = 0; i < n->n_src(); i++) {
+            const Tensor* s = n->src[i];
+            if (!s) continue;
+            const Tensor* r = s->storage_root();
+            if (r->role != TensorRole::COMPUTE) continue;
+            auto it = index.find(r);
+            const int at = it == index.end() ? -1 : it->second;
+            if (dev < 0 || at > latest) latest = at, dev = r->device;
+        }
+    }
+    if (dev < 0) dev = 0;
+    if (!backends.at(dev)->supports(*n)) dev = fallback_device(backends);
+    return dev;
+}
+
+}  // namespace
+
+void schedule(Graph& g, const std::vector<Backend*>& backends) {
+    g.splits.clear();
+    std::map<std::pair<const Tensor*, int>, Tensor*> copies;
+    NodeIndex index;
+    for (Tensor* n : g.nodes()) index.emplace(n, (int)index.size());
+    for (Tensor* n : g.nodes()) {
+        const int dev = choose_device(n, backends, index);
+        n->device = dev;
+        if (g.splits.empty() || g.splits.back().device != dev) {
+            g.splits.emplace_back();
+            g.splits.back().device = dev;
+        }
+        Split& split = g.splits.back();
+        for (int i = 0; i < n->n_src(); i++) {
+            Tensor* s = n->src[i];
+            if (!s) continue;
+            Tensor* r = s->storage_root();
+            bool needs_copy;
+            if (r->role == TensorRole::INPUT)
+                needs_copy = !backends[dev]->host_accessible();
+            else
+                needs_copy = r->device != dev;
+            if (!needs_copy) continue;
+            if (r->role == TensorRole::WEIGHT || r->role == TensorRole::KV)
+                throw InvalidInput("scheduler: node " + n->name + " on " + backends[dev]->name() + " needs " + r->name +
+                                   " which lives on another device");
+            Tensor*& c = copies[{s, dev}];
+            if (!c) {
+                c = copy_to_device(g, s, dev);
+                // Copies go first in the split, before any node that reads them.
+                split.nodes.insert(split.nodes.begin(), c);
+            }
+            n->src[i] = c;
+        }
+        split.nodes.push_back(n);
+    }
+}
+
+}  // namespace stowlm

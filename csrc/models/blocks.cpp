@@ -1,0 +1,168 @@
+#include "models/blocks.h"
+
+#include <cmath>
+
+#include "error.h"
+#include "kv/kv_cache.h"
+
+namespace stowlm {
+
+std::string layer_tensor(int il, const char* what) { return "blk." + std::to_string(il) + "." + what; }
+
+void load_moe_layer(Model& m, int il, LayerWeights& w) {
+    const HParams& hp = m.hp();
+    auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
+    w.ffn_gate_inp = req("ffn_gate_inp.weight");
+    w.ffn_gate_exps = req("ffn_gate_exps.weight");
+    w.ffn_up_exps = req("ffn_up_exps.weight");
+    w.ffn_down_exps = req("ffn_down_exps.weight");
+    auto bad = [&](const Tensor* t, const std::string& want) {
+        throw InvalidInput(m.file().path() + ": " + t->name + " has shape [" + std::to_string(t->ne[0]) + ", " +
+                           std::to_string(t->ne[1]) + ", " + std::to_string(t->ne[2]) + "], expected " + want);
+    };
+    const std::string E = std::to_string(hp.n_embd), N = std::to_string(hp.n_expert);
+    if (w.ffn_gate_inp->ne[0] != hp.n_embd || w.ffn_gate_inp->ne[1] != hp.n_expert || w.ffn_gate_inp->ne[2] != 1)
+        bad(w.ffn_gate_inp, "[" + E + ", " + N + "] (n_embd, expert_count)");
+    const int64_t ff = w.ffn_gate_exps->ne[1];
+    const std::string F = std::to_string(ff);
+    for (const Tensor* t : {w.ffn_gate_exps, w.ffn_up_exps})
+        if (t->ne[0] != hp.n_embd || t->ne[1] != ff || t->ne[2] != hp.n_expert)
+            bad(t, "[" + E + ", " + F + ", " + N + "] (n_embd, expert ff, expert_count)");
+    if (w.ffn_down_exps->ne[0] != ff || w.ffn_down_exps->ne[1] != hp.n_embd || w.ffn_down_exps->ne[2] != hp.n_expert)
+        bad(w.ffn_down_exps, "[" + F + ", " + E + ", " + N + "] (expert ff, n_embd, expert_count)");
+    auto opt = [&](const char* n) { return m.optional(layer_tensor(il, n)); };
+    w.ffn_up_shexp = opt("ffn_up_shexp.weight");
+    if (w.ffn_up_shexp) {
+        w.ffn_gate_shexp = req("ffn_gate_shexp.weight");
+        w.ffn_down_shexp = req("ffn_down_shexp.weight");
+        w.ffn_gate_inp_shexp = opt("ffn_gate_inp_shexp.weight");
+        if (w.ffn_gate_inp_shexp && (w.ffn_gate_inp_shexp->ne[0] != hp.n_embd || w.ffn_gate_inp_shexp->ne[1] != 1))
+            bad(w.ffn_gate_inp_shexp, "[" + E + "] (n_embd)");
+    }
+}
+
+void load_standard_layer(Model& m, int il, LayerWeights& w) {
+    auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
+    auto opt = [&](const char* n) { return m.optional(layer_tensor(il, n)); };
+    w.attn_norm = req("attn_norm.weight");
+    w.wq = req("attn_q.weight");
+    w.wk = req("attn_k.weight");
+    w.wv = req("attn_v.weight");
+    w.wo = req("attn_output.weight");
+    w.bq = opt("attn_q.bias");
+    w.bk = opt("attn_k.bias");
+    w.bv = opt("attn_v.bias");
+    w.bo = opt("attn_output.bias");
+    w.q_norm = opt("attn_q_norm.weight");
+    w.k_norm = opt("attn_k_norm.weight");
+    w.post_attn_norm = opt("post_attention_norm.weight");
+    w.ffn_norm = req("ffn_norm.weight");
+    if (m.hp().n_expert > 0) {
+        load_moe_layer(m, il, w);
+    } else {
+        w.ffn_gate = req("ffn_gate.weight");
+        w.ffn_up = req("ffn_up.weight");
+        w.ffn_down = req("ffn_down.weight");
+    }
+    w.post_ffn_norm = opt("post_ffw_norm.weight");
+}
+
+static Tensor* named(Tensor* t, int il, const char* what) {
+    t->name = il >= 0 ? layer_tensor(il, what) : what;
+    return t;
+}
+
+Tensor* build_embedding(BuildContext& c) {
+    Tensor* x = named(get_rows(c.g, c.model.tok_embd(), c.in.tokens), -1, "inp_embd");
+    if (c.model.hp().embed_scale != 1.0f) x = named(scale(c.g, x, c.model.hp().embed_scale), -1, "inp_scaled");
+    return x;
+}
+
+Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
+    const HParams& hp = c.model.hp();
+    const LayerWeights& w = c.model.layers()[il];
+    Graph& g = c.g;
+    const int64_t hd = hp.head_dim_k, n = c.n_tok;
+
+    Tensor* q = named(mul_mat(g, w.wq, x), il, "q");
+    Tensor* k = named(mul_mat(g, w.wk, x), il, "k");
+    Tensor* v = named(mul_mat(g, w.wv, x), il, "v");
+    if (w.bq) q = named(add(g, q, w.bq), il, "q_bias");
+    if (w.bk) k = named(add(g, k, w.bk), il, "k_bias");
+    if (w.bv) v = named(add(g, v, w.bv), il, "v_bias");
+    q = reshape(g, q, hd, hp.n_head, n);
+    k = reshape(g, k, hd, hp.n_head_kv, n);
+    v = reshape(g, v, hd, hp.n_head_kv, n);
+    if (w.q_norm) q = named(rms_norm(g, q, w.q_norm, hp.eps), il, "q_norm");
+    if (w.k_norm) k = named(rms_norm(g, k, w.k_norm, hp.eps), il, "k_norm");
+
+    const bool swa = hp.swa_layer[il];
+    const float base = swa ? hp.rope_base_swa : hp.rope_base;
+    const float fscale = swa ? hp.rope_scale_swa : hp.rope_scale;
+    q = named(rope(g, q, c.in.pos, (int32_t)hp.n_rot, base, fscale, hp.rope_neox), il, "q_rope");
+    k = named(rope(g, k, c.in.pos, (int32_t)hp.n_rot, base, fscale, hp.rope_neox), il, "k_rope");
+
+    Tensor* k_stored = named(store_kv(g, k, c.kv.k(il), c.in.cells), il, "k_store");
+    Tensor* v_stored = named(store_kv(g, v, c.kv.v(il), c.in.cells), il, "v_store");
+    Tensor* k_cells = view_rows(g, c.kv.k(il), c.n_kv);
+    Tensor* v_cells = view_rows(g, c.kv.v(il), c.n_kv);
+    const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
+    Tensor* a = named(flash_attn(g, q, k_cells, v_cells, c.in.pos, c.in.kv_pos, k_stored, v_stored, kq_scale,
+                                 hp.attn_softcap, swa ? hp.sliding_window : 0),
+                      il, "attn");
+    Tensor* o = named(mul_mat(g, w.wo, a), il, "attn_out");
+    if (w.bo) o = named(add(g, o, w.bo), il, "attn_out_bias");
+    return o;
+}
+
+Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
+    const LayerWeights& w = c.model.layers()[il];
+    Tensor* gate = named(mul_mat(c.g, w.ffn_gate, x), il, "ffn_gate");
+    Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
+    Tensor* h = named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act");
+    return named(mul_mat(c.g, w.ffn_down, h), il, "ffn_out");
+}
+
+Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
+    const HParams& hp = c.model.hp();
+    const LayerWeights& w = c.model.layers()[il];
+    Graph& g = c.g;
+    const int64_t n = c.n_tok, k = hp.n_expert_used;
+    Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
+    // Softmax and sigmoid are monotonic: the top k of the logits are the top k of the probabilities.
+    Tensor* ids = named(top_k(g, logits, k), il, "ffn_moe_topk");
+    Tensor* weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm,
+                                        hp.expert_weights_scale),
+                            il, "ffn_moe_weights");
+    Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
+    Tensor* gate = named(mul_mat_id(g, w.ffn_gate_exps, x3, ids), il, "ffn_moe_gate");
+    Tensor* up = named(mul_mat_id(g, w.ffn_up_exps, x3, ids), il, "ffn_moe_up");
+    Tensor* h = named(swiglu(g, gate, up), il, "ffn_moe_act");
+    Tensor* down = named(mul_mat_id(g, w.ffn_down_exps, h, ids), il, "ffn_moe_down");
+    Tensor* out = named(moe_sum(g, down, weights), il, "ffn_moe_out");
+    if (!w.ffn_up_shexp) return out;
+    Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");
+    Tensor* su = named(mul_mat(g, w.ffn_up_shexp, x), il, "ffn_shexp_up");
+    Tensor* shared = named(mul_mat(g, w.ffn_down_shexp, named(swiglu(g, sg, su), il, "ffn_shexp_act")), il,
+                           "ffn_shexp");
+    if (w.ffn_gate_inp_shexp) {
+        // The sigmoid gate as a one-expert routing: top-1 of one logit is index 0, its sigmoid
+        // weight scales the shared expert's output (moe_sum over k = 1).
+        Tensor* gl = named(mul_mat(g, w.ffn_gate_inp_shexp, x), il, "ffn_shexp_gate_logit");
+        Tensor* zero = named(top_k(g, gl, 1), il, "ffn_shexp_id");
+        Tensor* gw = named(moe_weights(g, gl, zero, /*sigmoid*/ 1, false, 0.0f), il, "ffn_shexp_gate_w");
+        shared = named(moe_sum(g, reshape(g, shared, hp.n_embd, 1, n), gw), il, "ffn_shexp_out");
+    }
+    return named(add(g, out, shared), il, "ffn_moe_shexp_out");
+}
+
+Tensor* build_output(BuildContext& c, Tensor* x) {
+    const HParams& hp = c.model.hp();
+    x = named(get_rows(c.g, x, c.in.out_ids), -1, "out_rows");
+    x = named(rms_norm(c.g, x, c.model.output_norm(), hp.eps), -1, "out_norm");
+    Tensor* logits = named(mul_mat(c.g, c.model.output(), x), -1, "logits");
+    if (hp.final_softcap > 0) logits = named(softcap(c.g, logits, hp.final_softcap), -1, "logits_softcap");
+    return logits;
+}
+
+}  // namespace stowlm

@@ -1,0 +1,199 @@
+#include "models/model.h"
+
+#include <cmath>
+#include <numeric>
+
+#include "error.h"
+
+namespace stowlm {
+
+const ArchDef* find_arch(const std::string& name) {
+    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe, &kArchQwen2Moe})
+        if (name == a->name) return a;
+    return nullptr;
+}
+
+void load_common_hparams(const GGUFFile& f, HParams& hp) {
+    const std::string a = hp.arch + ".";
+    hp.n_embd = f.get_int(a + "embedding_length");
+    hp.n_layer = f.get_int(a + "block_count");
+    hp.n_head = f.get_int(a + "attention.head_count");
+    hp.n_head_kv = f.get_int(a + "attention.head_count_kv", hp.n_head);
+    hp.n_ff = f.get_int(a + "feed_forward_length", 0);
+    hp.n_ctx_train = f.get_int(a + "context_length", 4096);
+    hp.eps = (float)f.get_float(a + "attention.layer_norm_rms_epsilon", 1e-5);
+    if (hp.n_head <= 0 || hp.n_layer <= 0 || hp.n_embd <= 0 || hp.n_head_kv <= 0 || hp.n_head % hp.n_head_kv)
+        throw InvalidInput(f.path() + ": inconsistent " + a + "attention.head_count / head_count_kv / block_count");
+    hp.head_dim_k = f.get_int(a + "attention.key_length", hp.n_embd / hp.n_head);
+    hp.head_dim_v = f.get_int(a + "attention.value_length", hp.head_dim_k);
+    if (hp.head_dim_v != hp.head_dim_k)
+        throw InvalidInput(f.path() + ": " + a + "attention.value_length differs from key_length (unsupported)");
+    hp.n_rot = f.get_int(a + "rope.dimension_count", hp.head_dim_k);
+    hp.rope_base = (float)f.get_float(a + "rope.freq_base", 10000.0);
+    const std::string scaling = f.get_str(a + "rope.scaling.type", "none");
+    if (scaling == "linear") {
+        hp.rope_scale = 1.0f / (float)f.get_float(a + "rope.scaling.factor", 1.0);
+    } else if (scaling != "none" && !scaling.empty()) {
+        throw InvalidInput(f.path() + ": " + a + "rope.scaling.type '" + scaling + "' is not supported yet");
+    }
+    hp.attn_softcap = (float)f.get_float(a + "attn_logit_softcapping", 0.0);
+    hp.final_softcap = (float)f.get_float(a + "final_logit_softcapping", 0.0);
+    hp.sliding_window = (int32_t)f.get_int(a + "attention.sliding_window", 0);
+    hp.swa_layer.assign(hp.n_layer, false);
+}
+
+void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default) {
+    const std::string a = hp.arch + ".";
+    hp.n_expert = f.get_int(a + "expert_count", 0);
+    hp.n_expert_used = f.get_int(a + "expert_used_count", 0);
+    if (hp.n_expert < 0 || hp.n_expert_used < 0 || hp.n_expert_used > hp.n_expert ||
+        (hp.n_expert > 0 && hp.n_expert_used == 0))
+        throw InvalidInput(f.path() + ": " + a + "expert_used_count=" + std::to_string(hp.n_expert_used) +
+                           " must be in [1, expert_count=" + std::to_string(hp.n_expert) + "]");
+    hp.expert_weights_norm = f.get_int(a + "expert_weights_norm", norm_default ? 1 : 0) != 0;
+    hp.expert_weights_scale = (float)f.get_float(a + "expert_weights_scale", 0.0);
+    const int64_t gating = f.get_int(a + "expert_gating_func", 1);  // llama.cpp: 1 softmax, 2 sigmoid
+    if (gating != 1 && gating != 2)
+        throw InvalidInput(f.path() + ": " + a + "expert_gating_func=" + std::to_string(gating) +
+                           " is not supported (1 softmax, 2 sigmoid)");
+    hp.expert_gating = gating == 2 ? 1 : 0;
+}
+
+std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
+                                   const std::vector<int>& layer_split, bool count_weights,
+                                   const std::vector<TensorOverride>& overrides) {
+    if (devices.empty()) throw InvalidInput("Model: devices is empty");
+    std::unique_ptr<Model> m(new Model());
+    m->file_ = GGUFFile::open(path);
+    const GGUFFile& f = *m->file_;
+    m->hp_.arch = f.get_str("general.architecture");
+    m->arch_ = find_arch(m->hp_.arch);
+    if (!m->arch_)
+        throw InvalidInput("unknown architecture '" + m->hp_.arch + "' in " + path +
+                           " (stowlm knows llama, qwen2, qwen2moe, qwen3, qwen3moe, gemma3)");
+    m->arch_->load_hparams(f, m->hp_);
+    HParams& hp = m->hp_;
+
+    for (size_t d = 0; d < devices.size(); d++) m->backends_.push_back(make_backend((int)d, devices[d]));
+    for (const TensorOverride& o : overrides) {
+        if (o.device < 0 || o.device >= (int)devices.size())
+            throw InvalidInput("tensor override '" + o.pattern + "': device index " + std::to_string(o.device) +
+                               " is not in the device list");
+        try {
+            m->overrides_.emplace_back(std::regex(o.pattern), o.device);
+        } catch (const std::regex_error& e) {
+            throw InvalidInput("tensor override '" + o.pattern + "' is not a valid regular expression: " + e.what());
+        }
+    }
+
+    // Contiguous layer ranges per device.
+    std::vector<int> split = layer_split;
+    const int n_dev = (int)devices.size();
+    if (split.empty()) {
+        for (int d = 0; d < n_dev; d++) split.push_back((int)(hp.n_layer * (d + 1) / n_dev - hp.n_layer * d / n_dev));
+    }
+    if ((int)split.size() != n_dev)
+        throw InvalidInput("layer_split has " + std::to_string(split.size()) + " entries for " + std::to_string(n_dev) +
+                           " devices");
+    int total = 0;
+    for (int s : split) {
+        if (s < 0) throw InvalidInput("layer_split: negative layer count");
+        total += s;
+    }
+    if (total != hp.n_layer)
+        throw InvalidInput("layer_split sums to " + std::to_string(total) + " but the model has " +
+                           std::to_string(hp.n_layer) + " layers");
+    for (int d = 0; d < n_dev; d++)
+        for (int i = 0; i < split[d]; i++) m->layer_device_.push_back(d);
+    int first_dev = 0, last_dev = n_dev - 1;
+    while (first_dev < n_dev - 1 && split[first_dev] == 0) first_dev++;
+    while (last_dev > 0 && split[last_dev] == 0) last_dev--;
+
+    // Output head first: a tied embedding lives with the output on the last device.
+    const bool tied = f.find_tensor("output.weight") == nullptr;
+    m->loading_device_ = last_dev;
+    m->output_norm_ = m->require("output_norm.weight");
+    if (!tied) m->output_ = m->require("output.weight");
+    m->loading_device_ = tied ? last_dev : first_dev;
+    m->tok_embd_ = m->require("token_embd.weight");
+    if (tied) m->output_ = m->tok_embd_;
+    hp.n_vocab = m->tok_embd_->ne[1];
+    if (m->tok_embd_->ne[0] != hp.n_embd)
+        throw InvalidInput(path + ": token_embd.weight rows have " + std::to_string(m->tok_embd_->ne[0]) +
+                           " elements, embedding_length is " + std::to_string(hp.n_embd));
+
+    m->layers_.resize(hp.n_layer);
+    for (int il = 0; il < hp.n_layer; il++) {
+        m->loading_device_ = m->layer_device_[il];
+        m->arch_->load_layer(*m, il, m->layers_[il]);
+    }
+
+    m->weight_bytes_.assign(n_dev, 0);
+    for (auto& kv : m->weights_) m->weight_bytes_[kv.second.device] += kv.second.nbytes();
+    if (count_weights) {
+        // One reservation per device for its whole share, so that a device too small fails
+        // naming the total it was asked for. Host-accessible devices read the mapping in place;
+        // others get the bytes uploaded into their buffer.
+        for (int d = 0; d < n_dev; d++) {
+            Backend& b = *m->backends_[d];
+            if (!m->weight_bytes_[d]) continue;
+            if (b.host_accessible()) {
+                m->weight_buffers_.push_back(b.import_host(nullptr, m->weight_bytes_[d], "model weights"));
+                continue;
+            }
+            BufferPtr buf = b.alloc_buffer(m->weight_bytes_[d], "model weights");
+            size_t off = 0;
+            for (auto& kv : m->weights_) {
+                Tensor& t = kv.second;
+                if (t.device != d) continue;
+                const void* host = t.data;
+                t.data = (char*)buf->data + off;
+                b.copy_from_host(t, host, t.nbytes());
+                off += t.nbytes();
+            }
+            m->weight_buffers_.push_back(std::move(buf));
+        }
+        for (auto& kv : m->weights_) kv.second.buffer = nullptr;  // weights stay where the file put them
+    }
+    return m;
+}
+
+std::vector<Backend*> Model::backends() const {
+    std::vector<Backend*> r;
+    for (auto& b : backends_) r.push_back(b.get());
+    return r;
+}
+
+int Model::weight_device(const std::string& name) const {
+    auto it = weights_.find(name);
+    return it == weights_.end() ? -1 : it->second.device;
+}
+
+Tensor* Model::optional(const std::string& name) {
+    auto it = weights_.find(name);
+    if (it != weights_.end()) return &it->second;
+    const GGUFTensor* gt = file_->find_tensor(name);
+    if (!gt) return nullptr;
+    Tensor t;
+    t.name = name;
+    t.type = gt->type;
+    for (int i = 0; i < 4; i++) t.ne[i] = gt->ne[i];
+    set_contiguous_strides(t);
+    t.role = TensorRole::WEIGHT;
+    t.device = loading_device_;
+    for (const auto& o : overrides_)
+        if (std::regex_match(name, o.first)) {
+            t.device = o.second;
+            break;
+        }
+    t.data = const_cast<uint8_t*>(gt->data);
+    return &weights_.emplace(name, std::move(t)).first->second;
+}
+
+Tensor* Model::require(const std::string& name) {
+    Tensor* t = optional(name);
+    if (!t) throw InvalidInput(file_->path() + ": tensor '" + name + "' is missing (" + hp_.arch + " needs it)");
+    return t;
+}
+
+}  // namespace stowlm

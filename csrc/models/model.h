@@ -1,0 +1,140 @@
+// A loaded model: the GGUF mapping, hyperparameters from its metadata, the devices, and every
+// weight as a Tensor placed on a device (layers in contiguous ranges per device; the input
+// embedding with the first layers unless it is tied to the output, which goes with the last).
+// Weights stay zero copy in the mapping on CPU devices but count against that device's budget.
+#pragma once
+#include <map>
+#include <memory>
+#include <regex>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "gguf/gguf.h"
+#include "graph/graph.h"
+
+namespace stowlm {
+
+struct HParams {
+    std::string arch;
+    int64_t n_vocab = 0, n_embd = 0, n_layer = 0, n_head = 0, n_head_kv = 0, n_ff = 0;
+    int64_t head_dim_k = 0, head_dim_v = 0, n_rot = 0, n_ctx_train = 0;
+    float eps = 1e-5f;
+    float rope_base = 10000, rope_scale = 1;
+    float rope_base_swa = 10000, rope_scale_swa = 1;
+    bool rope_neox = false;
+    int32_t sliding_window = 0;
+    std::vector<bool> swa_layer;  // per layer: sliding-window attention?
+    float attn_scale = 0;         // 0: 1/sqrt(head_dim_k)
+    float attn_softcap = 0, final_softcap = 0;
+    float embed_scale = 1;        // gemma: sqrt(n_embd)
+    // Mixture of experts (0 experts: dense FFN).
+    int64_t n_expert = 0, n_expert_used = 0;
+    int32_t expert_gating = 0;        // cpu::Gating: 0 softmax, 1 sigmoid
+    bool expert_weights_norm = false; // renormalise the picked experts' weights to sum to 1
+    float expert_weights_scale = 0;   // 0: none
+};
+
+// The weights of one layer a builder may use (null where the file has none).
+struct LayerWeights {
+    Tensor *attn_norm = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
+    Tensor *bq = nullptr, *bk = nullptr, *bv = nullptr, *bo = nullptr;
+    Tensor *q_norm = nullptr, *k_norm = nullptr, *post_attn_norm = nullptr;
+    Tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr, *post_ffn_norm = nullptr;
+    // Mixture of experts: router [n_embd, n_expert] and the 3-d expert stacks [.., .., n_expert].
+    Tensor *ffn_gate_inp = nullptr, *ffn_gate_exps = nullptr, *ffn_up_exps = nullptr, *ffn_down_exps = nullptr;
+    // Optional shared expert (qwen2moe): a dense SiLU FFN every token takes, scaled by the
+    // sigmoid of its gate [n_embd] when there is one.
+    Tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
+           *ffn_down_shexp = nullptr;
+};
+
+class Model;
+class KVCache;
+
+// What a model builder works with to emit the graph of one micro-batch.
+struct BuildInputs {
+    Tensor* tokens = nullptr;   // I32 [n_tok]
+    Tensor* pos = nullptr;      // I32 [n_tok]
+    Tensor* cells = nullptr;    // I32 [n_tok]: KV cells the tokens are written to
+    Tensor* kv_pos = nullptr;   // I32 [n_kv]: position per visible cell (-1 empty)
+    Tensor* out_ids = nullptr;  // I32 [n_out]: rows whose logits are wanted
+};
+
+struct BuildContext {
+    Graph& g;
+    const Model& model;
+    KVCache& kv;
+    BuildInputs in;
+    int64_t n_tok = 0, n_kv = 0, n_out = 0;
+};
+
+// One architecture family: reads its hyperparameters, names its tensors, builds its graph.
+struct ArchDef {
+    const char* name;
+    void (*load_hparams)(const GGUFFile& f, HParams& hp);
+    void (*load_layer)(Model& m, int il, LayerWeights& w);
+    Tensor* (*build)(BuildContext& c);  // returns the logits [n_vocab, n_out]
+};
+const ArchDef* find_arch(const std::string& name);  // nullptr if unknown
+// Defined by the architecture files (listed explicitly: a static library drops unreferenced
+// objects, so self-registration would be lost).
+extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3Moe, kArchQwen2Moe;
+
+// A tensor override: weights whose name matches `pattern` (ECMAScript regex, whole name) live
+// on `device` instead of their layer's device; the first matching override wins. The scheduler
+// then runs the nodes that read them there and copies activations across.
+struct TensorOverride {
+    std::string pattern;
+    int device = 0;
+};
+
+class Model {
+public:
+    // layer_split: layers per device (contiguous ranges, sums to n_layer); empty: even split.
+    // count_weights=false: build shapes and placement only (projections), nothing reserved.
+    static std::unique_ptr<Model> load(const std::string& path, const std::vector<DeviceSpec>& devices,
+                                       const std::vector<int>& layer_split, bool count_weights = true,
+                                       const std::vector<TensorOverride>& overrides = {});
+
+    const GGUFFile& file() const { return *file_; }
+    const HParams& hp() const { return hp_; }
+    const ArchDef& arch() const { return *arch_; }
+    const std::vector<LayerWeights>& layers() const { return layers_; }
+    Tensor* tok_embd() const { return tok_embd_; }
+    Tensor* output_norm() const { return output_norm_; }
+    Tensor* output() const { return output_; }  // == tok_embd() when tied
+
+    std::vector<Backend*> backends() const;
+    int layer_device(int il) const { return layer_device_[il]; }
+    const std::vector<int>& layer_devices() const { return layer_device_; }
+    const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
+    int weight_device(const std::string& name) const;  // -1 when the model does not use it
+
+    // Used by the arch files while loading.
+    Tensor* require(const std::string& name);  // InvalidInput naming the tensor and file if absent
+    Tensor* optional(const std::string& name);
+
+private:
+    Model() = default;
+    std::unique_ptr<GGUFFile> file_;
+    HParams hp_;
+    const ArchDef* arch_ = nullptr;
+    std::vector<std::unique_ptr<Backend>> backends_;
+    std::map<std::string, Tensor> weights_;
+    std::vector<LayerWeights> layers_;
+    Tensor *tok_embd_ = nullptr, *output_norm_ = nullptr, *output_ = nullptr;
+    std::vector<int> layer_device_;
+    std::vector<size_t> weight_bytes_;
+    std::vector<BufferPtr> weight_buffers_;
+    int loading_device_ = 0;  // device for tensors named while loading a layer
+    std::vector<std::pair<std::regex, int>> overrides_;
+};
+
+// Hyperparameter helpers for the arch files.
+void load_common_hparams(const GGUFFile& f, HParams& hp);
+// The {arch}.expert_* keys; `norm_default` is the architecture's convention when the file does
+// not say whether the picked experts' weights are renormalised.
+void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default);
+
+}  // namespace stowlm

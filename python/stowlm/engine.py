@@ -1,0 +1,185 @@
+"""Low-level inference: a loaded model on one or several devices, and contexts that evaluate
+token ids into next-token logits. The graph, scheduling, memory planning and kernels all live
+in the native core (stowlm._core.engine); this module only shapes arguments and results."""
+from __future__ import annotations
+
+import os
+import re
+from typing import List, Optional, Sequence
+
+import numpy as np
+
+from . import _core
+from .devices import DeviceSpec, parse_devices
+
+_native = _core.engine
+
+
+def _overrides(overrides, devices: List[DeviceSpec]):
+    """{regex: device} (or [(regex, device)]) -> [(regex, device index)]; a device is named as in
+    the device list ("cpu:1") or given by its index."""
+    if not overrides:
+        return []
+    items = overrides.items() if hasattr(overrides, "items") else overrides
+    names = [d.name for d in devices]
+    out = []
+    for pattern, dev in items:
+        if isinstance(dev, int):
+            index = dev
+        elif str(dev) in names:
+            index = names.index(str(dev))
+        else:
+            raise ValueError(f"tensor override {pattern!r}: device {dev!r} is not one of {names}")
+        out.append((str(pattern), int(index)))
+    return out
+
+
+def _tensor_overrides(specs, devices: List[DeviceSpec]):
+    """["REGEX=DEVICE", ...] -> [(pattern, device index)]. REGEX is searched for anywhere in a
+    tensor's name (as llama.cpp's --override-tensor does); the first matching entry wins."""
+    if not specs:
+        return []
+    if isinstance(specs, str):
+        specs = [specs]
+    names = [d.name for d in devices]
+    out = []
+    for spec in specs:
+        pattern, sep, dev = str(spec).rpartition("=")
+        if not sep or not pattern:
+            raise ValueError(f"tensor override {spec!r} is not of the form REGEX=DEVICE")
+        dev = dev.strip()
+        if dev not in names:
+            raise ValueError(f"tensor override {spec!r}: device {dev!r} is not one of {names}")
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"tensor override {spec!r}: invalid regular expression: {e}") from None
+        # The native side matches whole names; wrapping makes that a search.
+        out.append((f"[\\s\\S]*(?:{pattern})[\\s\\S]*", names.index(dev)))
+    return out
+
+
+def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
+    if layer_split is None:
+        return []
+    split = [int(n) for n in layer_split]
+    if any(n < 0 for n in split):
+        raise ValueError(f"layer_split {split}: layer counts must be >= 0")
+    return split
+
+
+class Model:
+    """A GGUF model mapped (zero copy) and placed on devices.
+
+    layer_split gives the number of layers per device (contiguous ranges); by default the layers
+    are spread evenly. overrides ({regex: device}, first match wins) put the weights whose names
+    match on another device (e.g. {r"blk\\..*\\.ffn_.*": "cpu:1"}); the nodes that read them run
+    there. tensor_overrides (["REGEX=DEVICE", ...], e.g. [r"blk\\.[0-9]+\\.ffn_.*_exps=cpu:1"] for the
+    experts of a mixture-of-experts model) do the same with llama.cpp's syntax: the regex is
+    searched for in the name; they are tried before `overrides`. Each device's share of the weights counts against its budget; a device too small
+    raises MemoryError naming it, and nothing stays allocated."""
+
+    def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
+                 tensor_overrides: Optional[Sequence[str]] = None):
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise ValueError(f"model file {path!r} does not exist")
+        self.path = path
+        self.devices: List[DeviceSpec] = parse_devices(devices)
+        self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
+                                _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices))
+
+    arch = property(lambda self: self._m.arch)
+    n_layer = property(lambda self: self._m.n_layer)
+    n_vocab = property(lambda self: self._m.n_vocab)
+    n_embd = property(lambda self: self._m.n_embd)
+    n_ctx_train = property(lambda self: self._m.n_ctx_train)
+    layer_devices = property(lambda self: list(self._m.layer_devices))
+
+    def tensor_device(self, name: str) -> int:
+        """Index of the device holding weight `name` (-1 if the model does not use it)."""
+        return self._m.tensor_device(name)
+
+    def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16",
+             n_outputs: Optional[int] = None) -> List[dict]:
+        """Bytes per device (weights, kv, compute, total, budget) a Context with these
+        parameters would take; allocates nothing."""
+        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs))
+
+    def __repr__(self) -> str:
+        return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
+
+
+def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
+         kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None,
+         tensor_overrides: Optional[Sequence[str]] = None) -> List[dict]:
+    """Like Model.plan but without loading (nothing is counted against any budget)."""
+    specs = parse_devices(devices)
+    return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
+                           _tensor_overrides(tensor_overrides, specs) + _overrides(overrides, specs), int(n_ctx),
+                           int(n_ubatch), kv_type,
+                           _n_outputs(n_outputs))
+
+
+def _n_outputs(n_outputs: Optional[int]) -> int:
+    if n_outputs is None:
+        return 0
+    if int(n_outputs) <= 0:
+        raise ValueError(f"n_outputs must be positive, got {n_outputs}")
+    return int(n_outputs)
+
+
+class Context:
+    """KV cache + compute buffers for one sequence over a Model.
+
+    n_ubatch: tokens per micro-batch of prompt processing. n_outputs: most rows of logits one
+    micro-batch returns (default n_ubatch); the logits buffer (n_vocab floats per row) dominates
+    the compute buffer of large-vocabulary models, so a small n_outputs saves memory and only
+    makes logits="all" requests go in smaller steps."""
+
+    def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: int = 512, kv_type: str = "f16",
+                 n_outputs: Optional[int] = None):
+        if n_ctx is None:
+            n_ctx = min(4096, model.n_ctx_train)
+        if int(n_ctx) <= 0:
+            raise ValueError(f"n_ctx must be positive, got {n_ctx}")
+        if int(n_ubatch) <= 0:
+            raise ValueError(f"n_ubatch must be positive, got {n_ubatch}")
+        self.model = model
+        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs))
+
+    def eval(self, tokens, positions=None, logits: str = "last") -> np.ndarray:
+        """Appends tokens to the sequence and returns float32 logits: [n_vocab] for
+        logits="last", [len(tokens), n_vocab] for logits="all"."""
+        if logits not in ("last", "all"):
+            raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
+        toks = np.asarray(tokens).reshape(-1)
+        if toks.size == 0:
+            raise ValueError("eval: no tokens")
+        if not np.issubdtype(toks.dtype, np.integer):
+            raise ValueError(f"eval: tokens must be integers, got {toks.dtype}")
+        if self.n_past + toks.size > self.n_ctx:
+            raise ValueError(f"eval: {toks.size} tokens (+{self.n_past} already cached) exceed the context "
+                             f"n_ctx={self.n_ctx}")
+        pos: List[int] = []
+        if positions is not None:
+            pos = [int(p) for p in np.asarray(positions).reshape(-1)]
+            if len(pos) != toks.size:
+                raise ValueError(f"eval: {len(pos)} positions for {toks.size} tokens")
+        out = self._c.eval(toks.astype(np.int64).tolist(), pos, logits == "all")
+        return out if logits == "all" else out[0]
+
+    def kv_truncate(self, n: int) -> None:
+        """Keeps the first n tokens of the sequence in the KV cache."""
+        self._c.kv_truncate(int(n))
+
+    def clear(self) -> None:
+        self._c.clear()
+
+    n_past = property(lambda self: self._c.n_past)
+    n_ctx = property(lambda self: self._c.n_ctx)
+
+    def memory_report(self) -> List[dict]:
+        """Per device: weights, kv, compute (incl. copies), total, budget, and the bytes the
+        device has actually handed out (allocated)."""
+        return self._c.memory_report(self.model._m)
