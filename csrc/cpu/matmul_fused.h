@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
@@ -426,11 +427,15 @@ inline __m128i k4_scales_vec(const uint8_t* s) {
 // order. Per row and token one multiply makes P = [d sc_g d_act_g | dmin min_g bsum_g d_act_g]
 // (g = 0..7 in lanes 0-7 | 8-15); each ZMM's scale pattern is one permute of P, and the mins
 // leave with one masked subtract (lanes are summed at the end).
-template <int RT, int TT>
-void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
+// Q5_K (Q5 = true) is the same with the fifth bit of each value from qh: bit 2c (2c+1) of
+// qh[l] belongs to element l of group 2c (2c+1); doubled qh bytes shifted per half bring the
+// bits of a ZMM's two groups to bit 4.
+template <bool Q5, int RT, int TT>
+void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using BK = std::conditional_t<Q5, block_q5_K, block_q4_K>;
     const int64_t nsb = A.cols / QK_K;
-    const block_q4_K* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
+    const BK* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = (const BK*)(A.w + (r0 + i) * A.w_stride);
     const size_t pf = RT * A.w_stride;
     const block_q8_K32* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
@@ -456,15 +461,27 @@ void fused_q4_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             V[j] = _mm512_insertf32x8(_mm512_castps256_ps512(da), bs, 1);
         }
         for (int i = 0; i < RT; i++) {
-            const block_q4_K& x = w[i][b];
-            prefetch_next<(int)sizeof(block_q4_K)>(&x, pf);
+            const BK& x = w[i][b];
+            prefetch_next<(int)sizeof(BK)>(&x, pf);
             uint32_t ddm;
             memcpy(&ddm, &x, 4);  // d, dmin
             const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)ddm))));
             const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(k4_scales_vec(x.scales))), dd);
             const __m512i z0 = _mm512_loadu_si512(x.qs), z1 = _mm512_loadu_si512(x.qs + 64);
-            const __m512i qz[4] = {_mm512_and_si512(z0, m4), _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4),
-                                   _mm512_and_si512(z1, m4), _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4)};
+            __m512i qz[4] = {_mm512_and_si512(z0, m4), _mm512_and_si512(_mm512_srli_epi16(z0, 4), m4),
+                             _mm512_and_si512(z1, m4), _mm512_and_si512(_mm512_srli_epi16(z1, 4), m4)};
+            if constexpr (Q5) {
+                // ZMM k holds groups (0,2) (1,3) (4,6) (5,7): qh bits (0|2) (1|3) (4|6) (5|7) to bit 4
+                const __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)x.qh));
+                const __m512i m10 = _mm512_set1_epi8(0x10);
+                auto lr = [](int lo, int hi) {  // per-half shift counts (words)
+                    return _mm512_inserti64x4(_mm512_set1_epi16((short)lo), _mm256_set1_epi16((short)hi), 1);
+                };
+                qz[0] = _mm512_or_si512(qz[0], _mm512_and_si512(_mm512_sllv_epi16(h, lr(4, 2)), m10));
+                qz[1] = _mm512_or_si512(qz[1], _mm512_and_si512(_mm512_sllv_epi16(h, lr(3, 1)), m10));
+                qz[2] = _mm512_or_si512(qz[2], _mm512_and_si512(_mm512_srlv_epi16(h, lr(0, 2)), m10));
+                qz[3] = _mm512_or_si512(qz[3], _mm512_and_si512(_mm512_srlv_epi16(h, lr(1, 3)), m10));
+            }
             for (int j = 0; j < TT; j++) {
                 const __m512 P = _mm512_mul_ps(scf, V[j]);
                 for (int k = 0; k < 4; k++) {
@@ -623,7 +640,8 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
         case QType::IQ4_NL: STOWLM_Q32(ZIQ4_NL, LIQ4_NL);
 #undef STOWLM_Q32
 #if STOWLM_FUSED_VNNI
-        case QType::Q4_K: return fused_q4_K_vnni<RT, TT>(A, r0, t0);
+        case QType::Q4_K: return fused_q45_K_vnni<false, RT, TT>(A, r0, t0);
+        case QType::Q5_K: return fused_q45_K_vnni<true, RT, TT>(A, r0, t0);
 #else
         case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
 #endif
@@ -640,6 +658,7 @@ inline bool has_fused(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
         case QType::IQ4_NL: case QType::Q4_K: case QType::Q6_K: return true;
+        case QType::Q5_K: return STOWLM_FUSED_VNNI;  // AVX2 keeps the panel path for it
         default: return false;
     }
 }
