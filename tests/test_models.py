@@ -84,8 +84,10 @@ def test_logits_match_llama_cpp(loaded, prompt_figures):
           f"noise band {band:.3f}; llama.cpp's gaps where we differ: {misses}; mean KL {mean_kl:.5f}, "
           f"max KL {max(f['kl']):.5f}")
     assert n >= 60
-    assert in_band >= 0.98, f"{name}: top-1 agreement {in_band:.3f} within band {band:.3f} ({strict:.3f} strict)"
-    assert strict >= 0.9, f"{name}: strict top-1 agreement {strict:.3f} over {n} positions, gaps {misses}"
+    # The near-tie: llama.cpp's own logits for its best and our best within TIE.
+    assert near_tie >= 0.98, (f"{name}: top-1 agreement {near_tie:.3f} counting llama.cpp near-ties "
+                              f"(<{TIE}), {strict:.3f} strict; llama.cpp's gaps where we differ: {misses}")
+    assert strict >= 0.95, f"{name}: strict top-1 agreement {strict:.3f} over {n} positions, gaps {misses}"
     assert mean_kl < 0.01, f"{name}: mean KL {mean_kl:.5f}"
 
 
