@@ -16,7 +16,7 @@ import pytest
 import stowlm
 from conftest import REPO, get_model, subprocess_env
 
-THREADS = "2"
+THREADS = "1"  # one worker: fast and steady on a loaded machine
 
 
 def bench_exe() -> str:
@@ -208,3 +208,25 @@ def test_stowlm_bench_subcommand():
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "stowlm-bench: error: model file '/nonexistent.gguf' does not exist" in r.stderr
+
+
+def test_compare_script(small, tmp_path):
+    """bench/compare.py with stowlm-bench standing in as the peer (same flags, same JSON): one
+    row per test, and the ratio column is the quotient of the two t/s columns."""
+    raw = tmp_path / "raw.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "compare.py"), "--stowlm", bench_exe(),
+                        "--peer", f"twin={bench_exe()}", "--peer-args", "", "-m", small, "-p", "8", "-n", "2",
+                        "-t", THREADS, "-r", "1", "--json", str(raw)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["model", "test", "stowlm t/s", "twin t/s",
+                                                                     "stowlm/twin"]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert [(row[0], row[1]) for row in rows] == [("smollm2-135m", "pp8"), ("smollm2-135m", "tg2")]
+    for row in rows:
+        ours, theirs = float(row[2].split(" ± ")[0]), float(row[3].split(" ± ")[0])
+        assert float(row[4]) == pytest.approx(ours / theirs, abs=0.006)
+    calls = json.loads(raw.read_text())
+    assert [c["tool"] for c in calls] == ["stowlm", "twin", "stowlm", "twin"]  # alternating
+    assert all(c["n_threads"] == int(THREADS) for c in calls)
