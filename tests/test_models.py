@@ -142,6 +142,20 @@ def test_device_splits_give_same_logits(model_path, name, splits):
         assert all(r["allocated"] == r["total"] <= r["budget"] for r in report)
 
 
+def assert_same_distributions(got, want, what):
+    """Next-token distributions agree. The matmul picks its kernel by batch size (AMX from a
+    couple dozen tokens, VNNI below), and a rounding difference of 1e-6 can flip an 8-bit
+    activation code and so change the logits at the level of quantization noise; a wrong KV
+    cell, position or mask gives KL orders of magnitude above this bound. (The exact, float
+    version of these checks is in test_model_reference.py.)"""
+    assert got.shape == want.shape
+    lg, lw = log_softmax(got), log_softmax(want)
+    kl = np.sum(np.exp(lw) * (lw - lg), axis=-1)
+    top1 = np.mean(np.argmax(got, -1) == np.argmax(want, -1))
+    print(f"\n{what}: mean KL {kl.mean():.2e}, max {kl.max():.2e}, top-1 {100 * top1:.0f}%")
+    assert kl.mean() < 5e-3 and kl.max() < 5e-2 and top1 >= 0.9, f"{what}: KL {kl.mean():.2e}/{kl.max():.2e}"
+
+
 def test_micro_batches_and_truncate(model_path):
     path = model_path("smollm2-135m")
     recs = [r for r in load_fixture("smollm2-135m") if r["kind"] == "logits"]
@@ -151,11 +165,11 @@ def test_micro_batches_and_truncate(model_path):
     ref = one.eval(ids, logits="all")
     small = stowlm.Context(model, n_ctx=128, n_ubatch=8)  # several micro-batches
     got = small.eval(ids, logits="all")
-    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=2e-3)
+    assert_same_distributions(got, ref, f"{len(ids)} tokens in micro-batches of 8 vs one batch")
     assert small.n_past == len(ids)
-    # Last-only logits are the last row of the full result.
+    # Last-only logits are the last row of the full result (same micro-batches: same numbers).
     small.clear()
-    np.testing.assert_allclose(small.eval(ids, logits="last"), ref[-1], rtol=1e-3, atol=2e-3)
+    np.testing.assert_allclose(small.eval(ids, logits="last"), got[-1], rtol=1e-5, atol=1e-5)
 
     # Truncate and continue differently == fresh eval of the new sequence.
     keep = 10
@@ -163,8 +177,10 @@ def test_micro_batches_and_truncate(model_path):
     small.kv_truncate(keep)
     assert small.n_past == keep
     cont = small.eval(other, logits="all")
-    fresh = stowlm.Context(model, n_ctx=128, n_ubatch=64).eval(ids[:keep] + other, logits="all")
-    np.testing.assert_allclose(cont, fresh[keep:], rtol=1e-3, atol=2e-3)
+    fresh = stowlm.Context(model, n_ctx=128, n_ubatch=8).eval(ids[:keep] + other, logits="all")
+    np.testing.assert_allclose(cont, fresh[keep:], rtol=1e-4, atol=1e-3)  # same micro-batch shapes: exact
+    fresh_one = stowlm.Context(model, n_ctx=128, n_ubatch=64).eval(ids[:keep] + other, logits="all")
+    assert_same_distributions(cont, fresh_one[keep:], "truncate + continue vs a fresh single batch")
 
 
 def test_errors_name_the_problem(model_path, tmp_path):

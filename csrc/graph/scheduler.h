@@ -1,6 +1,7 @@
 // The scheduler assigns every node to a device and cuts the graph into per-device splits.
 // Weights and KV caches decide where a node runs (their bytes do not move); other ops follow
-// their inputs; an op a backend cannot run falls back to the first host-accessible device.
+// their most recently produced input (so a residual add stays with its layer); an op a backend
+// cannot run falls back to the first host-accessible device.
 // A tensor used on a device other than its own gets a COPY node at the start of the split
 // that needs it (one copy per tensor and device). Graph inputs live in host memory and are
 // read in place by host-accessible devices.

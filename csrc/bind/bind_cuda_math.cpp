@@ -1,0 +1,167 @@
+// stowlm._core.cuda_math: the HOST_DEVICE arithmetic the CUDA kernels run (quant/dot_q8_1.h,
+// cpu/attn_math.h, attn_visibility.h, moe_router.h), compiled for the host so the CPU tests
+// check the same functions without a GPU.
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/vector.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "attn_visibility.h"
+#include "bind.h"
+#include "cpu/attn_math.h"
+#include "error.h"
+#include "moe_router.h"
+#include "quant/dot_q8_1.h"
+#include "quant/types.h"
+
+namespace nb = nanobind;
+using stowlm::InvalidInput;
+using stowlm::QType;
+
+namespace {
+
+template <typename T, size_t D>
+using Out = nb::ndarray<nb::numpy, T, nb::ndim<D>>;
+
+template <typename T, size_t D>
+Out<T, D> make_out(std::vector<T>&& v, std::initializer_list<size_t> shape) {
+    auto* p = new std::vector<T>(std::move(v));
+    nb::capsule owner(p, [](void* q) noexcept { delete (std::vector<T>*)q; });
+    return Out<T, D>(p->data(), shape, owner);
+}
+
+using F2 = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using F1 = nb::ndarray<const float, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using U8 = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
+
+std::vector<stowlm::block_q8_1> quantize_rows(const F2& x) {
+    const size_t n = x.shape(0), k = x.shape(1);
+    if (k == 0 || k % 32) throw InvalidInput("quantize_q8_1: x has " + std::to_string(k) + " columns, not a positive multiple of 32");
+    std::vector<stowlm::block_q8_1> q(n * (k / 32));
+    for (size_t i = 0; i < n * (k / 32); i++) stowlm::quantize_block_q8_1(x.data() + i * 32, &q[i]);
+    return q;
+}
+
+// (qs int8 (n, k), d (n, k/32), s (n, k/32, 2))
+nb::tuple quantize_q8_1(F2 x) {
+    const size_t n = x.shape(0), k = x.shape(1), nb_ = k / 32;
+    const auto q = quantize_rows(x);
+    std::vector<int8_t> qs(n * k);
+    std::vector<float> d(n * nb_), s(n * nb_ * 2);
+    for (size_t i = 0; i < q.size(); i++) {
+        memcpy(&qs[i * 32], q[i].qs, 32);
+        d[i] = q[i].d;
+        s[2 * i] = q[i].s0, s[2 * i + 1] = q[i].s1;
+    }
+    return nb::make_tuple(make_out<int8_t, 2>(std::move(qs), {n, k}), make_out<float, 2>(std::move(d), {n, nb_}),
+                          make_out<float, 3>(std::move(s), {n, nb_, 2}));
+}
+
+const stowlm::QTypeInfo& weight_type(uint32_t qtype, int64_t cols, const char* fn) {
+    const stowlm::QTypeInfo& info = stowlm::qtype_checked(qtype);
+    stowlm::WSub w;
+    uint8_t probe[512] = {};
+    if (!stowlm::load_wsub((QType)qtype, probe, 0, w))
+        throw InvalidInput(std::string(fn) + ": " + info.name + " is not a quantized weight type");
+    if (cols <= 0 || cols % info.block_elems)
+        throw InvalidInput(std::string(fn) + ": cols=" + std::to_string(cols) + " is not a positive multiple of the " +
+                           info.name + " block size " + std::to_string(info.block_elems));
+    return info;
+}
+
+// Every 32-element sub-block of one row: (q int8 (cols,), d (cols/32, 2), m (cols/32, 2)).
+nb::tuple unpack_row(U8 row, uint32_t qtype, int64_t cols) {
+    weight_type(qtype, cols, "unpack_row");
+    const size_t rb = stowlm::row_bytes((QType)qtype, cols);
+    if (row.size() != rb) throw InvalidInput("unpack_row: row has " + std::to_string(row.size()) + " bytes, expected " + std::to_string(rb));
+    const size_t ns = (size_t)cols / 32;
+    std::vector<int8_t> q(cols);
+    std::vector<float> d(ns * 2), m(ns * 2);
+    for (size_t s = 0; s < ns; s++) {
+        stowlm::WSub w;
+        stowlm::load_wsub((QType)qtype, row.data(), (int)s, w);
+        memcpy(&q[s * 32], w.q, 32);
+        d[2 * s] = w.d[0], d[2 * s + 1] = w.d[1], m[2 * s] = w.m[0], m[2 * s + 1] = w.m[1];
+    }
+    return nb::make_tuple(make_out<int8_t, 1>(std::move(q), {(size_t)cols}), make_out<float, 2>(std::move(d), {ns, 2}),
+                          make_out<float, 2>(std::move(m), {ns, 2}));
+}
+
+// y[t, r] = sum over sub-blocks of dot_wsub_q8_1(W[r] sub s, quantize_q8_1(x[t]) block s).
+Out<float, 2> matmul_q8_1(U8 w, uint32_t qtype, int64_t rows, int64_t cols, F2 x) {
+    weight_type(qtype, cols, "matmul_q8_1");
+    const size_t rb = stowlm::row_bytes((QType)qtype, cols);
+    if (rows < 0 || w.size() != rb * (size_t)rows)
+        throw InvalidInput("matmul_q8_1: w has " + std::to_string(w.size()) + " bytes, expected rows*row_bytes");
+    if ((int64_t)x.shape(1) != cols) throw InvalidInput("matmul_q8_1: x columns != cols");
+    const auto xq = quantize_rows(x);
+    const size_t n = x.shape(0), ns = (size_t)cols / 32;
+    std::vector<float> y(n * (size_t)rows);
+    for (int64_t r = 0; r < rows; r++)
+        for (size_t s = 0; s < ns; s++) {
+            stowlm::WSub ws;
+            stowlm::load_wsub((QType)qtype, w.data() + r * rb, (int)s, ws);
+            for (size_t t = 0; t < n; t++) y[t * rows + r] += stowlm::dot_wsub_q8_1(ws, xq[t * ns + s]);
+        }
+    return make_out<float, 2>(std::move(y), {n, (size_t)rows});
+}
+
+// Attention of one query over scores s[j] and values v[j, :], the way the kernels do it:
+// online updates within each chunk of `chunk` cells, then the chunks' (m, l, acc) merged in
+// order. Returns (out, m, l).
+nb::tuple online_softmax_attend(F1 scores, F2 values, int64_t chunk) {
+    const size_t n = scores.shape(0), dim = values.shape(1);
+    if (values.shape(0) != n) throw InvalidInput("online_softmax_attend: values rows != scores length");
+    if (chunk <= 0) throw InvalidInput("online_softmax_attend: chunk must be > 0");
+    float M = -INFINITY, L = 0;
+    std::vector<float> acc(dim, 0.0f), part(dim);
+    for (size_t c0 = 0; c0 < n; c0 += (size_t)chunk) {
+        float m = -INFINITY, l = 0;
+        std::fill(part.begin(), part.end(), 0.0f);
+        for (size_t j = c0; j < std::min(n, c0 + (size_t)chunk); j++) {
+            const float s = scores.data()[j];
+            if (s == -INFINITY) continue;  // masked cell: the kernels skip it
+            float f;
+            const float p = stowlm::online_softmax_update(m, l, s, &f);
+            for (size_t i = 0; i < dim; i++) part[i] = part[i] * f + p * values.data()[j * dim + i];
+        }
+        float fa, fb;
+        stowlm::online_softmax_merge(M, L, m, l, &fa, &fb);
+        for (size_t i = 0; i < dim; i++) acc[i] = acc[i] * fa + part[i] * fb;
+    }
+    for (size_t i = 0; i < dim; i++) acc[i] = L > 0 ? acc[i] / L : 0.0f;
+    return nb::make_tuple(make_out<float, 1>(std::move(acc), {dim}), M, L);
+}
+
+nb::tuple router_topk(F1 logits, int k, bool softmax_all, bool normalize) {
+    const int n = (int)logits.shape(0);
+    if (n <= 0 || n > 256) throw InvalidInput("router_topk: expert count " + std::to_string(n) + " outside 1..256");
+    if (k <= 0 || k > n) throw InvalidInput("router_topk: k=" + std::to_string(k) + " outside 1..n_expert");
+    stowlm::RouterParams p;
+    p.k = k, p.softmax_all = softmax_all, p.normalize = normalize;
+    std::vector<int> ids(k);
+    std::vector<float> w(k);
+    stowlm::router_topk(logits.data(), n, p, ids.data(), w.data());
+    return nb::make_tuple(make_out<int, 1>(std::move(ids), {(size_t)k}), make_out<float, 1>(std::move(w), {(size_t)k}));
+}
+
+}  // namespace
+
+STOWLM_BIND(cuda_math) {
+    nb::module_ cm = stowlm::bind::submodule(m, "cuda_math");
+    cm.def("quantize_q8_1", &quantize_q8_1, nb::arg("x"));
+    cm.def("unpack_row", &unpack_row, nb::arg("row"), nb::arg("qtype"), nb::arg("cols"));
+    cm.def("matmul_q8_1", &matmul_q8_1, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"));
+    cm.def("dp4a", [](int a, int b, int c) { return stowlm::dp4a(a, b, c); });
+    cm.def("online_softmax_attend", &online_softmax_attend, nb::arg("scores"), nb::arg("values"), nb::arg("chunk"));
+    cm.def("rope_theta", [](int pos, int i, int n_rot, float base, float scale) {
+        return stowlm::rope_theta(pos, i, n_rot, base, scale);
+    });
+    cm.def("kv_visible", [](int32_t q, int32_t kv, bool causal, int32_t window) {
+        return stowlm::kv_visible(q, kv, causal, window);
+    });
+    cm.def("router_topk", &router_topk, nb::arg("logits"), nb::arg("k"), nb::arg("softmax_all") = true,
+           nb::arg("normalize") = false);
+}

@@ -1,0 +1,353 @@
+// stowlm._core.cuda_ops: the CUDA launchers on numpy arrays (upload, run, download), with the
+// same signatures as stowlm._core.ops where an op exists on both, so tests run one op body
+// per device. Only built with CUDA; every call raises RuntimeError when no device is present.
+#ifdef STOWLM_HAVE_CUDA
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bind.h"
+#include "cuda_backend.h"
+#include "error.h"
+#include "quant/dot_q8_1.h"
+#include "quant/types.h"
+
+namespace nb = nanobind;
+namespace cu = stowlm::cuda;
+using stowlm::InvalidInput;
+using stowlm::QType;
+
+namespace {
+
+template <typename T>
+using In = nb::ndarray<const T, nb::c_contig, nb::device::cpu>;
+template <typename T>
+using Out = nb::ndarray<nb::numpy, T>;
+
+cu::CudaDevice& device(int index) {
+    static std::mutex mu;
+    static std::map<int, std::unique_ptr<cu::CudaDevice>> devs;
+    std::lock_guard<std::mutex> lk(mu);
+    auto& d = devs[index];
+    if (!d) d = std::make_unique<cu::CudaDevice>(index);
+    return *d;
+}
+
+// A device allocation freed on scope exit.
+struct Buf {
+    cu::CudaDevice& dev;
+    void* p = nullptr;
+    Buf(cu::CudaDevice& d, size_t bytes) : dev(d), p(d.alloc(bytes, "test")) {}
+    Buf(cu::CudaDevice& d, const void* host, size_t bytes) : Buf(d, bytes) { d.copy_to_device(p, host, bytes, d.compute_stream()); }
+    Buf(Buf&& o) noexcept : dev(o.dev), p(o.p) { o.p = nullptr; }
+    Buf(const Buf&) = delete;
+    ~Buf() { dev.free(p); }
+    template <typename T>
+    T* as() const { return (T*)p; }
+};
+
+template <typename T>
+Out<T> new_array(std::vector<size_t> shape) {
+    size_t n = 1;
+    for (size_t s : shape) n *= s;
+    T* p = new T[n ? n : 1];
+    nb::capsule owner(p, [](void* q) noexcept { delete[] (T*)q; });
+    return Out<T>(p, shape.size(), shape.data(), owner);
+}
+
+template <typename T>
+Out<T> download(cu::CudaDevice& d, const Buf& b, std::vector<size_t> shape) {
+    Out<T> o = new_array<T>(shape);
+    d.copy_to_host(o.data(), b.p, o.size() * sizeof(T), d.compute_stream());
+    return o;
+}
+
+template <typename A>
+std::vector<size_t> shape_of(const A& a) {
+    std::vector<size_t> s(a.ndim());
+    for (size_t i = 0; i < a.ndim(); i++) s[i] = a.shape(i);
+    return s;
+}
+
+// (rows, last dim) of an array viewed as rows.
+template <typename A>
+std::pair<int64_t, int64_t> rows_dim(const A& a) {
+    if (a.ndim() == 0) throw InvalidInput("expected an array with at least one dimension");
+    const int64_t dim = (int64_t)a.shape(a.ndim() - 1);
+    return {dim ? (int64_t)(a.size() / dim) : 0, dim};
+}
+
+cu::MatmulPath parse_path(const std::string& p) {
+    if (p == "auto") return cu::MatmulPath::Auto;
+    if (p == "vector") return cu::MatmulPath::Vector;
+    if (p == "tiled") return cu::MatmulPath::Tiled;
+    throw InvalidInput("path must be auto, vector or tiled, not '" + p + "'");
+}
+
+Out<float> matmul_raw(In<uint8_t> w, uint32_t qtype, int64_t rows, int64_t cols, In<float> x, const std::string& path,
+                      int dev_index) {
+    stowlm::qtype_checked(qtype);
+    const QType tt = (QType)qtype;
+    const size_t rb = stowlm::row_bytes(tt, cols);
+    if (w.size() != rb * (size_t)rows) throw InvalidInput("matmul: w has " + std::to_string(w.size()) + " bytes, expected rows*row_bytes");
+    if (x.ndim() != 2 || (int64_t)x.shape(1) != cols) throw InvalidInput("matmul: x must be (n_tok, cols)");
+    cu::CudaDevice& d = device(dev_index);
+    const int64_t n = (int64_t)x.shape(0);
+    Buf wb(d, w.data(), w.size()), xb(d, x.data(), x.size() * 4), yb(d, (size_t)(n * rows) * 4),
+        sb(d, cu::matmul_scratch_bytes(tt, cols, n));
+    cu::matmul({wb.p, tt, rows, cols}, xb.as<float>(), n, cols, yb.as<float>(), rows, sb.p, d.compute_stream(),
+               parse_path(path));
+    return download<float>(d, yb, {(size_t)n, (size_t)rows});
+}
+
+Out<uint8_t> quantize_q8_1(In<float> x, int dev_index) {
+    if (x.ndim() != 2) throw InvalidInput("quantize_q8_1: x must be 2-D");
+    cu::CudaDevice& d = device(dev_index);
+    const int64_t n = (int64_t)x.shape(0), cols = (int64_t)x.shape(1);
+    Buf xb(d, x.data(), x.size() * 4), qb(d, cu::q8_1_bytes(n, cols));
+    cu::quantize_q8_1(xb.as<float>(), n, cols, cols, qb.p, d.compute_stream());
+    return download<uint8_t>(d, qb, {(size_t)n, (size_t)(cols / 32 * sizeof(stowlm::block_q8_1))});
+}
+
+QType kv_type_of(const std::string& name) {
+    if (name == "F16") return QType::F16;
+    if (name == "Q8_0") return QType::Q8_0;
+    throw InvalidInput("kv_type must be F16 or Q8_0, not '" + name + "'");
+}
+
+using AnyArr = nb::ndarray<nb::c_contig, nb::device::cpu>;
+
+// KV cells [n_kv][n_head_kv][head_dim] on the device: float16 bits (uint16) as they are for F16,
+// or float32 encoded by the device's store_kv into kv_type.
+Buf upload_kv(cu::CudaDevice& d, const AnyArr& a, QType kv_type, int64_t n_kv, int64_t n_head_kv, int64_t hd,
+              const char* name) {
+    const size_t cell = (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd);
+    Buf cells(d, cell * (size_t)n_kv);
+    if (a.dtype() == nb::dtype<uint16_t>()) {
+        if (kv_type != QType::F16) throw InvalidInput(std::string(name) + ": float16 bits only for kv_type F16");
+        d.copy_to_device(cells.p, a.data(), a.nbytes(), d.compute_stream());
+    } else if (a.dtype() == nb::dtype<float>()) {
+        Buf x(d, a.data(), a.nbytes());
+        std::vector<int32_t> ids((size_t)n_kv);
+        for (int64_t j = 0; j < n_kv; j++) ids[j] = (int32_t)j;
+        Buf ib(d, ids.data(), ids.size() * 4);
+        cu::store_kv(x.as<float>(), n_kv, n_head_kv * hd, n_head_kv, hd, kv_type, cells.p, cell, ib.as<int32_t>(),
+                     d.compute_stream());
+        d.synchronize();  // x and ib are freed on return
+    } else {
+        throw InvalidInput(std::string(name) + " must be uint16 (float16 bits) or float32");
+    }
+    return cells;
+}
+
+Out<float> flash_attn(In<float> q, AnyArr k, AnyArr v, In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap,
+                      int window, bool causal, int n_split, const std::string& kv_type_name, int dev_index) {
+    const QType kv_type = kv_type_of(kv_type_name);
+    if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3) throw InvalidInput("flash_attn: q, k, v must be 3-D");
+    const int64_t n_tok = q.shape(0), n_head = q.shape(1), hd = q.shape(2), n_kv = k.shape(0), n_head_kv = k.shape(1);
+    for (size_t i = 0; i < 3; i++)
+        if (v.shape(i) != k.shape(i)) throw InvalidInput("flash_attn: v shape != k shape");
+    if ((int64_t)k.shape(2) != hd) throw InvalidInput("flash_attn: k head_dim != q head_dim");
+    if ((int64_t)q_pos.size() != n_tok || (int64_t)kv_pos.size() != n_kv) throw InvalidInput("flash_attn: positions length");
+    cu::CudaDevice& d = device(dev_index);
+    if (n_split <= 0) n_split = cu::flash_attn_auto_splits(n_tok, n_head, n_kv, d.sm_count());
+    Buf kb = upload_kv(d, k, kv_type, n_kv, n_head_kv, hd, "k"), vb = upload_kv(d, v, kv_type, n_kv, n_head_kv, hd, "v");
+    Buf qb(d, q.data(), q.size() * 4), qpb(d, q_pos.data(), q_pos.size() * 4), kpb(d, kv_pos.data(), kv_pos.size() * 4),
+        ob(d, (size_t)(n_tok * n_head * hd) * 4), sb(d, cu::flash_attn_scratch_bytes(n_tok, n_head, hd, n_split));
+    stowlm::cpu::AttnParams p;
+    p.scale = scale, p.softcap = softcap, p.window = window, p.causal = causal;
+    cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kb.p, vb.p, kv_type, n_kv, n_head_kv,
+                   (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd), hd, qpb.as<int32_t>(), kpb.as<int32_t>(), p,
+                   ob.as<float>(), n_head * hd, n_split, sb.p, d.compute_stream());
+    return download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd});
+}
+
+Out<float> get_rows(In<uint8_t> raw, uint32_t qtype, In<int32_t> ids, int64_t n_cols, int dev_index) {
+    const QType t = (QType)qtype;
+    stowlm::qtype_checked(qtype);
+    const size_t rb = stowlm::row_bytes(t, n_cols);
+    if (rb == 0 || raw.size() % rb) throw InvalidInput("get_rows: raw is not a whole number of rows");
+    cu::CudaDevice& d = device(dev_index);
+    const int64_t n_ids = ids.size();
+    Buf tb(d, raw.data(), raw.size()), ib(d, ids.data(), ids.size() * 4), ob(d, (size_t)(n_ids * n_cols) * 4);
+    cu::get_rows(tb.p, t, (int64_t)(raw.size() / rb), n_cols, ib.as<int32_t>(), ids.data(), n_ids, ob.as<float>(), n_cols,
+                 d.compute_stream());
+    return download<float>(d, ob, {(size_t)n_ids, (size_t)n_cols});
+}
+
+Out<float> moe(In<uint8_t> w, uint32_t qtype, int n_expert, int64_t rows, int64_t cols, In<float> x, In<int32_t> ids,
+               bool per_slot_input, int dev_index) {
+    const QType t = (QType)qtype;
+    const size_t rb = stowlm::row_bytes(t, cols);
+    if (w.size() != rb * (size_t)rows * (size_t)n_expert) throw InvalidInput("moe: w bytes != n_expert*rows*row_bytes");
+    if (ids.ndim() != 2) throw InvalidInput("moe: ids must be (n_tok, k)");
+    const int64_t n_tok = ids.shape(0);
+    const int k = (int)ids.shape(1);
+    const int64_t n_act = per_slot_input ? n_tok * k : n_tok;
+    if (x.ndim() != 2 || (int64_t)x.shape(0) != n_act || (int64_t)x.shape(1) != cols) throw InvalidInput("moe: x shape");
+    for (size_t i = 0; i < ids.size(); i++)
+        if (ids.data()[i] < 0 || ids.data()[i] >= n_expert) throw InvalidInput("moe: expert id out of range");
+    cu::CudaDevice& d = device(dev_index);
+    cu::DeviceWeight dw{nullptr, t, rows, cols};
+    Buf wb(d, w.data(), w.size()), xb(d, x.data(), x.size() * 4), ib(d, ids.data(), ids.size() * 4),
+        yb(d, (size_t)(n_tok * k * rows) * 4), sb(d, cu::moe_scratch_bytes(dw, n_expert, n_act, n_tok * k));
+    dw.data = wb.p;
+    cu::moe_matmul(dw, n_expert, xb.as<float>(), cols, per_slot_input, ib.as<int32_t>(), n_tok, k, yb.as<float>(), rows,
+                   sb.p, d.compute_stream());
+    return download<float>(d, yb, {(size_t)n_tok, (size_t)k, (size_t)rows});
+}
+
+}  // namespace
+
+STOWLM_BIND(cuda_ops) {
+    nb::module_ co = stowlm::bind::submodule(m, "cuda_ops");
+    co.def("matmul_raw", &matmul_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"),
+           nb::arg("path") = "auto", nb::arg("device") = 0);
+    co.def("quantize_q8_1", &quantize_q8_1, nb::arg("x"), nb::arg("device") = 0,
+           "block_q8_1 bytes (n, cols/32*48) as the device quantizer writes them");
+    co.def("flash_attn", &flash_attn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"),
+           nb::arg("scale"), nb::arg("softcap") = 0.0f, nb::arg("window") = 0, nb::arg("causal") = true,
+           nb::arg("n_split") = 1, nb::arg("kv_type") = "F16", nb::arg("device") = 0,
+           "k, v (n_kv, n_head_kv, head_dim): float16 bits as uint16, or float32 stored into kv_type cells on the device");
+    co.def("get_rows", &get_rows, nb::arg("raw"), nb::arg("qtype"), nb::arg("ids"), nb::arg("n_cols"), nb::arg("device") = 0);
+    co.def("moe_matmul", &moe, nb::arg("w"), nb::arg("qtype"), nb::arg("n_expert"), nb::arg("rows"), nb::arg("cols"),
+           nb::arg("x"), nb::arg("ids"), nb::arg("per_slot_input") = false, nb::arg("device") = 0);
+
+    co.def("rms_norm", [](In<float> x, In<float> w, float eps, int di) {
+        auto [n, dim] = rows_dim(x);
+        if ((int64_t)w.size() != dim) throw InvalidInput("rms_norm: weight length != last dim");
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 4), wb(d, w.data(), w.size() * 4), yb(d, x.size() * 4);
+        cu::rms_norm(xb.as<float>(), n, dim, dim, wb.as<float>(), eps, yb.as<float>(), dim, d.compute_stream());
+        return download<float>(d, yb, shape_of(x));
+    }, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("device") = 0);
+
+    co.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox, int di) {
+        if (x.ndim() != 3 || (size_t)pos.size() != x.shape(0)) throw InvalidInput("rope: x (n_tok, n_head, head_dim), pos (n_tok,)");
+        cu::CudaDevice& d = device(di);
+        const int64_t n_tok = x.shape(0), n_head = x.shape(1), hd = x.shape(2);
+        Buf xb(d, x.data(), x.size() * 4), pb(d, pos.data(), pos.size() * 4);
+        stowlm::cpu::RopeParams p;
+        p.n_rot = n_rot, p.freq_base = base, p.freq_scale = scale, p.neox = neox;
+        cu::rope(xb.as<float>(), n_tok, n_head, hd, n_head * hd, pb.as<int32_t>(), p, d.compute_stream());
+        return download<float>(d, xb, shape_of(x));
+    }, nb::arg("x"), nb::arg("pos"), nb::arg("n_rot"), nb::arg("base") = 10000.0f, nb::arg("scale") = 1.0f,
+       nb::arg("neox") = false, nb::arg("device") = 0);
+
+    co.def("softmax", [](In<float> x, float scale, int di) {
+        auto [n, dim] = rows_dim(x);
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 4), yb(d, x.size() * 4);
+        cu::softmax(xb.as<float>(), n, dim, dim, scale, yb.as<float>(), dim, d.compute_stream());
+        return download<float>(d, yb, shape_of(x));
+    }, nb::arg("x"), nb::arg("scale") = 1.0f, nb::arg("device") = 0);
+
+    // Binary ops: a 1-D b against a 2-D a is a broadcast row (as stowlm._core.ops).
+    auto binary = [](const char* name, auto fn) {
+        return [name, fn](In<float> a, In<float> b, int di) {
+            auto [n, dim] = rows_dim(a);
+            const bool bcast = b.ndim() == 1 && a.ndim() == 2;
+            if (bcast && (int64_t)b.shape(0) != dim) throw InvalidInput(std::string(name) + ": broadcast row b has the wrong length");
+            if (!bcast && shape_of(a) != shape_of(b)) throw InvalidInput(std::string(name) + ": a and b shapes differ");
+            cu::CudaDevice& d = device(di);
+            Buf ab(d, a.data(), a.size() * 4), bb(d, b.data(), b.size() * 4), ob(d, a.size() * 4);
+            fn(ab.as<float>(), dim, bb.as<float>(), bcast ? 0 : dim, n, dim, ob.as<float>(), dim, d.compute_stream());
+            return download<float>(d, ob, shape_of(a));
+        };
+    };
+    co.def("add", binary("add", cu::add), nb::arg("a"), nb::arg("b"), nb::arg("device") = 0);
+    co.def("mul", binary("mul", cu::mul), nb::arg("a"), nb::arg("b"), nb::arg("device") = 0);
+    co.def("swiglu", binary("swiglu", cu::swiglu), nb::arg("gate"), nb::arg("up"), nb::arg("device") = 0);
+    co.def("geglu", binary("geglu", cu::geglu), nb::arg("gate"), nb::arg("up"), nb::arg("device") = 0);
+
+    auto inplace = [](auto fn) {
+        return [fn](In<float> x, float c, int di) {
+            auto [n, dim] = rows_dim(x);
+            cu::CudaDevice& d = device(di);
+            Buf xb(d, x.data(), x.size() * 4);
+            fn(xb.as<float>(), n, dim, dim, c, d.compute_stream());
+            return download<float>(d, xb, shape_of(x));
+        };
+    };
+    co.def("scale", inplace(cu::scale), nb::arg("x"), nb::arg("s"), nb::arg("device") = 0);
+    co.def("softcap", inplace(cu::softcap), nb::arg("x"), nb::arg("cap"), nb::arg("device") = 0);
+
+    co.def("f32_to_f16", [](In<float> x, int di) {
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 4), yb(d, x.size() * 2);
+        cu::f32_to_f16(xb.as<float>(), yb.as<uint16_t>(), x.size(), d.compute_stream());
+        return download<uint16_t>(d, yb, shape_of(x));
+    }, nb::arg("x"), nb::arg("device") = 0);
+    co.def("f16_to_f32", [](In<uint16_t> x, int di) {
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 2), yb(d, x.size() * 4);
+        cu::f16_to_f32(xb.as<uint16_t>(), yb.as<float>(), x.size(), d.compute_stream());
+        return download<float>(d, yb, shape_of(x));
+    }, nb::arg("x"), nb::arg("device") = 0);
+
+    co.def("store_kv", [](In<float> x, const std::string& kv_type_name,
+                          nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> cache, In<int32_t> cells, int di) {
+        const QType kv_type = kv_type_of(kv_type_name);
+        if (x.ndim() != 3 || (size_t)cells.size() != x.shape(0)) throw InvalidInput("store_kv: x (n_tok, n_head_kv, head_dim)");
+        for (size_t i = 0; i < cells.size(); i++)
+            if (cells.data()[i] >= (int64_t)cache.shape(0)) throw InvalidInput("store_kv: cell out of range");
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 4), cb(d, cache.data(), cache.size()), ib(d, cells.data(), cells.size() * 4);
+        cu::store_kv(xb.as<float>(), x.shape(0), x.shape(1) * x.shape(2), x.shape(1), x.shape(2), kv_type, cb.p,
+                     cache.shape(1), ib.as<int32_t>(), d.compute_stream());
+        d.copy_to_host(cache.data(), cb.p, cache.size(), d.compute_stream());
+    }, nb::arg("x"), nb::arg("kv_type"), nb::arg("cache"), nb::arg("dst_cells"), nb::arg("device") = 0);
+
+    co.def("router_topk", [](In<float> logits, int k, bool softmax_all, bool normalize, int di) {
+        if (logits.ndim() != 2) throw InvalidInput("router_topk: logits must be (n_tok, n_expert)");
+        cu::CudaDevice& d = device(di);
+        const int64_t n = logits.shape(0);
+        stowlm::RouterParams p;
+        p.k = k, p.softmax_all = softmax_all, p.normalize = normalize;
+        Buf lb(d, logits.data(), logits.size() * 4), ib(d, (size_t)(n * k) * 4), wb(d, (size_t)(n * k) * 4);
+        cu::router_topk(lb.as<float>(), n, (int)logits.shape(1), p, ib.as<int32_t>(), wb.as<float>(), d.compute_stream());
+        return nb::make_tuple(download<int32_t>(d, ib, {(size_t)n, (size_t)k}), download<float>(d, wb, {(size_t)n, (size_t)k}));
+    }, nb::arg("logits"), nb::arg("k"), nb::arg("softmax_all") = true, nb::arg("normalize") = false, nb::arg("device") = 0);
+
+    // Allocation accounting: memory_used after allocating each size, then after freeing all.
+    co.def("alloc_accounting", [](std::vector<size_t> sizes, int di) {
+        cu::CudaDevice& d = device(di);
+        const size_t base = d.memory_used();
+        std::vector<void*> ps;
+        nb::list after;
+        for (size_t s : sizes) {
+            ps.push_back(d.alloc(s, "accounting test"));
+            after.append(d.memory_used() - base);
+        }
+        for (void* p : ps) d.free(p);
+        return nb::make_tuple(after, d.memory_used() - base);
+    }, nb::arg("sizes"), nb::arg("device") = 0);
+    co.def("alloc", [](size_t bytes, int di) {
+        cu::CudaDevice& d = device(di);
+        d.free(d.alloc(bytes, "test buffer"));
+    }, nb::arg("bytes"), nb::arg("device") = 0);
+    // host -> device (pageable, staged) -> device copy -> (peer copy to device `peer`) -> host.
+    co.def("copy_roundtrip", [](In<uint8_t> data, int di, int peer) {
+        cu::CudaDevice& d = device(di);
+        Buf a(d, data.data(), data.size()), b(d, data.size());
+        d.copy_device(b.p, a.p, data.size(), d.compute_stream());
+        Out<uint8_t> o = new_array<uint8_t>({data.size()});
+        if (peer >= 0) {
+            cu::CudaDevice& e = device(peer);
+            d.synchronize();
+            Buf c(e, data.size());
+            e.copy_from_peer(c.p, d, b.p, data.size(), e.compute_stream());
+            e.copy_to_host(o.data(), c.p, data.size(), e.compute_stream());
+        } else {
+            d.copy_to_host(o.data(), b.p, data.size(), d.compute_stream());
+        }
+        return o;
+    }, nb::arg("data"), nb::arg("device") = 0, nb::arg("peer") = -1);
+    co.def("open_device", [](int di) { return device(di).name(); }, nb::arg("device") = 0);
+}
+#endif  // STOWLM_HAVE_CUDA

@@ -1,0 +1,54 @@
+// Mixture-of-experts routing for one token, shared by host and device code: pick the k
+// experts with the largest router logits and their mixing weights.
+#pragma once
+#include <cmath>
+
+#include "common.h"
+
+namespace stowlm {
+
+struct RouterParams {
+    int k = 1;
+    // true: weights are softmax over all experts, taken at the chosen ones (Qwen-MoE, Mixtral
+    // when followed by normalize). false: softmax over the k chosen logits only.
+    bool softmax_all = true;
+    // Rescale the chosen weights to sum to 1 (norm_topk_prob).
+    bool normalize = false;
+};
+
+// Index of the largest logit not among taken[0..n_taken); ties go to the lower index and NaN
+// is never picked over a number. (A scan of the chosen ids rather than a bit set: no local
+// array, so device code keeps everything in registers.)
+HOST_DEVICE int router_argmax(const float* logits, int n, const int* taken, int n_taken) {
+    int best = -1;
+    for (int e = 0; e < n; e++) {
+        bool used = false;
+        for (int u = 0; u < n_taken; u++) used = used || taken[u] == e;
+        if (used) continue;
+        const float v = logits[e];
+        if (best < 0 || v > logits[best] || (logits[best] != logits[best] && v == v)) best = e;
+    }
+    return best;
+}
+
+// Experts 0..n-1, top k (k <= n) into ids[0..k), weights into w[0..k), best first.
+HOST_DEVICE void router_topk(const float* logits, int n, const RouterParams& p, int* ids, float* w) {
+    for (int j = 0; j < p.k; j++) ids[j] = router_argmax(logits, n, ids, j);
+    // Softmax with the largest chosen logit as the shift (it is also the overall maximum).
+    const float mx = logits[ids[0]];
+    float denom = 0.0f;
+    if (p.softmax_all) {
+        for (int e = 0; e < n; e++) denom += expf(logits[e] - mx);
+    } else {
+        for (int j = 0; j < p.k; j++) denom += expf(logits[ids[j]] - mx);
+    }
+    float total = 0.0f;
+    for (int j = 0; j < p.k; j++) {
+        w[j] = expf(logits[ids[j]] - mx) / denom;
+        total += w[j];
+    }
+    if (p.normalize && total > 0.0f)
+        for (int j = 0; j < p.k; j++) w[j] /= total;
+}
+
+}  // namespace stowlm

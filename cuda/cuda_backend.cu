@@ -1,0 +1,212 @@
+// CudaDevice (buffers, streams, events, copies) and the matmul dispatch between the vector
+// kernel (mmvq.cu) and the tiled tensor-core kernel (mmq.cu).
+#include <cstring>
+
+#include "cuda_backend.h"
+#include "cuda_common.cuh"
+
+namespace stowlm::cuda {
+
+namespace {
+constexpr size_t kStagingBytes = 4u << 20;  // per pinned staging buffer (two of them)
+
+bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
+
+int current_cc_major() {
+    int dev = 0, major = 0;
+    check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+    check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+    return major;
+}
+}  // namespace
+
+int device_count(std::string* why_none) {
+    int n = 0;
+    const cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        if (why_none) *why_none = std::string(cudaGetErrorName(e)) + ": " + cudaGetErrorString(e);
+        return 0;
+    }
+    if (n == 0 && why_none) *why_none = "the CUDA runtime reports 0 devices";
+    return n;
+}
+
+CudaDevice::CudaDevice(int index) : index_(index), name_("cuda:" + std::to_string(index)) {
+    std::string why;
+    const int n = device_count(&why);
+    if (n == 0) throw Unsupported("no CUDA device is present (asked for " + name_ + "): " + why);
+    if (index < 0 || index >= n)
+        throw Unsupported("no CUDA device " + name_ + ": this machine has " + std::to_string(n) + " (cuda:0..cuda:" +
+                          std::to_string(n - 1) + ")");
+    set_current();
+    cudaDeviceProp p;
+    check_cuda(cudaGetDeviceProperties(&p, index), "cudaGetDeviceProperties");
+    sm_count_ = p.multiProcessorCount;
+    total_ = p.totalGlobalMem;
+    cudaStream_t a, b;
+    check_cuda(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "cudaStreamCreate");
+    check_cuda(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "cudaStreamCreate");
+    compute_ = a, copy_ = b;
+}
+
+CudaDevice::~CudaDevice() {
+    cudaSetDevice(index_);
+    cudaStreamSynchronize((cudaStream_t)compute_);
+    cudaStreamSynchronize((cudaStream_t)copy_);
+    for (int i = 0; i < 2; i++) {
+        if (staging_done_[i]) cudaEventDestroy((cudaEvent_t)staging_done_[i]);
+        if (staging_[i]) cudaFreeHost(staging_[i]);
+    }
+    for (auto& kv : live_) cudaFree(kv.first);
+    cudaStreamDestroy((cudaStream_t)compute_);
+    cudaStreamDestroy((cudaStream_t)copy_);
+}
+
+void CudaDevice::set_current() const { check_cuda(cudaSetDevice(index_), "cudaSetDevice"); }
+
+size_t CudaDevice::memory_used() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return used_;
+}
+
+void* CudaDevice::alloc(size_t bytes, const std::string& purpose) {
+    if (bytes == 0) return nullptr;
+    set_current();
+    void* p = nullptr;
+    const cudaError_t e = cudaMalloc(&p, bytes);
+    if (e != cudaSuccess) {
+        cudaGetLastError();  // not sticky: clear it so later calls start clean
+        size_t free_b = 0, total_b = 0;
+        cudaMemGetInfo(&free_b, &total_b);
+        throw OutOfDeviceMemory(name_ + ": cannot allocate " + std::to_string(bytes) + " bytes for " + purpose + " (" +
+                                cudaGetErrorName(e) + "; " + std::to_string(free_b) + " bytes free of " +
+                                std::to_string(total_b) + ")");
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    live_[p] = bytes;
+    used_ += bytes;
+    return p;
+}
+
+void CudaDevice::free(void* p) {
+    if (p == nullptr) return;
+    size_t bytes;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        auto it = live_.find(p);
+        if (it == live_.end()) throw InvalidInput(name_ + ": free of a pointer this device did not allocate");
+        bytes = it->second;
+        live_.erase(it);
+        used_ -= bytes;
+    }
+    set_current();
+    check_cuda(cudaFree(p), "cudaFree");
+}
+
+Event CudaDevice::record(Stream s) {
+    set_current();
+    cudaEvent_t e;
+    check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+    check_cuda(cudaEventRecord(e, (cudaStream_t)s), "cudaEventRecord");
+    return e;
+}
+void CudaDevice::wait(Stream s, Event e) {
+    check_cuda(cudaStreamWaitEvent((cudaStream_t)s, (cudaEvent_t)e, 0), "cudaStreamWaitEvent");
+}
+void CudaDevice::release(Event e) {
+    if (e) check_cuda(cudaEventDestroy((cudaEvent_t)e), "cudaEventDestroy");
+}
+void CudaDevice::synchronize() {
+    set_current();
+    check_cuda(cudaStreamSynchronize((cudaStream_t)compute_), "synchronize compute stream");
+    check_cuda(cudaStreamSynchronize((cudaStream_t)copy_), "synchronize copy stream");
+}
+
+void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {
+    if (bytes == 0) return;
+    set_current();
+    cudaPointerAttributes attr;
+    if (cudaPointerGetAttributes(&attr, src) == cudaSuccess && attr.type == cudaMemoryTypeHost) {
+        check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, (cudaStream_t)s), "copy_to_device");
+        return;
+    }
+    cudaGetLastError();
+    // Pageable memory: stage through two pinned buffers; a buffer is refilled only after the
+    // copy that read it has finished (its event), so host memcpy overlaps the DMA.
+    std::lock_guard<std::mutex> lk(mu_);
+    for (int i = 0; i < 2; i++) {
+        if (!staging_[i]) {
+            check_cuda(cudaHostAlloc(&staging_[i], kStagingBytes, cudaHostAllocDefault), "cudaHostAlloc staging");
+            cudaEvent_t e;
+            check_cuda(cudaEventCreateWithFlags(&e, cudaEventDisableTiming), "cudaEventCreate");
+            staging_done_[i] = e;
+        }
+    }
+    size_t off = 0;
+    for (int i = 0; off < bytes; i ^= 1) {
+        const size_t n = std::min(kStagingBytes, bytes - off);
+        check_cuda(cudaEventSynchronize((cudaEvent_t)staging_done_[i]), "staging wait");
+        memcpy(staging_[i], (const uint8_t*)src + off, n);
+        check_cuda(cudaMemcpyAsync((uint8_t*)dst + off, staging_[i], n, cudaMemcpyHostToDevice, (cudaStream_t)s),
+                   "copy_to_device");
+        check_cuda(cudaEventRecord((cudaEvent_t)staging_done_[i], (cudaStream_t)s), "cudaEventRecord");
+        off += n;
+    }
+}
+
+void CudaDevice::copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {
+    if (bytes == 0) return;
+    set_current();
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, (cudaStream_t)s), "copy_to_host");
+    check_cuda(cudaStreamSynchronize((cudaStream_t)s), "copy_to_host");
+}
+
+void CudaDevice::copy_device(void* dst, const void* src, size_t bytes, Stream s) {
+    if (bytes == 0) return;
+    set_current();
+    check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)s), "copy_device");
+}
+
+void CudaDevice::copy_from_peer(void* dst, const CudaDevice& from, const void* src, size_t bytes, Stream s) {
+    if (bytes == 0) return;
+    set_current();
+    check_cuda(cudaMemcpyPeerAsync(dst, index_, src, from.index_, bytes, (cudaStream_t)s), "copy_from_peer");
+}
+
+// ---- matmul dispatch ---------------------------------------------------------------------
+
+size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
+    return is_float_type(wtype) ? 0 : q8_1_bytes(n_tok, cols);
+}
+
+void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
+            Stream s, MatmulPath path) {
+    const QTypeInfo& info = qtype_checked((uint32_t)w.type);
+    if (w.rows < 0 || n_tok < 0) throw InvalidInput("cuda matmul: negative rows or n_tok");
+    if (w.cols <= 0 || w.cols % info.block_elems || (!is_float_type(w.type) && w.cols % 32))
+        throw InvalidInput("cuda matmul: cols=" + std::to_string(w.cols) + " is not a positive multiple of the " +
+                           info.name + " block size " + std::to_string(info.block_elems));
+    if (ldx < w.cols || ldy < w.rows) throw InvalidInput("cuda matmul: ldx < cols or ldy < rows");
+    if (n_tok == 0 || w.rows == 0) return;
+    const size_t rb = row_bytes(w.type, w.cols);
+    const cudaStream_t st = (cudaStream_t)s;
+    if (is_float_type(w.type)) {
+        launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, TokenGroups{}, y, ldy, st);
+        return;
+    }
+    if (scratch == nullptr) throw InvalidInput("cuda matmul: quantized weights need matmul_scratch_bytes() of scratch");
+    quantize_q8_1(x, n_tok, w.cols, ldx, scratch, s);
+    const block_q8_1* xq = (const block_q8_1*)scratch;
+    bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok > 8);
+    if (tiled && current_cc_major() < 8) {
+        if (path == MatmulPath::Tiled) throw Unsupported("cuda matmul: the tiled kernel needs compute capability 8.0+");
+        tiled = false;
+    }
+    if (tiled)
+        launch_mmq(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, xq, w.cols / 32, n_tok, y, ldy, st);
+    else
+        launch_mmvq(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, xq, w.cols / 32, n_tok, TokenGroups{}, y, ldy, st);
+}
+
+}  // namespace stowlm::cuda

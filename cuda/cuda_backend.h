@@ -1,0 +1,162 @@
+// The CUDA backend's host side: a device object (buffers with exact accounting, streams,
+// events, async and peer copies through pinned staging memory) and one launcher per kernel
+// family. Plain C++ (no CUDA headers), so host code and the bindings include it directly.
+//
+// Launchers take device pointers and mirror the CPU API (cpu/matmul.h, cpu/ops.h): same
+// arguments, same layouts, same semantics. They enqueue work on `stream` (nullptr: the
+// legacy default stream) and return without waiting. Argument errors throw InvalidInput
+// before anything is enqueued; a CUDA failure throws Unsupported naming the kernel.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+
+#include "cpu/ops.h"
+#include "moe_router.h"
+#include "quant/types.h"
+
+namespace stowlm::cuda {
+
+using Stream = void*;  // a cudaStream_t
+using Event = void*;   // a cudaEvent_t
+
+// ---- device -------------------------------------------------------------------------
+
+class CudaDevice {
+public:
+    // Throws Unsupported ("no CUDA device ...: <reason>") when device `index` does not exist.
+    explicit CudaDevice(int index);
+    ~CudaDevice();
+    CudaDevice(const CudaDevice&) = delete;
+    CudaDevice& operator=(const CudaDevice&) = delete;
+
+    int index() const { return index_; }
+    const std::string& name() const { return name_; }  // "cuda:0"
+    int sm_count() const { return sm_count_; }
+    size_t memory_total() const { return total_; }
+    // Bytes this object holds from cudaMalloc: exactly the sum of the live alloc() sizes.
+    size_t memory_used() const;
+
+    // cudaMalloc of exactly `bytes`; throws OutOfDeviceMemory naming the device, the purpose,
+    // the bytes asked and the bytes free. alloc(0) returns nullptr and counts nothing.
+    void* alloc(size_t bytes, const std::string& purpose);
+    void free(void* p);  // p from alloc(); nullptr is a no-op; anything else throws InvalidInput
+
+    Stream compute_stream() const { return compute_; }
+    Stream copy_stream() const { return copy_; }
+    Event record(Stream s);                // a new event recorded on s (destroy with release)
+    void wait(Stream s, Event e);          // s waits for e without blocking the host
+    void release(Event e);
+    void synchronize();                    // both streams
+
+    // Host -> device: pageable host memory goes through pinned staging buffers (double
+    // buffered) so the copy is asynchronous with respect to the device; returns when the
+    // host bytes may be reused.
+    void copy_to_device(void* dst, const void* src, size_t bytes, Stream s);
+    void copy_to_host(void* dst, const void* src, size_t bytes, Stream s);  // synchronous for the host
+    void copy_device(void* dst, const void* src, size_t bytes, Stream s);
+    // dst on this device, src on device `from` (cudaMemcpyPeerAsync; staged by the driver
+    // when peer access is not possible).
+    void copy_from_peer(void* dst, const CudaDevice& from, const void* src, size_t bytes, Stream s);
+
+private:
+    void set_current() const;
+    int index_;
+    std::string name_;
+    int sm_count_ = 0;
+    size_t total_ = 0;
+    Stream compute_ = nullptr, copy_ = nullptr;
+    void* staging_[2] = {nullptr, nullptr};  // pinned host buffers
+    Event staging_done_[2] = {nullptr, nullptr};
+    mutable std::mutex mu_;
+    std::map<void*, size_t> live_;
+    size_t used_ = 0;
+};
+
+// Devices present ("" when some), else why none: the text CudaDevice's error carries.
+int device_count(std::string* why_none);
+
+// ---- matrix products (quantize.cu, mmvq.cu, mmq.cu) -----------------------------------
+
+struct DeviceWeight {
+    const void* data = nullptr;  // rows * row_bytes(type, cols) device bytes
+    QType type = QType::F32;
+    int64_t rows = 0, cols = 0;
+};
+
+// Activation rows quantized to block_q8_1 (quant/dot_q8_1.h): bytes for n rows of `cols`.
+size_t q8_1_bytes(int64_t n_rows, int64_t cols);
+void quantize_q8_1(const float* x, int64_t n_rows, int64_t cols, int64_t ldx, void* xq, Stream s);
+
+// Scratch matmul() needs (the quantized activations).
+size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
+enum class MatmulPath { Auto, Vector, Tiled };
+// y[t * ldy + r] = sum_c W[r, c] * x[t * ldx + c]. Auto: the vector kernel (mmvq) for up to
+// 8 tokens, the tiled tensor-core kernel (mmq) above; float weight types always use the
+// float vector kernel.
+void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
+            Stream s, MatmulPath path = MatmulPath::Auto);
+
+// ---- mixture of experts (moe.cu) -------------------------------------------------------
+
+// Router for n_tok rows of n_expert logits: ids [n_tok][k] int32, weights [n_tok][k] f32.
+void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterParams& p, int32_t* ids,
+                 float* weights, Stream s);
+
+size_t moe_scratch_bytes(const DeviceWeight& expert0, int n_expert, int64_t n_act_rows, int64_t n_slots);
+// Expert products for n_tok tokens routed to k experts each (ids [n_tok][k], every id in
+// [0, n_expert)): y[(t*k + j) * ldy + r] = W_{ids[t,j]}[r, :] . x_row, where x_row is token
+// t's row (per_slot_input false: gate/up) or slot t*k + j's row (true: down). Experts are
+// stacked: expert e at w.data + e * rows * row_bytes. One grouped launch for all experts.
+void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx, bool per_slot_input,
+                const int32_t* ids, int64_t n_tok, int k, float* y, int64_t ldy, void* scratch, Stream s);
+// out[t, :] = sum_j weights[t, j] * y[(t*k + j), :]
+void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
+                 int64_t ld_out, Stream s);
+
+// ---- attention (flash_attn.cu) ----------------------------------------------------------
+
+// Scratch for the split-KV partials (0 when n_split is 1).
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split);
+// How many KV splits the launcher picks for this shape on a device with sm_count SMs.
+int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count);
+// As cpu::flash_attn with F16 K/V; n_split > 1 runs the split-KV variant (each split a
+// partial (m, l, acc), combined by a second kernel) and needs scratch.
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
+                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+                const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
+                int n_split, void* scratch, Stream s);
+
+// ---- elementwise (elementwise.cu) --------------------------------------------------------
+
+// ids on the device; ids_host (optional, same values) lets the launcher reject bad ids.
+void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
+              const int32_t* ids_host, int64_t n_ids, float* out, int64_t ld_out, Stream s);
+void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
+              int64_t ldy, Stream s);
+void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
+          const cpu::RopeParams& p, Stream s);
+// y[r, :] = softmax(x[r, :] * scale)
+void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float scale, float* y, int64_t ldy, Stream s);
+void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+            int64_t ld_out, Stream s);
+void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+           int64_t ld_out, Stream s);
+void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, Stream s);
+void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, Stream s);
+void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream s);
+void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream s);
+void f32_to_f16(const float* x, uint16_t* y, int64_t n, Stream s);
+void f16_to_f32(const uint16_t* x, float* y, int64_t n, Stream s);
+// Strided 2-D copy of n rows of `bytes` each.
+void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_bytes, int64_t n, size_t bytes,
+               Stream s);
+// As cpu::store_kv for F16 caches.
+void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s);
+
+}  // namespace stowlm::cuda

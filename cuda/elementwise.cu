@@ -1,0 +1,321 @@
+// The per-element and per-row ops of a transformer layer on the device, with the same
+// semantics as cpu/ops.h. Decoding (get_rows) uses the shared HOST_DEVICE block decoders;
+// rope angles, activations and softcap use cpu/attn_math.h, so both sides agree.
+#include "cpu/attn_math.h"
+#include "cuda_backend.h"
+#include "cuda_common.cuh"
+#include "quant/float_types.h"
+#include "quant/iquants.h"
+#include "quant/kquants.h"
+#include "quant/legacy.h"
+#include "quant/quantize_block.h"
+
+namespace stowlm::cuda {
+
+namespace {
+
+// ---- get_rows: one thread per block of a row ----------------------------------------------
+
+template <typename Block, int N, void (*Decode)(const Block*, float*)>
+__global__ void __launch_bounds__(128) get_rows_kernel(const uint8_t* __restrict__ table, size_t row_bytes,
+                                                       int64_t n_cols, const int32_t* __restrict__ ids,
+                                                       float* __restrict__ out, int64_t ld_out) {
+    const int64_t i = blockIdx.y;
+    const int64_t nb = n_cols / N;
+    const Block* row = (const Block*)(table + (size_t)ids[i] * row_bytes);
+    for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < nb; b += (int64_t)gridDim.x * blockDim.x)
+        Decode(row + b, out + i * ld_out + b * N);
+}
+
+template <typename Block, int N, void (*Decode)(const Block*, float*)>
+void launch_get_rows(const void* table, size_t rb, int64_t n_cols, const int32_t* ids, int64_t n_ids, float* out,
+                     int64_t ld_out, cudaStream_t s) {
+    const int64_t nb = n_cols / N;
+    const dim3 grid((unsigned)std::min<int64_t>(ceil_div(nb, 128), 64), (unsigned)n_ids);
+    get_rows_kernel<Block, N, Decode><<<grid, 128, 0, s>>>((const uint8_t*)table, rb, n_cols, ids, out, ld_out);
+}
+
+// ---- row reductions: one block of 256 threads per row -------------------------------------
+
+__device__ __forceinline__ float block_sum(float v, float* red) {
+    v = warp_sum(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    __syncthreads();  // red may still be read by a previous reduction
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? red[lane] : 0.0f;
+    return warp_sum(v);
+}
+__device__ __forceinline__ float block_max(float v, float* red) {
+    v = warp_max(v);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    __syncthreads();
+    if (lane == 0) red[warp] = v;
+    __syncthreads();
+    v = lane < (int)(blockDim.x / 32) ? red[lane] : -INFINITY;
+    return warp_max(v);
+}
+
+__global__ void __launch_bounds__(256) rms_norm_kernel(const float* __restrict__ x, int64_t dim, int64_t ldx,
+                                                       const float* __restrict__ w, float eps, float* y, int64_t ldy) {
+    __shared__ float red[8];
+    const float* xr = x + blockIdx.x * ldx;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)dim + eps);
+    float* yr = y + blockIdx.x * ldy;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * r * (w ? w[i] : 1.0f);
+}
+
+__global__ void __launch_bounds__(256) softmax_kernel(const float* __restrict__ x, int64_t dim, int64_t ldx, float sc,
+                                                      float* y, int64_t ldy) {
+    __shared__ float red[8];
+    const float* xr = x + blockIdx.x * ldx;
+    float* yr = y + blockIdx.x * ldy;
+    float mx = -INFINITY;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) mx = fmaxf(mx, xr[i] * sc);
+    mx = block_max(mx, red);
+    float sum = 0.0f;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) sum += expf(xr[i] * sc - mx);
+    const float inv = 1.0f / block_sum(sum, red);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = expf(xr[i] * sc - mx) * inv;
+}
+
+// ---- rope: one thread per rotated pair ------------------------------------------------------
+
+__global__ void __launch_bounds__(256) rope_kernel(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
+                                                   int64_t ld_tok, const int32_t* __restrict__ pos, int n_rot,
+                                                   float base, float fscale, bool neox) {
+    const int64_t half = n_rot / 2;
+    const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (k >= n_tok * n_head * half) return;
+    const int64_t i = k % half, th = k / half, h = th % n_head, t = th / n_head;
+    // sincosf's huge-argument path needs a local-memory table; reduce to [-pi, pi] in double
+    // (exact enough for any position) and use the fast intrinsic, accurate there to ~1e-6.
+    const double theta = (double)rope_theta(pos[t], (int)i, n_rot, base, fscale);
+    const float r = (float)(theta - rint(theta * 0.15915494309189535) * 6.283185307179586);
+    float sn, cs;
+    __sincosf(r, &sn, &cs);
+    float* xh = x + t * ld_tok + h * head_dim;
+    const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+    const float x0 = xh[i0], x1 = xh[i1];
+    xh[i0] = x0 * cs - x1 * sn;
+    xh[i1] = x0 * sn + x1 * cs;
+}
+
+// ---- elementwise over n rows of dim ----------------------------------------------------------
+
+enum class Ew { Add, Mul, SwiGLU, GeGLU };
+
+template <Ew Op>
+__global__ void __launch_bounds__(256) binary_kernel(const float* a, int64_t ld_a, const float* b, int64_t ld_b,
+                                                     int64_t dim, float* out, int64_t ld_out) {
+    const int64_t r = blockIdx.y;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x) {
+        const float x = a[r * ld_a + i], z = b[r * ld_b + i];
+        float v;
+        if constexpr (Op == Ew::Add) v = x + z;
+        else if constexpr (Op == Ew::Mul) v = x * z;
+        else if constexpr (Op == Ew::SwiGLU) v = silu(x) * z;
+        else v = gelu_tanh(x) * z;
+        out[r * ld_out + i] = v;
+    }
+}
+
+template <bool Cap>
+__global__ void __launch_bounds__(256) unary_kernel(float* x, int64_t dim, int64_t ldx, float c) {
+    const int64_t r = blockIdx.y;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x) {
+        float& v = x[r * ldx + i];
+        v = Cap ? apply_softcap(v, c) : v * c;
+    }
+}
+
+__global__ void __launch_bounds__(256) f32_to_f16_kernel(const float* x, uint16_t* y, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = f32_to_fp16(x[i]);
+}
+__global__ void __launch_bounds__(256) f16_to_f32_kernel(const uint16_t* x, float* y, int64_t n) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        y[i] = fp16_to_f32(x[i]);
+}
+
+// Row t of [n_head_kv * head_dim] floats into cell cells[t] (cells < 0 skipped): halves, or
+// Q8_0 blocks made by the shared quantize_block_q8_0 (one thread per block, bit-identical to
+// the CPU cache). Heads are contiguous in a cell, so block b of the row is block b of the cell.
+__global__ void __launch_bounds__(256) store_kv_f16_kernel(const float* x, int64_t ld_x, int64_t width,
+                                                           uint8_t* cache, size_t cell_bytes,
+                                                           const int32_t* __restrict__ cells) {
+    const int64_t t = blockIdx.y;
+    const int32_t c = cells[t];
+    if (c < 0) return;
+    uint16_t* dst = (uint16_t*)(cache + (size_t)c * cell_bytes);
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < width; i += (int64_t)gridDim.x * blockDim.x)
+        dst[i] = f32_to_fp16(x[t * ld_x + i]);
+}
+__global__ void __launch_bounds__(128) store_kv_q8_0_kernel(const float* x, int64_t ld_x, int64_t n_blocks,
+                                                            uint8_t* cache, size_t cell_bytes,
+                                                            const int32_t* __restrict__ cells) {
+    const int64_t t = blockIdx.y;
+    const int32_t c = cells[t];
+    if (c < 0) return;
+    block_q8_0* dst = (block_q8_0*)(cache + (size_t)c * cell_bytes);
+    for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks; b += (int64_t)gridDim.x * blockDim.x)
+        quantize_block_q8_0(x + t * ld_x + b * QK, dst + b);
+}
+
+dim3 rows_grid(int64_t n, int64_t dim) { return dim3((unsigned)std::min<int64_t>(ceil_div(dim, 256), 64), (unsigned)n); }
+
+void check_rows(const char* op, int64_t n, int64_t dim) {
+    if (n < 0 || dim < 0) throw InvalidInput(std::string(op) + ": negative size");
+    if (n > 65535) throw InvalidInput(std::string(op) + ": " + std::to_string(n) + " rows exceed the 65535 per launch");
+}
+
+template <Ew Op>
+void binary(const char* name, const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim,
+            float* out, int64_t ld_out, Stream s) {
+    check_rows(name, n, dim);
+    if (n == 0 || dim == 0) return;
+    binary_kernel<Op><<<rows_grid(n, dim), 256, 0, (cudaStream_t)s>>>(a, ld_a, b, ld_b, dim, out, ld_out);
+    check_launch(name);
+}
+
+}  // namespace
+
+void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
+              const int32_t* ids_host, int64_t n_ids, float* out, int64_t ld_out, Stream s) {
+    check_rows("get_rows", n_ids, n_cols);
+    const size_t rb = row_bytes(type, n_cols);
+    if (ids_host)
+        for (int64_t i = 0; i < n_ids; i++)
+            if (ids_host[i] < 0 || ids_host[i] >= n_rows)
+                throw InvalidInput("get_rows: id " + std::to_string(ids_host[i]) + " (at index " + std::to_string(i) +
+                                   ") is outside [0, " + std::to_string(n_rows) + ")");
+    if (n_ids == 0 || n_cols == 0) return;
+    const cudaStream_t st = (cudaStream_t)s;
+    switch (type) {
+#define STOWLM_CASE(T, Block, N, fn) \
+    case QType::T: launch_get_rows<Block, N, fn>(table, rb, n_cols, ids, n_ids, out, ld_out, st); break;
+        STOWLM_CASE(F32, float, 1, dequantize_block_f32)
+        STOWLM_CASE(F16, uint16_t, 1, dequantize_block_f16)
+        STOWLM_CASE(BF16, uint16_t, 1, dequantize_block_bf16)
+        STOWLM_CASE(Q4_0, block_q4_0, QK, dequantize_block_q4_0)
+        STOWLM_CASE(Q4_1, block_q4_1, QK, dequantize_block_q4_1)
+        STOWLM_CASE(Q5_0, block_q5_0, QK, dequantize_block_q5_0)
+        STOWLM_CASE(Q5_1, block_q5_1, QK, dequantize_block_q5_1)
+        STOWLM_CASE(Q8_0, block_q8_0, QK, dequantize_block_q8_0)
+        STOWLM_CASE(IQ4_NL, block_iq4_nl, QK, dequantize_block_iq4_nl)
+        STOWLM_CASE(Q2_K, block_q2_K, QK_K, dequantize_block_q2_K)
+        STOWLM_CASE(Q3_K, block_q3_K, QK_K, dequantize_block_q3_K)
+        STOWLM_CASE(Q4_K, block_q4_K, QK_K, dequantize_block_q4_K)
+        STOWLM_CASE(Q5_K, block_q5_K, QK_K, dequantize_block_q5_K)
+        STOWLM_CASE(Q6_K, block_q6_K, QK_K, dequantize_block_q6_K)
+        STOWLM_CASE(Q8_K, block_q8_K, QK_K, dequantize_block_q8_K)
+        STOWLM_CASE(IQ4_XS, block_iq4_xs, QK_K, dequantize_block_iq4_xs)
+#undef STOWLM_CASE
+        default: throw InvalidInput(std::string("get_rows: type ") + qtype_name(type) + " cannot be decoded");
+    }
+    check_launch("get_rows_kernel");
+}
+
+void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
+              int64_t ldy, Stream s) {
+    if (n_rows < 0 || dim < 0) throw InvalidInput("rms_norm: negative size");
+    if (n_rows == 0 || dim == 0) return;
+    rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(x, dim, ldx, weight, eps, y, ldy);
+    check_launch("rms_norm_kernel");
+}
+
+void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float sc, float* y, int64_t ldy, Stream s) {
+    if (n < 0 || dim < 0) throw InvalidInput("softmax: negative size");
+    if (n == 0 || dim == 0) return;
+    softmax_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)s>>>(x, dim, ldx, sc, y, ldy);
+    check_launch("softmax_kernel");
+}
+
+void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
+          const cpu::RopeParams& p, Stream s) {
+    if (n_tok < 0 || n_head < 0) throw InvalidInput("rope: negative size");
+    if (p.n_rot <= 0 || p.n_rot % 2 != 0 || p.n_rot > head_dim)
+        throw InvalidInput("rope: n_rot " + std::to_string(p.n_rot) + " must be even, > 0 and <= head_dim " +
+                           std::to_string(head_dim));
+    const int64_t n = n_tok * n_head * (p.n_rot / 2);
+    if (n == 0) return;
+    rope_kernel<<<ceil_div(n, 256), 256, 0, (cudaStream_t)s>>>(x, n_tok, n_head, head_dim, ld_tok, pos, p.n_rot,
+                                                                p.freq_base, p.freq_scale, p.neox);
+    check_launch("rope_kernel");
+}
+
+void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+            int64_t ld_out, Stream s) {
+    binary<Ew::SwiGLU>("swiglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, s);
+}
+void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+           int64_t ld_out, Stream s) {
+    binary<Ew::GeGLU>("geglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, s);
+}
+void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, Stream s) {
+    binary<Ew::Add>("add", a, ld_a, b, ld_b, n, dim, out, ld_out, s);
+}
+void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, Stream s) {
+    binary<Ew::Mul>("mul", a, ld_a, b, ld_b, n, dim, out, ld_out, s);
+}
+
+void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream s) {
+    check_rows("scale", n, dim);
+    if (n == 0 || dim == 0) return;
+    unary_kernel<false><<<rows_grid(n, dim), 256, 0, (cudaStream_t)s>>>(x, dim, ldx, sc);
+    check_launch("scale");
+}
+void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream s) {
+    check_rows("softcap", n, dim);
+    if (!(cap > 0.0f)) throw InvalidInput("softcap: cap must be > 0");
+    if (n == 0 || dim == 0) return;
+    unary_kernel<true><<<rows_grid(n, dim), 256, 0, (cudaStream_t)s>>>(x, dim, ldx, cap);
+    check_launch("softcap");
+}
+
+void f32_to_f16(const float* x, uint16_t* y, int64_t n, Stream s) {
+    if (n <= 0) return;
+    f32_to_f16_kernel<<<(unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s>>>(x, y, n);
+    check_launch("f32_to_f16");
+}
+void f16_to_f32(const uint16_t* x, float* y, int64_t n, Stream s) {
+    if (n <= 0) return;
+    f16_to_f32_kernel<<<(unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s>>>(x, y, n);
+    check_launch("f16_to_f32");
+}
+
+void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_bytes, int64_t n, size_t bytes,
+               Stream s) {
+    if (n <= 0 || bytes == 0) return;
+    check_cuda(cudaMemcpy2DAsync(dst, ld_dst_bytes, src, ld_src_bytes, bytes, (size_t)n, cudaMemcpyDeviceToDevice,
+                                 (cudaStream_t)s),
+               "copy_rows");
+}
+
+void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s) {
+    if (kv_type != QType::F16 && kv_type != QType::Q8_0)
+        throw InvalidInput(std::string("cuda store_kv: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
+    check_rows("store_kv", n_tok, head_dim);
+    const size_t rb = row_bytes(kv_type, head_dim);
+    if (kv_cell_bytes < (size_t)n_head_kv * rb)
+        throw InvalidInput("cuda store_kv: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
+                           std::to_string((size_t)n_head_kv * rb));
+    const int64_t width = n_head_kv * head_dim;
+    if (n_tok == 0 || width == 0) return;
+    if (kv_type == QType::F16) {
+        store_kv_f16_kernel<<<rows_grid(n_tok, width), 256, 0, (cudaStream_t)s>>>(x, ld_x, width, (uint8_t*)cache,
+                                                                                  kv_cell_bytes, dst_cells);
+    } else {
+        const int64_t nb = width / QK;
+        const dim3 grid((unsigned)std::min<int64_t>(ceil_div(nb, 128), 64), (unsigned)n_tok);
+        store_kv_q8_0_kernel<<<grid, 128, 0, (cudaStream_t)s>>>(x, ld_x, nb, (uint8_t*)cache, kv_cell_bytes, dst_cells);
+    }
+    check_launch("store_kv");
+}
+
+}  // namespace stowlm::cuda

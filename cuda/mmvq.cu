@@ -1,0 +1,138 @@
+// Matrix-vector products for small batches: one warp per weight row, lanes striding over the
+// row's 32-element sub-blocks, up to 8 activation rows per pass. Quantized weights meet
+// block_q8_1 activations through the shared HOST_DEVICE sub-block loaders and dp4a dot
+// (quant/dot_q8_1.h); float weights meet float activations. The same kernels serve the MoE
+// expert product through TokenGroups (one launch, blockIdx.y = expert).
+#include "cuda_backend.h"
+#include "cuda_common.cuh"
+
+namespace stowlm::cuda {
+
+constexpr int kMmvWarps = 4;   // rows per block
+constexpr int kMmvBatch = 8;   // activation rows per pass
+
+// Slots [*begin, *end) of this block's group, and its weight base.
+__device__ __forceinline__ const uint8_t* group_slots(const uint8_t* w, int64_t n_slots, const TokenGroups& g,
+                                                      int64_t* begin, int64_t* end) {
+    if (g.off == nullptr) {
+        *begin = 0, *end = n_slots;
+        return w;
+    }
+    *begin = g.off[blockIdx.y], *end = g.off[blockIdx.y + 1];
+    return w + (size_t)blockIdx.y * g.group_stride;
+}
+
+__device__ __forceinline__ int64_t slot_row(const int32_t* map, int64_t slot) { return map ? map[slot] : slot; }
+
+// Reduces the per-lane partial sums of n rows and writes them (lane t writes row t).
+__device__ __forceinline__ void write_rows(float (&acc)[kMmvBatch], int n, const TokenGroups& g, int64_t c0,
+                                           int64_t row, float* y, int64_t ldy) {
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int t = 0; t < kMmvBatch; t++) {
+        const float v = warp_sum(acc[t]);
+        if (lane == t && t < n) y[slot_row(g.out_row, c0 + t) * ldy + row] = v;
+    }
+}
+
+template <QType T>
+__global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                              int64_t rows, int nsub,
+                                                              const block_q8_1* __restrict__ xq, int64_t xq_ld,
+                                                              int64_t n_slots, TokenGroups g, float* __restrict__ y,
+                                                              int64_t ldy) {
+    const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
+    if (row >= rows) return;
+    int64_t begin, end;
+    const uint8_t* wrow = group_slots(w, n_slots, g, &begin, &end) + (size_t)row * row_bytes;
+    const int lane = threadIdx.x & 31;
+    for (int64_t c0 = begin; c0 < end; c0 += kMmvBatch) {
+        const int n = (int)min((int64_t)kMmvBatch, end - c0);
+        const block_q8_1* xr[kMmvBatch];
+#pragma unroll
+        for (int t = 0; t < kMmvBatch; t++) xr[t] = xq + slot_row(g.act_row, c0 + (t < n ? t : 0)) * xq_ld;
+        float acc[kMmvBatch] = {};
+        for (int sub = lane; sub < nsub; sub += 32) {
+            WSub ws;
+            WTraits<T>::load(wrow, sub, ws);
+#pragma unroll
+            for (int t = 0; t < kMmvBatch; t++)
+                if (t < n) acc[t] += dot_wsub_q8_1(ws, xr[t][sub]);
+        }
+        write_rows(acc, n, g, c0, row, y, ldy);
+    }
+}
+
+template <QType T>
+__device__ __forceinline__ float load_float(const uint8_t* row, int64_t i) {
+    if constexpr (T == QType::F32) return ((const float*)row)[i];
+    else if constexpr (T == QType::F16) return fp16_to_f32(((const uint16_t*)row)[i]);
+    else return bf16_to_f32(((const uint16_t*)row)[i]);
+}
+
+template <QType T>
+__global__ void __launch_bounds__(kMmvWarps * 32, 1) mmv_float_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                                   int64_t rows, int64_t cols,
+                                                                   const float* __restrict__ x, int64_t ldx,
+                                                                   int64_t n_slots, TokenGroups g,
+                                                                   float* __restrict__ y, int64_t ldy) {
+    const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
+    if (row >= rows) return;
+    int64_t begin, end;
+    const uint8_t* wrow = group_slots(w, n_slots, g, &begin, &end) + (size_t)row * row_bytes;
+    const int lane = threadIdx.x & 31;
+    for (int64_t c0 = begin; c0 < end; c0 += kMmvBatch) {
+        const int n = (int)min((int64_t)kMmvBatch, end - c0);
+        const float* xr[kMmvBatch];
+#pragma unroll
+        for (int t = 0; t < kMmvBatch; t++) xr[t] = x + slot_row(g.act_row, c0 + (t < n ? t : 0)) * ldx;
+        float acc[kMmvBatch] = {};
+        for (int64_t i = lane; i < cols; i += 32) {
+            const float wv = load_float<T>(wrow, i);
+#pragma unroll
+            for (int t = 0; t < kMmvBatch; t++)
+                if (t < n) acc[t] += wv * xr[t][i];
+        }
+        write_rows(acc, n, g, c0, row, y, ldy);
+    }
+}
+
+void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const block_q8_1* xq,
+                 int64_t xq_ld, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s) {
+    if (rows == 0 || (g.off == nullptr && n_slots == 0)) return;
+    const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
+    const int nsub = (int)(cols / 32);
+    switch (t) {
+#define STOWLM_CASE(T)                                                                                     \
+    case QType::T:                                                                                         \
+        mmvq_kernel<QType::T><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, nsub, xq, xq_ld, n_slots, g, y, ldy); \
+        break;
+        STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
+        STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)
+        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS)
+#undef STOWLM_CASE
+        default: throw InvalidInput(std::string("mmvq: weight type ") + qtype_name(t) + " is not a quantized type");
+    }
+    check_launch("mmvq_kernel");
+}
+
+void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
+                      int64_t ldx, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s) {
+    if (rows == 0 || (g.off == nullptr && n_slots == 0)) return;
+    const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
+    switch (t) {
+        case QType::F32:
+            mmv_float_kernel<QType::F32><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            break;
+        case QType::F16:
+            mmv_float_kernel<QType::F16><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            break;
+        case QType::BF16:
+            mmv_float_kernel<QType::BF16><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            break;
+        default: throw InvalidInput(std::string("mmv_float: weight type ") + qtype_name(t) + " is not F32/F16/BF16");
+    }
+    check_launch("mmv_float_kernel");
+}
+
+}  // namespace stowlm::cuda

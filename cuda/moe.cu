@@ -1,0 +1,145 @@
+// Mixture-of-experts on the device: the router's top-k (the HOST_DEVICE moe_router.h, one
+// thread per token), a counting sort of the (token, expert) slots by expert, and the expert
+// products as ONE grouped launch of the vector kernels (mmvq.cu) with blockIdx.y = expert, each
+// expert's block walking only the slots routed to it.
+#include "cuda_backend.h"
+#include "cuda_common.cuh"
+#include "moe_router.h"
+
+namespace stowlm::cuda {
+
+namespace {
+
+__global__ void __launch_bounds__(128) router_kernel(const float* __restrict__ logits, int64_t n_tok, int n_expert,
+                                                     RouterParams p, int32_t* ids, float* w) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n_tok) return;
+    router_topk(logits + t * n_expert, n_expert, p, ids + t * p.k, w + t * p.k);
+}
+
+__global__ void __launch_bounds__(256) moe_count_kernel(const int32_t* __restrict__ ids, int64_t n_slots, int n_expert,
+                                                        int32_t* counts) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_slots) return;
+    const int32_t e = ids[i];
+    if (e >= 0 && e < n_expert) atomicAdd(&counts[e], 1);
+}
+
+// Exclusive prefix sum of the counts (n_expert is small: one thread does it).
+__global__ void moe_scan_kernel(const int32_t* counts, int n_expert, int32_t* off, int32_t* cursor) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    int32_t acc = 0;
+    for (int e = 0; e < n_expert; e++) {
+        off[e] = acc;
+        cursor[e] = acc;
+        acc += counts[e];
+    }
+    off[n_expert] = acc;
+}
+
+__global__ void __launch_bounds__(256) moe_scatter_kernel(const int32_t* __restrict__ ids, int64_t n_slots, int k,
+                                                          int n_expert, bool per_slot_input, int32_t* cursor,
+                                                          int32_t* act_row, int32_t* out_row) {
+    const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n_slots) return;
+    const int32_t e = ids[i];
+    if (e < 0 || e >= n_expert) return;
+    const int32_t pos = atomicAdd(&cursor[e], 1);
+    act_row[pos] = (int32_t)(per_slot_input ? i : i / k);
+    out_row[pos] = (int32_t)i;
+}
+
+__global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restrict__ y, int64_t ldy,
+                                                          const float* __restrict__ w, int k, int64_t dim,
+                                                          float* out, int64_t ld_out) {
+    const int64_t t = blockIdx.y;
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x) {
+        float s = 0.0f;
+        for (int j = 0; j < k; j++) s += w[t * k + j] * y[(t * k + j) * ldy + i];
+        out[t * ld_out + i] = s;
+    }
+}
+
+size_t align256(size_t n) { return (n + 255) & ~(size_t)255; }
+
+struct MoeScratch {
+    int32_t *counts, *off, *cursor, *act_row, *out_row;
+    void* xq;
+};
+
+MoeScratch moe_layout(void* base, int n_expert, int64_t n_slots) {
+    uint8_t* p = (uint8_t*)base;
+    MoeScratch s;
+    s.counts = (int32_t*)p;
+    s.off = s.counts + n_expert;
+    s.cursor = s.off + n_expert + 1;
+    s.act_row = s.cursor + n_expert;
+    s.out_row = s.act_row + n_slots;
+    s.xq = p + align256(sizeof(int32_t) * (size_t)(3 * n_expert + 1 + 2 * n_slots));
+    return s;
+}
+
+}  // namespace
+
+void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterParams& p, int32_t* ids,
+                 float* weights, Stream s) {
+    if (n_expert <= 0 || n_expert > 256) throw InvalidInput("router_topk: n_expert " + std::to_string(n_expert) + " outside 1..256");
+    if (p.k <= 0 || p.k > n_expert) throw InvalidInput("router_topk: k=" + std::to_string(p.k) + " outside 1..n_expert");
+    if (n_tok <= 0) return;
+    router_kernel<<<ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s>>>(logits, n_tok, n_expert, p, ids, weights);
+    check_launch("router_kernel");
+}
+
+size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {
+    size_t b = align256(sizeof(int32_t) * (size_t)(3 * n_expert + 1 + 2 * n_slots));
+    const bool is_float = w.type == QType::F32 || w.type == QType::F16 || w.type == QType::BF16;
+    if (!is_float) b += q8_1_bytes(n_act_rows, w.cols);
+    return b;
+}
+
+void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx, bool per_slot_input,
+                const int32_t* ids, int64_t n_tok, int k, float* y, int64_t ldy, void* scratch, Stream s) {
+    if (n_expert <= 0 || n_expert > 65535) throw InvalidInput("moe_matmul: n_expert " + std::to_string(n_expert) + " outside 1..65535");
+    if (k <= 0 || k > n_expert) throw InvalidInput("moe_matmul: k=" + std::to_string(k) + " outside 1..n_expert");
+    const QTypeInfo& info = qtype_checked((uint32_t)w.type);
+    if (w.cols <= 0 || w.cols % 32 || w.cols % info.block_elems)
+        throw InvalidInput("moe_matmul: cols=" + std::to_string(w.cols) + " is not a positive multiple of 32 and of the " +
+                           info.name + " block size");
+    if (n_tok <= 0 || w.rows == 0) return;
+    const int64_t n_slots = n_tok * k;
+    const cudaStream_t st = (cudaStream_t)s;
+    MoeScratch sc = moe_layout(scratch, n_expert, n_slots);
+    check_cuda(cudaMemsetAsync(sc.counts, 0, sizeof(int32_t) * (size_t)n_expert, st), "moe_matmul memset");
+    moe_count_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, n_expert, sc.counts);
+    check_launch("moe_count_kernel");
+    moe_scan_kernel<<<1, 32, 0, st>>>(sc.counts, n_expert, sc.off, sc.cursor);
+    check_launch("moe_scan_kernel");
+    moe_scatter_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, k, n_expert, per_slot_input, sc.cursor,
+                                                                sc.act_row, sc.out_row);
+    check_launch("moe_scatter_kernel");
+    const size_t rb = row_bytes(w.type, w.cols);
+    TokenGroups g;
+    g.off = sc.off, g.act_row = sc.act_row, g.out_row = sc.out_row;
+    g.group_stride = rb * (size_t)w.rows;
+    g.n_groups = n_expert;
+    const bool is_float = w.type == QType::F32 || w.type == QType::F16 || w.type == QType::BF16;
+    if (is_float) {
+        launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, 0, g, y, ldy, st);
+    } else {
+        const int64_t n_act = per_slot_input ? n_slots : n_tok;
+        quantize_q8_1(x, n_act, w.cols, ldx, sc.xq, s);
+        launch_mmvq(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, (const block_q8_1*)sc.xq, w.cols / 32, 0, g,
+                    y, ldy, st);
+    }
+}
+
+void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
+                 int64_t ld_out, Stream s) {
+    if (n_tok <= 0 || dim <= 0) return;
+    if (n_tok > 65535) throw InvalidInput("moe_combine: more than 65535 tokens per launch");
+    const dim3 grid((unsigned)std::min<int64_t>(ceil_div(dim, 256), 64), (unsigned)n_tok);
+    moe_combine_kernel<<<grid, 256, 0, (cudaStream_t)s>>>(y, ldy, weights, k, dim, out, ld_out);
+    check_launch("moe_combine_kernel");
+}
+
+}  // namespace stowlm::cuda

@@ -1,0 +1,378 @@
+"""The ops on every device: each test runs on the CPU and on each CUDA device against a numpy
+float64 (or gguf-package) oracle. CUDA cases are skipped, with the reason, where stowlm was
+built without CUDA or no device is present; STOWLM_REQUIRE_GPU=1 turns that skip into a
+failure (for GPU CI)."""
+import os
+
+import numpy as np
+import pytest
+
+from stowlm import _core
+
+gguf = pytest.importorskip("gguf")
+from gguf.quants import dequantize  # noqa: E402
+
+T = gguf.GGMLQuantizationType
+REQUIRE_GPU = os.environ.get("STOWLM_REQUIRE_GPU") == "1"
+
+
+def _cuda_skip_reason():
+    if not hasattr(_core, "cuda_ops"):
+        return "stowlm was built without CUDA (nvcc not found at build time)"
+    devices, why = _core.cuda.devices()
+    if not devices:
+        return f"no CUDA device: {why}"
+    return None
+
+
+CUDA_SKIP = _cuda_skip_reason()
+DEVICES = ["cpu", "cuda:0"]
+
+
+@pytest.fixture(params=DEVICES)
+def dev(request):
+    name = request.param
+    if name.startswith("cuda") and CUDA_SKIP:
+        if REQUIRE_GPU:
+            pytest.fail(f"STOWLM_REQUIRE_GPU=1 but {CUDA_SKIP}")
+        print(f"skipping {name}: {CUDA_SKIP}")
+        pytest.skip(CUDA_SKIP)
+    return name
+
+
+def cuda_only(dev):
+    if dev == "cpu":
+        pytest.skip("CUDA-only op")
+
+
+def run(dev, op, *args, **kw):
+    if dev == "cpu":
+        return getattr(_core.ops, op)(*args, **kw)
+    return getattr(_core.cuda_ops, op)(*args, **kw, device=int(dev.split(":")[1]))
+
+
+# ---- matmul -------------------------------------------------------------------------------
+
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
+              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+QTYPES = list(F16_FIELDS) + ["Q8_K"]
+
+
+def random_weights(name, rows, cols, rng):
+    if name in ("F32", "F16", "BF16"):
+        w = rng.standard_normal((rows, cols)).astype(np.float32)
+        if name == "F16":
+            w16 = w.astype(np.float16)
+            return w16.view(np.uint8), w16.astype(np.float64)
+        if name == "BF16":
+            bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+            return bits.view(np.uint8), (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+        return w.view(np.uint8), w.astype(np.float64)
+    belems, bbytes = gguf.GGML_QUANT_SIZES[T[name]]
+    nb = rows * cols // belems
+    blocks = rng.integers(0, 256, size=(nb, bbytes), dtype=np.uint8)
+    if name == "Q8_K":
+        blocks[:, 0:4] = rng.uniform(0.001, 0.02, nb).astype(np.float32).view(np.uint8).reshape(nb, 4)
+        d = blocks[:, 0:4].copy().view(np.float32).astype(np.float64)
+        return blocks.reshape(rows, -1), (d * blocks[:, 4:260].view(np.int8)).reshape(rows, cols)
+    for k, off in enumerate(F16_FIELDS[name]):
+        v = rng.uniform(0.002, 0.02, nb) * (rng.choice([-1, 1], nb) if k == 0 else 1)
+        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    raw = blocks.reshape(rows, -1)
+    return raw, dequantize(raw, T[name]).astype(np.float64).reshape(rows, cols)
+
+
+def check_matmul(y, w, x, quantized):
+    ref = x.astype(np.float64) @ w.T
+    # 8-bit activations: error bounded by half a step (max|x|/254 per 32-block) per element.
+    tol = (np.abs(w).sum(axis=1)[None, :] * np.abs(x).max() / 254 * 1.05 + 1e-4) if quantized else \
+        (1e-5 * np.abs(w) @ np.abs(x.astype(np.float64)).T).T + 1e-5
+    assert y.shape == ref.shape
+    assert np.all(np.abs(y - ref) <= tol), f"max err {np.abs(y - ref).max()}"
+
+
+@pytest.mark.parametrize("name", QTYPES + ["F32", "F16", "BF16"])
+@pytest.mark.parametrize("rows,cols,n_tok", [(7, 256, 1), (67, 512, 8), (130, 512, 45)])
+def test_matmul(dev, name, rows, cols, n_tok):
+    rng = np.random.default_rng(rows + n_tok)
+    raw, w = random_weights(name, rows, cols, rng)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    y = run(dev, "matmul_raw", raw, int(T[name]), rows, cols, x)
+    check_matmul(y, w, x, name not in ("F32", "F16", "BF16"))
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS"])
+def test_matmul_vector_and_tiled_paths_agree(dev, name):
+    """The same quantized activations through mmvq (dp4a) and mmq (int8 tensor cores)."""
+    cuda_only(dev)
+    rng = np.random.default_rng(7)
+    raw, w = random_weights(name, 96, 768, rng)
+    x = rng.standard_normal((40, 768)).astype(np.float32)
+    yv = run(dev, "matmul_raw", raw, int(T[name]), 96, 768, x, path="vector")
+    yt = run(dev, "matmul_raw", raw, int(T[name]), 96, 768, x, path="tiled")
+    np.testing.assert_allclose(yt, yv, rtol=1e-4, atol=1e-4 * np.abs(yv).max())
+    check_matmul(yt, w, x, True)
+
+
+def test_device_quantizer_bit_exact_with_host(dev):
+    cuda_only(dev)
+    rng = np.random.default_rng(8)
+    x = (rng.standard_normal((5, 256)) * 3).astype(np.float32)
+    x[0, :32] = 0
+    dev_bytes = run(dev, "quantize_q8_1", x)
+    qs, d, s = _core.cuda_math.quantize_q8_1(x)
+    blocks = dev_bytes.reshape(5, 8, 48)
+    np.testing.assert_array_equal(blocks[:, :, :32].view(np.int8).reshape(5, 256), qs)
+    tail = blocks[:, :, 32:].copy().view(np.float32).reshape(5, 8, 4)
+    np.testing.assert_array_equal(tail[..., 0], d)
+    np.testing.assert_array_equal(tail[..., 1:3], s)
+
+
+# ---- attention ------------------------------------------------------------------------------
+
+def attn_reference(q, k, v, q_pos, kv_pos, scale, softcap, window, causal):
+    n_tok, n_head, hd = q.shape
+    n_head_kv = k.shape[1]
+    out = np.zeros((n_tok, n_head, hd))
+    k64, v64 = k.astype(np.float64), v.astype(np.float64)
+    for t in range(n_tok):
+        vis = (kv_pos != -1)
+        if causal:
+            vis &= kv_pos <= q_pos[t]
+        if window:
+            vis &= (q_pos[t] - kv_pos) < window
+        if not vis.any():
+            continue
+        for h in range(n_head):
+            kh = h // (n_head // n_head_kv)
+            s = k64[vis, kh] @ q[t, h].astype(np.float64) * scale
+            if softcap:
+                s = softcap * np.tanh(s / softcap)
+            p = np.exp(s - s.max())
+            out[t, h] = p @ v64[vis, kh] / p.sum()
+    return out
+
+
+ATTN_CASES = [
+    (1, 8, 2, 64, 700, 0.0, 0, 1),
+    (1, 8, 2, 64, 700, 0.0, 0, 5),     # split-KV decode
+    (5, 4, 4, 80, 37, 30.0, 0, 1),      # head_dim not a multiple of 32, softcap
+    (6, 4, 1, 128, 50, 0.0, 8, 3),      # sliding window, MQA, splits
+    (3, 2, 2, 256, 20, 0.0, 0, 1),
+]
+
+
+def attn_inputs(n_tok, n_head, n_head_kv, hd, n_kv):
+    rng = np.random.default_rng(n_kv + hd)
+    q = rng.standard_normal((n_tok, n_head, hd)).astype(np.float32)
+    k = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+    kv_pos = np.arange(n_kv, dtype=np.int32)
+    kv_pos[rng.integers(0, n_kv, max(1, n_kv // 10))] = -1  # empty cells
+    q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+    if n_tok > 1:
+        q_pos[0] = -5  # a query that sees nothing gets zeros
+    return q, k, v, q_pos, kv_pos
+
+
+@pytest.mark.parametrize("n_tok,n_head,n_head_kv,hd,n_kv,softcap,window,n_split", ATTN_CASES)
+def test_flash_attn(dev, n_tok, n_head, n_head_kv, hd, n_kv, softcap, window, n_split):
+    q, k, v, q_pos, kv_pos = attn_inputs(n_tok, n_head, n_head_kv, hd, n_kv)
+    k, v = k.astype(np.float16), v.astype(np.float16)
+    scale = 1 / np.sqrt(hd)
+    ref = attn_reference(q, k, v, q_pos, kv_pos, scale, softcap, window, True)
+    if dev == "cpu":
+        out = run(dev, "flash_attn", q, k, v, q_pos, kv_pos, scale, softcap=softcap, window=window)
+    else:
+        out = run(dev, "flash_attn", q, k.view(np.uint16), v.view(np.uint16), q_pos, kv_pos, scale,
+                  softcap=softcap, window=window, n_split=n_split)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("n_split", [1, 4])
+def test_flash_attn_q8_0_cache(dev, n_split):
+    """float32 K/V stored into Q8_0 cells by the device's own store_kv, then attended; the oracle
+    attends over the gguf package's Q8_0 round trip of the same values."""
+    n_tok, n_head, n_head_kv, hd, n_kv = 3, 4, 2, 64, 300
+    q, k, v, q_pos, kv_pos = attn_inputs(n_tok, n_head, n_head_kv, hd, n_kv)
+    rt = lambda a: dequantize(gguf.quants.quantize(a.reshape(-1, hd), T.Q8_0), T.Q8_0).reshape(a.shape)
+    scale = 1 / np.sqrt(hd)
+    ref = attn_reference(q, rt(k), rt(v), q_pos, kv_pos, scale, 0.0, 0, True)
+    kw = {"kv_type": "Q8_0"} if dev == "cpu" else {"kv_type": "Q8_0", "n_split": n_split}
+    out = run(dev, "flash_attn", q, k, v, q_pos, kv_pos, scale, **kw)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
+
+
+# ---- elementwise --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q4_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K",
+                                  "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+def test_get_rows(dev, name):
+    rng = np.random.default_rng(9)
+    raw, w = random_weights(name, 20, 512, rng)
+    ids = np.array([3, 0, 19, 3, 7], np.int32)
+    out = run(dev, "get_rows", raw, int(T[name]), ids, 512)
+    np.testing.assert_array_equal(out, w[ids].astype(np.float32))
+
+
+def test_get_rows_rejects_bad_id(dev):
+    raw = np.zeros((4, 32 * 4), np.uint8)
+    with pytest.raises(ValueError, match="outside"):
+        run(dev, "get_rows", raw, int(T.F32), np.array([4], np.int32), 32)
+
+
+def test_rms_norm(dev):
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((7, 896)).astype(np.float32)
+    w = rng.standard_normal(896).astype(np.float32)
+    y = run(dev, "rms_norm", x, w, 1e-6)
+    x64 = x.astype(np.float64)
+    ref = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-6) * w
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope(dev, neox):
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((5, 3, 64)).astype(np.float32)
+    pos = np.array([0, 1, 7, 300, 4095], np.int32)
+    n_rot = 48
+    y = run(dev, "rope", x, pos, n_rot, 10000.0, 0.5, neox)
+    half = n_rot // 2
+    th = pos[:, None] * 0.5 * 10000.0 ** (-2.0 * np.arange(half) / n_rot)
+    c, s = np.cos(th)[:, None, :], np.sin(th)[:, None, :]
+    ref = x.astype(np.float64).copy()
+    i0 = np.arange(half) if neox else 2 * np.arange(half)
+    i1 = i0 + half if neox else i0 + 1
+    x0, x1 = x[..., i0].astype(np.float64), x[..., i1].astype(np.float64)
+    ref[..., i0] = x0 * c - x1 * s
+    ref[..., i1] = x0 * s + x1 * c
+    np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("op", ["add", "mul", "swiglu", "geglu"])
+@pytest.mark.parametrize("bcast", [False, True])
+def test_binary(dev, op, bcast):
+    rng = np.random.default_rng(12)
+    a = rng.standard_normal((4, 300)).astype(np.float32)
+    b = rng.standard_normal(300 if bcast else (4, 300)).astype(np.float32)
+    if bcast and op in ("swiglu", "geglu"):
+        pytest.skip("gated activations take full rows")
+    y = run(dev, op, a, b)
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    ref = {"add": a64 + b64, "mul": a64 * b64, "swiglu": a64 / (1 + np.exp(-a64)) * b64,
+           "geglu": 0.5 * a64 * (1 + np.tanh(0.7978845608028654 * (a64 + 0.044715 * a64 ** 3))) * b64}[op]
+    np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_scale_and_softcap(dev):
+    x = np.linspace(-100, 100, 512, dtype=np.float32).reshape(2, 256)
+    np.testing.assert_allclose(run(dev, "scale", x, 0.25), x * 0.25, rtol=1e-7)
+    np.testing.assert_allclose(run(dev, "softcap", x, 30.0), 30 * np.tanh(x.astype(np.float64) / 30), rtol=1e-5, atol=1e-5)
+
+
+def test_softmax(dev):
+    cuda_only(dev)
+    rng = np.random.default_rng(13)
+    x = (rng.standard_normal((3, 1000)) * 20).astype(np.float32)
+    y = run(dev, "softmax", x, 0.5)
+    e = np.exp(x * 0.5 - (x * 0.5).max(axis=1, keepdims=True))
+    np.testing.assert_allclose(y, e / e.sum(axis=1, keepdims=True), rtol=1e-5, atol=1e-8)
+
+
+def test_f16_conversions_bit_exact(dev):
+    cuda_only(dev)
+    rng = np.random.default_rng(14)
+    x = np.concatenate([rng.standard_normal(1000) * 1000, [0.0, -0.0, 65504, 65520, 1e-8, np.inf, -np.inf]]).astype(np.float32)
+    np.testing.assert_array_equal(run(dev, "f32_to_f16", x), x.astype(np.float16).view(np.uint16))
+    h = rng.integers(0, 0x7c00, 1000).astype(np.uint16)
+    np.testing.assert_array_equal(run(dev, "f16_to_f32", h), h.view(np.float16).astype(np.float32))
+
+
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+def test_store_kv_matches_cpu_cache_bytes(dev, kv_type):
+    rng = np.random.default_rng(15)
+    x = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    row = 64 * 2 if kv_type == "F16" else 2 * 34
+    cache = np.zeros((10, 2 * row), np.uint8)
+    cells = np.array([4, 0, 9], np.int32)
+    run(dev, "store_kv", x, kv_type, cache, cells)
+    if kv_type == "F16":
+        want = x.astype(np.float16).view(np.uint8).reshape(3, -1)
+    else:
+        want = gguf.quants.quantize(x.reshape(-1, 64), T.Q8_0).reshape(3, -1)
+    np.testing.assert_array_equal(cache[cells], want)
+    assert not cache[[1, 2, 3, 5, 6, 7, 8]].any()
+
+
+# ---- mixture of experts --------------------------------------------------------------------
+
+def test_router_topk_matches_host(dev):
+    cuda_only(dev)
+    rng = np.random.default_rng(16)
+    logits = rng.standard_normal((33, 60)).astype(np.float32)
+    logits[:, 5] = logits[:, 9]  # ties
+    ids, w = run(dev, "router_topk", logits, 4, True, True)
+    for t in range(33):
+        hid, hw = _core.cuda_math.router_topk(logits[t], 4, True, True)
+        np.testing.assert_array_equal(ids[t], hid)
+        np.testing.assert_allclose(w[t], hw, rtol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("per_slot_input", [False, True])
+def test_moe_matmul(dev, name, per_slot_input):
+    cuda_only(dev)
+    rng = np.random.default_rng(17)
+    n_expert, rows, cols, n_tok, k = 6, 40, 256, 21, 2
+    raws, ws = zip(*[random_weights(name, rows, cols, rng) for _ in range(n_expert)])
+    raw = np.concatenate([r.reshape(-1) for r in raws])
+    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[:, 0] = np.minimum(ids[:, 0], 4)  # expert 5 gets few tokens, maybe none
+    n_act = n_tok * k if per_slot_input else n_tok
+    x = rng.standard_normal((n_act, cols)).astype(np.float32)
+    y = run(dev, "moe_matmul", raw, int(T[name]), n_expert, rows, cols, x, ids, per_slot_input)
+    for t in range(n_tok):
+        for j in range(k):
+            xr = x[t * k + j] if per_slot_input else x[t]
+            check_matmul(y[t, j][None], ws[ids[t, j]], xr[None], name != "F16")
+
+
+# ---- device object ---------------------------------------------------------------------------
+
+def test_allocation_accounting_is_exact(dev):
+    cuda_only(dev)
+    sizes = [1, 1000, 4096, 12345677, 256 << 20]
+    after, final = _core.cuda_ops.alloc_accounting(sizes)
+    assert after == list(np.cumsum(sizes))
+    assert final == 0
+
+
+@pytest.mark.parametrize("nbytes", [1, 4 << 20, (9 << 20) + 3])  # one staging buffer, several, odd tail
+def test_copies_round_trip(dev, nbytes):
+    cuda_only(dev)
+    data = np.random.default_rng(nbytes).integers(0, 256, nbytes, dtype=np.uint8)
+    np.testing.assert_array_equal(_core.cuda_ops.copy_roundtrip(data), data)
+
+
+def test_peer_copy(dev):
+    cuda_only(dev)
+    devices, _ = _core.cuda.devices()
+    if len(devices) < 2:
+        pytest.skip("peer copies need two CUDA devices")
+    data = np.random.default_rng(1).integers(0, 256, 5 << 20, dtype=np.uint8)
+    np.testing.assert_array_equal(_core.cuda_ops.copy_roundtrip(data, device=0, peer=1), data)
+
+
+def test_out_of_memory_is_memory_error(dev):
+    cuda_only(dev)
+    with pytest.raises(MemoryError, match="cannot allocate"):
+        _core.cuda_ops.alloc(1 << 50)
+
+
+def test_missing_device_is_a_clear_error():
+    if not hasattr(_core, "cuda_ops"):
+        pytest.skip("stowlm was built without CUDA")
+    devices, _ = _core.cuda.devices()
+    with pytest.raises(RuntimeError, match="no CUDA device"):
+        _core.cuda_ops.open_device(len(devices))
