@@ -1,6 +1,8 @@
 """Device specs and virtual CPU devices with hard memory budgets."""
 import pytest
 
+import stowlm
+
 from stowlm.devices import DeviceSpec, parse_bytes, parse_device, parse_devices
 
 
@@ -66,3 +68,16 @@ def test_virtual_device_refuses_past_budget(model_path):
     # Exactly enough is enough.
     m = stowlm.Model(path, devices=["cpu:0", f"cpu:1[threads=1,mem={w1}]"])
     assert m._m.device_used() == [need[0]["weights"], w1]
+
+
+def test_cuda_device_without_a_gpu_is_a_clear_error(model_path):
+    from stowlm import devices
+
+    found, why = devices.cuda_devices()
+    if found:
+        pytest.skip(f"this machine has CUDA devices: {[d['name'] for d in found]}")
+    assert [d["kind"] for d in devices.list_devices()] == ["cpu"]
+    with pytest.raises(RuntimeError, match="no CUDA device is present"):
+        stowlm.Model(model_path("smollm2-135m"), devices=["cuda:0"])
+    # the process stays usable
+    assert stowlm.Model(model_path("smollm2-135m"), devices=["cpu:0[threads=1]"]).n_layer == 30

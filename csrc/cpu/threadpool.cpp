@@ -15,6 +15,8 @@ namespace stowlm {
 namespace {
 // About 100-200 us of spinning before a worker sleeps: covers the gap between ops of a token.
 constexpr int kSpinIters = 20000;
+// Between pauses, yield every this many iterations so a busy machine can run the thread we wait for.
+constexpr uint32_t kYieldEvery = 256;
 }
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
@@ -47,15 +49,21 @@ void ThreadPool::run_raw(JobFn fn, void* ctx) {
     }
     if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
     fn(ctx, 0, n_threads_);
-    while (pending_.load(std::memory_order_acquire) != 0) STOWLM_PAUSE();
+    // Spin (the others finish within microseconds on an idle machine) but yield the core now
+    // and then: on an oversubscribed machine the thread we wait for may need it.
+    for (uint32_t i = 1; pending_.load(std::memory_order_acquire) != 0; i++) {
+        if (i % kYieldEvery == 0) std::this_thread::yield();
+        else STOWLM_PAUSE();
+    }
 }
 
 void ThreadPool::worker(int ith) {
     uint64_t seen = 0;
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
-        for (int i = 0; g == seen && i < kSpinIters; i++) {
-            STOWLM_PAUSE();
+        for (int i = 1; g == seen && i < kSpinIters; i++) {
+            if (i % kYieldEvery == 0) std::this_thread::yield();
+            else STOWLM_PAUSE();
             g = generation_.load(std::memory_order_acquire);
         }
         if (g == seen) {

@@ -4,7 +4,8 @@ from . import _core
 from . import gguffile
 from .engine import Context, Model
 from .gguffile import GGUFFile
+from .llm import LLM, Completion
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "GGUFFile", "Model", "Context"]
+__all__ = ["__version__", "LLM", "Completion", "GGUFFile", "Model", "Context"]

@@ -6,6 +6,7 @@ exercised on a machine without GPUs.
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass
 from typing import Iterable, List, Sequence, Union
@@ -14,7 +15,32 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
           "tib": 1 << 40}
 _SPEC = re.compile(r"^\s*([a-z]+)(?::(\d+))?\s*(?:\[(.*)\])?\s*$", re.IGNORECASE)
-KINDS = ("cpu",)
+KINDS = ("cpu", "cuda")
+_log = logging.getLogger("stowlm")
+_cuda_cache = None
+
+
+def cuda_devices():
+    """(CUDA devices as dicts, why there are none). Queried once; the absence is logged once."""
+    global _cuda_cache
+    if _cuda_cache is None:
+        from . import _core
+
+        devs, why = _core.cuda.devices()
+        _cuda_cache = (list(devs), why)
+        if not devs:
+            _log.info("stowlm: no CUDA device (%s); running on the CPU", why)
+    return _cuda_cache
+
+
+def list_devices() -> List[dict]:
+    """Every device this machine offers: the CPU, then each CUDA device (none where absent)."""
+    import os
+
+    out = [{"name": "cpu:0", "kind": "cpu", "threads": os.cpu_count() or 1}]
+    for d in cuda_devices()[0]:
+        out.append(dict(d, name=f"cuda:{d['index']}", kind="cuda"))
+    return out
 
 
 @dataclass(frozen=True)
@@ -63,6 +89,14 @@ def parse_device(text: str) -> DeviceSpec:
     if kind not in KINDS:
         raise ValueError(f"device {text!r}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
     index = int(m.group(2) or 0)
+    if kind == "cuda":
+        devs, why = cuda_devices()
+        if not devs:
+            raise RuntimeError(f"device {text!r}: no CUDA device is present ({why})")
+        if index >= len(devs):
+            raise ValueError(f"device {text!r}: there are {len(devs)} CUDA devices (cuda:0..cuda:{len(devs) - 1})")
+        raise RuntimeError(f"device {text!r}: the CUDA backend is not yet available to the engine "
+                           f"(kernels are built; the device is not wired into model placement yet)")
     threads, mem = 0, 0
     if m.group(3) is not None and m.group(3).strip():
         for item in m.group(3).split(","):

@@ -71,7 +71,10 @@ class LLM:
                 self._template, self._template_error = None, str(e)
         if n_ctx is None:
             n_ctx = min(4096, self.model.n_ctx_train)
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type)
+        # Generation needs one row of logits; a few rows keep logits() reasonably batched while
+        # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
+        self.ctx = Context(self.model, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
+                           n_outputs=min(n_ubatch, 32))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
 
     # -- tokens -----------------------------------------------------------------------------

@@ -1,0 +1,122 @@
+"""The user API (stowlm.LLM) and the stowlm CLI on a real model (smollm2-135m)."""
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import stowlm
+from conftest import get_model, load_fixture, subprocess_env
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=512, progress=False) as m:
+        yield m
+
+
+def test_temperature_zero_is_the_engine_greedy_loop(llm):
+    """generate(temperature=0) equals a hand-written argmax loop over the low-level Context
+    (agreement with llama.cpp's own greedy run is tested in test_models.py)."""
+    rec = next(r for r in load_fixture("smollm2-135m") if r["kind"] == "logits")
+    out = llm.generate(rec["ids"], max_tokens=12, temperature=0.0)
+    ctx = stowlm.Context(llm.model, n_ctx=512)
+    logits = ctx.eval(rec["ids"])
+    want = []
+    for _ in range(12):
+        tok = int(np.argmax(logits))
+        if llm.tokenizer.is_eog(tok):
+            break
+        want.append(tok)
+        logits = ctx.eval([tok])
+    assert out.tokens == want
+    assert out.prompt_tokens == len(rec["ids"]) and out.completion_tokens == len(want)
+    assert out.finish_reason == ("length" if len(want) == 12 else "stop")
+
+
+def test_prefix_reuse_gives_the_same_logits_as_a_fresh_eval(llm):
+    a = llm.tokenize("The capital of France is Paris, and the capital of Germany is")
+    b = a + llm.tokenize(" Berlin. The capital of Italy is", add_special=False)
+    llm.generate(a, max_tokens=4, temperature=0)     # leaves a (+ generated tokens) in the cache
+    reused = llm._prefill(b).copy()                   # only the tail of b is evaluated
+    assert llm.ctx.n_past == len(b)
+    fresh_ctx = stowlm.Context(llm.model, n_ctx=512)
+    fresh = fresh_ctx.eval(b, logits="last")
+    np.testing.assert_allclose(reused, fresh, rtol=0, atol=1e-3 * np.abs(fresh).max())
+    assert int(np.argmax(reused)) == int(np.argmax(fresh))
+
+
+def test_same_seed_same_text_and_stream_equals_whole(llm):
+    kw = dict(max_tokens=12, temperature=0.9, seed=1234)
+    one = llm.generate("Once upon a time", **kw)
+    two = llm.generate("Once upon a time", **kw)
+    assert one.text == two.text and one.tokens == two.tokens
+    pieces = list(llm.generate("Once upon a time", stream=True, **kw))
+    assert "".join(pieces) == one.text
+
+
+def test_stop_string_ends_the_text(llm):
+    full = llm.generate("1, 2, 3, 4,", max_tokens=12, temperature=0)
+    assert "6" in full.text, full.text
+    cut = llm.generate("1, 2, 3, 4,", max_tokens=12, temperature=0, stop=["6"])
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[:full.text.index("6")]
+
+
+def test_chat_uses_the_template(llm):
+    out = llm.chat([{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0)
+    assert out.completion_tokens > 0 and out.text.strip()
+
+
+def test_bad_inputs_raise_and_the_llm_stays_usable(llm):
+    with pytest.raises(ValueError, match="n_ctx=512"):
+        llm.generate([1] * 600, max_tokens=1)
+    with pytest.raises(ValueError, match="temperature"):
+        llm.generate("hi", temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        llm.generate("hi", top_p=1.5)
+    with pytest.raises(ValueError, match="vocabulary"):
+        llm.generate([10 ** 7], max_tokens=1)
+    assert llm.generate("Hello", max_tokens=2, temperature=0).completion_tokens >= 1
+
+
+def test_missing_and_non_gguf_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.gguf"):
+        stowlm.LLM(str(tmp_path / "nope.gguf"), progress=False)
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"this is not a gguf file at all" * 10)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        stowlm.LLM(str(junk), progress=False)
+
+
+def _cli(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "stowlm", *args], capture_output=True, text=True,
+                          timeout=timeout, env=subprocess_env(), stdin=subprocess.DEVNULL)
+
+
+def test_cli_run_prints_a_completion():
+    r = _cli("run", str(get_model("smollm2-135m")), "-p", "The capital of France is", "-n", "8", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("The capital of France is")
+    assert len(r.stdout.strip()) > len("The capital of France is")
+    assert "tokens/s" in r.stderr
+
+
+def test_cli_errors_are_clear():
+    r = _cli("run", "/no/such/model.gguf", "-p", "x")
+    assert r.returncode != 0 and "model.gguf" in r.stderr and "Traceback" not in r.stderr
+    r = _cli("pull", "no-such-model")
+    assert r.returncode != 0 and "smollm2-135m" in r.stderr  # lists the known names
+    r = _cli("run", str(get_model("smollm2-135m")), "-p", "x", "--top-p", "7")
+    assert r.returncode != 0 and "top_p" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_info_version_help():
+    r = _cli("info", str(get_model("smollm2-135m")))
+    assert r.returncode == 0, r.stderr
+    assert "llama" in r.stdout and "Q4_1" in r.stdout
+    r = _cli("--version")
+    assert r.returncode == 0 and stowlm.__version__ in r.stdout
+    r = _cli("--help")
+    assert r.returncode == 0 and "run" in r.stdout and "pull" in r.stdout
