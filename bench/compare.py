@@ -134,10 +134,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                         samples.setdefault((model, name, label), []).extend(float(x) for x in res["samples_ts"])
                         info.setdefault(label, res)
                         raw.append(dict(tool=label, command=cmd, **res))
-
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(raw, f, indent=1)
+                    if a.json:  # after every call: a long comparison cut short keeps what it measured
+                        with open(a.json, "w") as f:
+                            json.dump(raw, f, indent=1)
 
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cpu = info.get("stowlm", {}).get("cpu_info", platform.processor())
