@@ -84,7 +84,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     p = _parser()
-    a = p.parse_args(argv)
+    if argv[:1] == ["bench"]:
+        # argparse's REMAINDER refuses a first argument that looks like an option ("-m"):
+        # everything after "bench" belongs to stowlm-bench.
+        a = argparse.Namespace(command="bench", args=list(argv[1:]))
+    else:
+        a = p.parse_args(argv)
     if a.command is None:
         p.print_help()
         return 0

@@ -1,0 +1,232 @@
+"""stowlm-bench, the native benchmark: arguments, output formats, the memory report, and that
+its timed runs compute what the Python API computes for the same tokens."""
+import csv
+import io
+import json
+import re
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import stowlm
+from conftest import REPO, get_model, subprocess_env
+
+THREADS = "1"  # one worker: fast and steady on a loaded machine
+
+
+def bench_exe() -> str:
+    """The binary that belongs to the stowlm under test: stowlm/bin of an installed package,
+    build/ of a development build (python/ on PYTHONPATH)."""
+    pkg = Path(stowlm.__file__).resolve().parent
+    candidates = [pkg / "bin" / "stowlm-bench"]
+    if pkg == (REPO / "python" / "stowlm").resolve():
+        candidates.append(REPO / "build" / "stowlm-bench")
+    for c in candidates:
+        if c.is_file() and os.access(c, os.X_OK):
+            return str(c)
+    found = shutil.which("stowlm-bench")
+    if found:
+        return found
+    raise AssertionError(f"stowlm-bench not found (looked at {[str(c) for c in candidates]} and PATH)")
+
+
+def bench(*args, check=True):
+    r = subprocess.run([bench_exe(), *map(str, args)], capture_output=True, text=True, timeout=120)
+    if check:
+        assert r.returncode == 0, f"stowlm-bench {' '.join(map(str, args))} failed:\n{r.stderr}"
+    return r
+
+
+@pytest.fixture(scope="module")
+def small():
+    return str(get_model("smollm2-135m"))
+
+
+@pytest.fixture(scope="module")
+def gguf_facts(small):
+    """Tensor bytes, parameter count and KV geometry of the small model from the gguf package."""
+    import gguf
+
+    r = gguf.GGUFReader(small)
+    f = {k: v.parts[-1][0] for k, v in r.fields.items() if len(v.parts[-1]) == 1}
+    return dict(size=sum(int(t.n_bytes) for t in r.tensors),
+                n_params=sum(int(t.n_elements) for t in r.tensors),
+                n_layer=int(f["llama.block_count"]), n_head_kv=int(f["llama.attention.head_count_kv"]),
+                head_dim=int(f["llama.embedding_length"]) // int(f["llama.attention.head_count"]),
+                file_bytes=os.path.getsize(small))
+
+
+@pytest.fixture(scope="module")
+def json_run(small, tmp_path_factory):
+    """One run covering pp, tg, depth and repetitions: the JSON report and the dumped logits."""
+    dump = tmp_path_factory.mktemp("bench") / "logits.json"
+    r = bench("-m", small, "-p", 16, "-n", 4, "-d", 8, "-r", 2, "-t", THREADS, "-o", "json",
+              "--seed", 7, "--dump-logits", dump)
+    return json.loads(r.stdout), json.loads(dump.read_text())
+
+
+def test_help():
+    r = bench("--help")
+    assert "usage: stowlm-bench" in r.stdout
+    for flag in ("-p", "-n", "-d", "-t", "-r", "-ub", "-ctk", "-o", "-v"):
+        assert f"  {flag}" in r.stdout
+
+
+def test_json_fields(json_run, small, gguf_facts):
+    results, _ = json_run
+    assert [(x["n_prompt"], x["n_gen"], x["n_depth"]) for x in results] == [(16, 0, 8), (0, 4, 8)]
+    for x in results:
+        assert x["model_filename"] == small
+        assert x["model_type"].startswith("llama ")
+        assert x["model_size"] == gguf_facts["size"]
+        assert x["model_n_params"] == gguf_facts["n_params"]
+        assert x["n_threads"] == int(THREADS) and x["n_ubatch"] == 512 and x["type_k"] == "f16"
+        assert x["backends"] == "CPU"
+        assert len(x["samples_ns"]) == len(x["samples_ts"]) == 2
+        tokens = x["n_prompt"] + x["n_gen"]
+        ts = [tokens * 1e9 / ns for ns in x["samples_ns"]]
+        np.testing.assert_allclose(x["samples_ts"], ts, rtol=1e-5)
+        np.testing.assert_allclose(x["avg_ts"], np.mean(ts), rtol=1e-5)
+        np.testing.assert_allclose(x["stddev_ts"], np.std(ts, ddof=1), rtol=1e-4, atol=1e-6)
+        assert x["avg_ns"] == pytest.approx(np.mean(x["samples_ns"]), abs=1)
+
+
+def test_bench_logits_match_python_api(json_run, small):
+    """The last logits of each test's final repetition (after warm-up and earlier repetitions
+    truncated the cache back to the depth) equal a fresh Python context fed the same tokens the
+    same way: the prompt in one call, generated tokens one call each."""
+    from stowlm.engine import Context, Model
+
+    _, dump = json_run
+    assert dump["seed"] == 7 and len(dump["runs"]) == 2
+    model = Model(small, devices=[f"cpu[threads={THREADS}]"])
+    for run in dump["runs"]:
+        n_p, n_g = run["n_prompt"], run["n_gen"]
+        depth = run["depth_tokens"]
+        toks = run["tokens"]
+        assert run["test"].endswith(" @ d8") and len(depth) == 8 and len(toks) == n_p + n_g
+        assert all(0 <= t < model.n_vocab for t in depth + toks)
+        ctx = Context(model, n_ctx=len(depth) + len(toks), n_ubatch=512, n_outputs=1)
+        if depth:
+            ctx.eval(depth)
+        if n_p:
+            want = ctx.eval(toks[:n_p])
+        for t in toks[n_p:]:
+            want = ctx.eval([t])
+        got = np.asarray(run["logits"], dtype=np.float32)
+        assert got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4, err_msg=run["test"])
+        if depth:
+            # the depth tokens are really in the cache: without them the logits differ
+            ctx = Context(model, n_ctx=len(toks), n_ubatch=512, n_outputs=1)
+            if n_p:
+                alone = ctx.eval(toks[:n_p])
+            for t in toks[n_p:]:
+                alone = ctx.eval([t])
+            assert np.abs(alone - got).max() > 0.1, run["test"]
+
+
+def test_markdown_and_csv(small):
+    md = bench("-m", small, "-p", 8, "-n", 2, "-r", 1, "-t", THREADS, "--no-warmup").stdout.splitlines()
+    head = [c.strip() for c in md[0].strip("|").split("|")]
+    assert head == ["model", "size", "params", "backend", "threads", "test", "t/s"]
+    assert all(re.fullmatch(r"-+:?", c.strip()) for c in md[1].strip("|").split("|"))
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in md[2:]]
+    assert [r[5] for r in rows] == ["pp8", "tg2"]
+    for r in rows:
+        assert r[1].endswith(" MiB") and r[2] == "134.52 M" and r[4] == THREADS
+        mean, std = r[6].split(" ± ")
+        assert float(mean) > 0 and float(std) == 0  # one repetition: no spread
+
+    out = bench("-m", small, "-p", 8, "-n", 0, "-r", 1, "-t", THREADS, "-ub", 4, "-d", 4, "-o", "csv",
+                "--no-warmup").stdout
+    rows = list(csv.DictReader(io.StringIO(out)))
+    assert len(rows) == 1
+    for key in ("model_filename", "model_type", "model_size", "model_n_params", "n_threads", "n_prompt",
+                "n_gen", "n_depth", "n_ubatch", "avg_ts", "stddev_ts", "samples_ts"):
+        assert key in rows[0]
+    assert (rows[0]["n_prompt"], rows[0]["n_gen"], rows[0]["n_depth"], rows[0]["n_ubatch"]) == ("8", "0", "4", "4")
+    assert float(rows[0]["avg_ts"]) > 0
+
+
+@pytest.mark.parametrize("ctk,bytes_per_32", [("f16", 64), ("q8_0", 34)])
+def test_verbose_memory_report(small, gguf_facts, ctk, bytes_per_32):
+    r = bench("-m", small, "-p", 16, "-n", 0, "-r", 1, "-t", THREADS, "-ctk", ctk, "-v", "--no-warmup")
+    lines = r.stderr.splitlines()
+    dev = [ln.split() for ln in lines if ln.strip().startswith("cpu:0")]
+    assert len(dev) == 1
+    vals = dict(zip(dev[0][1::3], map(float, dev[0][2::3])))
+    # K and V of every layer for n_ctx = 16 cells
+    g = gguf_facts
+    kv = 2 * g["n_layer"] * 16 * g["n_head_kv"] * g["head_dim"] // 32 * bytes_per_32
+    assert vals["kv"] == pytest.approx(kv / 2**20, abs=0.006)
+    assert vals["weights"] == pytest.approx(g["size"] / 2**20, abs=0.006)
+    assert vals["compute"] > 0
+    assert vals["total"] == pytest.approx(vals["weights"] + vals["kv"] + vals["compute"], abs=0.02)
+    peak = [ln for ln in lines if ln.startswith("peak RSS")]
+    assert len(peak) == 1
+    rss = float(peak[0].split()[2])
+    # every weight page is read by the run, so the resident peak holds at least the weights
+    assert rss >= vals["weights"]
+    assert f"file {g['file_bytes'] / 2**20:.2f}" in peak[0]
+
+
+@pytest.mark.parametrize("args,code,message", [
+    ([], 2, "no model given"),
+    (["--frobnicate"], 2, "unknown argument '--frobnicate'"),
+    (["-m", "/nonexistent/model.gguf"], 1, "model file '/nonexistent/model.gguf' does not exist"),
+    (["-m", "{small}", "-p", "abc"], 2, "-p: expected an integer, got 'abc'"),
+    (["-m", "{small}", "-n", "-3"], 2, "-n: must be >= 0"),
+    (["-m", "{small}", "-r", "0"], 2, "-r: must be >= 1"),
+    (["-m", "{small}", "-t"], 2, "-t: missing value"),
+    (["-m", "{small}", "-o", "xml"], 2, "-o: unknown format 'xml'"),
+    (["-m", "{small}", "-ctk", "q4_0"], 2, "-ctk: unknown KV cache type 'q4_0'"),
+    (["-m", "{small}", "-pg", "512"], 2, "-pg: expected P,G"),
+    (["-m", "{small}", "-p", "0", "-n", "0"], 2, "nothing to run"),
+    (["-m", "{garbage}"], 1, "garbage.gguf"),
+])
+def test_bad_arguments(small, tmp_path, args, code, message):
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"GGUF" + b"\xff" * 60)
+    r = bench(*[a.format(small=small, garbage=garbage) for a in args], check=False)
+    assert r.returncode == code, r.stderr
+    assert message in r.stderr
+    assert r.stderr.startswith("stowlm-bench: error: ")
+    assert r.stdout == ""
+
+
+def test_stowlm_bench_subcommand():
+    """`stowlm bench ARGS` hands its arguments to the binary (found on PATH here)."""
+    env = subprocess_env()
+    env["PATH"] = os.pathsep.join([str(Path(bench_exe()).parent), env.get("PATH", "")])
+    r = subprocess.run([sys.executable, "-m", "stowlm", "bench", "-m", "/nonexistent.gguf"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "stowlm-bench: error: model file '/nonexistent.gguf' does not exist" in r.stderr
+
+
+def test_compare_script(small, tmp_path):
+    """bench/compare.py with stowlm-bench standing in as the peer (same flags, same JSON): one
+    row per test, and the ratio column is the quotient of the two t/s columns."""
+    raw = tmp_path / "raw.json"
+    r = subprocess.run([sys.executable, str(REPO / "bench" / "compare.py"), "--stowlm", bench_exe(),
+                        "--peer", f"twin={bench_exe()}", "--peer-args", "", "-m", small, "-p", "8", "-n", "2",
+                        "-t", THREADS, "-r", "1", "--json", str(raw)],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("|")]
+    assert [c.strip() for c in lines[0].strip("|").split("|")] == ["model", "test", "stowlm t/s", "twin t/s",
+                                                                     "stowlm/twin"]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines[2:]]
+    assert [(row[0], row[1]) for row in rows] == [("smollm2-135m", "pp8"), ("smollm2-135m", "tg2")]
+    for row in rows:
+        ours, theirs = float(row[2].split(" ± ")[0]), float(row[3].split(" ± ")[0])
+        assert float(row[4]) == pytest.approx(ours / theirs, abs=0.006)
+    calls = json.loads(raw.read_text())
+    assert [c["tool"] for c in calls] == ["stowlm", "twin", "stowlm", "twin"]  # alternating
+    assert all(c["n_threads"] == int(THREADS) for c in calls)
