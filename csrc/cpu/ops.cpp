@@ -183,56 +183,43 @@ void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, in
     });
 }
 
-void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
-            int64_t ld_out, ThreadPool& pool) {
-    check_dims("swiglu", n, dim);
-    for_rows(pool, n, dim, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; r++) {
-            const float* g = gate + r * ld_gate;
-            const float* u = up + r * ld_up;
+namespace {
+// out[r, i] = f(a[r, i], b[r, i]) over n rows of dim, threaded by rows; ld_b == 0 broadcasts b's row.
+template <class F>
+void rowwise_binary(const char* op, const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n,
+                    int64_t dim, float* out, int64_t ld_out, ThreadPool& pool, F f) {
+    check_dims(op, n, dim);
+    for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; r++) {
+            const float* x = a + r * ld_a;
+            const float* y = b + r * ld_b;
             float* o = out + r * ld_out;
-            for (int64_t i = 0; i < dim; i++) o[i] = silu(g[i]) * u[i];
+            for (int64_t i = 0; i < dim; i++) o[i] = f(x[i], y[i]);
         }
     });
+}
+}  // namespace
+
+void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
+            int64_t ld_out, ThreadPool& pool) {
+    rowwise_binary("swiglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool,
+                   [](float g, float u) { return silu(g) * u; });
 }
 
 void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
            int64_t ld_out, ThreadPool& pool) {
-    check_dims("geglu", n, dim);
-    for_rows(pool, n, dim, [&](int64_t b, int64_t e) {
-        for (int64_t r = b; r < e; r++) {
-            const float* g = gate + r * ld_gate;
-            const float* u = up + r * ld_up;
-            float* o = out + r * ld_out;
-            for (int64_t i = 0; i < dim; i++) o[i] = gelu_tanh(g[i]) * u[i];
-        }
-    });
+    rowwise_binary("geglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool,
+                   [](float g, float u) { return gelu_tanh(g) * u; });
 }
 
 void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
          int64_t ld_out, ThreadPool& pool) {
-    check_dims("add", n, dim);
-    for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
-        for (int64_t r = rb; r < re; r++) {
-            const float* x = a + r * ld_a;
-            const float* y = b + r * ld_b;
-            float* o = out + r * ld_out;
-            for (int64_t i = 0; i < dim; i++) o[i] = x[i] + y[i];
-        }
-    });
+    rowwise_binary("add", a, ld_a, b, ld_b, n, dim, out, ld_out, pool, [](float x, float y) { return x + y; });
 }
 
 void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
          int64_t ld_out, ThreadPool& pool) {
-    check_dims("mul", n, dim);
-    for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
-        for (int64_t r = rb; r < re; r++) {
-            const float* x = a + r * ld_a;
-            const float* y = b + r * ld_b;
-            float* o = out + r * ld_out;
-            for (int64_t i = 0; i < dim; i++) o[i] = x[i] * y[i];
-        }
-    });
+    rowwise_binary("mul", a, ld_a, b, ld_b, n, dim, out, ld_out, pool, [](float x, float y) { return x * y; });
 }
 
 void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float s, ThreadPool& pool) {
