@@ -314,14 +314,25 @@ struct F16Row {
     const uint16_t* r;
     F16Row(const unsigned char* p) : r((const uint16_t*)p) {}
     __m256 load(int64_t i) const { return load_h(r + 8 * i); }
+    static constexpr double kElemBytes = 2;
 };
 struct Q8Row {
     const block_q8_0* r;
     Q8Row(const unsigned char* p) : r((const block_q8_0*)p) {}
+    static constexpr double kElemBytes = sizeof(block_q8_0) / 32.0;
     __m256 load(int64_t i) const {
         return _mm256_mul_ps(load_i8(r[i / 4].qs + 8 * (i % 4)), _mm256_set1_ps(_cvtsh_ss(r[i / 4].d)));
     }
 };
+
+// The rows ahead in the index list, fetched while these compute (see the AVX-512 file: the
+// hardware prefetchers miss a head's strided slices of the cells).
+constexpr int kPfCells = 24;
+inline void prefetch_ahead(const unsigned char* base, size_t stride, const int32_t* idx, int j, int n, int bytes) {
+    const int jj = j + kPfCells < n ? j + kPfCells : n - 1;
+    const char* p = (const char*)base + (size_t)idx[jj] * stride;
+    for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+}
 
 // nv vectors of 8 cover head_dim (a multiple of 8).
 template <class Row>
@@ -333,6 +344,7 @@ void scores_mh2(const float* q, int64_t ldq, const unsigned char* base, size_t s
     const float* q1 = q + ldq;
     int j = 0;
     for (; j + 4 <= n; j += 4) {
+        for (int c = 0; c < 4; c++) prefetch_ahead(base, stride, idx, j + c, n, (int)(nv * 8 * Row::kElemBytes));
         const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
             r3(base + idx[j + 3] * stride);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
@@ -373,6 +385,7 @@ void accum_mh2(float* acc, int64_t lda, const float* w, int64_t ldw, const unsig
     __m256 b0 = _mm256_loadu_ps(c), b1 = _mm256_loadu_ps(c + 8), b2 = _mm256_loadu_ps(c + 16),
            b3 = _mm256_loadu_ps(c + 24);
     for (int j = 0; j < n; j++) {
+        prefetch_ahead(base, stride, idx, j, n, (int)(32 * Row::kElemBytes));
         const Row r(base + idx[j] * stride);
         const __m256 wa = _mm256_set1_ps(w[j]), wb = _mm256_set1_ps(w[ldw + j]);
         __m256 v = r.load(0);

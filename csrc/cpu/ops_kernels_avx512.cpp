@@ -400,14 +400,29 @@ struct F16Row {
     const uint16_t* r;
     F16Row(const unsigned char* p) : r((const uint16_t*)p) {}
     __m512 load(int i, __mmask16 m) const { return load_h_mask(r + 16 * i, m); }
+    static constexpr int bytes(int nv) { return nv * 32; }
 };
 struct Q8Row {  // head_dim is a multiple of 32, so no vector is partial
     const block_q8_0* r;
     Q8Row(const unsigned char* p) : r((const block_q8_0*)p) {}
+    static constexpr int bytes(int nv) { return nv / 2 * (int)sizeof(block_q8_0); }
     __m512 load(int i, __mmask16) const {
         return _mm512_mul_ps(load_i8(r[i / 2].qs + 16 * (i % 2)), _mm512_set1_ps(_cvtsh_ss(r[i / 2].d)));
     }
 };
+
+// KV rows are a head's slice of each cell (a stride of all heads' bytes), visited through an
+// index list: the hardware prefetchers miss them and the loop waits on memory (decoding at
+// depth is a pass over the whole cache). Rows kPfCells ahead are fetched while these compute.
+constexpr int kPfCells = 24;
+template <class Row, int NV>
+inline void prefetch_rows(const unsigned char* base, size_t stride, const int32_t* idx, int j, int cnt, int n) {
+    for (int c = 0; c < cnt; c++) {
+        const int jj = j + kPfCells + c < n ? j + kPfCells + c : n - 1;
+        const char* p = (const char*)base + (size_t)idx[jj] * stride;
+        for (int off = 0; off < Row::bytes(NV); off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
+    }
+}
 
 template <class Row, int NV, int G>
 void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
@@ -421,6 +436,7 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
     }
     int j = 0;
     for (; j + 4 <= n; j += 4) {
+        prefetch_rows<Row, NV>(base, stride, idx, j, 4, n);
         const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
             r3(base + idx[j + 3] * stride);
         __m512 a[G][4];
@@ -467,6 +483,7 @@ void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsi
         for (int i = 0; i < NV; i++)
             a[h][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + h * lda + 16 * i);
     for (int j = 0; j < n; j++) {
+        prefetch_rows<Row, NV>(base, stride, idx, j, 1, n);
         const Row r(base + idx[j] * stride);
         __m512 wv[G];
         for (int h = 0; h < G; h++) wv[h] = _mm512_set1_ps(w[h * ldw + j]);
