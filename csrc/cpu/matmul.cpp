@@ -13,6 +13,8 @@ namespace stowlm::cpu {
 
 namespace {
 
+constexpr int64_t kInlineQuantElems = 1 << 14;
+
 struct ScalarKern {
     static float dot_q32(const int8_t* q, const float* d, const float* m, const block_q8_a* a, int64_t nb) {
         float s = 0;
@@ -118,7 +120,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
         uint8_t* act = (uint8_t*)A.act;
         const int64_t nblk = fam == DotFamily::Q32 ? w.cols / QK : w.cols / QK_K;
         const int64_t belems = fam == DotFamily::Q32 ? QK : QK_K;
-        pool.parallel_for(n_tok * nblk, [&](int64_t b, int64_t e, int) {
+        auto quantize = [&](int64_t b, int64_t e, int) {
             // contiguous runs of blocks within one token
             while (b < e) {
                 const int64_t t = b / nblk, j = b % nblk;
@@ -133,7 +135,10 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
                     quantize_act_scalar(fam, xs, blk, n * belems);
                 b += n;
             }
-        });
+        };
+        // A few tokens quantize in about a microsecond: less than waking the workers costs.
+        if (n_tok * w.cols <= kInlineQuantElems) quantize(0, n_tok * nblk, 0);
+        else pool.parallel_for(n_tok * nblk, quantize);
     }
 
 #ifdef STOWLM_X86
