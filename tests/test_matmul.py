@@ -142,6 +142,48 @@ def test_matmul_all_types(name, isa, restore_isa):
         check(name, y2.astype(np.float64), ref_w, x)
 
 
+# Groups as a decoder layer has them (q/k/v, gate/up), plus one mixing activation formats
+# (Q8_0 with Q4_K: the one-at-a-time fallback).
+MULTI_GROUPS = [[("Q4_1", 131), ("Q4_1", 33), ("Q4_1", 7)], [("Q4_K", 33), ("Q6_K", 131)],
+                [("Q8_0", 33), ("Q4_K", 7)], [("Q5_0", 9), ("Q8_0", 33), ("Q5_0", 1), ("Q4_0", 131)]]
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("group", range(len(MULTI_GROUPS)))
+def test_matmul_multi_equals_single(group, isa, restore_isa):
+    """One pass over several weights sharing x gives each product exactly as matmul alone does."""
+    if isa not in ops.cpu_info()["supported"]:
+        pytest.skip(f"this CPU/OS cannot run the {isa} path")
+    ops.set_isa(isa)
+    from stowlm import _core
+    cols = 512
+    rng = np.random.default_rng(group)
+    ws = [(name, rows) + weights(name, rows, cols) for name, rows in MULTI_GROUPS[group]]
+    for n_tok in (1, 3, 40):
+        x = with_outliers(rng.standard_normal((n_tok, cols)).astype(np.float32), rng)
+        for threads in (1, 2):
+            ys = _core.ops.matmul_multi_raw([(raw.reshape(-1), int(T[name]), rows) for name, rows, raw, _ in ws],
+                                            cols, x, threads)
+            assert len(ys) == len(ws)
+            for (name, rows, raw, ref_w), y in zip(ws, ys):
+                assert y.shape == (n_tok, rows)
+                check(name, y.astype(np.float64), ref_w, x)
+                np.testing.assert_array_equal(y, ops.matmul(raw, name, x, threads=threads))
+
+
+def test_matmul_multi_errors():
+    from stowlm import _core
+    raw, _ = weights("Q4_0", 7, 512)
+    x = np.zeros((2, 512), np.float32)
+    with pytest.raises(ValueError, match="between 1 and"):
+        _core.ops.matmul_multi_raw([], 512, x)
+    with pytest.raises(ValueError, match="weight 1 has"):
+        _core.ops.matmul_multi_raw([(raw.reshape(-1), int(T["Q4_0"]), 7), (raw.reshape(-1)[:-1], int(T["Q4_0"]), 7)],
+                                   512, x)
+    with pytest.raises(ValueError, match="columns"):
+        _core.ops.matmul_multi_raw([(raw.reshape(-1), int(T["Q4_0"]), 7)], 256, x)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K"])
 def test_matmul_vector_and_flat(name):
     rows, cols = 33, 512

@@ -107,7 +107,17 @@ public:
     }
 
     void compute(const Split& split, void* scratch, size_t scratch_bytes) override {
-        for (Tensor* n : split.nodes) run(n, scratch);
+        const std::vector<Tensor*>& nodes = split.nodes;
+        for (size_t i = 0; i < nodes.size();) {
+            // Products of one activation that follow each other (q, k, v; gate, up) run as one
+            // call. Their outputs are live together anyway: none is another's input.
+            size_t e = i + 1;
+            if (nodes[i]->op == Op::MUL_MAT)
+                while (e < nodes.size() && e - i < (size_t)cpu::kMaxMulti && same_product_input(nodes[i], nodes[e])) e++;
+            if (e - i > 1) run_products(&nodes[i], (int)(e - i), scratch);
+            else run(nodes[i], scratch);
+            i = e;
+        }
         (void)scratch_bytes;
     }
 
@@ -132,6 +142,25 @@ private:
             throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " + mib(bytes) +
                                     ", " + mib(budget_ - used_) + " available of a " + mib(budget_) + " budget");
         used_ += bytes;
+    }
+
+    static bool same_product_input(const Tensor* a, const Tensor* b) {
+        return b->op == Op::MUL_MAT && b->src[1]->data == a->src[1]->data && b->src[1]->ne[0] == a->src[1]->ne[0] &&
+               b->src[1]->n_rows() == a->src[1]->n_rows();
+    }
+
+    void run_products(Tensor* const* ns, int n, void* scratch) {
+        cpu::WeightRef ws[cpu::kMaxMulti];
+        float* ys[cpu::kMaxMulti];
+        int64_t ldys[cpu::kMaxMulti];
+        for (int i = 0; i < n; i++) {
+            const Tensor* w = ns[i]->src[0];
+            ws[i] = cpu::WeightRef{w->data, w->type, w->ne[1], w->ne[0]};
+            ys[i] = f32(ns[i]);
+            ldys[i] = ns[i]->ne[0];
+        }
+        Tensor* x = ns[0]->src[1];
+        cpu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, pool_);
     }
 
     void run(Tensor* n, void* scratch) {

@@ -1,10 +1,13 @@
 // stowlm._core.ops.matmul: the CPU quantized matrix product on numpy arrays.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "bind.h"
@@ -60,6 +63,49 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, in
     return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {(size_t)n_tok, (size_t)rows}, owner);
 }
 
+// Several weights against the same x through cpu::matmul_multi (the decoder's q/k/v and
+// gate/up products): a list of (raw bytes, qtype, rows), all with `cols` columns.
+std::vector<nb::ndarray<nb::numpy, float, nb::ndim<2>>> matmul_multi_raw(
+    const std::vector<std::tuple<WArr, uint32_t, int64_t>>& ws, int64_t cols, XArr x, int threads) {
+    const int n = (int)ws.size();
+    if (n < 1 || n > stowlm::cpu::kMaxMulti)
+        throw InvalidInput("matmul_multi: between 1 and " + std::to_string(stowlm::cpu::kMaxMulti) +
+                           " weights, got " + std::to_string(n));
+    if ((int64_t)x.shape(1) != cols)
+        throw InvalidInput("matmul_multi: x has " + std::to_string(x.shape(1)) + " columns, cols=" + std::to_string(cols));
+    const int64_t n_tok = (int64_t)x.shape(0);
+    stowlm::cpu::WeightRef wr[stowlm::cpu::kMaxMulti];
+    float* ys[stowlm::cpu::kMaxMulti];
+    int64_t ldys[stowlm::cpu::kMaxMulti];
+    std::vector<nb::ndarray<nb::numpy, float, nb::ndim<2>>> outs;
+    size_t scratch_bytes = 0;
+    for (int i = 0; i < n; i++) {
+        const auto& [w, qtype, rows] = ws[i];
+        const stowlm::QTypeInfo& info = stowlm::qtype_checked(qtype);
+        const QType t = (QType)qtype;
+        if (rows <= 0) throw InvalidInput("matmul_multi: weight " + std::to_string(i) + " rows must be > 0");
+        if (cols <= 0 || cols % info.block_elems)
+            throw InvalidInput("matmul_multi: cols=" + std::to_string(cols) + " is not a positive multiple of the " +
+                               info.name + " block size " + std::to_string(info.block_elems));
+        if (w.size() != stowlm::row_bytes(t, cols) * (size_t)rows)
+            throw InvalidInput("matmul_multi: weight " + std::to_string(i) + " has " + std::to_string(w.size()) +
+                               " bytes, expected rows*row_bytes");
+        scratch_bytes = std::max(scratch_bytes, stowlm::cpu::matmul_scratch_bytes(t, cols, n_tok));
+        float* out = new float[(size_t)std::max<int64_t>(1, n_tok * rows)];
+        nb::capsule owner(out, [](void* p) noexcept { delete[] (float*)p; });
+        outs.emplace_back(out, std::initializer_list<size_t>{(size_t)n_tok, (size_t)rows}, owner);
+        wr[i] = stowlm::cpu::WeightRef{w.data(), t, rows, cols};
+        ys[i] = out;
+        ldys[i] = rows;
+    }
+    {
+        std::vector<uint8_t> scratch(scratch_bytes);
+        nb::gil_scoped_release nogil;
+        stowlm::cpu::matmul_multi(wr, n, x.data(), n_tok, cols, ys, ldys, scratch.data(), pool_for(threads));
+    }
+    return outs;
+}
+
 }  // namespace
 
 STOWLM_BIND(matmul) {
@@ -68,4 +114,7 @@ STOWLM_BIND(matmul) {
             nb::arg("x"), nb::arg("threads") = 0,
             "y[t, r] = sum_c W[r, c] x[t, c] for raw GGUF weight bytes of type id `qtype`; returns float32 "
             "(n_tok, rows). threads=0 uses the global pool.");
+    ops.def("matmul_multi_raw", &matmul_multi_raw, nb::arg("ws"), nb::arg("cols"), nb::arg("x"), nb::arg("threads") = 0,
+            "[W_i x] for a list of (raw bytes, qtype, rows) sharing x (n_tok, cols), in one pass where the "
+            "weights share an activation format; results equal matmul_raw's.");
 }

@@ -92,17 +92,21 @@ void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n) {
 
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<ScalarKern>(a, r0, r1); }
 
-void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
-            ThreadPool& pool) {
+namespace {
+
+void check_call(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, const float* y, int64_t ldy,
+                const void* scratch) {
     check_type_cols(w.type, w.cols);
     if (w.rows < 0 || n_tok < 0) throw InvalidInput("matmul: negative rows or n_tok");
     if (ldx < w.cols || ldy < w.rows)
         throw InvalidInput("matmul: ldx must be >= cols and ldy >= rows");
     if (w.rows == 0 || n_tok == 0) return;
     if (!w.data || !x || !y) throw InvalidInput("matmul: null weight, activation or output pointer");
-    const DotFamily fam = dot_family(w.type);
-    if (fam != DotFamily::Float && !scratch) throw InvalidInput("matmul: scratch is null");
+    if (dot_family(w.type) != DotFamily::Float && !scratch) throw InvalidInput("matmul: scratch is null");
+}
 
+MatmulArgs make_args(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy,
+                     void* scratch) {
     MatmulArgs A;
     A.type = w.type;
     A.w = (const uint8_t*)w.data;
@@ -113,47 +117,103 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     // 64-byte aligned activations for the SIMD loads
     A.act = (const void*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     A.n_tok = n_tok, A.y = y, A.ldy = ldy;
+    return A;
+}
 
+// Activations are quantized once per call, split over tokens (or over blocks for one token).
+void quantize_acts(const MatmulArgs& A, ThreadPool& pool) {
+    const DotFamily fam = dot_family(A.type);
+    if (fam == DotFamily::Float) return;
     const Isa isa = active_isa();
-    // Activations are quantized once per call, split over tokens (or over blocks for one token).
-    if (fam != DotFamily::Float) {
-        uint8_t* act = (uint8_t*)A.act;
-        const int64_t nblk = fam == DotFamily::Q32 ? w.cols / QK : w.cols / QK_K;
-        const int64_t belems = fam == DotFamily::Q32 ? QK : QK_K;
-        auto quantize = [&](int64_t b, int64_t e, int) {
-            // contiguous runs of blocks within one token
-            while (b < e) {
-                const int64_t t = b / nblk, j = b % nblk;
-                const int64_t n = std::min(e - b, nblk - j);
-                const float* xs = x + t * ldx + j * belems;
-                uint8_t* dst = act + t * A.act_stride;
-                void* blk = dst + j * (fam == DotFamily::Q32 ? sizeof(block_q8_a) : sizeof(block_q8_K32));
+    uint8_t* act = (uint8_t*)A.act;
+    const int64_t nblk = fam == DotFamily::Q32 ? A.cols / QK : A.cols / QK_K;
+    const int64_t belems = fam == DotFamily::Q32 ? QK : QK_K;
+    auto quantize = [&](int64_t b, int64_t e, int) {
+        // contiguous runs of blocks within one token
+        while (b < e) {
+            const int64_t t = b / nblk, j = b % nblk;
+            const int64_t n = std::min(e - b, nblk - j);
+            const float* xs = A.x + t * A.ldx + j * belems;
+            uint8_t* dst = act + t * A.act_stride;
+            void* blk = dst + j * (fam == DotFamily::Q32 ? sizeof(block_q8_a) : sizeof(block_q8_K32));
 #ifdef STOWLM_X86
-                if (isa != Isa::Scalar) quantize_act_avx2(fam, xs, blk, n * belems);
-                else
+            if (isa != Isa::Scalar) quantize_act_avx2(fam, xs, blk, n * belems);
+            else
 #endif
-                    quantize_act_scalar(fam, xs, blk, n * belems);
-                b += n;
-            }
-        };
-        // A few tokens quantize in about a microsecond: less than waking the workers costs.
-        if (n_tok * w.cols <= kInlineQuantElems) quantize(0, n_tok * nblk, 0);
-        else pool.parallel_for(n_tok * nblk, quantize);
-    }
+                quantize_act_scalar(fam, xs, blk, n * belems);
+            b += n;
+        }
+    };
+    // A few tokens quantize in about a microsecond: less than waking the workers costs.
+    if (A.n_tok * A.cols <= kInlineQuantElems) quantize(0, A.n_tok * nblk, 0);
+    else pool.parallel_for(A.n_tok * nblk, quantize);
+}
 
+using RowsFn = void (*)(const MatmulArgs&, int64_t, int64_t);
+
+RowsFn rows_fn_for(Isa isa) {
+#ifdef STOWLM_X86
+    if (isa == Isa::AVX2) return matmul_rows_avx2;
+    if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) return matmul_rows_avx512;
+#endif
+    (void)isa;
+    return matmul_rows_scalar;
+}
+
+// Chunks of rows: small enough to balance threads, large enough to stream weights.
+int64_t row_chunk(int64_t rows, int nth) {
+    const int64_t chunk = (rows + nth * 8 - 1) / (nth * 8);
+    return std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3);
+}
+
+}  // namespace
+
+void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
+            ThreadPool& pool) {
+    check_call(w, x, n_tok, ldx, y, ldy, scratch);
+    if (w.rows == 0 || n_tok == 0) return;
+    const MatmulArgs A = make_args(w, x, n_tok, ldx, y, ldy, scratch);
+    quantize_acts(A, pool);
+    const Isa isa = active_isa();
 #ifdef STOWLM_X86
     if (isa == Isa::AMX && matmul_amx(A, pool)) return;
 #endif
-    void (*rows_fn)(const MatmulArgs&, int64_t, int64_t) = matmul_rows_scalar;
-#ifdef STOWLM_X86
-    if (isa == Isa::AVX2) rows_fn = matmul_rows_avx2;
-    else if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) rows_fn = matmul_rows_avx512;
-#endif
-    // Chunks of rows: small enough to balance threads, large enough to stream weights.
-    const int64_t nth = pool.size();
-    int64_t chunk = (w.rows + nth * 8 - 1) / (nth * 8);
-    chunk = std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3);
-    pool.parallel_for_dynamic(w.rows, chunk, [&](int64_t r0, int64_t r1, int) { rows_fn(A, r0, r1); });
+    const RowsFn rows_fn = rows_fn_for(isa);
+    pool.parallel_for_dynamic(w.rows, row_chunk(w.rows, pool.size()),
+                              [&](int64_t r0, int64_t r1, int) { rows_fn(A, r0, r1); });
+}
+
+void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
+                  const int64_t* ldys, void* scratch, ThreadPool& pool) {
+    if (n_w <= 0) return;
+    bool shared = n_w <= kMaxMulti && n_tok < kAmxMinTokens;
+    for (int i = 0; i < n_w && shared; i++) {
+        check_call(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
+        shared = ws[i].cols == ws[0].cols && act_row_bytes(ws[i].type, ws[i].cols) == act_row_bytes(ws[0].type, ws[0].cols) &&
+                 dot_family(ws[i].type) == dot_family(ws[0].type) && ws[i].rows > 0;
+    }
+    if (!shared || n_tok == 0) {
+        for (int i = 0; i < n_w; i++) matmul(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch, pool);
+        return;
+    }
+    // One quantization (the activation format depends on the family only) and one pass of the
+    // pool over all the matrices' rows: a single wake-up and barrier instead of one per matrix.
+    MatmulArgs A[kMaxMulti];
+    int64_t chunk[kMaxMulti], first[kMaxMulti + 1];
+    first[0] = 0;
+    for (int i = 0; i < n_w; i++) {
+        A[i] = make_args(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
+        chunk[i] = row_chunk(ws[i].rows, pool.size());
+        first[i + 1] = first[i] + (ws[i].rows + chunk[i] - 1) / chunk[i];
+    }
+    quantize_acts(A[0], pool);
+    const RowsFn rows_fn = rows_fn_for(active_isa());
+    pool.parallel_for_dynamic(first[n_w], 1, [&](int64_t c, int64_t, int) {
+        int i = 0;
+        while (c >= first[i + 1]) i++;
+        const int64_t r0 = (c - first[i]) * chunk[i];
+        rows_fn(A[i], r0, std::min(A[i].rows, r0 + chunk[i]));
+    });
 }
 
 }  // namespace stowlm::cpu
