@@ -333,6 +333,58 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]) + macc[i][j];
 }
 
+// One token (decoding), 4 rows: each row's two blocks' scale fields come from one 32-bit load
+// per block ([d, m] where the format has m, d and two quant bytes otherwise: those lanes are
+// never read) and one multiply by the activations' [d, s] pairs gives both the lane pattern's
+// source and the min terms. About two thirds of fused_q32_x2's instructions per block pair.
+template <class L>
+void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = typename L::B;
+    static_assert(offsetof(B, d) == 0, "scale first");
+    const int64_t nb = A.cols / QK;
+    const B* w[4];
+    for (int i = 0; i < 4; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
+    const size_t pf = 4 * A.w_stride;
+    const block_q8_a* a = (const block_q8_a*)((const uint8_t*)A.act + t0 * A.act_stride);
+    __m512 acc[4];
+    __m128 macc[4];
+    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps(), macc[i] = _mm_setzero_ps();
+    const __m512i offv = _mm512_set1_epi8((char)L::OFF);
+    const __m512i aperm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
+    // lanes of block b read element 0 of the product, of block b+1 element 2
+    const __m512i idx = L::NIB ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
+                               : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[b].qs)),
+                                             _mm256_loadu_si256((const __m256i*)a[b + 1].qs), 1);
+        const __m512i av = L::NIB ? _mm512_permutexvar_epi64(aperm, z) : z;
+        const __m512i neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
+                                   : _mm512_setzero_si512();
+        // [d_a b, s_a b, d_a b+1, s_a b+1]
+        const __m128 ads = _mm_castpd_ps(_mm_unpacklo_pd(_mm_castps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)&a[b]))),
+                                                         _mm_castps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)&a[b + 1])))));
+        for (int i = 0; i < 4; i++) {
+            const B& x0 = w[i][b];
+            prefetch_next<2 * (int)sizeof(B)>(&x0, pf);
+            const B& x1 = w[i][b + 1];
+            const __m128 dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_loadu_si32(&x0), _mm_loadu_si32(&x1)));
+            const __m128 p = _mm_mul_ps(dm, ads);  // [d d_a b, m s_a b, d d_a b+1, m s_a b+1]
+            if constexpr (L::HAS_M) macc[i] = _mm_add_ps(macc[i], p);
+            const __m512i dot = _mm512_dpbusd_epi32(neg, L::u2(x0, x1), av);
+            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(p)), acc[i]);
+        }
+    }
+    for (int i = 0; i < 4; i++) {
+        float y = hsum512(acc[i]);
+        if constexpr (L::HAS_M) {
+            alignas(16) float m[4];
+            _mm_store_ps(m, macc[i]);
+            y += m[1] + m[3];
+        }
+        A.y[t0 * A.ldy + r0 + i] = y;
+    }
+}
+
 #endif  // STOWLM_FUSED_VNNI
 
 // The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block, unpacked with 32-bit masks
@@ -628,7 +680,9 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
     switch (A.type) {
 #if STOWLM_FUSED_VNNI
     // block pairs in ZMM when the row has an even number of blocks
-#define STOWLM_Q32(Z, L) return (A.cols / QK) % 2 == 0 ? fused_q32_x2<Z, RT, TT>(A, r0, t0) : fused_q32<L, RT, TT>(A, r0, t0)
+#define STOWLM_Q32(Z, L)                                                                                      \
+    if ((A.cols / QK) % 2 == 0 && RT == 4 && TT == 1) return fused_q32_x2_t1<Z>(A, r0, t0);          \
+    return (A.cols / QK) % 2 == 0 ? fused_q32_x2<Z, RT, TT>(A, r0, t0) : fused_q32<L, RT, TT>(A, r0, t0)
 #else
 #define STOWLM_Q32(Z, L) return fused_q32<L, RT, TT>(A, r0, t0)
 #endif
