@@ -57,6 +57,18 @@ def test_activations(isa, shape):
     np.testing.assert_allclose(ops.geglu(g, u), gelu * u64, rtol=1e-5, atol=1e-6)
 
 
+def test_activations_extremes(isa):
+    """Large |gate| saturates to the limits (0 or the gate itself), never inf or NaN."""
+    g = np.array([-1e4, -1000, -104, -100, -90, -88.5, -60, -20, -1e-6, 0, 1e-6, 20, 60, 88.5, 90, 100, 1000, 1e4,
+                  -3.5, 3.5], np.float32)
+    u = np.linspace(-2, 2, g.size).astype(np.float32)
+    g64, u64 = g.astype(np.float64), u.astype(np.float64)
+    silu = g64 * 0.5 * (1 + np.tanh(g64 / 2))  # x * sigmoid(x) without overflow
+    np.testing.assert_allclose(ops.swiglu(g[None], u[None])[0], silu * u64, rtol=1e-5, atol=1e-6)
+    gelu = 0.5 * g64 * (1 + np.tanh(np.sqrt(2 / np.pi) * (g64 + 0.044715 * g64 ** 3)))
+    np.testing.assert_allclose(ops.geglu(g[None], u[None])[0], gelu * u64, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("shape", [(1, 1), (3, 33), (5, 130), (64, 1024)])
 def test_elementwise(isa, shape):
     r = rng(shape[0])

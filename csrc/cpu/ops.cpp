@@ -198,18 +198,24 @@ void rowwise_binary(const char* op, const float* a, int64_t ld_a, const float* b
         }
     });
 }
+void glu_rows(const char* op, const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n,
+              int64_t dim, float* out, int64_t ld_out, ThreadPool& pool, int act) {
+    check_dims(op, n, dim);
+    const OpsKernels& kr = ops_kernels();
+    for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; r++) kr.glu(gate + r * ld_gate, up + r * ld_up, out + r * ld_out, dim, act);
+    });
+}
 }  // namespace
 
 void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
             int64_t ld_out, ThreadPool& pool) {
-    rowwise_binary("swiglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool,
-                   [](float g, float u) { return silu(g) * u; });
+    glu_rows("swiglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool, kGluSilu);
 }
 
 void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
            int64_t ld_out, ThreadPool& pool) {
-    rowwise_binary("geglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool,
-                   [](float g, float u) { return gelu_tanh(g) * u; });
+    glu_rows("geglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool, kGluGelu);
 }
 
 void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,

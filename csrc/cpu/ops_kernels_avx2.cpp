@@ -5,6 +5,7 @@
 
 #include "common.h"
 #include "cpu/ops_kernels.h"
+#include "cpu/attn_math.h"
 
 namespace stowlm::cpu {
 
@@ -455,10 +456,27 @@ void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw,
     accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
 }
 
+// x * sigmoid(y) = x / (1 + exp(-y)); exp_ps clamps, so a huge exp gives 0 (the limit), never NaN.
+inline __m256 glu_act(__m256 x, int act) {
+    __m256 y = x;
+    if (act == kGluGelu)
+        y = _mm256_mul_ps(_mm256_mul_ps(x, _mm256_set1_ps(2 * 0.7978845608028654f)),
+                          _mm256_fmadd_ps(_mm256_mul_ps(x, x), _mm256_set1_ps(0.044715f), _mm256_set1_ps(1.0f)));
+    const __m256 e = exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), y));
+    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+}
+
+void glu(const float* g, const float* u, float* out, int64_t n, int act) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(glu_act(_mm256_loadu_ps(g + i), act), _mm256_loadu_ps(u + i)));
+    for (; i < n; i++) out[i] = (act == kGluSilu ? silu(g[i]) : gelu_tanh(g[i])) * u[i];
+}
+
 const OpsKernels kAvx2 = {"avx2",       dot_f16,      axpy_f16,      dot_q8_0,     axpy_q8_0,      scale,
                           sum_sq,       scale_mul,    rope_head,     to_f16,       scores_f16,     scores_q8_0,
                           accum_f16,    accum_q8_0,   exp_sum,       scores_f16_mh, accum_f16_mh,  scores_q8_0_mh,
-                          accum_q8_0_mh};
+                          accum_q8_0_mh, glu};
 
 }  // namespace
 

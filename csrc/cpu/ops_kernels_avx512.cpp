@@ -563,9 +563,30 @@ void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw,
     accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
 }
 
+// x * sigmoid(y) = x / (1 + exp(-y)); exp_ps clamps, so a huge exp gives 0 (the limit), never NaN.
+inline __m512 glu_act(__m512 x, int act) {
+    __m512 y = x;
+    if (act == kGluGelu)
+        y = _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(2 * 0.7978845608028654f)),
+                          _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(0.044715f), _mm512_set1_ps(1.0f)));
+    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), y));
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+}
+
+void glu(const float* g, const float* u, float* out, int64_t n, int act) {
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(glu_act(_mm512_loadu_ps(g + i), act), _mm512_loadu_ps(u + i)));
+    if (i < n) {
+        const __mmask16 m = tail_mask(n - i);
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(glu_act(_mm512_maskz_loadu_ps(m, g + i), act),
+                                                        _mm512_maskz_loadu_ps(m, u + i)));
+    }
+}
+
 const OpsKernels kAvx512 = {"avx512",      dot_f16,       axpy_f16,    dot_q8_0,       axpy_q8_0,    scale,
                             sum_sq,        scale_mul,     rope_head,   to_f16,      scores_f16,     scores_q8_0,  accum_f16,
-                            accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh};
+                            accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh, glu};
 
 }  // namespace
 
