@@ -160,21 +160,21 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 
 #if STOWLM_FUSED_VNNI
-// Two blocks per ZMM: the 4/5-bit formats (NIB) place bytes as [lo nibbles of b, of b+1, hi
-// nibbles of b, of b+1] (16 bytes each), so the activations are permuted to match once per
-// token and block pair; Q8_0 keeps [b, b+1]. Int32 lane l then belongs to block b or b+1 by
-// `pair_sel` below, and one multiply applies both blocks' scales.
+// Two blocks per ZMM in element order: bytes [b, b+1] (32 each), so the activations load as
+// they are and int32 lanes 0-7 belong to block b, 8-15 to b+1 (`pair_sel` below): one multiply
+// applies both blocks' scales. The 4/5-bit formats get there with one qword permute that
+// doubles each block's 16 packed bytes and one masked shift for the high nibbles.
 struct Z4_0 {
     using B = block_q4_0;
     static constexpr int OFF = 8;
-    static constexpr bool HAS_M = false, NIB = true;
+    static constexpr bool HAS_M = false;
     static __m512i u2(const B& x, const B& y) { return nib64(x.qs, y.qs); }
     static __m512i nib64(const uint8_t* p, const uint8_t* q) {
         const __m256i v = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i*)p)),
                                                   _mm_loadu_si128((const __m128i*)q), 1);
-        // [v, v], the upper copy shifted down a nibble, then one mask for both
-        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
-        return _mm512_and_si512(_mm512_mask_srli_epi16(z, (__mmask32)0xffff0000u, z, 4), _mm512_set1_epi8(0x0f));
+        // [p, p, q, q] by 128-bit lanes, lanes 1 and 3 shifted down a nibble, one mask for all
+        const __m512i z = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 1, 0, 1, 2, 3, 2, 3), _mm512_castsi256_si512(v));
+        return _mm512_and_si512(_mm512_mask_srli_epi16(z, (__mmask32)0xff00ff00u, z, 4), _mm512_set1_epi8(0x0f));
     }
 };
 struct Z4_1 : Z4_0 {
@@ -183,16 +183,13 @@ struct Z4_1 : Z4_0 {
     static constexpr bool HAS_M = true;
     static __m512i u2(const B& x, const B& y) { return nib64(x.qs, y.qs); }
 };
-// The fifth bits of two blocks as a byte mask in the nibble order [b lo, b+1 lo, b hi, b+1 hi]
-// (qh bit j is element j): one masked add of 16 sets them (cheaper than spreading bits in vectors).
+// The fifth bits of two blocks (qh bit j is element j) are, in element order, the byte mask
+// h0 | h1 << 32: one masked add of 16 sets them, all in scalar registers but the add.
 inline __m512i add_fifth_bits(__m512i nib, const uint8_t* qh0, const uint8_t* qh1) {
     uint32_t h0, h1;
     memcpy(&h0, qh0, 4);
     memcpy(&h1, qh1, 4);
-    // 16-bit chunks [h0 lo, h0 hi, h1 lo, h1 hi] -> [h0 lo, h1 lo, h0 hi, h1 hi]
-    const __m128i v = _mm_shufflelo_epi16(_mm_cvtsi64_si128((long long)((uint64_t)h0 | ((uint64_t)h1 << 32))),
-                                          _MM_SHUFFLE(3, 1, 2, 0));
-    const __mmask64 k = _cvtu64_mask64((uint64_t)_mm_cvtsi128_si64(v));
+    const __mmask64 k = _cvtu64_mask64((uint64_t)h0 | ((uint64_t)h1 << 32));
     return _mm512_mask_add_epi8(nib, k, nib, _mm512_set1_epi8(0x10));
 }
 struct Z5_0 : Z4_0 {
@@ -217,7 +214,7 @@ struct ZIQ4_NL : Z4_0 {
 struct Z8_0 {
     using B = block_q8_0;
     static constexpr int OFF = 128;
-    static constexpr bool HAS_M = false, NIB = false;
+    static constexpr bool HAS_M = false;
     static __m512i u2(const B& x, const B& y) {
         const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)x.qs)),
                                              _mm256_loadu_si256((const __m256i*)y.qs), 1);
@@ -226,12 +223,9 @@ struct Z8_0 {
 };
 
 // Lane pattern of the two blocks' scales (lanes of block b read element 0, of b+1 element 1).
-template <bool NIB>
 inline __m512 pair_sel(float s0, float s1) {
     const __m512 v = _mm512_castps128_ps512(_mm_unpacklo_ps(_mm_set_ss(s0), _mm_set_ss(s1)));
-    const __m512i idx = NIB ? _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1)
-                            : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    return _mm512_permutexvar_ps(idx, v);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), v);
 }
 
 // The two blocks' fp16 fields at byte offset OFF of 4 rows as 8 floats: [row0 b, row0 b+1,
@@ -269,14 +263,12 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = 0;
     for (int j = 0; j < TT; j++) maccv[j] = _mm256_setzero_ps();
     const __m512i offv = _mm512_set1_epi8((char)L::OFF);
-    const __m512i aperm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
     for (int64_t b = 0; b < nb; b += 2) {
         __m512i av[TT], neg[TT];
         __m512 dav[TT];
         for (int j = 0; j < TT; j++) {
-            const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
-                                                 _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
-            av[j] = L::NIB ? _mm512_permutexvar_epi64(aperm, z) : z;
+            av[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
+                                       _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
             neg[j] = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av[j]))
                             : _mm512_setzero_si512();
         }
@@ -291,7 +283,7 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 for (int j = 0; j < TT; j++) maccv[j] = _mm256_fmadd_ps(m8, pair_bcast(a[j][b].s, a[j][b + 1].s), maccv[j]);
             }
         } else {
-            for (int j = 0; j < TT; j++) dav[j] = pair_sel<L::NIB>(a[j][b].d, a[j][b + 1].d);
+            for (int j = 0; j < TT; j++) dav[j] = pair_sel(a[j][b].d, a[j][b + 1].d);
         }
         for (int i = 0; i < RT; i++) {
             const B& x0 = w[i][b];
@@ -300,18 +292,15 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const __m512i wu = L::u2(x0, x1);
             if constexpr (RT == 4) {
                 // lanes of block b read element 2i, of block b+1 element 2i+1
-                const __m512i idx = L::NIB ? _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
-                                                               2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1)
-                                           : _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i,
-                                                               2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1,
-                                                               2 * i + 1, 2 * i + 1);
+                const __m512i idx = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
+                                                      2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
                 for (int j = 0; j < TT; j++) {
                     const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
                     acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dav[j]), acc[i][j]);
                 }
             } else {
                 const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)x0.d | ((int)x1.d << 16)));
-                const __m512 dwv = pair_sel<L::NIB>(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                const __m512 dwv = pair_sel(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
                 float m0 = 0, m1 = 0;
                 if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
                 for (int j = 0; j < TT; j++) {
@@ -350,14 +339,11 @@ void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
     __m128 macc[4];
     for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps(), macc[i] = _mm_setzero_ps();
     const __m512i offv = _mm512_set1_epi8((char)L::OFF);
-    const __m512i aperm = _mm512_setr_epi64(0, 1, 4, 5, 2, 3, 6, 7);
     // lanes of block b read element 0 of the product, of block b+1 element 2
-    const __m512i idx = L::NIB ? _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 0, 0, 0, 0, 2, 2, 2, 2)
-                               : _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
+    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     for (int64_t b = 0; b < nb; b += 2) {
-        const __m512i z = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[b].qs)),
-                                             _mm256_loadu_si256((const __m256i*)a[b + 1].qs), 1);
-        const __m512i av = L::NIB ? _mm512_permutexvar_epi64(aperm, z) : z;
+        const __m512i av = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[b].qs)),
+                                              _mm256_loadu_si256((const __m256i*)a[b + 1].qs), 1);
         const __m512i neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
                                    : _mm512_setzero_si512();
         // [d_a b, s_a b, d_a b+1, s_a b+1]
