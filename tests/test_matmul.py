@@ -143,6 +143,22 @@ def test_matmul_all_types(name, isa, restore_isa):
         check(name, y2.astype(np.float64), ref_w, x)
 
 
+@pytest.mark.parametrize("isa", ["avx512", "amx"])
+def test_token_result_independent_of_batch(isa, restore_isa):
+    """On the VNNI paths a token's product is bit-identical alone (the decoding kernel) and inside
+    a batch of 7 (4- and 3-token tiles): the models' micro-batch results rely on it."""
+    if isa not in ops.cpu_info()["supported"]:
+        pytest.skip(f"this CPU/OS cannot run the {isa} path")
+    ops.set_isa(isa)
+    rng = np.random.default_rng(5)
+    for name in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]:
+        raw, _ = weights(name, 131, 512)
+        x = rng.standard_normal((7, 512)).astype(np.float32)
+        batch = ops.matmul(raw, name, x)
+        for t in range(7):
+            np.testing.assert_array_equal(ops.matmul(raw, name, x[t:t + 1])[0], batch[t], err_msg=f"{name} token {t}")
+
+
 # Groups as a decoder layer has them (q/k/v, gate/up), plus one mixing activation formats
 # (Q8_0 with Q4_K: the one-at-a-time fallback).
 MULTI_GROUPS = [[("Q4_1", 131), ("Q4_1", 33), ("Q4_1", 7)], [("Q4_K", 33), ("Q6_K", 131)],

@@ -355,7 +355,9 @@ void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const B& x1 = w[i][b + 1];
             const __m128 dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_loadu_si32(&x0), _mm_loadu_si32(&x1)));
             const __m128 p = _mm_mul_ps(dm, ads);  // [d d_a b, m s_a b, d d_a b+1, m s_a b+1]
-            if constexpr (L::HAS_M) macc[i] = _mm_add_ps(macc[i], p);
+            // the min terms exactly as fused_q32_x2 sums them (an FMA per block, the two blocks'
+            // lanes added at the end), so a token's result does not depend on its batch
+            if constexpr (L::HAS_M) macc[i] = _mm_fmadd_ps(dm, ads, macc[i]);
             const __m512i dot = _mm512_dpbusd_epi32(neg, L::u2(x0, x1), av);
             acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(p)), acc[i]);
         }
@@ -365,7 +367,7 @@ void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
         if constexpr (L::HAS_M) {
             alignas(16) float m[4];
             _mm_store_ps(m, macc[i]);
-            y += m[1] + m[3];
+            y += m[1] + m[3];  // fused_q32_x2: hsum + (lane 2i + lane 2i+1)
         }
         A.y[t0 * A.ldy + r0 + i] = y;
     }
