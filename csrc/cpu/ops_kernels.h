@@ -57,8 +57,7 @@ struct OpsKernels {
     void (*accum_q8_0_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
                           size_t stride, const int32_t* idx, int n, int64_t hd);
 
-    // Gated activations: out[i] = act(g[i]) * u[i], act = SiLU or tanh-GELU (GluAct). Both are
-    // x * sigmoid(y) (y = x; y = 2 sqrt(2/pi) (x + 0.044715 x^3)), which has no cancellation.
+    // Gated activations: out[i] = act(g[i]) * u[i], act = SiLU or tanh-GELU (GluAct).
     void (*glu)(const float* g, const float* u, float* out, int64_t n, int act);
 };
 

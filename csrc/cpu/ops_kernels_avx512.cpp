@@ -7,6 +7,7 @@
 #include <cmath>
 
 #include "cpu/ops_kernels.h"
+#include "cpu/attn_math.h"
 
 namespace stowlm::cpu {
 
@@ -563,24 +564,24 @@ void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw,
     accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
 }
 
-// x * sigmoid(y) = x / (1 + exp(-y)); exp_ps clamps, so a huge exp gives 0 (the limit), never NaN.
-inline __m512 glu_act(__m512 x, int act) {
-    __m512 y = x;
-    if (act == kGluGelu)
-        y = _mm512_mul_ps(_mm512_mul_ps(x, _mm512_set1_ps(2 * 0.7978845608028654f)),
-                          _mm512_fmadd_ps(_mm512_mul_ps(x, x), _mm512_set1_ps(0.044715f), _mm512_set1_ps(1.0f)));
-    const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), y));
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+// SiLU as x / (1 + exp(-x)); exp_ps clamps, so a huge exp gives 0 (the limit), never NaN.
+inline __m512 silu_v(__m512 x) {
+    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
 }
 
 void glu(const float* g, const float* u, float* out, int64_t n, int act) {
+    // GELU stays on the scalar tanhf formula: a vector version moved gemma3-270m off llama.cpp's
+    // greedy choice in a near tie (test_models); SiLU's vector form keeps every model's results.
+    if (act != kGluSilu) {
+        for (int64_t i = 0; i < n; i++) out[i] = gelu_tanh(g[i]) * u[i];
+        return;
+    }
     int64_t i = 0;
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(glu_act(_mm512_loadu_ps(g + i), act), _mm512_loadu_ps(u + i)));
+        _mm512_storeu_ps(out + i, _mm512_mul_ps(silu_v(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
     if (i < n) {
         const __mmask16 m = tail_mask(n - i);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(glu_act(_mm512_maskz_loadu_ps(m, g + i), act),
-                                                        _mm512_maskz_loadu_ps(m, u + i)));
+        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu_v(_mm512_maskz_loadu_ps(m, g + i)), _mm512_maskz_loadu_ps(m, u + i)));
     }
 }
 
