@@ -198,6 +198,8 @@ void rowwise_binary(const char* op, const float* a, int64_t ld_a, const float* b
         }
     });
 }
+
+// out = act(gate) * up row by row through the ISA's glu kernel (kGluSilu / kGluGelu).
 void glu_rows(const char* op, const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n,
               int64_t dim, float* out, int64_t ld_out, ThreadPool& pool, int act) {
     check_dims(op, n, dim);
