@@ -7,6 +7,7 @@
 #pragma once
 #include <immintrin.h>
 
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 #include <type_traits>
@@ -151,7 +152,9 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 }
                 const __m256 p = _mm256_mul_ps(_mm256_cvtepi32_ps(dot), dw);
                 acc[i][j] = _mm256_fmadd_ps(p, _mm256_set1_ps(a[j][b].d), acc[i][j]);
-                if (L::HAS_M) macc[i][j] += mw * a[j][b].s;
+                // an explicit FMA: contraction would otherwise differ between TT instances, and a
+                // token's result with it between batch sizes
+                if (L::HAS_M) macc[i][j] = std::fma(mw, a[j][b].s, macc[i][j]);
             }
         }
     }
