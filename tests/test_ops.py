@@ -244,6 +244,29 @@ def test_attn_softcap_noncausal_gqa7(isa, kv_type):
              causal=False)
 
 
+@pytest.mark.parametrize("hd,n_head,n_head_kv", [(64, 9, 3), (80, 4, 2), (128, 14, 2), (256, 4, 1), (36, 4, 2)])
+def test_attn_prompt_many_tokens(isa, hd, n_head, n_head_kv):
+    # 24+ query tokens: the blocked many-token path on AVX-512 (query tiles of up to 64 rows of
+    # tokens x heads, KV blocks of 64 cells), with a token count that leaves a partial tile, a
+    # second batch after a shuffled cache with empty cells, and a sliding window.
+    r = rng(hd + n_head)
+    n = 77
+    run_attn(r, n, n_head, n_head_kv, hd, np.arange(n), np.arange(n))
+    kv_pos = np.concatenate([np.arange(150), -np.ones(11, np.int64)])
+    r.shuffle(kv_pos)
+    run_attn(r, 30, n_head, n_head_kv, hd, 120 + np.arange(30), kv_pos)
+    run_attn(r, 40, n_head, n_head_kv, hd, np.arange(40) + 100, np.arange(140), window=33)
+
+
+def test_attn_prompt_many_tokens_softcap_invisible(isa):
+    # Non-causal with a soft cap over 24+ tokens; then queries before every stored position
+    # (nothing visible: zeros, not NaN) next to ones that see part of the cache.
+    r = rng(3)
+    run_attn(r, 26, 7, 1, 128, np.arange(26) + 50, np.arange(300), scale=0.5, softcap=5.0, causal=False)
+    got, _ = run_attn(r, 28, 4, 2, 64, np.arange(28), np.arange(70) + 12)
+    assert np.all(got[:12] == 0) and np.all(np.isfinite(got))
+
+
 @pytest.mark.parametrize("n_kv", [1, 130, 4096])
 def test_attn_decode(isa, n_kv):
     r = rng(n_kv)
