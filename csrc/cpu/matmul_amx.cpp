@@ -237,34 +237,45 @@ bool matmul_amx(const MatmulArgs& A, ThreadPool& pool) {
 
     // Activations into B-tile order plus per-step scales da and scaled sums sa (zero for
     // the missing tokens of the last tile).
+    // The 4-byte groups of 16 tokens side by side: one gather per B tile row.
+    const __m512i tok_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)A.act_stride));
     pool.parallel_for(lo.ntiles * nsteps, [&](int64_t i0, int64_t i1, int) {
         for (int64_t i = i0; i < i1; i++) {
             const int64_t tt = i / nsteps, s = i % nsteps;
             uint8_t* bp = lo.bpack + tt * TT * A.cols + s * step * TT;
             float* da = lo.da + (tt * nsteps + s) * TT;
             float* sa = lo.sa + (tt * nsteps + s) * TT;
+            const int64_t nt = std::max<int64_t>(0, std::min<int64_t>(TT, A.n_tok - tt * TT));  // 0: padding tile
+            const __mmask16 tm = (__mmask16)((1u << nt) - 1);
+            const uint8_t* ap = (const uint8_t*)A.act + tt * TT * A.act_stride;
+            const int8_t* qs0;  // step s of the tile's first token; the others act_stride apart
+            if (fam == DotFamily::Q32) {
+                qs0 = ((const block_q8_a*)ap)[s].qs;
+            } else {
+                const int per = QK_K / step;
+                qs0 = ((const block_q8_K32*)ap)[s / per].qs + (s % per) * step;
+            }
+            for (int k4 = 0; k4 < step / 4; k4++)
+                _mm512_store_si512(bp + k4 * 64, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tm, tok_off,
+                                                                             qs0 + 4 * k4, 1));
             for (int t = 0; t < TT; t++) {
-                const int64_t tok = tt * TT + t;
-                if (tok >= A.n_tok) {
-                    for (int k4 = 0; k4 < step / 4; k4++) memset(bp + k4 * 64 + t * 4, 0, 4);
+                if (t >= nt) {
                     da[t] = sa[t] = 0;
                     continue;
                 }
-                const uint8_t* ap = (const uint8_t*)A.act + tok * A.act_stride;
-                const int8_t* qs;
+                const uint8_t* tp = ap + t * A.act_stride;
                 if (fam == DotFamily::Q32) {
-                    const block_q8_a* b = (const block_q8_a*)ap + s;
-                    qs = b->qs, da[t] = b->d, sa[t] = b->s;
+                    const block_q8_a* b = (const block_q8_a*)tp + s;
+                    da[t] = b->d, sa[t] = b->s;
                 } else {
                     const int per = QK_K / step;
-                    const block_q8_K32* b = (const block_q8_K32*)ap + s / per;
+                    const block_q8_K32* b = (const block_q8_K32*)tp + s / per;
                     const int j = (int)(s % per) * (step / 16);  // first 16-group of the step
                     int sum = b->bsums[j];
                     if (step == 32) sum += b->bsums[j + 1];
-                    qs = b->qs + (s % per) * step;
                     da[t] = b->d[j / 2], sa[t] = b->d[j / 2] * (float)sum;
                 }
-                for (int k4 = 0; k4 < step / 4; k4++) memcpy(bp + k4 * 64 + t * 4, qs + 4 * k4, 4);
             }
         }
     });
