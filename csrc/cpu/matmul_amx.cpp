@@ -155,48 +155,44 @@ void run_panels(const MatmulArgs& A, const Layout& lo, int64_t p0, int64_t p1) {
             const float* sa0 = lo.sa + tt * nsteps * TT;
             const float* sa1 = sa0 + nsteps * TT;
             float (*acc)[TR * TT] = (float (*)[TR * TT])(acc_all + (tt / 2) * 4 * TR * TT);
-            // Staggered: token tile 1's products of step s-1 are stored while tile 0's of step s
-            // run, so the tile unit never waits on a store of the tile it is about to reuse.
+            // C tile c = 2 * row half + token tile. Each step's products are stored one step
+            // later, right before their tile is reused, and their float epilogue follows the
+            // next step's products: the tile unit runs in order, so a store placed right behind
+            // its own product would wait out that product's latency, and the epilogue's loads
+            // wait for the store.
+            auto epi = [&](int c, int64_t s) __attribute__((always_inline)) {
+                const int h = c >> 1, k = c & 1;
+                const float* da = (k ? da1 : da0) + s * TT;
+                const float* sa = (k ? sa1 : sa0) + s * TT;
+                epilogue<MIN>(acc[c], cbuf[c], da, sa, S + s * PR + h * TR, M + s * PR + h * TR);
+            };
             for (int64_t s = k0; s < k1; s++) {
                 const int8_t* w0 = wp + s * PR * step;
                 _tile_loadd(4, w0, step);
                 _tile_loadd(5, w0 + TR * step, step);
                 _tile_loadd(6, bp0 + s * step * TT, 64);
                 _tile_loadd(7, bp1 + s * step * TT, 64);
+                const bool prev = s > k0;
+                if (prev) _tile_stored(0, cbuf[0], 64);
                 _tile_zero(0);
-                _tile_zero(2);
                 _tile_dpbssd(0, 4, 6);
-                _tile_dpbssd(2, 5, 6);
-                if (s > k0) {
-                    _tile_stored(1, cbuf[1], 64);
-                    _tile_stored(3, cbuf[3], 64);
-                }
+                if (prev) _tile_stored(1, cbuf[1], 64);
                 _tile_zero(1);
-                _tile_zero(3);
                 _tile_dpbssd(1, 4, 7);
+                if (prev) _tile_stored(2, cbuf[2], 64);
+                _tile_zero(2);
+                _tile_dpbssd(2, 5, 6);
+                if (prev) _tile_stored(3, cbuf[3], 64);
+                _tile_zero(3);
                 _tile_dpbssd(3, 5, 7);
-                if (s > k0) {
-                    const float* sv = S + (s - 1) * PR;
-                    const float* mv = M + (s - 1) * PR;
-                    epilogue<MIN>(acc[1], cbuf[1], da1 + (s - 1) * TT, sa1 + (s - 1) * TT, sv, mv);
-                    epilogue<MIN>(acc[3], cbuf[3], da1 + (s - 1) * TT, sa1 + (s - 1) * TT, sv + TR, mv + TR);
-                }
-                _tile_stored(0, cbuf[0], 64);
-                _tile_stored(2, cbuf[2], 64);
-                const float* sv = S + s * PR;
-                const float* mv = M + s * PR;
-                epilogue<MIN>(acc[0], cbuf[0], da0 + s * TT, sa0 + s * TT, sv, mv);
-                epilogue<MIN>(acc[2], cbuf[2], da0 + s * TT, sa0 + s * TT, sv + TR, mv + TR);
+                if (prev)
+                    for (int c = 0; c < 4; c++) epi(c, s - 1);
             }
-            {
-                const int64_t s = k1 - 1;
-                _tile_stored(1, cbuf[1], 64);
-                _tile_stored(3, cbuf[3], 64);
-                const float* sv = S + s * PR;
-                const float* mv = M + s * PR;
-                epilogue<MIN>(acc[1], cbuf[1], da1 + s * TT, sa1 + s * TT, sv, mv);
-                epilogue<MIN>(acc[3], cbuf[3], da1 + s * TT, sa1 + s * TT, sv + TR, mv + TR);
-            }
+            _tile_stored(0, cbuf[0], 64);
+            _tile_stored(1, cbuf[1], 64);
+            _tile_stored(2, cbuf[2], 64);
+            _tile_stored(3, cbuf[3], 64);
+            for (int c = 0; c < 4; c++) epi(c, k1 - 1);
           }
         }
         for (int64_t tt = 0; tt < lo.ntiles; tt += 2) {
