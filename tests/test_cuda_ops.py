@@ -2,42 +2,23 @@
 float64 (or gguf-package) oracle. CUDA cases are skipped, with the reason, where stowlm was
 built without CUDA or no device is present; STOWLM_REQUIRE_GPU=1 turns that skip into a
 failure (for GPU CI)."""
-import os
-
 import numpy as np
 import pytest
 
+from conftest import require_devices
 from stowlm import _core
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-REQUIRE_GPU = os.environ.get("STOWLM_REQUIRE_GPU") == "1"
-
-
-def _cuda_skip_reason():
-    if not hasattr(_core, "cuda_ops"):
-        return "stowlm was built without CUDA (nvcc not found at build time)"
-    devices, why = _core.cuda.devices()
-    if not devices:
-        return f"no CUDA device: {why}"
-    return None
-
-
-CUDA_SKIP = _cuda_skip_reason()
 DEVICES = ["cpu", "cuda:0"]
 
 
 @pytest.fixture(params=DEVICES)
 def dev(request):
-    name = request.param
-    if name.startswith("cuda") and CUDA_SKIP:
-        if REQUIRE_GPU:
-            pytest.fail(f"STOWLM_REQUIRE_GPU=1 but {CUDA_SKIP}")
-        print(f"skipping {name}: {CUDA_SKIP}")
-        pytest.skip(CUDA_SKIP)
-    return name
+    require_devices(request.param)
+    return request.param
 
 
 def cuda_only(dev):

@@ -243,6 +243,14 @@ std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int t
 
 std::unique_ptr<Backend> make_backend(int id, const DeviceSpec& spec) {
     if (spec.kind == "cpu") return make_cpu_backend(id, spec.name(), spec.threads, spec.mem_bytes);
+    if (spec.kind == "cuda") {
+#ifdef STOWLM_HAVE_CUDA
+        return make_cuda_backend(id, spec);
+#else
+        throw Unsupported("device '" + spec.name() +
+                          "': no CUDA device is present (stowlm was built without CUDA: nvcc was not found at build time)");
+#endif
+    }
     throw Unsupported("device '" + spec.name() + "': no backend for kind '" + spec.kind + "' in this build");
 }
 
