@@ -82,12 +82,14 @@ def test_decoding_on_cuda_follows_the_cpu(model_path):
     path = model_path("smollm2-135m")
     ids = [t for r in load_fixture("smollm2-135m") if r["kind"] == "logits" for t in r["ids"]]
     prompt = (ids * (300 // len(ids) + 1))[:300]
-    rows = {}
-    for dev in (CPU, CUDA):
+    rows, tokens = {}, []
+    for dev in (CPU, CUDA):  # both decode the CPU's greedy tokens
         ctx = stowlm.Context(stowlm.Model(path, devices=[dev]), n_ctx=640, n_ubatch=128)
         out = [ctx.eval(prompt, logits="last")]
-        for _ in range(12):
-            out.append(ctx.eval([int(np.argmax(out[-1]))]))
+        for step in range(12):
+            if dev == CPU:
+                tokens.append(int(np.argmax(out[-1])))
+            out.append(ctx.eval([tokens[step]]))
         rows[dev] = np.stack(out)
         if dev == CUDA:
             assert_exact_accounting(ctx)
