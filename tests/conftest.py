@@ -1,4 +1,5 @@
 """Shared test fixtures: real models (pulled once into the stowlm cache) and llama.cpp fixtures."""
+import functools
 import json
 import os
 import subprocess
@@ -62,6 +63,7 @@ def subprocess_env(**extra) -> dict:
 REQUIRE_GPU = os.environ.get("STOWLM_REQUIRE_GPU") == "1"
 
 
+@functools.lru_cache(maxsize=1)
 def cuda_skip_reason():
     """None when CUDA device 0 can run tests, else why not."""
     from stowlm import _core

@@ -300,6 +300,19 @@ def test_router_topk_matches_host(dev):
         np.testing.assert_allclose(w[t], hw, rtol=1e-6)
 
 
+@pytest.mark.parametrize("sigmoid,normalize,scale", [(False, True, 0.0), (True, False, 2.5)])
+def test_top_k_moe_weights_match_host(dev, sigmoid, normalize, scale):
+    """The engine's TOP_K and MOE_WEIGHTS kernels against the same HOST_DEVICE functions on the CPU."""
+    cuda_only(dev)
+    rng = np.random.default_rng(18)
+    logits = (2 * rng.standard_normal((300, 64))).astype(np.float32)
+    logits[:, 7] = logits[:, 3]  # ties: lower index first
+    ids, w = run(dev, "top_k_moe_weights", logits, 6, sigmoid, normalize, scale)
+    hid, hw = _core.cuda_math.top_k_moe_weights(logits, 6, sigmoid, normalize, scale)
+    np.testing.assert_array_equal(ids, hid)
+    np.testing.assert_allclose(w, hw, rtol=1e-5)
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16"])
 @pytest.mark.parametrize("per_slot_input", [False, True])
 def test_moe_matmul(dev, name, per_slot_input):
