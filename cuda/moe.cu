@@ -1,5 +1,5 @@
 // Mixture-of-experts on the device: the router's top-k (the HOST_DEVICE moe_router.h, one
-// thread per token), a counting sort of the (token, expert) slots by expert, and the expert
+// thread per token; also split into the graph's TOP_K and MOE_WEIGHTS ops), a counting sort of the (token, expert) slots by expert, and the expert
 // products as ONE grouped launch of the vector kernels (mmvq.cu) with blockIdx.y = expert, each
 // expert's block walking only the slots routed to it.
 #include "cuda_backend.h"
