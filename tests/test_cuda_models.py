@@ -75,7 +75,8 @@ def test_dense_logits_match_llama_cpp_on_cuda(model_path, name):
     assert report[0]["weights"] > 0 and report[0]["kv"] > 0 and report[0]["compute"] > 0
 
 
-def test_decoding_on_cuda_follows_the_cpu(model_path):
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_decoding_on_cuda_follows_the_cpu(model_path, kv_type):
     """A 300-token prompt, then one token at a time: the decode graphs (vector product kernel,
     split-KV attention once more than 256 cells are visible) give the CPU engine's distributions."""
     require_devices(CUDA)
@@ -84,7 +85,7 @@ def test_decoding_on_cuda_follows_the_cpu(model_path):
     prompt = (ids * (300 // len(ids) + 1))[:300]
     rows, tokens = {}, []
     for dev in (CPU, CUDA):  # both decode the CPU's greedy tokens
-        ctx = stowlm.Context(stowlm.Model(path, devices=[dev]), n_ctx=640, n_ubatch=128)
+        ctx = stowlm.Context(stowlm.Model(path, devices=[dev]), n_ctx=640, n_ubatch=128, kv_type=kv_type)
         out = [ctx.eval(prompt, logits="last")]
         for step in range(12):
             if dev == CPU:
@@ -93,7 +94,7 @@ def test_decoding_on_cuda_follows_the_cpu(model_path):
         rows[dev] = np.stack(out)
         if dev == CUDA:
             assert_exact_accounting(ctx)
-    assert_same_distributions(rows[CUDA], rows[CPU], "smollm2-135m decode, cuda:0 vs cpu")
+    assert_same_distributions(rows[CUDA], rows[CPU], f"smollm2-135m decode, {kv_type} KV, cuda:0 vs cpu")
 
 
 def test_qwen3moe_matches_llama_cpp_on_cuda(model_path):

@@ -115,6 +115,21 @@ int main(int argc, char** argv) {
             check(dir, name, {{spec("cpu", 0), spec("cuda", 0)}, {n_layer, 0}, experts_on_1},
                   "layers on cpu:0, experts on cuda:0");
         }
+        // A node pinned to the device by its KV cache that no kernel takes: a clear error when the
+        // context is made, naming the device and the reason.
+        try {
+            Run f32kv = cuda0;
+            f32kv.kv = QType::F32;
+            std::vector<int32_t> none;
+            run(dir + "/smollm2-135m.gguf", f32kv, {1, 2}, 0, 64, 8, &none);
+            printf("FAIL an F32 KV cache on cuda:0 was accepted\n"), failures++;
+        } catch (const Unsupported& e) {
+            const std::string m = e.what();
+            const bool ok = m.find("cuda:0") != std::string::npos && m.find("F32") != std::string::npos &&
+                            m.find("f16 or q8_0") != std::string::npos;
+            printf("%s F32 KV cache on cuda:0: %s\n", ok ? "ok  " : "FAIL", m.c_str());
+            if (!ok) failures++;
+        }
     } catch (const std::exception& e) {
         printf("FAIL exception: %s\n", e.what());
         return 1;
