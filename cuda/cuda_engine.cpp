@@ -7,7 +7,6 @@
 // the split runs. Every copy goes through the compute stream, so copies and kernels are
 // ordered without extra events; only a peer copy waits on the other device's stream.
 #include <algorithm>
-#include <cstdio>
 #include <memory>
 #include <string>
 
@@ -21,12 +20,6 @@ namespace stowlm {
 namespace {
 
 namespace cu = cuda;
-
-std::string mib(size_t b) {
-    char buf[64];
-    snprintf(buf, sizeof buf, "%zu bytes (%.1f MiB)", b, b / 1048576.0);
-    return buf;
-}
 
 float* f32(const Tensor* t) { return (float*)t->data; }
 const int32_t* i32(const Tensor* t) { return (const int32_t*)t->data; }
@@ -92,14 +85,13 @@ public:
     bool host_accessible() const override { return false; }
     size_t memory_total() const override { return budget_; }
     size_t memory_used() const override { return dev_->memory_used(); }
-    cu::CudaDevice& device() { return *dev_; }
 
     BufferPtr alloc_buffer(size_t bytes, const std::string& purpose) override {
-        const size_t used = dev_->memory_used();
-        if (bytes > budget_ - std::min(used, budget_))
-            throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " + mib(bytes) +
-                                    ", " + mib(budget_ - std::min(used, budget_)) + " available of a " + mib(budget_) +
-                                    " budget");
+        const size_t avail = budget_ - std::min(dev_->memory_used(), budget_);
+        if (bytes > avail)
+            throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " +
+                                    describe_bytes(bytes) + ", " + describe_bytes(avail) + " available of a " +
+                                    describe_bytes(budget_) + " budget");
         auto b = std::make_unique<BackendBuffer>();
         b->data = dev_->alloc(bytes, purpose);  // exactly `bytes`; OutOfDeviceMemory if the driver refuses
         b->backend = this, b->size = bytes, b->purpose = purpose;
@@ -272,8 +264,9 @@ private:
             case Op::MUL: {
                 const int64_t ld_b = b->n_rows() == 1 ? 0 : b->ne[0];
                 in_row_chunks(a->n_rows(), [&](int64_t r0, int64_t nr) {
-                    (n->op == Op::ADD ? cu::add : cu::mul)(f32(a) + r0 * a->ne[0], a->ne[0], f32(b) + r0 * ld_b, ld_b, nr,
-                                                          a->ne[0], f32(n) + r0 * n->ne[0], n->ne[0], s);
+                    const auto op = n->op == Op::ADD ? cu::add : cu::mul;
+                    op(f32(a) + r0 * a->ne[0], a->ne[0], f32(b) + r0 * ld_b, ld_b, nr, a->ne[0], f32(n) + r0 * n->ne[0],
+                       n->ne[0], s);
                 });
                 return;
             }
@@ -281,8 +274,8 @@ private:
             case Op::SOFTCAP:
                 prepare_in_place(n);
                 in_row_chunks(n->n_rows(), [&](int64_t r0, int64_t nr) {
-                    (n->op == Op::SCALE ? cu::scale : cu::softcap)(f32(n) + r0 * n->ne[0], nr, n->ne[0], n->ne[0],
-                                                                  n->fparams[0], s);
+                    const auto op = n->op == Op::SCALE ? cu::scale : cu::softcap;
+                    op(f32(n) + r0 * n->ne[0], nr, n->ne[0], n->ne[0], n->fparams[0], s);
                 });
                 return;
             case Op::RMS_NORM:
@@ -303,8 +296,8 @@ private:
                 const Tensor *cache = n->src[1], *cells = n->src[2];
                 const int64_t ld_x = a->ne[0] * a->ne[1];
                 in_row_chunks(a->ne[2], [&](int64_t r0, int64_t nr) {
-                    cu::store_kv(f32(a) + r0 * ld_x, nr, ld_x, a->ne[1], a->ne[0], cache->type, cache->data, cache->nb[1],
-                                 i32(cells) + r0, s);
+                    cu::store_kv(f32(a) + r0 * ld_x, nr, ld_x, a->ne[1], a->ne[0], cache->type, cache->data,
+                                 cache->nb[1], i32(cells) + r0, s);
                 });
                 return;
             }
@@ -327,9 +320,9 @@ private:
             case Op::SWIGLU:
             case Op::GEGLU:
                 in_row_chunks(a->n_rows(), [&](int64_t r0, int64_t nr) {
-                    (n->op == Op::SWIGLU ? cu::swiglu : cu::geglu)(f32(a) + r0 * a->ne[0], a->ne[0], f32(b) + r0 * b->ne[0],
-                                                                  b->ne[0], nr, a->ne[0], f32(n) + r0 * n->ne[0],
-                                                                  n->ne[0], s);
+                    const auto op = n->op == Op::SWIGLU ? cu::swiglu : cu::geglu;
+                    op(f32(a) + r0 * a->ne[0], a->ne[0], f32(b) + r0 * b->ne[0], b->ne[0], nr, a->ne[0],
+                       f32(n) + r0 * n->ne[0], n->ne[0], s);
                 });
                 return;
             case Op::TOP_K:

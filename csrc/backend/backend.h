@@ -63,6 +63,9 @@ public:
     virtual void synchronize() = 0;
 };
 
+// "N bytes (X MiB)": how out-of-memory errors of every device state sizes.
+std::string describe_bytes(size_t bytes);
+
 // A CPU device: `threads` workers (its own pool) and a budget of `mem_bytes` (0: system RAM).
 std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int threads, size_t mem_bytes);
 
