@@ -96,7 +96,8 @@ int main(int argc, char** argv) {
     const std::string dir = argv[1];
     try {
         const Run cuda0{{spec("cuda", 0)}, {}, {}};
-        for (const char* name : {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"}) check(dir, name, cuda0, "cuda:0");
+        for (const char* name : {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"})
+            check(dir, name, cuda0, "cuda:0");
         Run q8 = cuda0;
         q8.kv = QType::Q8_0;
         check(dir, "smollm2-135m", q8, "cuda:0, q8_0 KV");
