@@ -19,7 +19,8 @@ MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen3moe-tiny", 
 def cuda_build_dir():
     """A build directory configured with the CUDA backend and holding libstowlm_core.a."""
     env = os.environ.get("STOWLM_CUDA_BUILD_DIR")
-    candidates = [Path(env)] if env else sorted(REPO.glob("build*"))
+    # pip's build (pyproject build-dir) lands in build/<wheel tag>; dev builds in build*/.
+    candidates = [Path(env)] if env else sorted(REPO.glob("build*")) + sorted(REPO.glob("build/*/"))
     for d in candidates:
         cache = d / "CMakeCache.txt"
         if not (d / "libstowlm_core.a").exists() or not cache.exists():
