@@ -20,82 +20,19 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "python"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, "..", "python"), os.path.join(HERE, "..", "tests")]
 import stowlm  # noqa: E402
-from stowlm.quants import dequantize  # noqa: E402
+from float_reference import FloatModel  # noqa: E402
 
 SHARED = os.environ.get("STOWLM_SHARED", os.path.join(os.path.dirname(__file__), "..", "..", "shared"))
 CACHE = os.environ.get("STOWLM_CACHE", os.path.expanduser("~/.cache/stowlm/models"))
 
 
 def forward(path, prompts, eps=0.0, seed=0):
-    """float64 llama forward pass (adjacent-pair rope, GQA, causal softmax; softmax router over
-    all experts, top k, renormalised, SiLU-gated experts), logits for every position."""
-    f = stowlm.GGUFFile(path)
-    md, info = f.metadata, {t[0]: t for t in f.tensors}
-    cache = {}
-
-    def W(n):
-        if n not in cache:
-            t = info[n]
-            cache[n] = dequantize(f.tensor_data(n), t[1], t[2]).astype(np.float64)
-        return cache[n]
-
-    E, L = md["llama.embedding_length"], md["llama.block_count"]
-    H, HKV = md["llama.attention.head_count"], md["llama.attention.head_count_kv"]
-    D, eps_n, base = E // H, md["llama.attention.layer_norm_rms_epsilon"], md["llama.rope.freq_base"]
-    k = md.get("llama.expert_used_count", 0)
-    rng = np.random.default_rng(seed)
-
-    def rms(x, w):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps_n) * w
-
-    def rope(x, pos):
-        th = pos[:, None] * base ** (-2.0 * np.arange(D // 2) / D)
-        c, s = np.cos(th)[:, None, :], np.sin(th)[:, None, :]
-        a, b = x[..., 0::2], x[..., 1::2]
-        out = np.empty_like(x)
-        out[..., 0::2], out[..., 1::2] = a * c - b * s, a * s + b * c
-        return out
-
-    def silu(g):
-        return g / (1 + np.exp(-g))
-
-    results = []
-    for ids in prompts:
-        n, pos = len(ids), np.arange(len(ids), dtype=np.float64)
-        x = W("token_embd.weight")[ids]
-        for il in range(L):
-            p = f"blk.{il}."
-            h = rms(x, W(p + "attn_norm.weight"))
-            q = rope((h @ W(p + "attn_q.weight").T).reshape(n, H, D), pos)
-            kk = rope((h @ W(p + "attn_k.weight").T).reshape(n, HKV, D), pos)
-            v = (h @ W(p + "attn_v.weight").T).reshape(n, HKV, D)
-            o = np.zeros((n, H, D))
-            for hh in range(H):
-                g = hh // (H // HKV)
-                sc = q[:, hh] @ kk[:, g].T / np.sqrt(D)
-                sc[np.triu_indices(n, 1)] = -np.inf
-                pr = np.exp(sc - sc.max(1, keepdims=True))
-                o[:, hh] = (pr / pr.sum(1, keepdims=True)) @ v[:, g]
-            x = x + o.reshape(n, E) @ W(p + "attn_output.weight").T
-            h = rms(x, W(p + "ffn_norm.weight"))
-            if not k:
-                x = x + (silu(h @ W(p + "ffn_gate.weight").T) * (h @ W(p + "ffn_up.weight").T)) @ W(p + "ffn_down.weight").T
-            else:
-                gi = h @ W(p + "ffn_gate_inp.weight").T
-                pr = np.exp(gi - gi.max(1, keepdims=True))
-                pr /= pr.sum(1, keepdims=True)
-                ge, ue, de = (W(p + f"ffn_{t}_exps.weight") for t in ("gate", "up", "down"))
-                for t in range(n):
-                    sel = np.argsort(-pr[t], kind="stable")[:k]
-                    for e, we in zip(sel, pr[t, sel] / pr[t, sel].sum()):
-                        x[t] += we * (de[e] @ (silu(ge[e] @ h[t]) * (ue[e] @ h[t])))
-            if eps:
-                x = x * (1 + eps * rng.standard_normal(x.shape))
-        x = rms(x, W("output_norm.weight"))
-        results.append(x @ (W("output.weight") if "output.weight" in info else W("token_embd.weight")).T)
-    return results
+    """The float64 pass of tests/float_reference.py over every prompt, optionally with noise."""
+    model, rng = FloatModel(path), np.random.default_rng(seed)
+    return [model.logits(ids, eps=eps, rng=rng) for ids in prompts]
 
 
 def log_softmax(a):
