@@ -46,6 +46,7 @@ struct Options {
     bool warmup = true;
     bool verbose = false;
     std::string output = "md";
+    DeviceSpec device;  // the whole model on it: cpu (default) or cuda:N
     std::string dump_logits;  // hidden: last logits of every test's last repetition (tests)
     uint64_t seed = 1234;
 };
@@ -79,6 +80,7 @@ void print_usage(FILE* f) {
             "  -pg P,G                  a prompt of P tokens then G generated tokens, timed together\n"
             "  -d, --n-depth N          tokens already in the KV cache before each test (default 0)\n"
             "  -t, --threads N          CPU threads (default %d: the machine's cores or STOWLM_THREADS)\n"
+            "  -dev, --device D         the device the model runs on: cpu (default) or cuda:N\n"
             "  -ub, --ubatch-size N     tokens per micro-batch of prompt processing (default 512)\n"
             "  -ctk, --cache-type-k T   KV cache type: f16 or q8_0 (default f16)\n"
             "  -r, --repetitions N      timed repetitions per test (default 5)\n"
@@ -147,6 +149,13 @@ Options parse_args(int argc, char** argv) {
             int_list(a, "d", value(), o.n_depth, 0);
         } else if (a == "-t" || a == "--threads") {
             int_list(a, "t", value(), o.threads, 1);
+        } else if (a == "-dev" || a == "--device") {
+            const std::string d = value();
+            const size_t colon = d.find(':');
+            o.device.kind = d.substr(0, colon);
+            if (o.device.kind != "cpu" && o.device.kind != "cuda")
+                throw UsageError(a + ": unknown device '" + d + "' (use cpu or cuda:N)");
+            o.device.index = colon == std::string::npos ? 0 : (int)parse_int(a, d.substr(colon + 1), 0);
         } else if (a == "-ub" || a == "--ubatch-size") {
             int_list(a, "ub", value(), o.n_ubatch, 1);
         } else if (a == "-pg") {
@@ -584,8 +593,8 @@ int run(const Options& o) {
 
     for (const std::string& path : o.models) {
         for (int64_t threads : o.threads) {
-            DeviceSpec spec;
-            spec.threads = (int)threads;
+            DeviceSpec spec = o.device;
+            if (spec.kind == "cpu") spec.threads = (int)threads;
             std::unique_ptr<Model> model = Model::load(path, {spec}, {});
             const ModelInfo info = describe(model->file());
             const std::string backend = backend_label(*model);

@@ -31,9 +31,40 @@ HOST_DEVICE int router_argmax(const float* logits, int n, const int* taken, int 
     return best;
 }
 
+// Indices of the k (k <= n) largest of x[0..n) into ids[0..k), best first (the TOP_K op).
+HOST_DEVICE void router_top_ids(const float* x, int n, int k, int* ids) {
+    for (int j = 0; j < k; j++) ids[j] = router_argmax(x, n, ids, j);
+}
+
+// The MOE_WEIGHTS op for one token (same rules as cpu::moe_weights): the gate of each picked
+// expert ids[0..k) from the n router logits, softmax over all n (sigmoid_gate false) or a
+// sigmoid each; when `normalize`, divided by their sum clamped below at 2^-14 (llama.cpp's
+// clamp); then times `scale` unless it is 0 or 1.
+HOST_DEVICE void moe_gate_weights(const float* logits, int n, const int* ids, int k, bool sigmoid_gate,
+                                  bool normalize, float scale, float* w) {
+    if (!sigmoid_gate) {
+        // In double like the CPU op: routers with near-tied experts amplify float rounding.
+        float mx = logits[0];
+        for (int e = 1; e < n; e++) mx = fmaxf(mx, logits[e]);
+        double denom = 0.0;
+        for (int e = 0; e < n; e++) denom += exp((double)(logits[e] - mx));
+        for (int j = 0; j < k; j++) w[j] = (float)(exp((double)(logits[ids[j]] - mx)) / denom);
+    } else {
+        for (int j = 0; j < k; j++) w[j] = 1.0f / (1.0f + expf(-logits[ids[j]]));
+    }
+    if (normalize) {
+        float s = 0.0f;
+        for (int j = 0; j < k; j++) s += w[j];
+        s = fmaxf(s, 6.103515625e-5f);
+        for (int j = 0; j < k; j++) w[j] /= s;
+    }
+    if (scale != 0.0f && scale != 1.0f)
+        for (int j = 0; j < k; j++) w[j] *= scale;
+}
+
 // Experts 0..n-1, top k (k <= n) into ids[0..k), weights into w[0..k), best first.
 HOST_DEVICE void router_topk(const float* logits, int n, const RouterParams& p, int* ids, float* w) {
-    for (int j = 0; j < p.k; j++) ids[j] = router_argmax(logits, n, ids, j);
+    router_top_ids(logits, n, p.k, ids);
     // Softmax with the largest chosen logit as the shift (it is also the overall maximum).
     const float mx = logits[ids[0]];
     float denom = 0.0f;

@@ -44,6 +44,9 @@ public:
     void* alloc(size_t bytes, const std::string& purpose);
     void free(void* p);  // p from alloc(); nullptr is a no-op; anything else throws InvalidInput
 
+    // Makes this the calling thread's current device: launchers enqueue on the current one.
+    void set_current() const;
+
     Stream compute_stream() const { return compute_; }
     Stream copy_stream() const { return copy_; }
     Event record(Stream s);                // a new event recorded on s (destroy with release)
@@ -62,7 +65,6 @@ public:
     void copy_from_peer(void* dst, const CudaDevice& from, const void* src, size_t bytes, Stream s);
 
 private:
-    void set_current() const;
     int index_;
     std::string name_;
     int sm_count_ = 0;
@@ -105,6 +107,12 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
 void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterParams& p, int32_t* ids,
                  float* weights, Stream s);
 
+// The graph's TOP_K and MOE_WEIGHTS ops (cpu/moe.h semantics) through the HOST_DEVICE
+// router_top_ids / moe_gate_weights of moe_router.h, one thread per row.
+void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, Stream s);
+void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
+                 bool sigmoid_gate, bool normalize, float scale, float* w, Stream s);
+
 size_t moe_scratch_bytes(const DeviceWeight& expert0, int n_expert, int64_t n_act_rows, int64_t n_slots);
 // Expert products for n_tok tokens routed to k experts each (ids [n_tok][k], every id in
 // [0, n_expert)): y[(t*k + j) * ldy + r] = W_{ids[t,j]}[r, :] . x_row, where x_row is token
@@ -118,6 +126,8 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
 
 // ---- attention (flash_attn.cu) ----------------------------------------------------------
 
+// Largest head_dim the attention kernel takes.
+constexpr int kFlashAttnMaxHeadDim = 256;
 // Scratch for the split-KV partials (0 when n_split is 1).
 size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split);
 // How many KV splits the launcher picks for this shape on a device with sm_count SMs.

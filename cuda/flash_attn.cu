@@ -12,7 +12,7 @@
 namespace stowlm::cuda {
 
 constexpr int kFaWarps = 4;
-constexpr int kFaMaxDim = 256;
+constexpr int kFaMaxDim = kFlashAttnMaxHeadDim;
 constexpr int kFaPerLane = kFaMaxDim / 32;
 
 struct FaArgs {

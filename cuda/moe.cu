@@ -1,5 +1,5 @@
 // Mixture-of-experts on the device: the router's top-k (the HOST_DEVICE moe_router.h, one
-// thread per token), a counting sort of the (token, expert) slots by expert, and the expert
+// thread per token; also split into the graph's TOP_K and MOE_WEIGHTS ops), a counting sort of the (token, expert) slots by expert, and the expert
 // products as ONE grouped launch of the vector kernels (mmvq.cu) with blockIdx.y = expert, each
 // expert's block walking only the slots routed to it.
 #include "cuda_backend.h"
@@ -15,6 +15,21 @@ __global__ void __launch_bounds__(128) router_kernel(const float* __restrict__ l
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n_tok) return;
     router_topk(logits + t * n_expert, n_expert, p, ids + t * p.k, w + t * p.k);
+}
+
+__global__ void __launch_bounds__(128) top_k_kernel(const float* __restrict__ x, int64_t n_rows, int n, int64_t ldx,
+                                                    int k, int32_t* ids) {
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n_rows) return;
+    router_top_ids(x + r * ldx, n, k, ids + r * k);
+}
+
+__global__ void __launch_bounds__(128) moe_weights_kernel(const float* __restrict__ logits, int64_t n_tok, int n_expert,
+                                                          const int32_t* __restrict__ ids, int k, bool sigmoid_gate,
+                                                          bool normalize, float scale, float* w) {
+    const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (t >= n_tok) return;
+    moe_gate_weights(logits + t * n_expert, n_expert, ids + t * k, k, sigmoid_gate, normalize, scale, w + t * k);
 }
 
 __global__ void __launch_bounds__(256) moe_count_kernel(const int32_t* __restrict__ ids, int64_t n_slots, int n_expert,
@@ -88,6 +103,26 @@ void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterP
     if (n_tok <= 0) return;
     router_kernel<<<ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s>>>(logits, n_tok, n_expert, p, ids, weights);
     check_launch("router_kernel");
+}
+
+void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, Stream s) {
+    if (n <= 0 || n > (1 << 20)) throw InvalidInput("cuda top_k: row length " + std::to_string(n) + " outside 1..2^20");
+    if (k < 1 || k > n) throw InvalidInput("cuda top_k: k=" + std::to_string(k) + " outside 1..n");
+    if (ldx < n) throw InvalidInput("cuda top_k: ldx < n");
+    if (n_rows <= 0) return;
+    top_k_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, (int)n, ldx, (int)k, ids);
+    check_launch("top_k_kernel");
+}
+
+void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
+                 bool sigmoid_gate, bool normalize, float scale, float* w, Stream s) {
+    if (n_expert <= 0 || n_expert > (1 << 20))
+        throw InvalidInput("cuda moe_weights: n_expert " + std::to_string(n_expert) + " outside 1..2^20");
+    if (k < 1 || k > n_expert) throw InvalidInput("cuda moe_weights: k=" + std::to_string(k) + " outside 1..n_expert");
+    if (n_tok <= 0) return;
+    moe_weights_kernel<<<ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s>>>(logits, n_tok, (int)n_expert, ids, (int)k,
+                                                                          sigmoid_gate, normalize, scale, w);
+    check_launch("moe_weights_kernel");
 }
 
 size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {

@@ -1,4 +1,5 @@
 """Shared test fixtures: real models (pulled once into the stowlm cache) and llama.cpp fixtures."""
+import functools
 import json
 import os
 import subprocess
@@ -53,3 +54,36 @@ def subprocess_env(**extra) -> dict:
     env = dict(os.environ, **extra)
     env["PYTHONPATH"] = os.pathsep.join(p for p in [pkg_parent, env.get("PYTHONPATH", "")] if p)
     return env
+
+
+# ---- CUDA devices in tests -------------------------------------------------------------------
+# Tests parametrised over devices skip their CUDA cases, printing why, where stowlm was built
+# without CUDA or no device is present; STOWLM_REQUIRE_GPU=1 (GPU CI) turns that skip into a
+# failure.
+REQUIRE_GPU = os.environ.get("STOWLM_REQUIRE_GPU") == "1"
+
+
+@functools.lru_cache(maxsize=1)
+def cuda_skip_reason():
+    """None when CUDA device 0 can run tests, else why not."""
+    from stowlm import _core
+
+    if not hasattr(_core, "cuda_ops"):
+        return "stowlm was built without CUDA (nvcc not found at build time)"
+    devices, why = _core.cuda.devices()
+    if not devices:
+        return f"no CUDA device: {why}"
+    return None
+
+
+def require_devices(*names):
+    """Skip (or, with STOWLM_REQUIRE_GPU=1, fail) the calling test when any of the device specs
+    `names` is a CUDA device this machine cannot offer."""
+    if not any(str(n).startswith("cuda") for n in names):
+        return
+    why = cuda_skip_reason()
+    if why:
+        if REQUIRE_GPU:
+            pytest.fail(f"STOWLM_REQUIRE_GPU=1 but {why}")
+        print(f"skipping {', '.join(map(str, names))}: {why}")
+        pytest.skip(why)

@@ -189,6 +189,7 @@ def test_verbose_memory_report(small, gguf_facts, ctk, bytes_per_32):
     (["-m", "{small}", "-pg", "512"], 2, "-pg: expected P,G"),
     (["-m", "{small}", "-p", "0", "-n", "0"], 2, "nothing to run"),
     (["-m", "{garbage}"], 1, "garbage.gguf"),
+    (["-m", "{small}", "-dev", "tpu:0"], 2, "-dev: unknown device 'tpu:0'"),
 ])
 def test_bad_arguments(small, tmp_path, args, code, message):
     garbage = tmp_path / "garbage.gguf"
@@ -198,6 +199,15 @@ def test_bad_arguments(small, tmp_path, args, code, message):
     assert message in r.stderr
     assert r.stderr.startswith("stowlm-bench: error: ")
     assert r.stdout == ""
+
+
+def test_cuda_device_without_a_gpu(small):
+    from conftest import cuda_skip_reason
+
+    if cuda_skip_reason() is None:
+        pytest.skip("this machine has a CUDA device")
+    r = bench("-m", str(small), "-dev", "cuda:0", "-p", "8", "-n", "0", "-r", "1", check=False)
+    assert r.returncode == 1 and "no CUDA device is present" in r.stderr and "cuda:0" in r.stderr, r.stderr
 
 
 def test_stowlm_bench_subcommand():

@@ -191,3 +191,27 @@ def test_router_topk_all_equal_and_nan():
     np.testing.assert_array_equal(ids, [3, 1])
     with pytest.raises(ValueError, match="k=5"):
         cm.router_topk(np.zeros(4, np.float32), 5)
+
+
+@pytest.mark.parametrize("sigmoid,normalize,scale", [(False, False, 0.0), (False, True, 0.0), (True, True, 2.5),
+                                                     (True, False, 1.0)])
+def test_top_k_and_moe_weights_match_numpy(sigmoid, normalize, scale):
+    """The TOP_K and MOE_WEIGHTS ops of the CUDA backend (router_top_ids, moe_gate_weights) against
+    a stable argsort and float64 gates with cpu::moe_weights' rules."""
+    rng = np.random.default_rng(7)
+    for n, k in [(1, 1), (8, 2), (60, 4), (128, 8)]:
+        logits = (3 * rng.standard_normal((5, n))).astype(np.float32)
+        logits[:, rng.integers(0, n, 3)] = logits[:, :1]  # ties: lower index first
+        if n > 1:
+            logits[4] = -30.0 - np.arange(n, dtype=np.float32) / n  # sigmoid gates sum below the 2^-14 clamp
+        ids, w = cm.top_k_moe_weights(logits, k, sigmoid, normalize, scale)
+        want = np.argsort(-logits.astype(np.float64), axis=1, kind="stable")[:, :k]
+        np.testing.assert_array_equal(ids, want)
+        l64 = logits.astype(np.float64)
+        gate = 1 / (1 + np.exp(-l64)) if sigmoid else np.stack([softmax64(r) for r in l64])
+        ww = np.take_along_axis(gate, want, axis=1)
+        if normalize:
+            ww = ww / np.maximum(ww.sum(axis=1, keepdims=True), 2.0**-14)
+        if scale not in (0.0, 1.0):
+            ww = ww * scale
+        np.testing.assert_allclose(w, ww, rtol=2e-5, atol=1e-30)

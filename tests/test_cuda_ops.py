@@ -2,42 +2,23 @@
 float64 (or gguf-package) oracle. CUDA cases are skipped, with the reason, where stowlm was
 built without CUDA or no device is present; STOWLM_REQUIRE_GPU=1 turns that skip into a
 failure (for GPU CI)."""
-import os
-
 import numpy as np
 import pytest
 
+from conftest import require_devices
 from stowlm import _core
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
 
 T = gguf.GGMLQuantizationType
-REQUIRE_GPU = os.environ.get("STOWLM_REQUIRE_GPU") == "1"
-
-
-def _cuda_skip_reason():
-    if not hasattr(_core, "cuda_ops"):
-        return "stowlm was built without CUDA (nvcc not found at build time)"
-    devices, why = _core.cuda.devices()
-    if not devices:
-        return f"no CUDA device: {why}"
-    return None
-
-
-CUDA_SKIP = _cuda_skip_reason()
 DEVICES = ["cpu", "cuda:0"]
 
 
 @pytest.fixture(params=DEVICES)
 def dev(request):
-    name = request.param
-    if name.startswith("cuda") and CUDA_SKIP:
-        if REQUIRE_GPU:
-            pytest.fail(f"STOWLM_REQUIRE_GPU=1 but {CUDA_SKIP}")
-        print(f"skipping {name}: {CUDA_SKIP}")
-        pytest.skip(CUDA_SKIP)
-    return name
+    require_devices(request.param)
+    return request.param
 
 
 def cuda_only(dev):
@@ -317,6 +298,19 @@ def test_router_topk_matches_host(dev):
         hid, hw = _core.cuda_math.router_topk(logits[t], 4, True, True)
         np.testing.assert_array_equal(ids[t], hid)
         np.testing.assert_allclose(w[t], hw, rtol=1e-6)
+
+
+@pytest.mark.parametrize("sigmoid,normalize,scale", [(False, True, 0.0), (True, False, 2.5)])
+def test_top_k_moe_weights_match_host(dev, sigmoid, normalize, scale):
+    """The engine's TOP_K and MOE_WEIGHTS kernels against the same HOST_DEVICE functions on the CPU."""
+    cuda_only(dev)
+    rng = np.random.default_rng(18)
+    logits = (2 * rng.standard_normal((300, 64))).astype(np.float32)
+    logits[:, 7] = logits[:, 3]  # ties: lower index first
+    ids, w = run(dev, "top_k_moe_weights", logits, 6, sigmoid, normalize, scale)
+    hid, hw = _core.cuda_math.top_k_moe_weights(logits, 6, sigmoid, normalize, scale)
+    np.testing.assert_array_equal(ids, hid)
+    np.testing.assert_allclose(w, hw, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16"])

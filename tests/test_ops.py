@@ -49,6 +49,9 @@ def test_rms_norm_bad_weight():
 def test_activations(isa, shape):
     r = rng(shape[1])
     g = (r.standard_normal(shape) * 3).astype(np.float32)
+    # the ends of the vector exp's range (clamped inputs, underflow) and the tails of each row
+    extremes = np.array([-200, -104, -90, -88, -30, 30, 88, 90, 200], np.float32)
+    g.flat[-len(extremes):] = extremes[:g.size]
     u = r.standard_normal(shape).astype(np.float32)
     g64, u64 = g.astype(np.float64), u.astype(np.float64)
     silu = g64 / (1 + np.exp(-g64))
@@ -251,6 +254,29 @@ def test_attn_softcap_noncausal_gqa7(isa, kv_type):
     r = rng(11)
     run_attn(r, 9, 7, 1, 128, np.arange(9) + 50, np.arange(300), kv_type=kv_type, scale=0.5, softcap=5.0,
              causal=False)
+
+
+@pytest.mark.parametrize("hd,n_head,n_head_kv", [(64, 9, 3), (80, 4, 2), (128, 14, 2), (256, 4, 1), (36, 4, 2)])
+def test_attn_prompt_many_tokens(isa, hd, n_head, n_head_kv):
+    # 24+ query tokens: the blocked many-token path on AVX-512 (query tiles of up to 64 rows of
+    # tokens x heads, KV blocks of 64 cells), with a token count that leaves a partial tile, a
+    # second batch after a shuffled cache with empty cells, and a sliding window.
+    r = rng(hd + n_head)
+    n = 77
+    run_attn(r, n, n_head, n_head_kv, hd, np.arange(n), np.arange(n))
+    kv_pos = np.concatenate([np.arange(150), -np.ones(11, np.int64)])
+    r.shuffle(kv_pos)
+    run_attn(r, 30, n_head, n_head_kv, hd, 120 + np.arange(30), kv_pos)
+    run_attn(r, 40, n_head, n_head_kv, hd, np.arange(40) + 100, np.arange(140), window=33)
+
+
+def test_attn_prompt_many_tokens_softcap_invisible(isa):
+    # Non-causal with a soft cap over 24+ tokens; then queries before every stored position
+    # (nothing visible: zeros, not NaN) next to ones that see part of the cache.
+    r = rng(3)
+    run_attn(r, 26, 7, 1, 128, np.arange(26) + 50, np.arange(300), scale=0.5, softcap=5.0, causal=False)
+    got, _ = run_attn(r, 28, 4, 2, 64, np.arange(28), np.arange(70) + 12)
+    assert np.all(got[:12] == 0) and np.all(np.isfinite(got))
 
 
 @pytest.mark.parametrize("n_kv", [1, 130, 4096])

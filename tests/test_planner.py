@@ -56,7 +56,8 @@ def test_n_outputs_shrinks_the_logits_buffer(model_path):
     logits="all" still returns every row, the same numbers."""
     path = model_path("gemma3-270m")
     full = plan(path, None, n_ctx=64, n_ubatch=32)[0]
-    small = plan(path, None, n_ctx=64, n_ubatch=32, n_outputs=4)[0]
+    # the same thread count as the Context below: per-thread scratch (attention) scales with it
+    small = plan(path, ["cpu:0[threads=1]"], n_ctx=64, n_ubatch=32, n_outputs=4)[0]
     assert full["compute"] - small["compute"] >= (32 - 4) * 262144 * 4
     assert plan(path, None, n_ctx=16, n_ubatch=512) == plan(path, None, n_ctx=16, n_ubatch=16)  # clamped
     model = stowlm.Model(path, devices=["cpu:0[threads=1]"])
@@ -75,7 +76,7 @@ def test_context_too_big_fails_cleanly_then_fits(model_path):
     allocated (KV on both devices) is released, and a context that fits then loads."""
     path = model_path("smollm2-135m")
     n_ctx, n_ubatch = 128, 32
-    need = plan(path, ["cpu:0", "cpu:1"], n_ctx=n_ctx, n_ubatch=n_ubatch)
+    need = plan(path, ["cpu:0[threads=1]", "cpu:1[threads=1]"], n_ctx=n_ctx, n_ubatch=n_ubatch)
     budget1 = need[1]["total"] - 1
     model = stowlm.Model(path, devices=["cpu:0[threads=1]", f"cpu:1[threads=1,mem={budget1}]"])
     weights_only = [need[0]["weights"], need[1]["weights"]]

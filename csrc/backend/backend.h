@@ -1,7 +1,8 @@
 // One device = one Backend object: a small table of functions (alloc/free buffers, memory
 // total/free, supports(op), compute(split), copies to/from host and peer). The CPU backend
 // (and its "virtual device" form, with its own thread count and a hard memory budget) lives in
-// cpu_backend.cpp; a CUDA backend implements the same table. Buffers know their device.
+// cpu_backend.cpp; the CUDA backend (cuda/cuda_engine.cpp) implements the same table. Buffers
+// know their device.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -62,6 +63,9 @@ public:
     virtual void synchronize() = 0;
 };
 
+// "N bytes (X MiB)": how out-of-memory errors of every device state sizes.
+std::string describe_bytes(size_t bytes);
+
 // A CPU device: `threads` workers (its own pool) and a budget of `mem_bytes` (0: system RAM).
 std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int threads, size_t mem_bytes);
 
@@ -74,6 +78,11 @@ struct DeviceSpec {
     std::string name() const { return kind + ":" + std::to_string(index); }
 };
 
+// kind "cpu", or "cuda" (index: the CUDA device; mem_bytes: an optional budget below its
+// memory). Unsupported naming the device and the reason when it cannot be opened (no CUDA in
+// this build, no such device).
 std::unique_ptr<Backend> make_backend(int id, const DeviceSpec& spec);
+// Defined by cuda/cuda_engine.cpp, only in builds with CUDA.
+std::unique_ptr<Backend> make_cuda_backend(int id, const DeviceSpec& spec);
 
 }  // namespace stowlm

@@ -22,6 +22,12 @@ BackendBuffer::~BackendBuffer() {
     if (backend) backend->free_buffer(*this);
 }
 
+std::string describe_bytes(size_t b) {
+    char buf[64];
+    snprintf(buf, sizeof buf, "%zu bytes (%.1f MiB)", b, b / 1048576.0);
+    return buf;
+}
+
 namespace {
 
 size_t physical_ram() {
@@ -36,12 +42,6 @@ int default_threads() {
     }
     const unsigned n = std::thread::hardware_concurrency();
     return n ? (int)n : 1;
-}
-
-std::string mib(size_t b) {
-    char buf[64];
-    snprintf(buf, sizeof buf, "%zu bytes (%.1f MiB)", b, b / 1048576.0);
-    return buf;
 }
 
 float* f32(Tensor* t) { return (float*)t->data; }
@@ -72,7 +72,7 @@ public:
             p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
             if (!p) {
                 used_ -= bytes;
-                throw OutOfDeviceMemory(name_ + ": the system refused " + mib(bytes) + " for " + purpose);
+                throw OutOfDeviceMemory(name_ + ": the system refused " + describe_bytes(bytes) + " for " + purpose);
             }
         }
         auto b = std::make_unique<BackendBuffer>();
@@ -139,8 +139,9 @@ public:
 private:
     void reserve(size_t bytes, const std::string& purpose) {
         if (bytes > budget_ - used_)
-            throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " + mib(bytes) +
-                                    ", " + mib(budget_ - used_) + " available of a " + mib(budget_) + " budget");
+            throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " +
+                                    describe_bytes(bytes) + ", " + describe_bytes(budget_ - used_) +
+                                    " available of a " + describe_bytes(budget_) + " budget");
         used_ += bytes;
     }
 
@@ -272,6 +273,15 @@ std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int t
 
 std::unique_ptr<Backend> make_backend(int id, const DeviceSpec& spec) {
     if (spec.kind == "cpu") return make_cpu_backend(id, spec.name(), spec.threads, spec.mem_bytes);
+    if (spec.kind == "cuda") {
+#ifdef STOWLM_HAVE_CUDA
+        return make_cuda_backend(id, spec);
+#else
+        throw Unsupported("device '" + spec.name() +
+                          "': no CUDA device is present (stowlm was built without CUDA: nvcc was not found at "
+                          "build time)");
+#endif
+    }
     throw Unsupported("device '" + spec.name() + "': no backend for kind '" + spec.kind + "' in this build");
 }
 

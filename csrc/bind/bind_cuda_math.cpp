@@ -147,6 +147,21 @@ nb::tuple router_topk(F1 logits, int k, bool softmax_all, bool normalize) {
     return nb::make_tuple(make_out<int, 1>(std::move(ids), {(size_t)k}), make_out<float, 1>(std::move(w), {(size_t)k}));
 }
 
+// The TOP_K and MOE_WEIGHTS ops row by row: logits (n_tok, n) -> ids (n_tok, k), weights (n_tok, k).
+nb::tuple top_k_moe_weights(F2 logits, int k, bool sigmoid_gate, bool normalize, float scale) {
+    const size_t n_tok = logits.shape(0);
+    const int n = (int)logits.shape(1);
+    if (k <= 0 || k > n) throw InvalidInput("top_k_moe_weights: k=" + std::to_string(k) + " outside 1..n_expert");
+    std::vector<int> ids(n_tok * k);
+    std::vector<float> w(n_tok * k);
+    for (size_t t = 0; t < n_tok; t++) {
+        stowlm::router_top_ids(logits.data() + t * n, n, k, &ids[t * k]);
+        stowlm::moe_gate_weights(logits.data() + t * n, n, &ids[t * k], k, sigmoid_gate, normalize, scale, &w[t * k]);
+    }
+    return nb::make_tuple(make_out<int, 2>(std::move(ids), {n_tok, (size_t)k}),
+                          make_out<float, 2>(std::move(w), {n_tok, (size_t)k}));
+}
+
 }  // namespace
 
 STOWLM_BIND(cuda_math) {
@@ -164,4 +179,6 @@ STOWLM_BIND(cuda_math) {
     });
     cm.def("router_topk", &router_topk, nb::arg("logits"), nb::arg("k"), nb::arg("softmax_all") = true,
            nb::arg("normalize") = false);
+    cm.def("top_k_moe_weights", &top_k_moe_weights, nb::arg("logits"), nb::arg("k"), nb::arg("sigmoid_gate") = false,
+           nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
 }

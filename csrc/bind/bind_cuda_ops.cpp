@@ -314,6 +314,19 @@ STOWLM_BIND(cuda_ops) {
         return nb::make_tuple(download<int32_t>(d, ib, {(size_t)n, (size_t)k}), download<float>(d, wb, {(size_t)n, (size_t)k}));
     }, nb::arg("logits"), nb::arg("k"), nb::arg("softmax_all") = true, nb::arg("normalize") = false, nb::arg("device") = 0);
 
+    // The engine's TOP_K then MOE_WEIGHTS on (n_tok, n) logits: (ids, weights), each (n_tok, k).
+    co.def("top_k_moe_weights", [](In<float> logits, int k, bool sigmoid_gate, bool normalize, float scale, int di) {
+        if (logits.ndim() != 2) throw InvalidInput("top_k_moe_weights: logits must be (n_tok, n_expert)");
+        cu::CudaDevice& d = device(di);
+        const int64_t n = logits.shape(0), ne = logits.shape(1);
+        Buf lb(d, logits.data(), logits.size() * 4), ib(d, (size_t)(n * k) * 4), wb(d, (size_t)(n * k) * 4);
+        cu::top_k(lb.as<float>(), n, ne, ne, k, ib.as<int32_t>(), d.compute_stream());
+        cu::moe_weights(lb.as<float>(), n, ne, ib.as<int32_t>(), k, sigmoid_gate, normalize, scale, wb.as<float>(),
+                        d.compute_stream());
+        return nb::make_tuple(download<int32_t>(d, ib, {(size_t)n, (size_t)k}), download<float>(d, wb, {(size_t)n, (size_t)k}));
+    }, nb::arg("logits"), nb::arg("k"), nb::arg("sigmoid_gate") = false, nb::arg("normalize") = false,
+       nb::arg("scale") = 0.0f, nb::arg("device") = 0);
+
     // Allocation accounting: memory_used after allocating each size, then after freeing all.
     co.def("alloc_accounting", [](std::vector<size_t> sizes, int di) {
         cu::CudaDevice& d = device(di);

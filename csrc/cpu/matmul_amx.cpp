@@ -155,48 +155,44 @@ void run_panels(const MatmulArgs& A, const Layout& lo, int64_t p0, int64_t p1) {
             const float* sa0 = lo.sa + tt * nsteps * TT;
             const float* sa1 = sa0 + nsteps * TT;
             float (*acc)[TR * TT] = (float (*)[TR * TT])(acc_all + (tt / 2) * 4 * TR * TT);
-            // Staggered: token tile 1's products of step s-1 are stored while tile 0's of step s
-            // run, so the tile unit never waits on a store of the tile it is about to reuse.
+            // C tile c = 2 * row half + token tile. Each step's products are stored one step
+            // later, right before their tile is reused, and their float epilogue follows the
+            // next step's products: the tile unit runs in order, so a store placed right behind
+            // its own product would wait out that product's latency, and the epilogue's loads
+            // wait for the store.
+            auto epi = [&](int c, int64_t s) __attribute__((always_inline)) {
+                const int h = c >> 1, k = c & 1;
+                const float* da = (k ? da1 : da0) + s * TT;
+                const float* sa = (k ? sa1 : sa0) + s * TT;
+                epilogue<MIN>(acc[c], cbuf[c], da, sa, S + s * PR + h * TR, M + s * PR + h * TR);
+            };
             for (int64_t s = k0; s < k1; s++) {
                 const int8_t* w0 = wp + s * PR * step;
                 _tile_loadd(4, w0, step);
                 _tile_loadd(5, w0 + TR * step, step);
                 _tile_loadd(6, bp0 + s * step * TT, 64);
                 _tile_loadd(7, bp1 + s * step * TT, 64);
+                const bool prev = s > k0;
+                if (prev) _tile_stored(0, cbuf[0], 64);
                 _tile_zero(0);
-                _tile_zero(2);
                 _tile_dpbssd(0, 4, 6);
-                _tile_dpbssd(2, 5, 6);
-                if (s > k0) {
-                    _tile_stored(1, cbuf[1], 64);
-                    _tile_stored(3, cbuf[3], 64);
-                }
+                if (prev) _tile_stored(1, cbuf[1], 64);
                 _tile_zero(1);
-                _tile_zero(3);
                 _tile_dpbssd(1, 4, 7);
+                if (prev) _tile_stored(2, cbuf[2], 64);
+                _tile_zero(2);
+                _tile_dpbssd(2, 5, 6);
+                if (prev) _tile_stored(3, cbuf[3], 64);
+                _tile_zero(3);
                 _tile_dpbssd(3, 5, 7);
-                if (s > k0) {
-                    const float* sv = S + (s - 1) * PR;
-                    const float* mv = M + (s - 1) * PR;
-                    epilogue<MIN>(acc[1], cbuf[1], da1 + (s - 1) * TT, sa1 + (s - 1) * TT, sv, mv);
-                    epilogue<MIN>(acc[3], cbuf[3], da1 + (s - 1) * TT, sa1 + (s - 1) * TT, sv + TR, mv + TR);
-                }
-                _tile_stored(0, cbuf[0], 64);
-                _tile_stored(2, cbuf[2], 64);
-                const float* sv = S + s * PR;
-                const float* mv = M + s * PR;
-                epilogue<MIN>(acc[0], cbuf[0], da0 + s * TT, sa0 + s * TT, sv, mv);
-                epilogue<MIN>(acc[2], cbuf[2], da0 + s * TT, sa0 + s * TT, sv + TR, mv + TR);
+                if (prev)
+                    for (int c = 0; c < 4; c++) epi(c, s - 1);
             }
-            {
-                const int64_t s = k1 - 1;
-                _tile_stored(1, cbuf[1], 64);
-                _tile_stored(3, cbuf[3], 64);
-                const float* sv = S + s * PR;
-                const float* mv = M + s * PR;
-                epilogue<MIN>(acc[1], cbuf[1], da1 + s * TT, sa1 + s * TT, sv, mv);
-                epilogue<MIN>(acc[3], cbuf[3], da1 + s * TT, sa1 + s * TT, sv + TR, mv + TR);
-            }
+            _tile_stored(0, cbuf[0], 64);
+            _tile_stored(1, cbuf[1], 64);
+            _tile_stored(2, cbuf[2], 64);
+            _tile_stored(3, cbuf[3], 64);
+            for (int c = 0; c < 4; c++) epi(c, k1 - 1);
           }
         }
         for (int64_t tt = 0; tt < lo.ntiles; tt += 2) {
@@ -237,34 +233,45 @@ bool matmul_amx(const MatmulArgs& A, ThreadPool& pool) {
 
     // Activations into B-tile order plus per-step scales da and scaled sums sa (zero for
     // the missing tokens of the last tile).
+    // The 4-byte groups of 16 tokens side by side: one gather per B tile row.
+    const __m512i tok_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32((int)A.act_stride));
     pool.parallel_for(lo.ntiles * nsteps, [&](int64_t i0, int64_t i1, int) {
         for (int64_t i = i0; i < i1; i++) {
             const int64_t tt = i / nsteps, s = i % nsteps;
             uint8_t* bp = lo.bpack + tt * TT * A.cols + s * step * TT;
             float* da = lo.da + (tt * nsteps + s) * TT;
             float* sa = lo.sa + (tt * nsteps + s) * TT;
+            const int64_t nt = std::max<int64_t>(0, std::min<int64_t>(TT, A.n_tok - tt * TT));  // 0: padding tile
+            const __mmask16 tm = (__mmask16)((1u << nt) - 1);
+            const uint8_t* ap = (const uint8_t*)A.act + tt * TT * A.act_stride;
+            const int8_t* qs0;  // step s of the tile's first token; the others act_stride apart
+            if (fam == DotFamily::Q32) {
+                qs0 = ((const block_q8_a*)ap)[s].qs;
+            } else {
+                const int per = QK_K / step;
+                qs0 = ((const block_q8_K32*)ap)[s / per].qs + (s % per) * step;
+            }
+            for (int k4 = 0; k4 < step / 4; k4++)
+                _mm512_store_si512(bp + k4 * 64, _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), tm, tok_off,
+                                                                             qs0 + 4 * k4, 1));
             for (int t = 0; t < TT; t++) {
-                const int64_t tok = tt * TT + t;
-                if (tok >= A.n_tok) {
-                    for (int k4 = 0; k4 < step / 4; k4++) memset(bp + k4 * 64 + t * 4, 0, 4);
+                if (t >= nt) {
                     da[t] = sa[t] = 0;
                     continue;
                 }
-                const uint8_t* ap = (const uint8_t*)A.act + tok * A.act_stride;
-                const int8_t* qs;
+                const uint8_t* tp = ap + t * A.act_stride;
                 if (fam == DotFamily::Q32) {
-                    const block_q8_a* b = (const block_q8_a*)ap + s;
-                    qs = b->qs, da[t] = b->d, sa[t] = b->s;
+                    const block_q8_a* b = (const block_q8_a*)tp + s;
+                    da[t] = b->d, sa[t] = b->s;
                 } else {
                     const int per = QK_K / step;
-                    const block_q8_K32* b = (const block_q8_K32*)ap + s / per;
+                    const block_q8_K32* b = (const block_q8_K32*)tp + s / per;
                     const int j = (int)(s % per) * (step / 16);  // first 16-group of the step
                     int sum = b->bsums[j];
                     if (step == 32) sum += b->bsums[j + 1];
-                    qs = b->qs + (s % per) * step;
                     da[t] = b->d[j / 2], sa[t] = b->d[j / 2] * (float)sum;
                 }
-                for (int k4 = 0; k4 < step / 4; k4++) memcpy(bp + k4 * 64 + t * 4, qs + 4 * k4, 4);
             }
         }
     });

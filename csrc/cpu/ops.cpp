@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu/act_kernels.h"
 #include "cpu/attn_math.h"
 #include "cpu/ops_kernels.h"
 #include "error.h"
@@ -198,26 +199,44 @@ void rowwise_binary(const char* op, const float* a, int64_t ld_a, const float* b
         }
     });
 }
+}  // namespace
 
-// out = act(gate) * up row by row through the ISA's glu kernel (kGluSilu / kGluGelu).
-void glu_rows(const char* op, const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n,
-              int64_t dim, float* out, int64_t ld_out, ThreadPool& pool, int act) {
+namespace {
+// The vector row kernels (act_kernels.h) of the active ISA; null on the scalar path.
+const ActKernels* act_kernels() {
+#ifdef STOWLM_X86
+    switch (ops_isa()) {
+        case OpsIsa::Avx512: return &act_kernels_avx512();
+        case OpsIsa::Avx2: return &act_kernels_avx2();
+        default: break;
+    }
+#endif
+    return nullptr;
+}
+
+void gated_rows(const char* op, GatedRowFn fn, const float* gate, int64_t ld_gate, const float* up, int64_t ld_up,
+                int64_t n, int64_t dim, float* out, int64_t ld_out, ThreadPool& pool) {
     check_dims(op, n, dim);
-    const OpsKernels& kr = ops_kernels();
     for_rows(pool, n, dim, [&](int64_t rb, int64_t re) {
-        for (int64_t r = rb; r < re; r++) kr.glu(gate + r * ld_gate, up + r * ld_up, out + r * ld_out, dim, act);
+        for (int64_t r = rb; r < re; r++) fn(gate + r * ld_gate, up + r * ld_up, out + r * ld_out, dim);
     });
 }
 }  // namespace
 
 void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
             int64_t ld_out, ThreadPool& pool) {
-    glu_rows("swiglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool, kGluSilu);
+    if (const ActKernels* ak = act_kernels())
+        return gated_rows("swiglu", ak->swiglu, gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool);
+    rowwise_binary("swiglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool,
+                   [](float g, float u) { return silu(g) * u; });
 }
 
 void geglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
            int64_t ld_out, ThreadPool& pool) {
-    glu_rows("geglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool, kGluGelu);
+    if (const ActKernels* ak = act_kernels())
+        return gated_rows("geglu", ak->geglu, gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool);
+    rowwise_binary("geglu", gate, ld_gate, up, ld_up, n, dim, out, ld_out, pool,
+                   [](float g, float u) { return gelu_tanh(g) * u; });
 }
 
 void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,

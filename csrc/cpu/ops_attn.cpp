@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "cpu/attn_math.h"
+#include "cpu/attn_prefill.h"
 #include "cpu/ops.h"
 #include "cpu/ops_kernels.h"
 #include "error.h"
@@ -31,10 +32,17 @@ int64_t max_splits(int64_t n_tok, int n_threads) {
     return (n_threads > 1 && cdiv(n_tok, kTokTile) < 4 * n_threads) ? n_threads : 1;
 }
 
-// scores [n_rep][kKvBlock], visible-cell list, (m, l) per (token, head) of a unit, block maxima.
-size_t per_thread_bytes(int64_t n_head) {
-    return align64(n_head * kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
-           align64(2 * kTokTile * n_head * sizeof(float)) + align64(n_head * sizeof(float));
+// The many-token path (attn_prefill.h) applies to these calls where the CPU has AVX-512.
+bool prefill_shape(int64_t n_tok, int64_t head_dim) {
+    return n_tok >= kPrefillMinTokens && prefill_head_dim_ok(head_dim);
+}
+
+// scores [n_rep][kKvBlock], visible-cell list, (m, l) per (token, head) of a unit, block maxima;
+// or the prefill path's workspace where that may run.
+size_t per_thread_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim) {
+    const size_t b = align64(n_head * kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
+                     align64(2 * kTokTile * n_head * sizeof(float)) + align64(n_head * sizeof(float));
+    return prefill_shape(n_tok, head_dim) ? std::max(b, align64(prefill_ws_bytes(head_dim))) : b;
 }
 
 size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t n_split) {
@@ -46,7 +54,7 @@ size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t n_
 size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_threads) {
     if (n_threads < 1) n_threads = 1;
     return partial_bytes(n_tok, n_head, head_dim, max_splits(n_tok, n_threads)) +
-           (size_t)n_threads * per_thread_bytes(n_head) + 64;
+           (size_t)n_threads * per_thread_bytes(n_tok, n_head, head_dim) + 64;
 }
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
@@ -86,8 +94,29 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     unsigned char* base = (unsigned char*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float* partial = (float*)base;
     unsigned char* thread_base = base + partial_bytes(n_tok, n_head, head_dim, n_split);
-    const size_t ptb = per_thread_bytes(n_head);
+    const size_t ptb = per_thread_bytes(n_tok, n_head, head_dim);
 
+#ifdef STOWLM_X86
+    if (kv_type == QType::F16 && prefill_shape(n_tok, head_dim) && n_rep <= kPrefillRows &&
+        ops_isa() == OpsIsa::Avx512) {
+        PrefillArgs a;
+        a.q = q, a.ld_q = ld_q, a.n_rep = n_rep, a.hd = head_dim;
+        a.k = (const unsigned char*)k, a.v = (const unsigned char*)v, a.cell_bytes = kv_cell_bytes, a.rb = rb;
+        a.n_kv = n_kv, a.q_pos = q_pos, a.kv_pos = kv_pos;
+        a.scale = p.scale, a.softcap = p.softcap, a.window = p.window, a.causal = p.causal;
+        a.out = out, a.ld_out = ld_out;
+        const int64_t tq = kPrefillRows / n_rep, n_ptiles = cdiv(n_tok, tq);
+        // the last tiles first: under a causal mask they see the most cells
+        pool.parallel_for_dynamic(n_ptiles * n_head_kv, 1, [&](int64_t b, int64_t e, int ith) {
+            for (int64_t u = b; u < e; u++) {
+                const int64_t tile = n_ptiles - 1 - u / n_head_kv, g = u % n_head_kv;
+                flash_prefill_unit_avx512(a, tile * tq, std::min(n_tok, (tile + 1) * tq), g,
+                                          base + (size_t)ith * ptb);
+            }
+        });
+        return;
+    }
+#endif
     const OpsKernels& kr = ops_kernels();
     const bool f16 = kv_type == QType::F16;
     const float scale = p.scale, cap = p.softcap;

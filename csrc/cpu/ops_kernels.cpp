@@ -6,7 +6,6 @@
 #include <vector>
 
 #include "common.h"
-#include "cpu/attn_math.h"
 #include "cpu/cpu_features.h"
 
 namespace stowlm::cpu {
@@ -117,16 +116,8 @@ float exp_sum(float* s, int n, float m) {
     return sum;
 }
 
-void glu(const float* g, const float* u, float* out, int64_t n, int act) {
-    if (act == kGluSilu)
-        for (int64_t i = 0; i < n; i++) out[i] = silu(g[i]) * u[i];
-    else
-        for (int64_t i = 0; i < n; i++) out[i] = gelu_tanh(g[i]) * u[i];
-}
-
 const OpsKernels kScalar = {"scalar",   dot_f16,     axpy_f16,  dot_q8_0,   axpy_q8_0, scale,  sum_sq,
-                            scale_mul,  rope_head, to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr,
-                            glu};
+                            scale_mul,  rope_head, to_f16,      scores_f16, scores_q8_0, accum_f16, accum_q8_0, exp_sum, nullptr, nullptr, nullptr, nullptr};
 
 }  // namespace
 

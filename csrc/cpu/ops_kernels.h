@@ -56,12 +56,7 @@ struct OpsKernels {
                            const int32_t* idx, int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx);
     void (*accum_q8_0_mh)(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, const unsigned char* base,
                           size_t stride, const int32_t* idx, int n, int64_t hd);
-
-    // Gated activations: out[i] = act(g[i]) * u[i], act = SiLU or tanh-GELU (GluAct).
-    void (*glu)(const float* g, const float* u, float* out, int64_t n, int act);
 };
-
-enum GluAct { kGluSilu = 0, kGluGelu = 1 };
 
 const OpsKernels& ops_kernels_scalar();
 #if defined(STOWLM_X86)

@@ -5,7 +5,6 @@
 
 #include "common.h"
 #include "cpu/ops_kernels.h"
-#include "cpu/attn_math.h"
 
 namespace stowlm::cpu {
 
@@ -456,25 +455,10 @@ void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw,
     accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
 }
 
-// SiLU as x / (1 + exp(-x)); exp_ps clamps, so a huge exp gives 0 (the limit), never NaN.
-inline __m256 silu_v(__m256 x) {
-    return _mm256_div_ps(x, _mm256_add_ps(_mm256_set1_ps(1.0f), exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), x))));
-}
-
-void glu(const float* g, const float* u, float* out, int64_t n, int act) {
-    int64_t i = 0;
-    // GELU stays on the scalar tanhf formula: a vector version moved gemma3-270m off llama.cpp's
-    // greedy choice in a near tie (test_models); SiLU's vector form keeps every model's results.
-    if (act == kGluSilu)
-        for (; i + 8 <= n; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_mul_ps(silu_v(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
-    for (; i < n; i++) out[i] = (act == kGluSilu ? silu(g[i]) : gelu_tanh(g[i])) * u[i];
-}
-
 const OpsKernels kAvx2 = {"avx2",       dot_f16,      axpy_f16,      dot_q8_0,     axpy_q8_0,      scale,
                           sum_sq,       scale_mul,    rope_head,     to_f16,       scores_f16,     scores_q8_0,
                           accum_f16,    accum_q8_0,   exp_sum,       scores_f16_mh, accum_f16_mh,  scores_q8_0_mh,
-                          accum_q8_0_mh, glu};
+                          accum_q8_0_mh};
 
 }  // namespace
 

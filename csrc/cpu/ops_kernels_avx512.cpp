@@ -7,7 +7,7 @@
 #include <cmath>
 
 #include "cpu/ops_kernels.h"
-#include "cpu/attn_math.h"
+#include "cpu/vec_exp.h"
 
 namespace stowlm::cpu {
 
@@ -357,25 +357,6 @@ void accum_q8_0(float* acc, const float* w, const unsigned char* base, size_t st
     }
 }
 
-// exp(x) for x <= 0-ish: Cephes-style range reduction and polynomial, ~1 ulp; scalef
-// handles underflow to zero.
-inline __m512 exp_ps(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-104.0f));
-    x = _mm512_min_ps(x, _mm512_set1_ps(88.37626f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500E-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073E-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894E-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459E-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201E-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
 float exp_sum(float* s, int n, float m) {
     const __m512 vm = _mm512_set1_ps(m);
     __m512 acc = _mm512_setzero_ps();
@@ -564,30 +545,9 @@ void accum_q8_0_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw,
     accum_mh<Q8Row>(acc, lda, nq, w, ldw, base, stride, idx, n, hd, sizeof(block_q8_0), accum_q8_0);
 }
 
-// SiLU as x / (1 + exp(-x)); exp_ps clamps, so a huge exp gives 0 (the limit), never NaN.
-inline __m512 silu_v(__m512 x) {
-    return _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), x))));
-}
-
-void glu(const float* g, const float* u, float* out, int64_t n, int act) {
-    // GELU stays on the scalar tanhf formula: a vector version moved gemma3-270m off llama.cpp's
-    // greedy choice in a near tie (test_models); SiLU's vector form keeps every model's results.
-    if (act != kGluSilu) {
-        for (int64_t i = 0; i < n; i++) out[i] = gelu_tanh(g[i]) * u[i];
-        return;
-    }
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_mul_ps(silu_v(_mm512_loadu_ps(g + i)), _mm512_loadu_ps(u + i)));
-    if (i < n) {
-        const __mmask16 m = tail_mask(n - i);
-        _mm512_mask_storeu_ps(out + i, m, _mm512_mul_ps(silu_v(_mm512_maskz_loadu_ps(m, g + i)), _mm512_maskz_loadu_ps(m, u + i)));
-    }
-}
-
 const OpsKernels kAvx512 = {"avx512",      dot_f16,       axpy_f16,    dot_q8_0,       axpy_q8_0,    scale,
                             sum_sq,        scale_mul,     rope_head,   to_f16,      scores_f16,     scores_q8_0,  accum_f16,
-                            accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh, glu};
+                            accum_q8_0,    exp_sum,       scores_f16_mh, accum_f16_mh, scores_q8_0_mh, accum_q8_0_mh};
 
 }  // namespace
 

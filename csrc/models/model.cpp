@@ -7,6 +7,10 @@
 
 namespace stowlm {
 
+namespace {
+constexpr size_t kWeightAlign = 256;
+}  // namespace
+
 const ArchDef* find_arch(const std::string& name) {
     for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe, &kArchQwen2Moe})
         if (name == a->name) return a;
@@ -128,8 +132,14 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
         m->arch_->load_layer(*m, il, m->layers_[il]);
     }
 
+    // A device that gets its weights uploaded packs them in one buffer, each at a 256-byte
+    // boundary (as cudaMalloc would place it), and that padding is part of its share.
+    auto packed_bytes = [&](const Tensor& t) {
+        const size_t b = t.nbytes();
+        return m->backends_[t.device]->host_accessible() ? b : (b + kWeightAlign - 1) / kWeightAlign * kWeightAlign;
+    };
     m->weight_bytes_.assign(n_dev, 0);
-    for (auto& kv : m->weights_) m->weight_bytes_[kv.second.device] += kv.second.nbytes();
+    for (auto& kv : m->weights_) m->weight_bytes_[kv.second.device] += packed_bytes(kv.second);
     if (count_weights) {
         // One reservation per device for its whole share, so that a device too small fails
         // naming the total it was asked for. Host-accessible devices read the mapping in place;
@@ -149,7 +159,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
                 const void* host = t.data;
                 t.data = (char*)buf->data + off;
                 b.copy_from_host(t, host, t.nbytes());
-                off += t.nbytes();
+                off += packed_bytes(t);
             }
             m->weight_buffers_.push_back(std::move(buf));
         }

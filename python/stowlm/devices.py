@@ -1,4 +1,4 @@
-"""Device specs: "cpu", "cpu:1", "cpu:0[threads=1,mem=512MiB]".
+"""Device specs: "cpu", "cpu:1", "cpu:0[threads=1,mem=512MiB]", "cuda:0", "cuda:1[mem=8GiB]".
 
 A CPU device with a `mem` budget is a virtual device: it refuses allocations past the budget
 exactly as a GPU would (MemoryError naming the device), which is how multi-device placement is
@@ -95,8 +95,6 @@ def parse_device(text: str) -> DeviceSpec:
             raise RuntimeError(f"device {text!r}: no CUDA device is present ({why})")
         if index >= len(devs):
             raise ValueError(f"device {text!r}: there are {len(devs)} CUDA devices (cuda:0..cuda:{len(devs) - 1})")
-        raise RuntimeError(f"device {text!r}: the CUDA backend is not yet available to the engine "
-                           f"(kernels are built; the device is not wired into model placement yet)")
     threads, mem = 0, 0
     if m.group(3) is not None and m.group(3).strip():
         for item in m.group(3).split(","):
@@ -113,6 +111,8 @@ def parse_device(text: str) -> DeviceSpec:
                     raise ValueError(f"device {text!r}: mem must be positive")
             else:
                 raise ValueError(f"device {text!r}: unknown option {key!r} (known: threads, mem)")
+    if kind == "cuda" and threads:
+        raise ValueError(f"device {text!r}: threads applies to CPU devices only (a CUDA device takes mem)")
     return DeviceSpec(kind, index, threads, mem)
 
 

@@ -1,0 +1,51 @@
+// Internal: the many-query-token path of flash_attn (ops_attn.cpp) with AVX-512 over F16 KV.
+// A work unit is (a tile of query tokens, one KV head): the tile's tokens times the query heads
+// sharing that KV head make up to kRows query rows, and each block of kBlock KV cells is
+// converted to float once (K transposed to [dim][cell]) and used by all of them as two small
+// GEMMs (scores = Q K^T, out += P V) with the online softmax in between, vectorised. Cells are
+// masked with vector compares of their positions; blocks no row sees are skipped.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+namespace stowlm::cpu {
+
+struct PrefillArgs {
+    const float* q;
+    int64_t ld_q, n_rep, hd;
+    const unsigned char* k;  // KV head 0 of cell 0; head g at + g * rb, cell j at + j * cell_bytes
+    const unsigned char* v;
+    size_t cell_bytes, rb;
+    int64_t n_kv;
+    const int32_t* q_pos;
+    const int32_t* kv_pos;
+    float scale, softcap;
+    int32_t window;
+    bool causal;
+    float* out;
+    int64_t ld_out;
+};
+
+constexpr int64_t kPrefillRows = 64;   // query rows (tokens x heads of a KV head) per unit
+constexpr int64_t kPrefillBlock = 64;  // KV cells per block
+// The same size at which matmul goes to AMX, so a batch runs all-old or all-new kernels
+// (smaller batches keep the exact numbers of the token-at-a-time paths).
+constexpr int64_t kPrefillMinTokens = 24;
+
+// Usable for this head size (the kernels work in whole 16-float vectors, up to 16 of them).
+inline bool prefill_head_dim_ok(int64_t hd) { return hd % 16 == 0 && hd <= 256; }
+
+// Per-thread workspace of one unit: scaled queries, K^T, V, P (floats), softmax state, the
+// per-token cell masks, a sink for padding rows.
+inline size_t prefill_ws_bytes(int64_t hd) {
+    const size_t floats = (size_t)kPrefillRows * hd * 2 + (size_t)kPrefillBlock * kPrefillRows + 2 * kPrefillRows +
+                          (size_t)kPrefillBlock * hd + 4 * hd;
+    return floats * sizeof(float) + kPrefillRows * sizeof(uint64_t) + 6 * 64;
+}
+
+#if defined(STOWLM_X86)
+// Tokens [t0, t1) (t1 - t0 <= kPrefillRows / n_rep) for KV head g; ws: prefill_ws_bytes(hd), 64-aligned.
+void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int64_t g, void* ws);
+#endif
+
+}  // namespace stowlm::cpu

@@ -1,0 +1,367 @@
+// The CUDA device behind the engine's Backend table (backend/backend.h): buffers are exact
+// cudaMalloc allocations of a CudaDevice (what the planner projects is what is allocated),
+// weights are uploaded, and compute() enqueues one launcher of cuda_backend.h per node on the
+// device's compute stream, with the same arguments the CPU backend passes to cpu/ops.h.
+// Graph inputs (token ids, positions, KV cells) live in host memory: the scheduler gives this
+// device COPY nodes for them (host_accessible() is false) and the context uploads those before
+// the split runs. Every copy goes through the compute stream, so copies and kernels are
+// ordered without extra events; only a peer copy waits on the other device's stream.
+#include <algorithm>
+#include <memory>
+#include <string>
+
+#include "backend/backend.h"
+#include "cpu/moe.h"
+#include "cuda_backend.h"
+#include "error.h"
+
+namespace stowlm {
+
+namespace {
+
+namespace cu = cuda;
+
+float* f32(const Tensor* t) { return (float*)t->data; }
+const int32_t* i32(const Tensor* t) { return (const int32_t*)t->data; }
+
+bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
+
+// Weight types the vector/tiled product kernels and the row decoder take (mmvq.cu, mmq.cu,
+// elementwise.cu get_rows).
+bool is_kernel_qtype(QType t) {
+    switch (t) {
+        case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
+        case QType::IQ4_NL: case QType::Q2_K: case QType::Q3_K: case QType::Q4_K: case QType::Q5_K:
+        case QType::Q6_K: case QType::Q8_K: case QType::IQ4_XS:
+            return true;
+        default:
+            return false;
+    }
+}
+
+// A node reading bytes that cannot move (weights, KV cache) must run where they are.
+bool pinned(const Tensor& n) {
+    for (int i = 0; i < n.n_src(); i++) {
+        const Tensor* s = n.src[i];
+        if (!s) continue;
+        const TensorRole r = s->storage_root()->role;
+        if (r == TensorRole::WEIGHT || r == TensorRole::KV) return true;
+    }
+    return false;
+}
+
+// The row-wise launchers take at most 65535 rows (one grid row each): run them in chunks.
+constexpr int64_t kMaxRows = 65535;
+template <typename F>
+void in_row_chunks(int64_t n, F&& f) {
+    for (int64_t r0 = 0; r0 < n; r0 += kMaxRows) f(r0, std::min(kMaxRows, n - r0));
+}
+
+// The host copy of a device tensor the context uploaded from a graph input, if it is one
+// (lets get_rows reject a bad id with a clear error instead of reading out of bounds).
+const int32_t* host_ids(const Tensor* t) {
+    if (t->op != Op::COPY || !t->src[0]) return nullptr;
+    const Tensor* s = t->src[0];
+    return s->storage_root()->role == TensorRole::INPUT ? (const int32_t*)s->data : nullptr;
+}
+
+class CudaBackend final : public Backend {
+public:
+    CudaBackend(int id, const DeviceSpec& spec)
+        : id_(id), dev_(std::make_unique<cu::CudaDevice>(spec.index)), name_(dev_->name()) {
+        // A budget below the device's memory makes it refuse allocations past it, as a CPU
+        // virtual device does; the device's own size is the limit otherwise.
+        budget_ = spec.mem_bytes ? std::min(spec.mem_bytes, dev_->memory_total()) : dev_->memory_total();
+    }
+    ~CudaBackend() override {
+        try {
+            dev_->synchronize();
+        } catch (...) {
+        }
+    }
+
+    const std::string& name() const override { return name_; }
+    int id() const override { return id_; }
+    bool host_accessible() const override { return false; }
+    size_t memory_total() const override { return budget_; }
+    size_t memory_used() const override { return dev_->memory_used(); }
+
+    BufferPtr alloc_buffer(size_t bytes, const std::string& purpose) override {
+        const size_t avail = budget_ - std::min(dev_->memory_used(), budget_);
+        if (bytes > avail)
+            throw OutOfDeviceMemory("device " + name_ + " is out of memory: " + purpose + " asked for " +
+                                    describe_bytes(bytes) + ", " + describe_bytes(avail) + " available of a " +
+                                    describe_bytes(budget_) + " budget");
+        auto b = std::make_unique<BackendBuffer>();
+        b->data = dev_->alloc(bytes, purpose);  // exactly `bytes`; OutOfDeviceMemory if the driver refuses
+        b->backend = this, b->size = bytes, b->purpose = purpose;
+        return b;
+    }
+
+    BufferPtr import_host(const void* data, size_t bytes, const std::string& purpose) override {
+        BufferPtr b = alloc_buffer(bytes, purpose);
+        if (data && bytes) {
+            dev_->copy_to_device(b->data, data, bytes, dev_->compute_stream());
+            dev_->synchronize();  // the caller may release the host bytes on return
+        }
+        return b;
+    }
+
+    void free_buffer(BackendBuffer& b) override {
+        // Called from BackendBuffer's destructor: never throw (cudaFree waits for the device).
+        try {
+            dev_->free(b.data);
+        } catch (...) {
+        }
+        b.data = nullptr, b.size = 0, b.backend = nullptr;
+    }
+
+    bool supports(const Tensor& n) const override {
+        const std::string why = unsupported_reason(n);
+        if (why.empty()) return true;
+        // The scheduler can move a node elsewhere only when it reads no weight or KV bytes of
+        // this device; otherwise say why here instead of a vaguer placement error later.
+        if (pinned(n)) throw Unsupported(name_ + ": cannot run " + op_name(n.op) + " '" + n.name + "': " + why);
+        return false;
+    }
+
+    size_t scratch_bytes(const Tensor& n) const override {
+        const Tensor* a = n.src[0];
+        switch (n.op) {
+            case Op::MUL_MAT:
+                return cu::matmul_scratch_bytes(a->type, a->ne[0], n.src[1]->n_rows());
+            case Op::MUL_MAT_ID: {
+                const Tensor *x = n.src[1], *ids = n.src[2];
+                const int64_t slots = ids->ne[0] * ids->ne[1];
+                return cu::moe_scratch_bytes(weight(a), (int)a->ne[2], x->ne[1] == 1 ? ids->ne[1] : slots, slots);
+            }
+            case Op::FLASH_ATTN: {
+                // The plan is made on the largest graph, but a smaller one (decoding) may split
+                // the KV range more: the launcher's choice keeps n_tok * n_head * n_split below
+                // 4 * sm_count whenever it splits (it aims at two blocks per SM), so that bounds
+                // the partials of every shape this node takes.
+                const int64_t hd = a->ne[0];
+                const size_t any_shape = (size_t)4 * dev_->sm_count() * (size_t)(hd + 2) * sizeof(float);
+                return std::max(any_shape, attn_scratch(n));
+            }
+            default:
+                return 0;
+        }
+    }
+
+    void compute(const Split& split, void* scratch, size_t scratch_bytes) override {
+        dev_->set_current();
+        for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes);
+    }
+
+    void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset) override {
+        dev_->copy_to_device((char*)dst.data + offset, src, bytes, dev_->compute_stream());
+    }
+    void copy_to_host(const Tensor& src, void* dst, size_t bytes, size_t offset) override {
+        // On the compute stream, so it waits for the kernels that produce src; returns when done.
+        dev_->copy_to_host(dst, (const char*)src.data + offset, bytes, dev_->compute_stream());
+    }
+    void copy_from_peer(Tensor& dst, const Tensor& src, Backend& from) override {
+        if (from.host_accessible()) {
+            // A host device computes synchronously: src is final.
+            dev_->copy_to_device(dst.data, src.data, src.nbytes(), dev_->compute_stream());
+            return;
+        }
+        auto* other = dynamic_cast<CudaBackend*>(&from);
+        if (!other)
+            throw Unsupported(name_ + ": cannot copy '" + src.name + "' from device " + from.name() +
+                              " (neither host memory nor a CUDA device)");
+        // This stream waits (on the device, not the host) for the kernels that produced src;
+        // then the other device waits for the copy, since the planner may hand src's bytes to
+        // that device's next split as soon as the copy is its last use.
+        cu::Event produced = other->dev_->record(other->dev_->compute_stream());
+        dev_->wait(dev_->compute_stream(), produced);
+        other->dev_->release(produced);  // destroying a recorded event keeps the wait
+        dev_->copy_from_peer(dst.data, *other->dev_, src.data, src.nbytes(), dev_->compute_stream());
+        cu::Event copied = dev_->record(dev_->compute_stream());
+        other->dev_->wait(other->dev_->compute_stream(), copied);
+        dev_->release(copied);
+    }
+    void synchronize() override { dev_->synchronize(); }
+
+private:
+    static cu::DeviceWeight weight(const Tensor* w) {
+        cu::DeviceWeight d;
+        d.data = w->data, d.type = w->type, d.rows = w->ne[1], d.cols = w->ne[0];
+        return d;
+    }
+
+    int attn_splits(const Tensor& n) const {
+        const Tensor* q = n.src[0];
+        return cu::flash_attn_auto_splits(q->ne[2], q->ne[1], n.src[1]->ne[1], dev_->sm_count());
+    }
+    size_t attn_scratch(const Tensor& n) const {
+        const Tensor* q = n.src[0];
+        return cu::flash_attn_scratch_bytes(q->ne[2], q->ne[1], q->ne[0], attn_splits(n));
+    }
+
+    // Empty when the kernels take node n, else why not.
+    std::string unsupported_reason(const Tensor& n) const {
+        const Tensor* a = n.src[0];
+        switch (n.op) {
+            case Op::NONE:
+                return "not an op";
+            case Op::GET_ROWS:
+                if (!is_float_type(a->type) && !is_kernel_qtype(a->type))
+                    return std::string("no CUDA row decoder for ") + qtype_name(a->type);
+                return "";
+            case Op::MUL_MAT:
+            case Op::MUL_MAT_ID:
+                if (!is_float_type(a->type) && !is_kernel_qtype(a->type))
+                    return std::string("no CUDA product kernel for ") + qtype_name(a->type) + " weights";
+                if (n.op == Op::MUL_MAT_ID && (a->ne[0] % 32 || a->ne[2] > 65535))
+                    return "expert rows must have a multiple of 32 elements and at most 65535 experts";
+                return "";
+            case Op::STORE_KV:
+            case Op::FLASH_ATTN: {
+                const Tensor* cache = n.src[1];
+                if (cache->type != QType::F16 && cache->type != QType::Q8_0)
+                    return std::string("the KV cache type ") + qtype_name(cache->type) +
+                           " has no CUDA kernel (use kv_type f16 or q8_0)";
+                if (n.op == Op::FLASH_ATTN && a->ne[0] > cu::kFlashAttnMaxHeadDim)
+                    return "head_dim " + std::to_string(a->ne[0]) + " exceeds the CUDA kernel's " +
+                           std::to_string(cu::kFlashAttnMaxHeadDim);
+                return "";
+            }
+            default:
+                return "";
+        }
+    }
+
+    // Ops whose kernels work in place: copy the input to the output first unless the planner
+    // already gave them the same bytes.
+    void prepare_in_place(Tensor* out) {
+        const Tensor* x = out->src[0];
+        if (out->data != x->data) dev_->copy_device(out->data, x->data, out->nbytes(), dev_->compute_stream());
+    }
+
+    void run(Tensor* n, void* scratch, size_t scratch_bytes) {
+        const cu::Stream s = dev_->compute_stream();
+        Tensor* a = n->src[0];
+        Tensor* b = n->src[1];
+        switch (n->op) {
+            case Op::NONE:
+            case Op::VIEW:
+            case Op::COPY:  // done by the context's copy step before the split runs
+                return;
+            case Op::GET_ROWS: {
+                const int32_t* ids_host = host_ids(b);
+                in_row_chunks(b->ne[0], [&](int64_t r0, int64_t nr) {
+                    cu::get_rows(a->data, a->type, a->ne[1], a->ne[0], i32(b) + r0, ids_host ? ids_host + r0 : nullptr,
+                                 nr, f32(n) + r0 * n->ne[0], n->ne[0], s);
+                });
+                return;
+            }
+            case Op::MUL_MAT:
+                cu::matmul(weight(a), f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, s);
+                return;
+            case Op::ADD:
+            case Op::MUL: {
+                const int64_t ld_b = b->n_rows() == 1 ? 0 : b->ne[0];
+                in_row_chunks(a->n_rows(), [&](int64_t r0, int64_t nr) {
+                    const auto op = n->op == Op::ADD ? cu::add : cu::mul;
+                    op(f32(a) + r0 * a->ne[0], a->ne[0], f32(b) + r0 * ld_b, ld_b, nr, a->ne[0], f32(n) + r0 * n->ne[0],
+                       n->ne[0], s);
+                });
+                return;
+            }
+            case Op::SCALE:
+            case Op::SOFTCAP:
+                prepare_in_place(n);
+                in_row_chunks(n->n_rows(), [&](int64_t r0, int64_t nr) {
+                    const auto op = n->op == Op::SCALE ? cu::scale : cu::softcap;
+                    op(f32(n) + r0 * n->ne[0], nr, n->ne[0], n->ne[0], n->fparams[0], s);
+                });
+                return;
+            case Op::RMS_NORM:
+                cu::rms_norm(f32(a), a->n_rows(), a->ne[0], a->ne[0], b ? f32(b) : nullptr, n->fparams[0], f32(n),
+                             n->ne[0], s);
+                return;
+            case Op::ROPE: {
+                prepare_in_place(n);
+                cpu::RopeParams p;
+                p.n_rot = n->iparams[0];
+                p.neox = n->iparams[1] != 0;
+                p.freq_base = n->fparams[0];
+                p.freq_scale = n->fparams[1];
+                cu::rope(f32(n), n->ne[2], n->ne[1], n->ne[0], n->ne[0] * n->ne[1], i32(b), p, s);
+                return;
+            }
+            case Op::STORE_KV: {
+                const Tensor *cache = n->src[1], *cells = n->src[2];
+                const int64_t ld_x = a->ne[0] * a->ne[1];
+                in_row_chunks(a->ne[2], [&](int64_t r0, int64_t nr) {
+                    cu::store_kv(f32(a) + r0 * ld_x, nr, ld_x, a->ne[1], a->ne[0], cache->type, cache->data,
+                                 cache->nb[1], i32(cells) + r0, s);
+                });
+                return;
+            }
+            case Op::FLASH_ATTN: {
+                Tensor *k = n->src[1], *v = n->src[2];
+                cpu::AttnParams p;
+                p.scale = n->fparams[0];
+                p.softcap = n->fparams[1];
+                p.window = n->iparams[0];
+                p.causal = true;
+                const int64_t hd = a->ne[0];
+                // Split the KV range when the scratch the plan reserved holds the partials.
+                int n_split = attn_splits(*n);
+                if (n_split > 1 && (!scratch || attn_scratch(*n) > scratch_bytes)) n_split = 1;
+                cu::flash_attn(f32(a), a->ne[2], a->ne[1], hd * a->ne[1], k->data, v->data, k->type, k->ne[1],
+                               k->ne[0] / hd, k->nb[1], hd, i32(n->src[3]), i32(n->src[4]), p, f32(n), n->ne[0],
+                               n_split, n_split > 1 ? scratch : nullptr, s);
+                return;
+            }
+            case Op::SWIGLU:
+            case Op::GEGLU:
+                in_row_chunks(a->n_rows(), [&](int64_t r0, int64_t nr) {
+                    const auto op = n->op == Op::SWIGLU ? cu::swiglu : cu::geglu;
+                    op(f32(a) + r0 * a->ne[0], a->ne[0], f32(b) + r0 * b->ne[0], b->ne[0], nr, a->ne[0],
+                       f32(n) + r0 * n->ne[0], n->ne[0], s);
+                });
+                return;
+            case Op::TOP_K:
+                cu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], n->ne[0], (int32_t*)n->data, s);
+                return;
+            case Op::MOE_WEIGHTS:
+                cu::moe_weights(f32(a), a->n_rows(), a->ne[0], i32(b), b->ne[0],
+                                (cpu::Gating)n->iparams[0] == cpu::Gating::Sigmoid, n->iparams[1] != 0, n->fparams[0],
+                                f32(n), s);
+                return;
+            case Op::MUL_MAT_ID: {
+                Tensor* ids = n->src[2];
+                // x [cols, 1, n]: every slot of a token reads its row (gate/up); x [cols, k, n]:
+                // each slot its own row (down). With k = 1 both read row t.
+                cu::moe_matmul(weight(a), (int)a->ne[2], f32(b), b->ne[0], b->ne[1] != 1, i32(ids), ids->ne[1],
+                               (int)ids->ne[0], f32(n), n->ne[0], scratch, s);
+                return;
+            }
+            case Op::MOE_SUM: {
+                const int64_t d = a->ne[0], k = a->ne[1];
+                in_row_chunks(a->ne[2], [&](int64_t t0, int64_t nt) {
+                    cu::moe_combine(f32(a) + t0 * k * d, d, f32(b) + t0 * k, nt, (int)k, d, f32(n) + t0 * n->ne[0],
+                                    n->ne[0], s);
+                });
+                return;
+            }
+        }
+    }
+
+    int id_;
+    std::unique_ptr<cu::CudaDevice> dev_;
+    std::string name_;
+    size_t budget_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cuda_backend(int id, const DeviceSpec& spec) {
+    return std::make_unique<CudaBackend>(id, spec);
+}
+
+}  // namespace stowlm

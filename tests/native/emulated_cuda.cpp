@@ -1,0 +1,335 @@
+// An emulated CUDA device for tests/native/cuda_engine_emulated.cpp: cuda_backend.h's device
+// object and launchers on the host. "Device memory" is host memory in a table of live
+// allocations (filled with a NaN pattern, as cudaMalloc leaves garbage); every launcher aborts
+// unless each pointer it gets lies inside a live device allocation (so a host pointer, e.g. a
+// graph input the engine forgot to upload or a weight it did not copy, is caught), enforces the
+// real launchers' 65535-row limits, then runs the CPU op the launcher mirrors. The kernels
+// themselves are checked by tests/test_cuda_ops.py on a GPU; this checks the engine's plumbing.
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "cpu/matmul.h"
+#include "cpu/moe.h"
+#include "cpu/ops.h"
+#include "cuda_backend.h"
+#include "error.h"
+#include "moe_router.h"
+#include "quant/dot_q8_1.h"
+
+namespace stowlm::cuda {
+
+int g_split_calls = 0;  // flash_attn calls with n_split > 1
+
+namespace {
+
+std::mutex g_mu;
+std::map<const char*, size_t> g_live;  // every emulated device's allocations
+
+ThreadPool& pool() {
+    static ThreadPool p(2);
+    return p;
+}
+
+// Aborts unless [p, p + bytes) lies inside one live device allocation.
+void dev_ptr(const void* p, size_t bytes, const char* what) {
+    std::lock_guard<std::mutex> lk(g_mu);
+    const char* c = (const char*)p;
+    auto it = g_live.upper_bound(c);
+    if (it == g_live.begin()) {
+        fprintf(stderr, "%s: %p is not device memory\n", what, p);
+        abort();
+    }
+    --it;
+    if (c + bytes > it->first + it->second) {
+        fprintf(stderr, "%s: %p + %zu bytes is outside the device allocation %p of %zu bytes\n", what, p, bytes,
+                (const void*)it->first, it->second);
+        abort();
+    }
+}
+// Bytes spanned by n rows of `width` floats (or ints) `ld` apart.
+size_t span(int64_t n, int64_t ld, int64_t width) { return n > 0 ? (size_t)((n - 1) * ld + width) * 4 : 0; }
+
+void rows_limit(const char* op, int64_t n) {
+    if (n > 65535) throw InvalidInput(std::string(op) + ": more than 65535 rows in one launch");
+}
+
+bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
+
+void cpu_matmul(const cpu::WeightRef& w, const float* x, int64_t n, int64_t ldx, float* y, int64_t ldy) {
+    static std::vector<char> scratch;
+    scratch.resize(cpu::matmul_scratch_bytes(w.type, w.cols, n) + 64);
+    cpu::matmul(w, x, n, ldx, y, ldy, scratch.data(), pool());
+}
+
+[[noreturn]] void unused(const char* what) { throw std::logic_error(std::string(what) + ": not used by the engine"); }
+
+}  // namespace
+
+int device_count(std::string*) { return 2; }
+
+CudaDevice::CudaDevice(int index) : index_(index), name_("cuda:" + std::to_string(index)) {
+    if (index < 0 || index >= 2) throw Unsupported("no CUDA device " + name_ + " (the emulation has two)");
+    sm_count_ = 132;
+    total_ = (size_t)80 << 30;
+}
+
+CudaDevice::~CudaDevice() {
+    std::lock_guard<std::mutex> lk(g_mu);
+    for (auto& kv : live_) {
+        g_live.erase((const char*)kv.first);
+        std::free(kv.first);
+    }
+}
+
+void CudaDevice::set_current() const {}
+
+size_t CudaDevice::memory_used() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    return used_;
+}
+
+void* CudaDevice::alloc(size_t bytes, const std::string&) {
+    if (!bytes) return nullptr;
+    void* p = std::aligned_alloc(256, (bytes + 255) / 256 * 256);
+    memset(p, 0xff, bytes);  // NaN pattern: reading bytes nobody wrote shows up in the logits
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        g_live[(const char*)p] = bytes;
+    }
+    std::lock_guard<std::mutex> lk(mu_);
+    live_[p] = bytes;
+    used_ += bytes;
+    return p;
+}
+
+void CudaDevice::free(void* p) {
+    if (!p) return;
+    {
+        std::lock_guard<std::mutex> lk(mu_);
+        auto it = live_.find(p);
+        if (it == live_.end()) throw InvalidInput(name_ + ": free of a pointer this device did not allocate");
+        used_ -= it->second;
+        live_.erase(it);
+    }
+    std::lock_guard<std::mutex> lk(g_mu);
+    g_live.erase((const char*)p);
+    std::free(p);
+}
+
+Event CudaDevice::record(Stream) { return (Event)1; }
+void CudaDevice::wait(Stream, Event) {}
+void CudaDevice::release(Event) {}
+void CudaDevice::synchronize() {}
+
+void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream) {
+    if (!bytes) return;
+    dev_ptr(dst, bytes, "copy_to_device dst");
+    memcpy(dst, src, bytes);
+}
+void CudaDevice::copy_to_host(void* dst, const void* src, size_t bytes, Stream) {
+    if (!bytes) return;
+    dev_ptr(src, bytes, "copy_to_host src");
+    memcpy(dst, src, bytes);
+}
+void CudaDevice::copy_device(void* dst, const void* src, size_t bytes, Stream) {
+    if (!bytes) return;
+    dev_ptr(dst, bytes, "copy_device dst");
+    dev_ptr(src, bytes, "copy_device src");
+    memcpy(dst, src, bytes);
+}
+void CudaDevice::copy_from_peer(void* dst, const CudaDevice&, const void* src, size_t bytes, Stream) {
+    if (!bytes) return;
+    dev_ptr(dst, bytes, "copy_from_peer dst");
+    dev_ptr(src, bytes, "copy_from_peer src");
+    memcpy(dst, src, bytes);
+}
+
+// ---- launchers: the real ones' scratch formulas, the CPU ops' arithmetic ----------------------
+
+size_t q8_1_bytes(int64_t n_rows, int64_t cols) { return (size_t)n_rows * (size_t)(cols / 32) * sizeof(block_q8_1); }
+void quantize_q8_1(const float*, int64_t, int64_t, int64_t, void*, Stream) { unused("quantize_q8_1"); }
+
+size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
+    return is_float_type(wtype) ? 0 : q8_1_bytes(n_tok, cols);
+}
+
+void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
+            Stream, MatmulPath) {
+    dev_ptr(w.data, row_bytes(w.type, w.cols) * w.rows, "matmul w");
+    dev_ptr(x, span(n_tok, ldx, w.cols), "matmul x");
+    dev_ptr(y, span(n_tok, ldy, w.rows), "matmul y");
+    if (!is_float_type(w.type)) dev_ptr(scratch, q8_1_bytes(n_tok, w.cols), "matmul scratch");
+    cpu_matmul(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, x, n_tok, ldx, y, ldy);
+}
+
+void router_topk(const float*, int64_t, int, const RouterParams&, int32_t*, float*, Stream) { unused("router_topk"); }
+
+void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, Stream) {
+    dev_ptr(x, span(n_rows, ldx, n), "top_k x");
+    dev_ptr(ids, span(n_rows, k, k), "top_k ids");
+    for (int64_t r = 0; r < n_rows; r++) router_top_ids(x + r * ldx, (int)n, (int)k, ids + r * k);
+}
+
+void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
+                 bool sigmoid_gate, bool normalize, float scale, float* w, Stream) {
+    dev_ptr(logits, span(n_tok, n_expert, n_expert), "moe_weights logits");
+    dev_ptr(ids, span(n_tok, k, k), "moe_weights ids");
+    dev_ptr(w, span(n_tok, k, k), "moe_weights w");
+    for (int64_t t = 0; t < n_tok; t++)
+        moe_gate_weights(logits + t * n_expert, (int)n_expert, ids + t * k, (int)k, sigmoid_gate, normalize, scale,
+                         w + t * k);
+}
+
+size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {
+    size_t b = ((sizeof(int32_t) * (size_t)(3 * n_expert + 1 + 2 * n_slots)) + 255) & ~(size_t)255;
+    if (!is_float_type(w.type)) b += q8_1_bytes(n_act_rows, w.cols);
+    return b;
+}
+
+void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx, bool per_slot_input,
+                const int32_t* ids, int64_t n_tok, int k, float* y, int64_t ldy, void* scratch, Stream) {
+    const int64_t n_act = per_slot_input ? n_tok * k : n_tok;
+    dev_ptr(w.data, row_bytes(w.type, w.cols) * w.rows * n_expert, "moe_matmul w");
+    dev_ptr(x, span(n_act, ldx, w.cols), "moe_matmul x");
+    dev_ptr(ids, span(n_tok, k, k), "moe_matmul ids");
+    dev_ptr(y, span(n_tok * k, ldy, w.rows), "moe_matmul y");
+    dev_ptr(scratch, moe_scratch_bytes(w, n_expert, n_act, n_tok * k), "moe_matmul scratch");
+    static std::vector<char> sc;
+    sc.resize(cpu::mul_mat_id_scratch_bytes(w.type, w.rows, w.cols, n_expert, k, n_tok) + 64);
+    cpu::mul_mat_id(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, n_expert, ids, k, x, per_slot_input ? k : 1, ldx,
+                    n_tok, y, ldy, sc.data(), pool());
+}
+
+void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
+                 int64_t ld_out, Stream) {
+    rows_limit("moe_combine", n_tok);
+    dev_ptr(y, span(n_tok * k, ldy, dim), "moe_combine y");
+    dev_ptr(weights, span(n_tok, k, k), "moe_combine weights");
+    dev_ptr(out, span(n_tok, ld_out, dim), "moe_combine out");
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t i = 0; i < dim; i++) {
+            float s = 0;
+            for (int j = 0; j < k; j++) s += weights[t * k + j] * y[(t * k + j) * ldy + i];
+            out[t * ld_out + i] = s;
+        }
+}
+
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split) {
+    return n_split > 1 ? (size_t)(n_tok * n_head) * (size_t)n_split * (size_t)(head_dim + 2) * sizeof(float) : 0;
+}
+
+int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count) {
+    const int64_t blocks = n_tok * n_head;
+    if (blocks <= 0 || n_kv < 512 || blocks >= 2 * (int64_t)sm_count) return 1;
+    int64_t n = (2 * (int64_t)sm_count + blocks - 1) / blocks;
+    n = std::min<int64_t>(n, n_kv / 256);
+    return (int)std::max<int64_t>(1, std::min<int64_t>(n, 64));
+}
+
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
+                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+                const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
+                int n_split, void* scratch, Stream) {
+    dev_ptr(q, span(n_tok, ld_q, n_head * head_dim), "flash_attn q");
+    dev_ptr(k, n_kv * kv_cell_bytes, "flash_attn k");
+    dev_ptr(v, n_kv * kv_cell_bytes, "flash_attn v");
+    dev_ptr(q_pos, span(n_tok, 1, 1), "flash_attn q_pos");
+    dev_ptr(kv_pos, span(n_kv, 1, 1), "flash_attn kv_pos");
+    dev_ptr(out, span(n_tok, ld_out, n_head * head_dim), "flash_attn out");
+    if (n_split > 1) {
+        dev_ptr(scratch, flash_attn_scratch_bytes(n_tok, n_head, head_dim, n_split), "flash_attn scratch");
+        g_split_calls++;
+    }
+    cpu::flash_attn(q, n_tok, n_head, ld_q, k, v, kv_type, n_kv, n_head_kv, kv_cell_bytes, head_dim, q_pos, kv_pos, p,
+                    out, ld_out, nullptr, pool());
+}
+
+void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
+              const int32_t* ids_host, int64_t n_ids, float* out, int64_t ld_out, Stream) {
+    rows_limit("get_rows", n_ids);
+    dev_ptr(table, row_bytes(type, n_cols) * n_rows, "get_rows table");
+    dev_ptr(ids, span(n_ids, 1, 1), "get_rows ids");
+    dev_ptr(out, span(n_ids, ld_out, n_cols), "get_rows out");
+    if (ids_host && memcmp(ids_host, ids, (size_t)n_ids * 4) != 0) {
+        fprintf(stderr, "get_rows: the host ids differ from the uploaded ones\n");
+        abort();
+    }
+    cpu::get_rows(table, type, n_rows, n_cols, ids, n_ids, out, ld_out, pool());
+}
+
+void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
+              int64_t ldy, Stream) {
+    dev_ptr(x, span(n_rows, ldx, dim), "rms_norm x");
+    if (weight) dev_ptr(weight, span(1, dim, dim), "rms_norm weight");
+    dev_ptr(y, span(n_rows, ldy, dim), "rms_norm y");
+    cpu::rms_norm(x, n_rows, dim, ldx, weight, eps, y, ldy, pool());
+}
+
+void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
+          const cpu::RopeParams& p, Stream) {
+    dev_ptr(x, span(n_tok, ld_tok, n_head * head_dim), "rope x");
+    dev_ptr(pos, span(n_tok, 1, 1), "rope pos");
+    cpu::rope(x, n_tok, n_head, head_dim, ld_tok, pos, p, pool());
+}
+
+void softmax(const float*, int64_t, int64_t, int64_t, float, float*, int64_t, Stream) { unused("softmax"); }
+
+using CpuBinary = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
+                           ThreadPool&);
+static void binary(const char* name, CpuBinary op, const float* a, int64_t ld_a, const float* b, int64_t ld_b,
+                   int64_t n, int64_t dim, float* out, int64_t ld_out) {
+    rows_limit(name, n);
+    dev_ptr(a, span(n, ld_a, dim), name);
+    dev_ptr(b, span(n, ld_b, dim), name);
+    dev_ptr(out, span(n, ld_out, dim), name);
+    op(a, ld_a, b, ld_b, n, dim, out, ld_out, pool());
+}
+void swiglu(const float* g, int64_t ld_g, const float* u, int64_t ld_u, int64_t n, int64_t dim, float* out,
+            int64_t ld_out, Stream) {
+    binary("swiglu", cpu::swiglu, g, ld_g, u, ld_u, n, dim, out, ld_out);
+}
+void geglu(const float* g, int64_t ld_g, const float* u, int64_t ld_u, int64_t n, int64_t dim, float* out,
+           int64_t ld_out, Stream) {
+    binary("geglu", cpu::geglu, g, ld_g, u, ld_u, n, dim, out, ld_out);
+}
+void add(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, Stream) {
+    binary("add", cpu::add, a, ld_a, b, ld_b, n, dim, out, ld_out);
+}
+void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, int64_t dim, float* out,
+         int64_t ld_out, Stream) {
+    binary("mul", cpu::mul, a, ld_a, b, ld_b, n, dim, out, ld_out);
+}
+
+void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream) {
+    rows_limit("scale", n);
+    dev_ptr(x, span(n, ldx, dim), "scale x");
+    cpu::scale(x, n, dim, ldx, sc, pool());
+}
+void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream) {
+    rows_limit("softcap", n);
+    dev_ptr(x, span(n, ldx, dim), "softcap x");
+    cpu::softcap(x, n, dim, ldx, cap, pool());
+}
+
+void f32_to_f16(const float*, uint16_t*, int64_t, Stream) { unused("f32_to_f16"); }
+void f16_to_f32(const uint16_t*, float*, int64_t, Stream) { unused("f16_to_f32"); }
+void copy_rows(const void*, size_t, void*, size_t, int64_t, size_t, Stream) { unused("copy_rows"); }
+
+void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream) {
+    rows_limit("store_kv", n_tok);
+    dev_ptr(x, span(n_tok, ld_x, n_head_kv * head_dim), "store_kv x");
+    dev_ptr(dst_cells, span(n_tok, 1, 1), "store_kv cells");
+    for (int64_t t = 0; t < n_tok; t++)
+        dev_ptr((const char*)cache + (size_t)dst_cells[t] * kv_cell_bytes, kv_cell_bytes, "store_kv cell");
+    cpu::store_kv(x, n_tok, ld_x, n_head_kv, head_dim, kv_type, cache, kv_cell_bytes, dst_cells, pool());
+}
+
+}  // namespace stowlm::cuda

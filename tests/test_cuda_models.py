@@ -1,0 +1,140 @@
+"""Whole models on a CUDA device through the engine (cuda/cuda_engine.cpp): dense and MoE logits
+against llama.cpp's recorded fixtures, decoding against the CPU engine, a model split between
+cpu:0 and cuda:0, and exact memory accounting. GPU cases skip, printing why, where stowlm was
+built without CUDA or no device is present (STOWLM_REQUIRE_GPU=1 makes that a failure); the
+errors a CUDA device list gives without a GPU are checked everywhere."""
+import numpy as np
+import pytest
+
+import stowlm
+from conftest import cuda_skip_reason, load_fixture, require_devices
+from stowlm.engine import plan
+from test_models import TIE, assert_same_distributions, compare, tie_band
+from test_moe import figures, logit_records
+
+CUDA = "cuda:0"
+CPU = "cpu:0[threads=1]"
+DENSE = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+
+
+def assert_exact_accounting(ctx):
+    """What each device handed out is what the planner projected (weights + KV + compute)."""
+    report = ctx.memory_report()
+    for r in report:
+        assert r["allocated"] == r["total"] <= r["budget"], r
+    return report
+
+
+# ---- without a GPU ---------------------------------------------------------------------------
+
+def test_cuda_device_lists_without_a_gpu_are_clear_errors(model_path):
+    if cuda_skip_reason() is None:
+        pytest.skip("this machine has a CUDA device")
+    path = model_path("smollm2-135m")
+    for devices in (["cuda:0"], ["cpu:0", "cuda:0"], "cuda:1[mem=1GiB]"):
+        with pytest.raises(RuntimeError, match="no CUDA device is present"):
+            stowlm.Model(path, devices=devices)
+        # The projection needs the device too (its kernels' scratch depends on its SM count).
+        with pytest.raises(RuntimeError, match="no CUDA device is present"):
+            plan(path, devices=devices, n_ctx=64, n_ubatch=8)
+    # Below the Python device parser: the engine's own make_backend names the device and why.
+    from stowlm import _core
+
+    with pytest.raises(RuntimeError, match=r"cuda:0.*no CUDA device is present|no CUDA device is present.*cuda:0"):
+        _core.engine.Model(str(path), [("cuda", 0, 0, 0)], [], [])
+    with pytest.raises(RuntimeError, match="no CUDA device is present"):
+        _core.engine.project(str(path), [("cpu", 0, 1, 0), ("cuda", 0, 0, 0)], [], [], 64, 8, "f16", 0)
+    assert stowlm.Model(path, devices=[CPU]).n_layer == 30  # the process stays usable
+
+
+# ---- on a GPU --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", DENSE)
+def test_dense_logits_match_llama_cpp_on_cuda(model_path, name):
+    """The criteria of test_models.test_logits_match_llama_cpp, on cuda:0 (prompts of more than 8
+    tokens: the tiled tensor-core product; the flash attention kernel; F16 KV cells)."""
+    require_devices(CUDA)
+    model = stowlm.Model(model_path(name), devices=[CUDA])
+    ctx = stowlm.Context(model, n_ctx=256, n_ubatch=64)
+    assert ctx._c.check_plan() == ""
+    gaps, kls, spread = [], [], []
+    for r in (r for r in load_fixture(name) if r["kind"] == "logits"):
+        ctx.clear()
+        g, k, s = compare(ctx.eval(r["ids"], logits="all"), r["positions"])
+        gaps += g
+        kls += k
+        spread += s
+    gaps = np.array(gaps)
+    strict, near_tie, mean_kl = float(np.mean(gaps == 0)), float(np.mean(gaps < TIE)), float(np.mean(kls))
+    print(f"\n{name} on {CUDA}: {len(gaps)} positions, top-1 {100 * strict:.1f}% strict, {100 * near_tie:.1f}% "
+          f"counting near-ties, band {tie_band(spread):.3f}, mean KL {mean_kl:.5f}")
+    assert len(gaps) >= 60
+    assert near_tie >= 0.98 and strict >= 0.95 and mean_kl < 0.01
+    report = assert_exact_accounting(ctx)
+    assert [r["device"] for r in report] == [CUDA]
+    assert report[0]["weights"] > 0 and report[0]["kv"] > 0 and report[0]["compute"] > 0
+
+
+@pytest.mark.parametrize("kv_type", ["f16", "q8_0"])
+def test_decoding_on_cuda_follows_the_cpu(model_path, kv_type):
+    """A 300-token prompt, then one token at a time: the decode graphs (vector product kernel,
+    split-KV attention once more than 256 cells are visible) give the CPU engine's distributions."""
+    require_devices(CUDA)
+    path = model_path("smollm2-135m")
+    ids = [t for r in load_fixture("smollm2-135m") if r["kind"] == "logits" for t in r["ids"]]
+    prompt = (ids * (300 // len(ids) + 1))[:300]
+    rows, tokens = {}, []
+    for dev in (CPU, CUDA):  # both decode the CPU's greedy tokens
+        ctx = stowlm.Context(stowlm.Model(path, devices=[dev]), n_ctx=640, n_ubatch=128, kv_type=kv_type)
+        out = [ctx.eval(prompt, logits="last")]
+        for step in range(12):
+            if dev == CPU:
+                tokens.append(int(np.argmax(out[-1])))
+            out.append(ctx.eval([tokens[step]]))
+        rows[dev] = np.stack(out)
+        if dev == CUDA:
+            assert_exact_accounting(ctx)
+    assert_same_distributions(rows[CUDA], rows[CPU], f"smollm2-135m decode, {kv_type} KV, cuda:0 vs cpu")
+
+
+def test_qwen3moe_matches_llama_cpp_on_cuda(model_path):
+    """The MoE ops on the device: router top-k and weights, the grouped expert products, their sum."""
+    require_devices(CUDA)
+    model = stowlm.Model(model_path("qwen3moe-tiny"), devices=[CUDA])
+    kl, top1, _ = figures(model, logit_records("qwen3moe-tiny"))
+    print(f"\nqwen3moe-tiny on {CUDA}: mean KL {kl:.5f}, top-1 {top1:.1%}")
+    assert kl < 0.01 and top1 >= 0.95
+
+
+@pytest.mark.parametrize("name,devices,split,overrides", [
+    ("smollm2-135m", [CPU, CUDA], [15, 15], None),
+    ("smollm2-135m", [CUDA, CPU], [10, 20], None),
+    # every layer on the GPU, the experts on the CPU: activations cross twice per layer
+    ("qwen3moe-tiny", [CUDA, CPU], None, [r"ffn_.*_exps=cpu:0"]),
+])
+def test_split_between_cpu_and_cuda(model_path, name, devices, split, overrides):
+    require_devices(*devices)
+    path = model_path(name)
+    ids = next(r for r in load_fixture(name) if r["kind"] == "logits")["ids"]
+    ref = stowlm.Context(stowlm.Model(path, devices=[CPU]), n_ctx=64, n_ubatch=64).eval(ids, logits="all")
+    if split is None:
+        n_layer = stowlm.Model(path, devices=[CPU]).n_layer
+        split = [n_layer, 0]
+    model = stowlm.Model(path, devices=devices, layer_split=split, tensor_overrides=overrides)
+    ctx = stowlm.Context(model, n_ctx=64, n_ubatch=64)
+    assert ctx._c.check_plan() == ""
+    got = ctx.eval(ids, logits="all")
+    assert_same_distributions(got, ref, f"{name} on {devices} split {split}")
+    report = assert_exact_accounting(ctx)
+    assert [r["device"] for r in report] == [d.split("[")[0] for d in devices]
+    if overrides:
+        assert report[1]["weights"] > 0 and report[1]["copies"] > 0
+
+
+def test_cuda_budget_refuses_past_it(model_path):
+    require_devices(CUDA)
+    path = model_path("smollm2-135m")
+    with pytest.raises(MemoryError, match="cuda:0"):
+        stowlm.Model(path, devices=["cuda:0[mem=16MiB]"])
+    model = stowlm.Model(path, devices=["cuda:0[mem=1GiB]"])
+    assert model.plan(n_ctx=64, n_ubatch=8)[0]["budget"] == 1 << 30
