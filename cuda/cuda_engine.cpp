@@ -11,6 +11,7 @@
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/node_params.h"
 #include "cpu/moe.h"
 #include "cuda_backend.h"
 #include "error.h"
@@ -284,11 +285,7 @@ private:
                 return;
             case Op::ROPE: {
                 prepare_in_place(n);
-                cpu::RopeParams p;
-                p.n_rot = n->iparams[0];
-                p.neox = n->iparams[1] != 0;
-                p.freq_base = n->fparams[0];
-                p.freq_scale = n->fparams[1];
+                const cpu::RopeParams p = rope_params(*n);
                 cu::rope(f32(n), n->ne[2], n->ne[1], n->ne[0], n->ne[0] * n->ne[1], i32(b), p, s);
                 return;
             }
@@ -303,11 +300,7 @@ private:
             }
             case Op::FLASH_ATTN: {
                 Tensor *k = n->src[1], *v = n->src[2];
-                cpu::AttnParams p;
-                p.scale = n->fparams[0];
-                p.softcap = n->fparams[1];
-                p.window = n->iparams[0];
-                p.causal = true;
+                const cpu::AttnParams p = attn_params(*n);
                 const int64_t hd = a->ne[0];
                 // Split the KV range when the scratch the plan reserved holds the partials.
                 int n_split = attn_splits(*n);

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "backend/backend.h"
+#include "backend/node_params.h"
 #include "cpu/matmul.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
@@ -205,11 +206,7 @@ private:
                 return;
             case Op::ROPE: {
                 prepare_in_place(n);
-                cpu::RopeParams p;
-                p.n_rot = n->iparams[0];
-                p.neox = n->iparams[1] != 0;
-                p.freq_base = n->fparams[0];
-                p.freq_scale = n->fparams[1];
+                const cpu::RopeParams p = rope_params(*n);
                 cpu::rope(f32(n), n->ne[2], n->ne[1], n->ne[0], n->ne[0] * n->ne[1], (const int32_t*)b->data, p, pool);
                 return;
             }
@@ -221,11 +218,7 @@ private:
             }
             case Op::FLASH_ATTN: {
                 Tensor *k = n->src[1], *v = n->src[2];
-                cpu::AttnParams p;
-                p.scale = n->fparams[0];
-                p.softcap = n->fparams[1];
-                p.window = n->iparams[0];
-                p.causal = true;
+                const cpu::AttnParams p = attn_params(*n);
                 const int64_t hd = a->ne[0];
                 cpu::flash_attn(f32(a), a->ne[2], a->ne[1], hd * a->ne[1], k->data, v->data, k->type, k->ne[1],
                                 k->ne[0] / hd, k->nb[1], hd, (const int32_t*)n->src[3]->data,
