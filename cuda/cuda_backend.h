@@ -7,6 +7,7 @@
 // legacy default stream) and return without waiting. Argument errors throw InvalidInput
 // before anything is enqueued; a CUDA failure throws Unsupported naming the kernel.
 #pragma once
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <map>
@@ -128,10 +129,21 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
 
 // Largest head_dim the attention kernel takes.
 constexpr int kFlashAttnMaxHeadDim = 256;
-// Scratch for the split-KV partials (0 when n_split is 1).
-size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split);
-// How many KV splits the launcher picks for this shape on a device with sm_count SMs.
-int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count);
+// Scratch for the split-KV partials (0 when n_split is 1): per query row and head, n_split
+// partials of (m, l, acc[head_dim]).
+inline size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split) {
+    return n_split > 1 ? (size_t)(n_tok * n_head) * (size_t)n_split * (size_t)(head_dim + 2) * sizeof(float) : 0;
+}
+// How many KV splits the launcher picks for this shape on a device with sm_count SMs: enough
+// blocks to fill the device twice, but no split under 256 cells. (Host arithmetic, inline so the
+// engine's emulated-device test plans exactly as the GPU build does.)
+inline int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count) {
+    const int64_t blocks = n_tok * n_head;
+    if (blocks <= 0 || n_kv < 512 || blocks >= 2 * (int64_t)sm_count) return 1;
+    int64_t n = (2 * (int64_t)sm_count + blocks - 1) / blocks;
+    n = std::min<int64_t>(n, n_kv / 256);
+    return (int)std::max<int64_t>(1, std::min<int64_t>(n, 64));
+}
 // As cpu::flash_attn with F16 K/V; n_split > 1 runs the split-KV variant (each split a
 // partial (m, l, acc), combined by a second kernel) and needs scratch.
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,

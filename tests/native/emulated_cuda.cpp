@@ -220,18 +220,6 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
         }
 }
 
-size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split) {
-    return n_split > 1 ? (size_t)(n_tok * n_head) * (size_t)n_split * (size_t)(head_dim + 2) * sizeof(float) : 0;
-}
-
-int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count) {
-    const int64_t blocks = n_tok * n_head;
-    if (blocks <= 0 || n_kv < 512 || blocks >= 2 * (int64_t)sm_count) return 1;
-    int64_t n = (2 * (int64_t)sm_count + blocks - 1) / blocks;
-    n = std::min<int64_t>(n, n_kv / 256);
-    return (int)std::max<int64_t>(1, std::min<int64_t>(n, 64));
-}
-
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
                 QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
