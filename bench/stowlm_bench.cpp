@@ -25,6 +25,7 @@
 #include <thread>
 #include <vector>
 
+#include "cpu/threadpool.h"
 #include "engine/context.h"
 #include "error.h"
 #include "gguf/gguf.h"
@@ -55,14 +56,6 @@ struct UsageError : std::runtime_error {
     using std::runtime_error::runtime_error;
 };
 
-int default_threads() {
-    if (const char* s = std::getenv("STOWLM_THREADS")) {
-        const int n = std::atoi(s);
-        if (n > 0) return n;
-    }
-    const unsigned n = std::thread::hardware_concurrency();
-    return n ? (int)n : 1;
-}
 
 void print_usage(FILE* f) {
     fprintf(f,

@@ -36,14 +36,6 @@ size_t physical_ram() {
     return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : (size_t)1 << 40;
 }
 
-int default_threads() {
-    if (const char* s = std::getenv("STOWLM_THREADS")) {
-        const int n = std::atoi(s);
-        if (n > 0) return n;
-    }
-    const unsigned n = std::thread::hardware_concurrency();
-    return n ? (int)n : 1;
-}
 
 float* f32(Tensor* t) { return (float*)t->data; }
 

@@ -80,15 +80,17 @@ void ThreadPool::worker(int ith) {
     }
 }
 
+int default_threads() {
+    if (const char* s = std::getenv("STOWLM_THREADS")) {
+        const int n = std::atoi(s);
+        if (n > 0) return n;
+    }
+    const unsigned n = std::thread::hardware_concurrency();
+    return n ? (int)n : 1;
+}
+
 ThreadPool& ThreadPool::global() {
-    static ThreadPool pool([] {
-        if (const char* s = std::getenv("STOWLM_THREADS")) {
-            int n = std::atoi(s);
-            if (n > 0) return n;
-        }
-        unsigned hc = std::thread::hardware_concurrency();
-        return (int)(hc ? hc : 1);
-    }());
+    static ThreadPool pool(default_threads());
     return pool;
 }
 

@@ -11,6 +11,10 @@
 
 namespace stowlm {
 
+// Threads a pool or CPU device gets when none are asked for: $STOWLM_THREADS, else the
+// machine's hardware threads.
+int default_threads();
+
 class ThreadPool {
 public:
     explicit ThreadPool(int n_threads);
@@ -51,7 +55,7 @@ public:
         });
     }
 
-    // The process-wide default pool (threads = hardware cores unless STOWLM_THREADS is set).
+    // The process-wide default pool, of default_threads() threads.
     static ThreadPool& global();
 
 private:
