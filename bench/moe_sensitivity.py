@@ -75,7 +75,8 @@ def main():
     kl, t1 = between(exact, noisy)
     print(f"{a.model}: {sum(map(len, prompts))} positions")
     print(f"  float64 vs float64 with {a.eps:g} relative noise per layer: KL {kl:.4f}, top-1 {t1:.1%}")
-    print(f"  stowlm vs float64: KL {between(exact, ours)[0]:.4f}, top-1 {between(exact, ours)[1]:.1%}")
+    kl, t1 = between(exact, ours)
+    print(f"  stowlm vs float64: KL {kl:.4f}, top-1 {t1:.1%}")
     rows = [("float64", exact), (f"float64 + {a.eps:g} noise", noisy), ("stowlm", ours)]
     vocab = exact[0].shape[1]
     for spec in a.peer:

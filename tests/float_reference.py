@@ -75,7 +75,8 @@ class FloatModel:
         n, gemma = len(ids), self.arch == "gemma3"
         H, HKV, hd = self.n_head, self.n_head_kv, self.head_dim
         pos = np.arange(n, dtype=np.float64)
-        x = self.W("token_embd.weight")[ids]
+        embd = self.W("token_embd.weight")  # also the output matrix where the file ties them
+        x = embd[ids]
         if gemma:
             x = x * np.sqrt(self.n_embd)
         for il in range(self.n_layer):
@@ -105,6 +106,6 @@ class FloatModel:
             if eps:
                 x = x * (1 + eps * rng.standard_normal(x.shape))
         x = self.rms(x[-1:] if last_only else x, self.W("output_norm.weight"))
-        out_w = self.W("output.weight") if self.has("output.weight") else self.W("token_embd.weight")
+        out_w = self.W("output.weight") if self.has("output.weight") else embd
         lg = x @ out_w.T
         return lg[0] if last_only else lg
