@@ -80,10 +80,22 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
     n_tok = n_tok > 0 ? n_tok : 0;
     size_t bytes = act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
 #ifdef STOWLM_X86
-    if (dot_family(wtype) != DotFamily::Float && n_tok >= kAmxMinTokens) bytes += amx_scratch_extra(wtype, cols, n_tok);
+    if (dot_family(wtype) != DotFamily::Float && n_tok >= kBatchMinTokens) bytes += batched_scratch_extra(wtype, cols, n_tok);
 #endif
     return bytes;
 }
+
+#ifdef STOWLM_X86
+size_t batched_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
+    return std::max(amx_scratch_extra(t, cols, n_tok), gemm_scratch_extra(t, cols, n_tok));
+}
+
+bool matmul_batched(const MatmulArgs& A, Isa isa, ThreadPool& pool) {
+    if (A.n_tok < kBatchMinTokens) return false;
+    if (isa == Isa::AMX && matmul_amx(A, pool)) return true;
+    return (isa == Isa::AMX || isa == Isa::AVX512_VNNI) && matmul_gemm_vnni(A, pool);
+}
+#endif
 
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n) {
     if (fam == DotFamily::Q32) quantize_row_q8_a(x, (block_q8_a*)dst, n);
@@ -176,7 +188,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     quantize_acts(A, pool);
     const Isa isa = active_isa();
 #ifdef STOWLM_X86
-    if (isa == Isa::AMX && matmul_amx(A, pool)) return;
+    if (matmul_batched(A, isa, pool)) return;
 #endif
     const RowsFn rows_fn = rows_fn_for(isa);
     pool.parallel_for_dynamic(w.rows, row_chunk(w.rows, pool.size()),
@@ -186,7 +198,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
 void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
                   const int64_t* ldys, void* scratch, ThreadPool& pool) {
     if (n_w <= 0) return;
-    bool shared = n_w <= kMaxMulti && n_tok < kAmxMinTokens;
+    bool shared = n_w <= kMaxMulti && n_tok < kBatchMinTokens;
     for (int i = 0; i < n_w && shared; i++) {
         check_call(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
         shared = ws[i].cols == ws[0].cols && act_row_bytes(ws[i].type, ws[i].cols) == act_row_bytes(ws[0].type, ws[0].cols) &&

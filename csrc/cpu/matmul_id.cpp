@@ -47,7 +47,7 @@ Layout layout(QType t, int64_t rows, int64_t cols, int64_t n_expert, int64_t k, 
 #ifdef STOWLM_X86
     // One expert's group: n_tok entries when a token's picks are distinct (a router's are), up to
     // n_tok * k when a caller repeats an expert; sized for the latter.
-    if (!L.float_w && n >= kAmxMinTokens) off += up64(L.act_row * (size_t)n) + amx_scratch_extra(t, cols, n);
+    if (!L.float_w && n >= kBatchMinTokens) off += up64(L.act_row * (size_t)n) + batched_scratch_extra(t, cols, n);
 #endif
     L.total = off + 64;  // alignment of the base
     return L;
@@ -166,13 +166,14 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         const int64_t cnt = offs[e + 1] - offs[e];
         if (!cnt) continue;
 #ifdef STOWLM_X86
-        if (isa == Isa::AMX && !L.float_w && cnt >= kAmxMinTokens) {
+        if (!L.float_w && cnt >= kBatchMinTokens) {
             MatmulArgs A = args_for(e);
-            // AMX keeps per-call data right after the activations: give it a private copy.
+            // The batched kernels keep per-call data right after the activations: give them a
+            // private copy.
             uint8_t* stage = base + L.stage;
             memcpy(stage, A.act, (size_t)cnt * L.act_row);
             A.act = stage;
-            if (matmul_amx(A, pool)) continue;
+            if (matmul_batched(A, isa, pool)) continue;
         }
 #endif
         small.push_back(e);

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "cpu/cpu_features.h"
 #include "cpu/matmul.h"
 #include "quant/dot.h"
 
@@ -37,17 +38,26 @@ void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n);
 void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n);
 
+// Batches of this many tokens or more go to a batched kernel (AMX tiles, or the VNNI GEMM).
+constexpr int64_t kBatchMinTokens = 24;
 // Whole product on AMX tiles (rows split over the pool); false when this type/shape is
 // better left to the AVX-512 path.
 bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
 // Extra scratch the AMX path needs after the activations (its per-step activation scales).
 size_t amx_scratch_extra(QType t, int64_t cols, int64_t n_tok);
+// Whole product on AVX-512 VNNI with 16-row interleaved panels (matmul_gemm_avx512.cpp);
+// false for the float types and small batches.
+bool matmul_gemm_vnni(const MatmulArgs& a, ThreadPool& pool);
+size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok);
+// The batched kernel of `isa` (AMX, else the VNNI GEMM) for a batch of kBatchMinTokens or
+// more; false when there is none and the row kernels should run. Its scratch after the
+// activations: batched_scratch_extra.
+bool matmul_batched(const MatmulArgs& a, Isa isa, ThreadPool& pool);
+size_t batched_scratch_extra(QType t, int64_t cols, int64_t n_tok);
 // Shared with mul_mat_id (matmul_id.cpp): the checks of matmul(), and the bytes of one token's
 // quantized activations for a weight type (0 for the float types, which read x directly).
 void matmul_check_type_cols(QType t, int64_t cols);
 size_t matmul_act_row_bytes(QType t, int64_t cols);
-// Batches below this many tokens stay on the AVX-512 path.
-constexpr int64_t kAmxMinTokens = 24;
 
 namespace {
 

@@ -1,0 +1,214 @@
+// AVX-512 VNNI path for batched products (prompt processing). Panels of 16 weight rows are
+// unpacked once per call into unsigned bytes interleaved by dword, so that ZMM lane r holds 4
+// consecutive weights of row r: one vpdpbusd with a broadcast dword of a token's activations
+// advances all 16 rows of that token by 4 elements, and a step's scales (weight per row in the
+// lanes, activation broadcast) cost one convert, one multiply and one FMA per 16 rows x token
+// instead of per row. The unsigned bytes are q + 128 and each step's integer sum starts at
+// -128 * sum(activations), so the offset leaves exactly. Steps are 32 elements (16 for the
+// formats with 16-element sub-scales); a row's sum over steps runs in the same order for every
+// token, whatever tile it falls in.
+// GCC 12 reports its own _mm512_undefined_*() inside AVX-512 intrinsics as (maybe-)uninitialized.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#include <immintrin.h>
+
+#include "cpu/matmul_impl.h"
+#include "cpu/matmul_unpack_simd.h"
+
+namespace stowlm::cpu {
+
+namespace {
+
+constexpr int PR = 16;  // weight rows per panel: the 16 lanes of a ZMM
+constexpr int NT = 8;   // tokens per register tile
+
+// A token's step: the integer start of its sum, its activation scale, and scale * sum (for the
+// formats with a min term).
+struct TokStep {
+    int32_t c;
+    float d, s;
+};
+
+int gemm_step(QType t) { return (t == QType::Q2_K || t == QType::Q3_K || t == QType::Q6_K) ? 16 : 32; }
+
+bool has_min(QType t) {
+    return t == QType::Q4_1 || t == QType::Q5_1 || t == QType::Q2_K || t == QType::Q4_K || t == QType::Q5_K;
+}
+
+struct GemmLayout {
+    int step;
+    int64_t nsteps;
+    int8_t* qa;   // [token][cols] activation bytes, steps contiguous
+    TokStep* ts;  // [token][step]
+};
+
+GemmLayout gemm_layout(const MatmulArgs& A) {
+    GemmLayout l;
+    l.step = dot_family(A.type) == DotFamily::Q32 ? QK : gemm_step(A.type);
+    l.nsteps = A.cols / l.step;
+    uintptr_t p = ((uintptr_t)A.act + A.act_stride * A.n_tok + 63) & ~(uintptr_t)63;
+    l.qa = (int8_t*)p;
+    l.ts = (TokStep*)((p + (size_t)A.n_tok * A.cols + 63) & ~(uintptr_t)63);
+    return l;
+}
+
+// One token's activations into the layout: bytes in element order, per step (c, d, s).
+void pack_token(const MatmulArgs& A, const GemmLayout& lo, int64_t t) {
+    const uint8_t* ap = (const uint8_t*)A.act + t * A.act_stride;
+    int8_t* dst = lo.qa + t * A.cols;
+    TokStep* ts = lo.ts + t * lo.nsteps;
+    if (dot_family(A.type) == DotFamily::Q32) {
+        const block_q8_a* b = (const block_q8_a*)ap;
+        for (int64_t s = 0; s < lo.nsteps; s++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i*)b[s].qs);
+            _mm256_storeu_si256((__m256i*)(dst + s * QK), q);
+            const __m256i s16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
+            ts[s] = TokStep{-128 * _mm_cvtsi128_si32(h), b[s].d, b[s].s};
+        }
+        return;
+    }
+    const block_q8_K32* b = (const block_q8_K32*)ap;
+    const int step = lo.step, per = QK_K / step;
+    for (int64_t s = 0; s < lo.nsteps; s++) {
+        const block_q8_K32& blk = b[s / per];
+        const int j = (int)(s % per) * (step / 16);  // first 16-group of the step
+        memcpy(dst + s * step, blk.qs + (s % per) * step, step);
+        int sum = blk.bsums[j];
+        if (step == 32) sum += blk.bsums[j + 1];
+        const float d = blk.d[j / 2];
+        ts[s] = TokStep{-128 * sum, d, d * (float)sum};
+    }
+}
+
+// Per-thread panel: the unpacked rows, the interleaved bytes [step][dword k][row] and the
+// scales D, M [step][row] (w = D q + M per step).
+struct PanelBufs {
+    Panel unpack, wp, dm;
+};
+
+void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, PanelBufs& bufs, uint8_t*& wp, float*& D,
+                float*& M) {
+    const DotFamily fam = dot_family(A.type);
+    const RowLayout L = row_layout(fam, A.cols);
+    const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
+    const int step = lo.step;
+    const int64_t nsteps = lo.nsteps;
+    uint8_t* un = (uint8_t*)bufs.unpack.get(L.bytes * PR);
+    wp = (uint8_t*)bufs.wp.get((size_t)A.cols * PR);
+    D = (float*)bufs.dm.get((size_t)nsteps * PR * 2 * sizeof(float));
+    M = D + nsteps * PR;
+    for (int n = 0; n < PR; n++) {
+        uint8_t* dst = un + n * L.bytes;
+        if (n < nr) {
+            const uint8_t* src = A.w + (r0 + n) * A.w_stride;
+            if (!unpack_row_simd(A.type, src, A.cols, dst, L)) unpack_row(A.type, fam, src, A.cols, dst, L);
+        } else {
+            memset(dst, 0, L.bytes);  // rows past the end: zero weights, outputs not stored
+        }
+    }
+    const int64_t ndw = A.cols / 4;  // dwords per row
+    for (int n = 0; n < PR; n++) {
+        const uint8_t* row = un + n * L.bytes;
+        const uint32_t* q = (const uint32_t*)(row + L.q_off);
+        uint32_t* out = (uint32_t*)wp + n;
+        for (int64_t k = 0; k < ndw; k++) out[k * PR] = q[k] ^ 0x80808080u;
+        const float* d = (const float*)(row + L.d_off);
+        const float* m = (const float*)(row + L.m_off);
+        if (fam == DotFamily::Q32) {
+            for (int64_t s = 0; s < nsteps; s++) D[s * PR + n] = d[s], M[s * PR + n] = m[s];
+        } else {
+            const int16_t* sc = (const int16_t*)(row + L.sc_off);
+            const int16_t* mn = (const int16_t*)(row + L.mn_off);
+            const int per = QK_K / step, w16 = step / 16;
+            for (int64_t s = 0; s < nsteps; s++) {
+                const int64_t sb = s / per, j = sb * 16 + (s % per) * w16;
+                D[s * PR + n] = d[sb] * (float)sc[j];
+                M[s * PR + n] = -m[sb] * (float)mn[j];
+            }
+        }
+    }
+}
+
+// y[t][r0 + lane] for NTOK tokens from t0 (lanes < nr stored).
+template <int STEP, bool MIN, int NTOK>
+void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps, const GemmLayout& lo, int64_t cols,
+               int64_t t0, float* y, int64_t ldy, __mmask16 rmask) {
+    constexpr int KW = STEP / 4;  // dwords per step
+    __m512 acc[NTOK];
+    for (int j = 0; j < NTOK; j++) acc[j] = _mm512_setzero_ps();
+    const int8_t* qa = lo.qa + t0 * cols;
+    const TokStep* ts = lo.ts + t0 * nsteps;
+    for (int64_t s = 0; s < nsteps; s++) {
+        __m512i w[KW];
+        for (int k = 0; k < KW; k++) w[k] = _mm512_load_si512(wp + (s * KW + k) * 64);
+        const __m512 dv = _mm512_load_ps(D + s * PR);
+        __m512 mv = _mm512_setzero_ps();
+        if constexpr (MIN) mv = _mm512_load_ps(M + s * PR);
+        for (int j = 0; j < NTOK; j++) {
+            const TokStep& t = ts[j * nsteps + s];
+            const int32_t* q = (const int32_t*)(qa + j * cols + s * STEP);
+            __m512i i = _mm512_set1_epi32(t.c);
+            for (int k = 0; k < KW; k++) i = _mm512_dpbusd_epi32(i, w[k], _mm512_set1_epi32(q[k]));
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(t.d));
+            acc[j] = _mm512_fmadd_ps(f, dv, acc[j]);
+            if constexpr (MIN) acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(t.s), acc[j]);
+        }
+    }
+    for (int j = 0; j < NTOK; j++) _mm512_mask_storeu_ps(y + (t0 + j) * ldy, rmask, acc[j]);
+}
+
+template <int STEP, bool MIN>
+void gemm_panel_tokens(const uint8_t* wp, const float* D, const float* M, const GemmLayout& lo, const MatmulArgs& A,
+                       int64_t r0, __mmask16 rmask) {
+    float* y = A.y + r0;
+    int64_t t = 0;
+    for (; t + NT <= A.n_tok; t += NT) gemm_tile<STEP, MIN, NT>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, rmask);
+    switch (A.n_tok - t) {
+#define STOWLM_TAIL(n) \
+    case n: return gemm_tile<STEP, MIN, n>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, rmask);
+        STOWLM_TAIL(1) STOWLM_TAIL(2) STOWLM_TAIL(3) STOWLM_TAIL(4) STOWLM_TAIL(5) STOWLM_TAIL(6) STOWLM_TAIL(7)
+#undef STOWLM_TAIL
+        default: return;
+    }
+}
+
+}  // namespace
+
+size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
+    const int64_t nsteps = cols / (dot_family(t) == DotFamily::Q32 ? QK : gemm_step(t));
+    return (size_t)n_tok * cols + (size_t)n_tok * nsteps * sizeof(TokStep) + 192;
+}
+
+bool matmul_gemm_vnni(const MatmulArgs& A, ThreadPool& pool) {
+    const DotFamily fam = dot_family(A.type);
+    if (fam == DotFamily::Float || A.n_tok < kBatchMinTokens) return false;
+    const GemmLayout lo = gemm_layout(A);
+    pool.parallel_for(A.n_tok, [&](int64_t t0, int64_t t1, int) {
+        for (int64_t t = t0; t < t1; t++) pack_token(A, lo, t);
+    });
+    const int64_t n_panels = (A.rows + PR - 1) / PR;
+    const bool with_min = has_min(A.type);
+    pool.parallel_for_dynamic(n_panels, 1, [&](int64_t p0, int64_t p1, int) {
+        static thread_local PanelBufs bufs;
+        for (int64_t p = p0; p < p1; p++) {
+            uint8_t* wp;
+            float *D, *M;
+            pack_panel(A, lo, p * PR, bufs, wp, D, M);
+            const int nr = (int)std::min<int64_t>(PR, A.rows - p * PR);
+            const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
+            if (lo.step == 32) {
+                if (with_min) gemm_panel_tokens<32, true>(wp, D, M, lo, A, p * PR, rmask);
+                else gemm_panel_tokens<32, false>(wp, D, M, lo, A, p * PR, rmask);
+            } else {
+                if (with_min) gemm_panel_tokens<16, true>(wp, D, M, lo, A, p * PR, rmask);
+                else gemm_panel_tokens<16, false>(wp, D, M, lo, A, p * PR, rmask);
+            }
+        }
+    });
+    return true;
+}
+
+}  // namespace stowlm::cpu
