@@ -143,16 +143,24 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
     const TokStep* ts = lo.ts + t0 * nsteps;
     for (int64_t s = 0; s < nsteps; s++) {
         __m512i w[KW];
+#pragma GCC unroll 8
         for (int k = 0; k < KW; k++) w[k] = _mm512_load_si512(wp + (s * KW + k) * 64);
         const __m512 dv = _mm512_load_ps(D + s * PR);
         __m512 mv = _mm512_setzero_ps();
         if constexpr (MIN) mv = _mm512_load_ps(M + s * PR);
+        // unrolled so the accumulators stay in registers
+#pragma GCC unroll 8
         for (int j = 0; j < NTOK; j++) {
             const TokStep& t = ts[j * nsteps + s];
             const int32_t* q = (const int32_t*)(qa + j * cols + s * STEP);
-            __m512i i = _mm512_set1_epi32(t.c);
-            for (int k = 0; k < KW; k++) i = _mm512_dpbusd_epi32(i, w[k], _mm512_set1_epi32(q[k]));
-            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(i), _mm512_set1_ps(t.d));
+            // two chains of products: half the latency before the convert
+            __m512i i0 = _mm512_set1_epi32(t.c), i1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+            for (int k = 0; k < KW; k += 2) {
+                i0 = _mm512_dpbusd_epi32(i0, w[k], _mm512_set1_epi32(q[k]));
+                i1 = _mm512_dpbusd_epi32(i1, w[k + 1], _mm512_set1_epi32(q[k + 1]));
+            }
+            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(t.d));
             acc[j] = _mm512_fmadd_ps(f, dv, acc[j]);
             if constexpr (MIN) acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(t.s), acc[j]);
         }
