@@ -83,6 +83,31 @@ void pack_token(const MatmulArgs& A, const GemmLayout& lo, int64_t t) {
     }
 }
 
+// In place: r[i] lane j -> r[j] lane i.
+inline void transpose16x16_epi32(__m512i* r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    // r[4g + c] holds, per 128-bit lane L, column 4L + c of rows 4g..4g+3
+    for (int c = 0; c < 4; c++) {
+        const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88), b = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xdd);
+        const __m512i e = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xdd);
+        t[c] = _mm512_shuffle_i32x4(a, e, 0x88);       // lane 0 of every group: column c
+        t[8 + c] = _mm512_shuffle_i32x4(a, e, 0xdd);   // lane 2: column 8 + c
+        t[4 + c] = _mm512_shuffle_i32x4(b, f, 0x88);   // lane 1: column 4 + c
+        t[12 + c] = _mm512_shuffle_i32x4(b, f, 0xdd);  // lane 3: column 12 + c
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 // Per-thread panel: the unpacked rows, the interleaved bytes [step][dword k][row] and the
 // scales D, M [step][row] (w = D q + M per step).
 struct PanelBufs {
@@ -109,12 +134,23 @@ void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, PanelBufs
             memset(dst, 0, L.bytes);  // rows past the end: zero weights, outputs not stored
         }
     }
-    const int64_t ndw = A.cols / 4;  // dwords per row
+    // [row][dword] -> [dword][row], 16 x 16 dwords at a time, as unsigned q + 128
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    int64_t k0 = 0;
+    for (; k0 + 16 <= A.cols / 4; k0 += 16) {
+        __m512i r[PR];
+        for (int n = 0; n < PR; n++) r[n] = _mm512_xor_si512(_mm512_loadu_si512(un + n * L.bytes + L.q_off + 4 * k0), flip);
+        transpose16x16_epi32(r);
+        for (int k = 0; k < 16; k++) _mm512_store_si512(wp + (k0 + k) * 64, r[k]);
+    }
+    for (; k0 < A.cols / 4; k0++)  // 8 dwords left when cols is an odd number of 32-blocks
+        for (int n = 0; n < PR; n++) {
+            uint32_t v;
+            memcpy(&v, un + n * L.bytes + L.q_off + 4 * k0, 4);
+            ((uint32_t*)wp)[k0 * PR + n] = v ^ 0x80808080u;
+        }
     for (int n = 0; n < PR; n++) {
         const uint8_t* row = un + n * L.bytes;
-        const uint32_t* q = (const uint32_t*)(row + L.q_off);
-        uint32_t* out = (uint32_t*)wp + n;
-        for (int64_t k = 0; k < ndw; k++) out[k * PR] = q[k] ^ 0x80808080u;
         const float* d = (const float*)(row + L.d_off);
         const float* m = (const float*)(row + L.m_off);
         if (fam == DotFamily::Q32) {
