@@ -168,6 +168,13 @@ void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, PanelBufs
     }
 }
 
+// acc + w (unsigned bytes) x the dword at p broadcast (signed bytes). GCC does not fold the
+// broadcast into vpdpbusd's memory operand; folded, a product is one fused-domain uop, not two.
+inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* p) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*p));
+    return acc;
+}
+
 // y[t][r0 + lane] for NTOK tokens from t0 (lanes < nr stored).
 template <int STEP, bool MIN, int NTOK>
 void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps, const GemmLayout& lo, int64_t cols,
@@ -193,8 +200,8 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
             __m512i i0 = _mm512_set1_epi32(t.c), i1 = _mm512_setzero_si512();
 #pragma GCC unroll 8
             for (int k = 0; k < KW; k += 2) {
-                i0 = _mm512_dpbusd_epi32(i0, w[k], _mm512_set1_epi32(q[k]));
-                i1 = _mm512_dpbusd_epi32(i1, w[k + 1], _mm512_set1_epi32(q[k + 1]));
+                i0 = dpbusd_bcast(i0, w[k], q + k);
+                i1 = dpbusd_bcast(i1, w[k + 1], q + k + 1);
             }
             const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(t.d));
             acc[j] = _mm512_fmadd_ps(f, dv, acc[j]);
