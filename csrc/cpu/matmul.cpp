@@ -198,7 +198,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
 void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
                   const int64_t* ldys, void* scratch, ThreadPool& pool) {
     if (n_w <= 0) return;
-    bool shared = n_w <= kMaxMulti && n_tok < kBatchMinTokens;
+    bool shared = n_w <= kMaxMulti;
     for (int i = 0; i < n_w && shared; i++) {
         check_call(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
         shared = ws[i].cols == ws[0].cols && act_row_bytes(ws[i].type, ws[i].cols) == act_row_bytes(ws[0].type, ws[0].cols) &&
@@ -219,7 +219,17 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
         first[i + 1] = first[i] + (ws[i].rows + chunk[i] - 1) / chunk[i];
     }
     quantize_acts(A[0], pool);
-    const RowsFn rows_fn = rows_fn_for(active_isa());
+    const Isa isa = active_isa();
+    const RowsFn rows_fn = rows_fn_for(isa);
+#ifdef STOWLM_X86
+    if (n_tok >= kBatchMinTokens) {
+        // a batch: the activations quantized once, each matrix through the batched kernel
+        for (int i = 0; i < n_w; i++)
+            if (!matmul_batched(A[i], isa, pool))
+                pool.parallel_for_dynamic(A[i].rows, chunk[i], [&](int64_t r0, int64_t r1, int) { rows_fn(A[i], r0, r1); });
+        return;
+    }
+#endif
     pool.parallel_for_dynamic(first[n_w], 1, [&](int64_t c, int64_t, int) {
         int i = 0;
         while (c >= first[i + 1]) i++;

@@ -34,10 +34,10 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy,
             void* scratch, ThreadPool& pool);
 
-// Several products of the same activations (a layer's q, k, v or gate, up): for a few tokens
-// and weights of one activation format, the activations are quantized once and one pass of the
-// pool covers every matrix's rows; otherwise the same as matmul() on each in turn. At most
-// kMaxMulti weights share a pass. Results equal matmul()'s.
+// Several products of the same activations (a layer's q, k, v or gate, up): for weights of one
+// activation format the activations are quantized once, and for a few tokens one pass of the
+// pool covers every matrix's rows (a batch runs the batched kernel per matrix); otherwise the
+// same as matmul() on each in turn. At most kMaxMulti weights share. Results equal matmul()'s.
 constexpr int kMaxMulti = 4;
 void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
                   const int64_t* ldys, void* scratch, ThreadPool& pool);
