@@ -175,37 +175,52 @@ inline __m512i dpbusd_bcast(__m512i acc, __m512i w, const int32_t* p) {
     return acc;
 }
 
-// y[t][r0 + lane] for NTOK tokens from t0 (lanes < nr stored).
+// y[t][r0 + lane] for NTOK tokens from t0 (lanes in rmask stored). 32 elements per iteration:
+// one step, or two 16-element steps that share the activation scale (Q6_K and friends: the
+// per-16 weight scales are applied before that one multiply).
 template <int STEP, bool MIN, int NTOK>
 void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps, const GemmLayout& lo, int64_t cols,
                int64_t t0, float* y, int64_t ldy, __mmask16 rmask) {
-    constexpr int KW = STEP / 4;  // dwords per step
+    constexpr int SP = 32 / STEP;  // steps per iteration
     __m512 acc[NTOK];
     for (int j = 0; j < NTOK; j++) acc[j] = _mm512_setzero_ps();
     const int8_t* qa = lo.qa + t0 * cols;
     const TokStep* ts = lo.ts + t0 * nsteps;
-    for (int64_t s = 0; s < nsteps; s++) {
-        __m512i w[KW];
+    for (int64_t s = 0; s < nsteps; s += SP) {
+        __m512i w[8];
 #pragma GCC unroll 8
-        for (int k = 0; k < KW; k++) w[k] = _mm512_load_si512(wp + (s * KW + k) * 64);
-        const __m512 dv = _mm512_load_ps(D + s * PR);
-        __m512 mv = _mm512_setzero_ps();
-        if constexpr (MIN) mv = _mm512_load_ps(M + s * PR);
+        for (int k = 0; k < 8; k++) w[k] = _mm512_load_si512(wp + (s * STEP / 4 + k) * 64);
+        __m512 dv[SP], mv[SP];
+        for (int u = 0; u < SP; u++) {
+            dv[u] = _mm512_load_ps(D + (s + u) * PR);
+            mv[u] = MIN ? _mm512_load_ps(M + (s + u) * PR) : _mm512_setzero_ps();
+        }
         // unrolled so the accumulators stay in registers
 #pragma GCC unroll 8
         for (int j = 0; j < NTOK; j++) {
-            const TokStep& t = ts[j * nsteps + s];
+            const TokStep* t = ts + j * nsteps + s;
             const int32_t* q = (const int32_t*)(qa + j * cols + s * STEP);
-            // two chains of products: half the latency before the convert
-            __m512i i0 = _mm512_set1_epi32(t.c), i1 = _mm512_setzero_si512();
+            // two chains of products (even/odd dwords, or one per 16-element step)
+            __m512i i0 = _mm512_set1_epi32(t[0].c), i1 = SP == 2 ? _mm512_set1_epi32(t[1].c) : _mm512_setzero_si512();
 #pragma GCC unroll 8
-            for (int k = 0; k < KW; k += 2) {
-                i0 = dpbusd_bcast(i0, w[k], q + k);
-                i1 = dpbusd_bcast(i1, w[k + 1], q + k + 1);
+            for (int k = 0; k < 4; k++) {
+                if constexpr (SP == 1) {
+                    i0 = dpbusd_bcast(i0, w[2 * k], q + 2 * k);
+                    i1 = dpbusd_bcast(i1, w[2 * k + 1], q + 2 * k + 1);
+                } else {
+                    i0 = dpbusd_bcast(i0, w[k], q + k);
+                    i1 = dpbusd_bcast(i1, w[4 + k], q + 4 + k);
+                }
             }
-            const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(t.d));
-            acc[j] = _mm512_fmadd_ps(f, dv, acc[j]);
-            if constexpr (MIN) acc[j] = _mm512_fmadd_ps(mv, _mm512_set1_ps(t.s), acc[j]);
+            if constexpr (SP == 1) {
+                const __m512 f = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(i0, i1)), _mm512_set1_ps(t[0].d));
+                acc[j] = _mm512_fmadd_ps(f, dv[0], acc[j]);
+            } else {
+                const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(i1), dv[1], _mm512_mul_ps(_mm512_cvtepi32_ps(i0), dv[0]));
+                acc[j] = _mm512_fmadd_ps(f, _mm512_set1_ps(t[0].d), acc[j]);
+            }
+            if constexpr (MIN)
+                for (int u = 0; u < SP; u++) acc[j] = _mm512_fmadd_ps(mv[u], _mm512_set1_ps(t[u].s), acc[j]);
         }
     }
     for (int j = 0; j < NTOK; j++) _mm512_mask_storeu_ps(y + (t0 + j) * ldy, rmask, acc[j]);
