@@ -160,6 +160,24 @@ def test_token_result_independent_of_batch(isa, restore_isa):
             np.testing.assert_array_equal(ops.matmul(raw, name, x[t:t + 1])[0], batch[t], err_msg=f"{name} token {t}")
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_batch_result_independent_of_position(isa, restore_isa):
+    """In batches big enough for the batched kernels (24+ tokens: AMX tiles, or the VNNI GEMM's
+    8-token register tiles with tails of 1-7), a token's product does not depend on where it
+    sits in the batch nor on the batch's size: prompts split into micro-batches rely on it."""
+    if isa not in ops.cpu_info()["supported"]:
+        pytest.skip(f"this CPU/OS cannot run the {isa} path")
+    ops.set_isa(isa)
+    rng = np.random.default_rng(11)
+    for name in ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K", "IQ4_XS"]:
+        raw, _ = weights(name, 131, 512)
+        x = with_outliers(rng.standard_normal((45, 512)).astype(np.float32), rng)
+        y = ops.matmul(raw, name, x)
+        perm = rng.permutation(45)
+        np.testing.assert_array_equal(ops.matmul(raw, name, x[perm], threads=2), y[perm], err_msg=name)
+        np.testing.assert_array_equal(ops.matmul(raw, name, x[:29]), y[:29], err_msg=name)
+
+
 # Groups as a decoder layer has them (q/k/v, gate/up), plus one mixing activation formats
 # (Q8_0 with Q4_K: the one-at-a-time fallback).
 MULTI_GROUPS = [[("Q4_1", 131), ("Q4_1", 33), ("Q4_1", 7)], [("Q4_K", 33), ("Q6_K", 131)],
