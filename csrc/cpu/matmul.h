@@ -3,10 +3,11 @@
 // for the 32-element weight formats; for the K formats and IQ4_XS also one scale per 32, in
 // 256-blocks with per-16 sums (quant/dot.h block_q8_K32); float weights use the
 // F32 activations as they are), then dotted with the kernel path chosen at run time
-// (cpu_features.h): scalar, AVX2, AVX-512 VNNI, or AMX tiles for batches of 24+ tokens.
-// Rows (AMX: panels of 32 rows) are split over the pool's threads. Paths that unpack weights
-// keep a per-thread buffer that is allocated on first use and reused (grown only for a
-// larger `cols`), so steady-state calls allocate nothing and create no threads.
+// (cpu_features.h): scalar, AVX2 or AVX-512 VNNI rows, and for batches of 24+ tokens AMX tiles
+// or the VNNI GEMM (panels of 16 rows interleaved per call). Rows or panels are split over the
+// pool's threads. Paths that unpack weights keep a per-thread buffer that is allocated on first
+// use and reused (grown only for a larger `cols`), so steady-state calls allocate nothing and
+// create no threads.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -48,7 +49,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
 //   y[(t * k + j) * ldy + r] = sum_c W_e[r, c] * x[(t * x_rows + (x_rows == 1 ? 0 : j)) * ldx + c]
 // x_rows is 1 (all slots of a token read its one activation row) or k (a row per slot).
 // The (token, slot) pairs are grouped by expert and each expert's group is one product through
-// matmul's kernels (AMX for groups of 24+ tokens), threads spread over experts and rows; an
+// matmul's kernels (the batched ones for groups of 24+ tokens), threads spread over experts and rows; an
 // expert no token picks is never read. Throws InvalidInput for an id outside [0, n_expert).
 size_t mul_mat_id_scratch_bytes(QType wtype, int64_t rows, int64_t cols, int64_t n_expert, int64_t k,
                                 int64_t n_tok);
