@@ -109,15 +109,7 @@ void run_panels(const MatmulArgs& A, const Layout& lo, int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; p++) {
         const int64_t r0 = p * PR;
         const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
-        for (int n = 0; n < PR; n++) {
-            uint8_t* dst = un + n * L.bytes;
-            if (n < nr) {
-                const uint8_t* src = A.w + (r0 + n) * A.w_stride;
-                if (!unpack_row_simd(A.type, src, A.cols, dst, L)) unpack_row(A.type, fam, src, A.cols, dst, L);
-            } else {
-                memset(dst, 0, L.bytes);  // missing rows of the last panel: zero weights
-            }
-        }
+        unpack_panel_rows(A, L, r0, PR, un);
         // weights per step contiguous: wp[s][row][step bytes]; scales S[s][row], M[s][row]
         for (int n = 0; n < PR; n++) {
             const uint8_t* row = un + n * L.bytes;
@@ -129,20 +121,7 @@ void run_panels(const MatmulArgs& A, const Layout& lo, int64_t p0, int64_t p1) {
                 for (int64_t s = 0; s < nsteps; s++)
                     _mm_store_si128((__m128i*)(wp + (s * PR + n) * 16), _mm_loadu_si128((const __m128i*)(q + s * 16)));
             }
-            const float* d = (const float*)(row + L.d_off);
-            const float* m = (const float*)(row + L.m_off);
-            if (fam == DotFamily::Q32) {
-                for (int64_t s = 0; s < nsteps; s++) S[s * PR + n] = d[s], M[s * PR + n] = m[s];
-            } else {
-                const int16_t* sc = (const int16_t*)(row + L.sc_off);
-                const int16_t* mn = (const int16_t*)(row + L.mn_off);
-                const int per = QK_K / step, w16 = step / 16;
-                for (int64_t s = 0; s < nsteps; s++) {
-                    const int64_t sb = s / per, j = sb * 16 + (s % per) * w16;
-                    S[s * PR + n] = d[sb] * (float)sc[j];
-                    M[s * PR + n] = -m[sb] * (float)mn[j];
-                }
-            }
+            step_scales(fam, row, L, nsteps, step, S + n, M + n, PR);
         }
         memset(acc_all, 0, (size_t)(lo.ntiles / 2) * 4 * TR * TT * 4);
         for (int64_t k0 = 0; k0 < nsteps; k0 += kc) {

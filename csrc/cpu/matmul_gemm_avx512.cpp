@@ -118,22 +118,13 @@ void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, PanelBufs
                 float*& M) {
     const DotFamily fam = dot_family(A.type);
     const RowLayout L = row_layout(fam, A.cols);
-    const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
     const int step = lo.step;
     const int64_t nsteps = lo.nsteps;
     uint8_t* un = (uint8_t*)bufs.unpack.get(L.bytes * PR);
     wp = (uint8_t*)bufs.wp.get((size_t)A.cols * PR);
     D = (float*)bufs.dm.get((size_t)nsteps * PR * 2 * sizeof(float));
     M = D + nsteps * PR;
-    for (int n = 0; n < PR; n++) {
-        uint8_t* dst = un + n * L.bytes;
-        if (n < nr) {
-            const uint8_t* src = A.w + (r0 + n) * A.w_stride;
-            if (!unpack_row_simd(A.type, src, A.cols, dst, L)) unpack_row(A.type, fam, src, A.cols, dst, L);
-        } else {
-            memset(dst, 0, L.bytes);  // rows past the end: zero weights, outputs not stored
-        }
-    }
+    unpack_panel_rows(A, L, r0, PR, un);
     // [row][dword] -> [dword][row], 16 x 16 dwords at a time, as unsigned q + 128
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     int64_t k0 = 0;
@@ -149,23 +140,7 @@ void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, PanelBufs
             memcpy(&v, un + n * L.bytes + L.q_off + 4 * k0, 4);
             ((uint32_t*)wp)[k0 * PR + n] = v ^ 0x80808080u;
         }
-    for (int n = 0; n < PR; n++) {
-        const uint8_t* row = un + n * L.bytes;
-        const float* d = (const float*)(row + L.d_off);
-        const float* m = (const float*)(row + L.m_off);
-        if (fam == DotFamily::Q32) {
-            for (int64_t s = 0; s < nsteps; s++) D[s * PR + n] = d[s], M[s * PR + n] = m[s];
-        } else {
-            const int16_t* sc = (const int16_t*)(row + L.sc_off);
-            const int16_t* mn = (const int16_t*)(row + L.mn_off);
-            const int per = QK_K / step, w16 = step / 16;
-            for (int64_t s = 0; s < nsteps; s++) {
-                const int64_t sb = s / per, j = sb * 16 + (s % per) * w16;
-                D[s * PR + n] = d[sb] * (float)sc[j];
-                M[s * PR + n] = -m[sb] * (float)mn[j];
-            }
-        }
-    }
+    for (int n = 0; n < PR; n++) step_scales(fam, un + n * L.bytes, L, nsteps, step, D + n, M + n, PR);
 }
 
 // acc + w (unsigned bytes) x the dword at p broadcast (signed bytes). GCC does not fold the

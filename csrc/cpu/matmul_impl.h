@@ -124,6 +124,26 @@ inline void unpack_row(QType t, DotFamily fam, const uint8_t* src, int64_t cols,
     }
 }
 
+// The scales of one unpacked row (layout L) per step of `step` elements (32, or 16 for the
+// formats with 16-element sub-scales): w = D q + M within a step. D[s * stride], M[s * stride].
+inline void step_scales(DotFamily fam, const uint8_t* row, const RowLayout& L, int64_t nsteps, int step, float* D,
+                        float* M, int64_t stride) {
+    const float* d = (const float*)(row + L.d_off);
+    const float* m = (const float*)(row + L.m_off);
+    if (fam == DotFamily::Q32) {
+        for (int64_t s = 0; s < nsteps; s++) D[s * stride] = d[s], M[s * stride] = m[s];
+        return;
+    }
+    const int16_t* sc = (const int16_t*)(row + L.sc_off);
+    const int16_t* mn = (const int16_t*)(row + L.mn_off);
+    const int per = QK_K / step, w16 = step / 16;
+    for (int64_t s = 0; s < nsteps; s++) {
+        const int64_t sb = s / per, j = sb * 16 + (s % per) * w16;
+        D[s * stride] = d[sb] * (float)sc[j];
+        M[s * stride] = -m[sb] * (float)mn[j];
+    }
+}
+
 // Scalar unpack, used where a file has no faster one.
 struct ScalarUnpack {
     static void unpack(QType t, DotFamily fam, const uint8_t* src, int64_t cols, uint8_t* dst, const RowLayout& L) {

@@ -239,5 +239,20 @@ inline void quantize_q8_K32_simd(const float* x, block_q8_K32* y, int64_t k) {
     }
 }
 
+// The batched kernels' panels: `count` rows from r0 unpacked into layout L at `un` (row n at
+// un + n * L.bytes); rows past the matrix end are zero weights.
+inline void unpack_panel_rows(const MatmulArgs& A, const RowLayout& L, int64_t r0, int count, uint8_t* un) {
+    const DotFamily fam = dot_family(A.type);
+    for (int n = 0; n < count; n++) {
+        uint8_t* dst = un + n * L.bytes;
+        if (r0 + n < A.rows) {
+            const uint8_t* src = A.w + (r0 + n) * A.w_stride;
+            if (!unpack_row_simd(A.type, src, A.cols, dst, L)) unpack_row(A.type, fam, src, A.cols, dst, L);
+        } else {
+            memset(dst, 0, L.bytes);
+        }
+    }
+}
+
 }  // namespace
 }  // namespace stowlm::cpu
