@@ -21,11 +21,12 @@ TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "
          "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"]
 ISAS = ["scalar", "avx2", "avx512", "amx"]
 # (rows, cols, n_tok): rows that no tile divides, several token counts, both column sizes;
-# 96 and 288 columns (odd block counts, 32-element formats only) hit the single-block tails;
+# 96, 288 and 320 columns (32-element formats only: 3, 9 and 10 blocks) hit the single-block
+# tails and every partial group of the four-block Q4_0/Q4_1 kernels;
 # 67 and 40 tokens reach the AMX path (24+) with partial token tiles; 64 rows x 1 token the
 # decoding kernels (4-row tiles, one token).
 SHAPES = [(1, 256, 1), (7, 512, 2), (33, 256, 3), (131, 512, 8), (33, 512, 17), (131, 256, 67),
-          (5, 288, 3), (9, 96, 40), (64, 512, 1)]
+          (5, 288, 3), (9, 96, 40), (64, 512, 1), (13, 320, 1), (6, 320, 5)]
 
 # Byte offsets of the fp16 scale fields within a block, set to sane values in random blocks
 # (random bytes elsewhere exercise every bit pattern of the quants and sub-scales).

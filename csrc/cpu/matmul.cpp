@@ -3,6 +3,7 @@
 #include "cpu/matmul.h"
 
 #include <algorithm>
+#include <cstring>
 #include <string>
 
 #include "cpu/cpu_features.h"
@@ -80,9 +81,39 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
     n_tok = n_tok > 0 ? n_tok : 0;
     size_t bytes = act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
 #ifdef STOWLM_X86
+    // after the activations: the batched kernels' data, or the row kernels' regrouped activations
     if (dot_family(wtype) != DotFamily::Float && n_tok >= kBatchMinTokens) bytes += batched_scratch_extra(wtype, cols, n_tok);
+    else bytes += nib_act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
 #endif
     return bytes;
+}
+
+size_t nib_act_row_bytes(QType t, int64_t cols) {
+    if (t != QType::Q4_0 && t != QType::Q4_1) return 0;
+    return (size_t)((cols / QK + 3) / 4) * sizeof(NibGroup);
+}
+
+void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride) {
+    const int64_t nb = A.cols / QK, ng = (nb + 3) / 4;
+    for (int64_t t = 0; t < A.n_tok; t++) {
+        const block_q8_a* a = (const block_q8_a*)((const uint8_t*)A.act + t * A.act_stride);
+        NibGroup* g = (NibGroup*)((uint8_t*)dst + t * nib_stride);
+        for (int64_t gi = 0; gi < ng; gi++) {
+            NibGroup& G = g[gi];
+            memset(&G, 0, sizeof G);
+            for (int i = 0; i < 4 && 4 * gi + i < nb; i++) {
+                const block_q8_a& b = a[4 * gi + i];
+                memcpy(G.lo + 16 * i, b.qs, 16);
+                memcpy(G.hi + 16 * i, b.qs + 16, 16);
+                G.ads[2 * i] = b.d, G.ads[2 * i + 1] = b.s;
+            }
+            for (int l = 0; l < 16; l++) {
+                int sum = 0;
+                for (int k = 0; k < 4; k++) sum += G.lo[4 * l + k] + G.hi[4 * l + k];
+                G.neg8[l] = -8 * sum;
+            }
+        }
+    }
 }
 
 #ifdef STOWLM_X86
@@ -161,6 +192,20 @@ void quantize_acts(const MatmulArgs& A, ThreadPool& pool) {
     else pool.parallel_for(A.n_tok * nblk, quantize);
 }
 
+#ifdef STOWLM_X86
+// The AVX-512 row kernels of Q4_0/Q4_1 read regrouped activations (NibGroup): made once per
+// call, after the quantized ones, and shared by every matrix of the call (same cols, same act).
+void attach_nib_acts(MatmulArgs* A, int n, Isa isa) {
+    if (isa != Isa::AVX512_VNNI && isa != Isa::AMX) return;
+    size_t stride = 0;
+    for (int i = 0; i < n; i++) stride = std::max(stride, nib_act_row_bytes(A[i].type, A[i].cols));
+    if (!stride) return;
+    void* dst = (void*)(((uintptr_t)A[0].act + A[0].act_stride * A[0].n_tok + 63) & ~(uintptr_t)63);
+    build_nib_acts(A[0], dst, stride);
+    for (int i = 0; i < n; i++) A[i].act_nib = dst, A[i].nib_stride = stride;
+}
+#endif
+
 using RowsFn = void (*)(const MatmulArgs&, int64_t, int64_t);
 
 RowsFn rows_fn_for(Isa isa) {
@@ -184,11 +229,12 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
             ThreadPool& pool) {
     check_call(w, x, n_tok, ldx, y, ldy, scratch);
     if (w.rows == 0 || n_tok == 0) return;
-    const MatmulArgs A = make_args(w, x, n_tok, ldx, y, ldy, scratch);
+    MatmulArgs A = make_args(w, x, n_tok, ldx, y, ldy, scratch);
     quantize_acts(A, pool);
     const Isa isa = active_isa();
 #ifdef STOWLM_X86
     if (matmul_batched(A, isa, pool)) return;
+    attach_nib_acts(&A, 1, isa);
 #endif
     const RowsFn rows_fn = rows_fn_for(isa);
     pool.parallel_for_dynamic(w.rows, row_chunk(w.rows, pool.size()),
@@ -222,6 +268,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     const Isa isa = active_isa();
     const RowsFn rows_fn = rows_fn_for(isa);
 #ifdef STOWLM_X86
+    if (n_tok < kBatchMinTokens) attach_nib_acts(A, n_w, isa);
     if (n_tok >= kBatchMinTokens) {
         // a batch: the activations quantized once, each matrix through the batched kernel
         for (int i = 0; i < n_w; i++)

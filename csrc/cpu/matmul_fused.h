@@ -376,6 +376,111 @@ void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
     }
 }
 
+// Q4_0 / Q4_1 rows, four blocks per ZMM (the row kernels of AVX-512 when the caller regrouped
+// the activations, MatmulArgs::act_nib). The 64 quant bytes of four blocks come out of two
+// loads with one word permute; their low and high nibbles meet the NibGroup's lo and hi bytes
+// in two vpdpbusd, int32 lanes 4i-4i+3 belonging to block i. One word permute gathers the four
+// blocks' fp16 [d, m] (Q4_0: [d, d]), one multiply by the activations' [d, s] gives the lane
+// scales (d d_a) and the min terms (m s_a, summed apart and added at the end). A token's result
+// is the same for every tile shape (RT rows x TT tokens), so it does not depend on its batch.
+template <class B>
+struct Nib4 {
+    static constexpr bool HAS_M = std::is_same_v<B, block_q4_1>;
+    // source word of output word 8i + j: the qs of block i
+    static __m512i qs_idx() {
+        alignas(64) int16_t v[32];
+        for (int i = 0; i < 4; i++)
+            for (int j = 0; j < 8; j++) v[8 * i + j] = (int16_t)((sizeof(B) / 2) * i + offsetof(B, qs) / 2 + j);
+        return _mm512_load_si512(v);
+    }
+    // [d0, m0, d1, m1, ...] (Q4_0: [d0, d0, d1, d1, ...]) in the low 8 words
+    static __m512i dm_idx() {
+        alignas(64) int16_t v[32] = {};
+        for (int i = 0; i < 4; i++) {
+            v[2 * i] = (int16_t)((sizeof(B) / 2) * i);
+            v[2 * i + 1] = (int16_t)((sizeof(B) / 2) * i + (HAS_M ? 1 : 0));
+        }
+        return _mm512_load_si512(v);
+    }
+};
+
+template <class B, int RT, int TT>
+void fused_q4_nib(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using N = Nib4<B>;
+    const int64_t nb = A.cols / QK, ng = (nb + 3) / 4;
+    const uint8_t* w[RT];
+    for (int i = 0; i < RT; i++) w[i] = A.w + (r0 + i) * A.w_stride;
+    const size_t pf = RT * A.w_stride;
+    const NibGroup* g[TT];
+    for (int j = 0; j < TT; j++) g[j] = (const NibGroup*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
+    __m512 acc[RT][TT];
+    __m256 macc[RT][TT];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = _mm256_setzero_ps();
+    const __m512i qidx = N::qs_idx(), didx = N::dm_idx(), m4 = _mm512_set1_epi8(0x0f);
+    const __m512i lane_pat = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
+    for (int64_t gi = 0; gi < ng; gi++) {
+        const int64_t bytes = std::min<int64_t>(4, nb - 4 * gi) * (int64_t)sizeof(B);
+        const __mmask64 k0 = bytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << bytes) - 1);
+        const __mmask64 k1 = bytes > 64 ? (((__mmask64)1 << (bytes - 64)) - 1) : 0;
+        for (int i = 0; i < RT; i++) {
+            const uint8_t* p = w[i] + 4 * gi * sizeof(B);
+            prefetch_next<4 * (int)sizeof(B)>(p, pf);
+            // a full group spans 72 or 80 bytes; in the last, bytes past the row load as zeros
+            __m512i a, b;
+            if (bytes == 4 * (int64_t)sizeof(B)) {
+                a = _mm512_loadu_si512(p);
+                b = N::HAS_M ? _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p + 64)))
+                             : _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(p + 64)));
+            } else {
+                a = _mm512_maskz_loadu_epi8(k0, p), b = _mm512_maskz_loadu_epi8(k1, p + 64);
+            }
+            const __m512i z = _mm512_permutex2var_epi16(a, qidx, b);
+            const __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+            const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(didx, a)));
+            for (int j = 0; j < TT; j++) {
+                const NibGroup& G = g[j][gi];
+                const __m512i init = N::HAS_M ? _mm512_setzero_si512() : _mm512_load_si512(G.neg8);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo, _mm512_load_si512(G.lo)), hi,
+                                                        _mm512_load_si512(G.hi));
+                const __m256 ads = _mm256_load_ps(G.ads);
+                const __m256 p8 = _mm256_mul_ps(dm, ads);  // [d d_a, m s_a] per block
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane_pat, _mm512_castps256_ps512(p8)),
+                                            acc[i][j]);
+                // an explicit FMA: left to contraction, the sum could differ between tile shapes
+                if constexpr (N::HAS_M) macc[i][j] = _mm256_fmadd_ps(dm, ads, macc[i][j]);
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++)
+        for (int i = 0; i < RT; i++) {
+            float y = hsum512(acc[i][j]);
+            if constexpr (N::HAS_M) {
+                alignas(32) float m[8];
+                _mm256_store_ps(m, macc[i][j]);
+                y += (m[1] + m[3]) + (m[5] + m[7]);
+            }
+            A.y[(t0 + j) * A.ldy + r0 + i] = y;
+        }
+}
+
+// Rows [r0, r1) x all tokens through fused_q4_nib: 4 rows for one token, 2 rows x 4 tokens
+// otherwise (registers), single rows at the end.
+template <class B>
+void q4_nib_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
+    int64_t t = 0;
+    for (; t + 4 <= A.n_tok; t += 4) {
+        int64_t r = r0;
+        for (; r + 2 <= r1; r += 2) fused_q4_nib<B, 2, 4>(A, r, t);
+        for (; r < r1; r++) fused_q4_nib<B, 1, 4>(A, r, t);
+    }
+    for (; t < A.n_tok; t++) {
+        int64_t r = r0;
+        for (; r + 4 <= r1; r += 4) fused_q4_nib<B, 4, 1>(A, r, t);
+        for (; r < r1; r++) fused_q4_nib<B, 1, 1>(A, r, t);
+    }
+}
+
 #endif  // STOWLM_FUSED_VNNI
 
 // The 8 six-bit scales and 8 mins of a Q4_K/Q5_K super-block, unpacked with 32-bit masks
@@ -716,6 +821,10 @@ void fused_rows_tt(const MatmulArgs& A, int64_t r0, int64_t r1, int64_t t0) {
     for (; r < r1; r++) fused_tile<1, TT>(A, r, t0);
 }
 inline void fused_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
+#if STOWLM_FUSED_VNNI
+    if (A.act_nib && A.type == QType::Q4_0) return q4_nib_rows<block_q4_0>(A, r0, r1);
+    if (A.act_nib && A.type == QType::Q4_1) return q4_nib_rows<block_q4_1>(A, r0, r1);
+#endif
     int64_t t = 0;
     for (; t + 4 <= A.n_tok; t += 4) fused_rows_tt<4>(A, r0, r1, t);
     switch (A.n_tok - t) {

@@ -28,6 +28,7 @@ constexpr int64_t kInlineWork = 1 << 15;
 struct Layout {
     size_t offsets, entries, act, out, once, stage, total;
     size_t act_row;  // bytes per sorted activation row
+    size_t nib = 0, nib_row = 0;
     bool float_w;
 };
 
@@ -43,6 +44,9 @@ Layout layout(QType t, int64_t rows, int64_t cols, int64_t n_expert, int64_t k, 
     L.out = off, off += up64((size_t)n * (size_t)rows * sizeof(float));
     // With one activation row per token and k > 1, each row is quantized once, here, then copied.
     L.once = off, off += k > 1 && !L.float_w ? up64(L.act_row * (size_t)n_tok) : 0;
+    // the row kernels' regrouped activations (Q4_0/Q4_1), for every sorted row
+    L.nib_row = nib_act_row_bytes(t, cols);
+    L.nib = off, off += up64(L.nib_row * (size_t)n);
     L.stage = off;
 #ifdef STOWLM_X86
     // One expert's group: n_tok entries when a token's picks are distinct (a router's are), up to
@@ -141,6 +145,12 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         }
     });
 
+    const bool nib = L.nib_row && (isa == Isa::AVX512_VNNI || isa == Isa::AMX);
+    if (nib) {
+        MatmulArgs all;
+        all.act = act, all.act_stride = L.act_row, all.n_tok = n, all.cols = w.cols;
+        build_nib_acts(all, base + L.nib, L.nib_row);
+    }
     const size_t wrow = row_bytes(w.type, w.cols);
     const size_t expert_bytes = wrow * (size_t)w.rows;
     auto args_for = [&](int64_t e) {
@@ -156,6 +166,7 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         A.n_tok = offs[e + 1] - offs[e];
         A.y = ys + offs[e] * w.rows;
         A.ldy = w.rows;
+        if (nib) A.act_nib = base + L.nib + (size_t)offs[e] * L.nib_row, A.nib_stride = L.nib_row;
         return A;
     };
 

@@ -27,7 +27,28 @@ struct MatmulArgs {
     int64_t n_tok;
     float* y;
     int64_t ldy;
+    // Optional: the same activations regrouped for the 4-bit row kernels (NibGroup below),
+    // token t at act_nib + t * nib_stride bytes; null where the caller made none.
+    const void* act_nib = nullptr;
+    size_t nib_stride = 0;
 };
+
+// Four 32-blocks of one token's quantized activations in the order of the nibbles of four
+// Q4_0/Q4_1 blocks: lo = elements 0-15 of each block, hi = elements 16-31, so that a ZMM of
+// the blocks' 64 quant bytes, split into low and high nibbles, meets them with two vpdpbusd.
+// neg8: -8 * the sum of the 8 activations each int32 lane takes (Q4_0's offset); ads: each
+// block's [d, s]. Blocks past the row's end are zero.
+struct alignas(64) NibGroup {
+    int8_t lo[64];
+    int8_t hi[64];
+    int32_t neg8[16];
+    float ads[8];
+};
+static_assert(sizeof(NibGroup) == 256, "NibGroup layout: whole cache lines, aligned loads");
+// Bytes of one token's NibGroups for this weight type (0: the type's kernels do not use them).
+size_t nib_act_row_bytes(QType t, int64_t cols);
+// Fills A.n_tok tokens' groups at dst (nib_stride bytes apart) from A.act.
+void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride);
 
 // Rows [r0, r1) for every token. Each is defined in its own file.
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1);
