@@ -146,11 +146,6 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
     });
 
     const bool nib = L.nib_row && (isa == Isa::AVX512_VNNI || isa == Isa::AMX);
-    if (nib) {
-        MatmulArgs all;
-        all.act = act, all.act_stride = L.act_row, all.n_tok = n, all.cols = w.cols;
-        build_nib_acts(all, base + L.nib, L.nib_row);
-    }
     const size_t wrow = row_bytes(w.type, w.cols);
     const size_t expert_bytes = wrow * (size_t)w.rows;
     auto args_for = [&](int64_t e) {
@@ -166,7 +161,6 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         A.n_tok = offs[e + 1] - offs[e];
         A.y = ys + offs[e] * w.rows;
         A.ldy = w.rows;
-        if (nib) A.act_nib = base + L.nib + (size_t)offs[e] * L.nib_row, A.nib_stride = L.nib_row;
         return A;
     };
 
@@ -197,7 +191,14 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         chunk = std::min<int64_t>(w.rows, std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3));
         const int64_t per_expert = (w.rows + chunk - 1) / chunk;
         std::vector<MatmulArgs> args;
-        for (int64_t e : small) args.push_back(args_for(e));
+        for (int64_t e : small) {
+            args.push_back(args_for(e));
+            if (nib) {  // the row kernels' regrouped activations, for these rows only
+                MatmulArgs& A = args.back();
+                A.act_nib = base + L.nib + (size_t)offs[e] * L.nib_row, A.nib_stride = L.nib_row;
+                build_nib_acts(A, (void*)A.act_nib, A.nib_stride);
+            }
+        }
         pool.parallel_for_dynamic((int64_t)small.size() * per_expert, 1, [&](int64_t b, int64_t end, int) {
             for (int64_t item = b; item < end; item++) {
                 const MatmulArgs& A = args[item / per_expert];
