@@ -217,9 +217,11 @@ RowsFn rows_fn_for(Isa isa) {
     return matmul_rows_scalar;
 }
 
-// Chunks of rows: small enough to balance threads, large enough to stream weights.
+// One chunk of rows per thread: each streams its rows front to back (the hardware prefetcher
+// and the kernels' next-tile prefetch stay on one stream) and the shared counter is touched once
+// per thread. Measured on 2 threads: 16 chunks gave smollm2 tg128 281 t/s, 2 chunks 318.
 int64_t row_chunk(int64_t rows, int nth) {
-    const int64_t chunk = (rows + nth * 8 - 1) / (nth * 8);
+    const int64_t chunk = (rows + nth - 1) / nth;
     return std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3);
 }
 
