@@ -80,7 +80,8 @@ void print_usage(FILE* f) {
             "  --no-warmup              skip the warm-up run of each test\n"
             "  -o, --output FMT         md (default), json or csv on stdout\n"
             "  -v, --verbose            memory per device (weights, KV, compute) and the process's peak\n"
-            "                           RSS against model file + KV + compute, on stderr\n",
+            "                           RSS against model file + KV + compute, and for generation the\n"
+            "                           weight bytes read per token and their rate, on stderr\n",
             default_threads());
 }
 
@@ -264,6 +265,23 @@ ModelInfo describe(const GGUFFile& f) {
     const char* ft = ftype_name(f.get_int("general.file_type", -1));
     m.type = f.get_str("general.architecture", "?") + " " + size_label + " " + (ft ? ft : "?");
     return m;
+}
+
+// Bytes of weights one generated token reads: every weight once, but of the input embedding
+// only a row (unless it is tied to the output) and of each expert stack its k used experts.
+double weight_bytes_per_token(const Model& m) {
+    const GGUFFile& f = m.file();
+    const bool tied = f.find_tensor("output.weight") == nullptr;
+    const HParams& hp = m.hp();
+    double bytes = 0;
+    for (const GGUFTensor& t : f.tensors()) {
+        if (t.name == "token_embd.weight" && !tied) continue;
+        if (t.name.find("_exps.") != std::string::npos && hp.n_expert > 0)
+            bytes += (double)t.nbytes * hp.n_expert_used / hp.n_expert;
+        else
+            bytes += (double)t.nbytes;
+    }
+    return bytes;
 }
 
 // ---- memory ---------------------------------------------------------------------------
@@ -654,6 +672,14 @@ int run(const Options& o) {
                             ctx->kv_truncate(t.n_depth);
                         }
                         printer.add(r);
+                        if (o.verbose && t.n_gen > 0 && t.n_prompt == 0) {
+                            double ts = 0;
+                            for (uint64_t ns : r.samples_ns) ts += (double)t.n_gen * 1e9 / (double)ns;
+                            ts /= (double)r.samples_ns.size();
+                            const double bpt = weight_bytes_per_token(*model);
+                            fprintf(stderr, "  %s: %.1f MB of weights per token, read at %.1f GB/s\n", t.name().c_str(),
+                                    bpt / 1e6, bpt * ts / 1e9);
+                        }
                         if (dump) {
                             last.tokens = prompt;
                             last.tokens.insert(last.tokens.end(), gen.begin(), gen.end());

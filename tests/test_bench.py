@@ -176,6 +176,19 @@ def test_verbose_memory_report(small, gguf_facts, ctk, bytes_per_32):
     assert f"file {g['file_bytes'] / 2**20:.2f}" in peak[0]
 
 
+def test_verbose_generation_bandwidth(small, gguf_facts):
+    """-v states the weight bytes a generated token reads (smollm2's output is its embedding, so
+    every tensor once) and the rate that makes at the measured tokens/s."""
+    r = bench("-m", small, "-p", 0, "-n", 4, "-r", 2, "-t", THREADS, "-o", "json", "-v", "--no-warmup")
+    row = json.loads(r.stdout)[0]
+    line = [ln for ln in r.stderr.splitlines() if "MB of weights per token" in ln]
+    assert len(line) == 1 and line[0].strip().startswith("tg4:")
+    words = line[0].split()
+    mb, gbs = float(words[1]), float(words[-2])
+    assert mb == pytest.approx(gguf_facts["size"] / 1e6, abs=0.06)
+    assert gbs == pytest.approx(mb * float(row["avg_ts"]) / 1e3, rel=0.02, abs=0.06)
+
+
 @pytest.mark.parametrize("args,code,message", [
     ([], 2, "no model given"),
     (["--frobnicate"], 2, "unknown argument '--frobnicate'"),
