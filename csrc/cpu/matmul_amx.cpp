@@ -38,13 +38,6 @@ void config_tiles(int step) {
     _tile_loadconfig(&c);
 }
 
-bool has_min(QType t) {
-    return t == QType::Q4_1 || t == QType::Q5_1 || t == QType::Q2_K || t == QType::Q4_K || t == QType::Q5_K;
-}
-int k_step(QType t) {
-    return (t == QType::Q2_K || t == QType::Q3_K || t == QType::Q6_K) ? 16 : 32;
-}
-
 struct Layout {
     int step;
     int64_t nsteps, ntiles;
@@ -55,7 +48,7 @@ struct Layout {
 
 Layout layout(const MatmulArgs& A) {
     Layout l;
-    l.step = dot_family(A.type) == DotFamily::Q32 ? 32 : k_step(A.type);
+    l.step = batched_step(A.type);
     l.nsteps = A.cols / l.step;
     l.ntiles = ((A.n_tok + 2 * TT - 1) / (2 * TT)) * 2;  // an even number: tiles go in pairs
     uintptr_t p = ((uintptr_t)A.act + A.act_stride * A.n_tok + 63) & ~(uintptr_t)63;
@@ -256,7 +249,7 @@ bool matmul_amx(const MatmulArgs& A, ThreadPool& pool) {
     });
 
     const int64_t n_panels = (A.rows + 2 * TR - 1) / (2 * TR);
-    const bool with_min = has_min(A.type);
+    const bool with_min = has_min_term(A.type);
     pool.parallel_for_dynamic(n_panels, 1, [&](int64_t p0, int64_t p1, int) {
         if (with_min) run_panels<true>(A, lo, p0, p1);
         else run_panels<false>(A, lo, p0, p1);

@@ -12,8 +12,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
-#include "cpu/matmul_impl.h"
-#include "cpu/matmul_unpack_simd.h"
+#include "cpu/matmul_gemm.h"
 
 namespace stowlm::cpu {
 
@@ -21,67 +20,6 @@ namespace {
 
 constexpr int PR = 16;  // weight rows per panel: the 16 lanes of a ZMM
 constexpr int NT = 8;   // tokens per register tile
-
-// A token's step: the integer start of its sum, its activation scale, and scale * sum (for the
-// formats with a min term).
-struct TokStep {
-    int32_t c;
-    float d, s;
-};
-
-int gemm_step(QType t) { return (t == QType::Q2_K || t == QType::Q3_K || t == QType::Q6_K) ? 16 : 32; }
-
-bool has_min(QType t) {
-    return t == QType::Q4_1 || t == QType::Q5_1 || t == QType::Q2_K || t == QType::Q4_K || t == QType::Q5_K;
-}
-
-struct GemmLayout {
-    int step;
-    int64_t nsteps;
-    int8_t* qa;   // [token][cols] activation bytes, steps contiguous
-    TokStep* ts;  // [token][step]
-};
-
-GemmLayout gemm_layout(const MatmulArgs& A) {
-    GemmLayout l;
-    l.step = dot_family(A.type) == DotFamily::Q32 ? QK : gemm_step(A.type);
-    l.nsteps = A.cols / l.step;
-    uintptr_t p = ((uintptr_t)A.act + A.act_stride * A.n_tok + 63) & ~(uintptr_t)63;
-    l.qa = (int8_t*)p;
-    l.ts = (TokStep*)((p + (size_t)A.n_tok * A.cols + 63) & ~(uintptr_t)63);
-    return l;
-}
-
-// One token's activations into the layout: bytes in element order, per step (c, d, s).
-void pack_token(const MatmulArgs& A, const GemmLayout& lo, int64_t t) {
-    const uint8_t* ap = (const uint8_t*)A.act + t * A.act_stride;
-    int8_t* dst = lo.qa + t * A.cols;
-    TokStep* ts = lo.ts + t * lo.nsteps;
-    if (dot_family(A.type) == DotFamily::Q32) {
-        const block_q8_a* b = (const block_q8_a*)ap;
-        for (int64_t s = 0; s < lo.nsteps; s++) {
-            const __m256i q = _mm256_loadu_si256((const __m256i*)b[s].qs);
-            _mm256_storeu_si256((__m256i*)(dst + s * QK), q);
-            const __m256i s16 = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
-            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4e));
-            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xb1));
-            ts[s] = TokStep{-128 * _mm_cvtsi128_si32(h), b[s].d, b[s].s};
-        }
-        return;
-    }
-    const block_q8_K32* b = (const block_q8_K32*)ap;
-    const int step = lo.step, per = QK_K / step;
-    for (int64_t s = 0; s < lo.nsteps; s++) {
-        const block_q8_K32& blk = b[s / per];
-        const int j = (int)(s % per) * (step / 16);  // first 16-group of the step
-        memcpy(dst + s * step, blk.qs + (s % per) * step, step);
-        int sum = blk.bsums[j];
-        if (step == 32) sum += blk.bsums[j + 1];
-        const float d = blk.d[j / 2];
-        ts[s] = TokStep{-128 * sum, d, d * (float)sum};
-    }
-}
 
 // In place: r[i] lane j -> r[j] lane i.
 inline void transpose16x16_epi32(__m512i* r) {
@@ -107,12 +45,6 @@ inline void transpose16x16_epi32(__m512i* r) {
     }
     for (int i = 0; i < 16; i++) r[i] = t[i];
 }
-
-// Per-thread panel: the unpacked rows, the interleaved bytes [step][dword k][row] and the
-// scales D, M [step][row] (w = D q + M per step).
-struct PanelBufs {
-    Panel unpack, wp, dm;
-};
 
 void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, PanelBufs& bufs, uint8_t*& wp, float*& D,
                 float*& M) {
@@ -219,34 +151,26 @@ void gemm_panel_tokens(const uint8_t* wp, const float* D, const float* M, const 
 }  // namespace
 
 size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
-    const int64_t nsteps = cols / (dot_family(t) == DotFamily::Q32 ? QK : gemm_step(t));
+    const int64_t nsteps = cols / batched_step(t);
     return (size_t)n_tok * cols + (size_t)n_tok * nsteps * sizeof(TokStep) + 192;
 }
 
 bool matmul_gemm_vnni(const MatmulArgs& A, ThreadPool& pool) {
-    const DotFamily fam = dot_family(A.type);
-    if (fam == DotFamily::Float || A.n_tok < kBatchMinTokens) return false;
+    if (dot_family(A.type) == DotFamily::Float || A.n_tok < kBatchMinTokens) return false;
     const GemmLayout lo = gemm_layout(A);
-    pool.parallel_for(A.n_tok, [&](int64_t t0, int64_t t1, int) {
-        for (int64_t t = t0; t < t1; t++) pack_token(A, lo, t);
-    });
-    const int64_t n_panels = (A.rows + PR - 1) / PR;
-    const bool with_min = has_min(A.type);
-    pool.parallel_for_dynamic(n_panels, 1, [&](int64_t p0, int64_t p1, int) {
-        static thread_local PanelBufs bufs;
-        for (int64_t p = p0; p < p1; p++) {
-            uint8_t* wp;
-            float *D, *M;
-            pack_panel(A, lo, p * PR, bufs, wp, D, M);
-            const int nr = (int)std::min<int64_t>(PR, A.rows - p * PR);
-            const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
-            if (lo.step == 32) {
-                if (with_min) gemm_panel_tokens<32, true>(wp, D, M, lo, A, p * PR, rmask);
-                else gemm_panel_tokens<32, false>(wp, D, M, lo, A, p * PR, rmask);
-            } else {
-                if (with_min) gemm_panel_tokens<16, true>(wp, D, M, lo, A, p * PR, rmask);
-                else gemm_panel_tokens<16, false>(wp, D, M, lo, A, p * PR, rmask);
-            }
+    const bool with_min = has_min_term(A.type);
+    gemm_drive<PR>(A, lo, 128, pool, [&](PanelBufs& bufs, int64_t r0) {
+        uint8_t* wp;
+        float *D, *M;
+        pack_panel(A, lo, r0, bufs, wp, D, M);
+        const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
+        const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
+        if (lo.step == 32) {
+            if (with_min) gemm_panel_tokens<32, true>(wp, D, M, lo, A, r0, rmask);
+            else gemm_panel_tokens<32, false>(wp, D, M, lo, A, r0, rmask);
+        } else {
+            if (with_min) gemm_panel_tokens<16, true>(wp, D, M, lo, A, r0, rmask);
+            else gemm_panel_tokens<16, false>(wp, D, M, lo, A, r0, rmask);
         }
     });
     return true;

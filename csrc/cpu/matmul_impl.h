@@ -70,9 +70,12 @@ size_t amx_scratch_extra(QType t, int64_t cols, int64_t n_tok);
 // false for the float types and small batches.
 bool matmul_gemm_vnni(const MatmulArgs& a, ThreadPool& pool);
 size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok);
-// The batched kernel of `isa` (AMX, else the VNNI GEMM) for a batch of kBatchMinTokens or
-// more; false when there is none and the row kernels should run. Its scratch after the
-// activations: batched_scratch_extra.
+// The same scheme on AVX2 with 8-row panels (matmul_gemm_avx2.cpp; same scratch); false also
+// for the formats whose quants span a full byte.
+bool matmul_gemm_avx2(const MatmulArgs& a, ThreadPool& pool);
+// The batched kernel of `isa` (AMX, else the VNNI GEMM; on AVX2 its GEMM) for a batch of
+// kBatchMinTokens or more; false when there is none and the row kernels should run. Its
+// scratch after the activations: batched_scratch_extra.
 bool matmul_batched(const MatmulArgs& a, Isa isa, ThreadPool& pool);
 size_t batched_scratch_extra(QType t, int64_t cols, int64_t n_tok);
 // Shared with mul_mat_id (matmul_id.cpp): the checks of matmul(), and the bytes of one token's
@@ -143,6 +146,16 @@ inline void unpack_row(QType t, DotFamily fam, const uint8_t* src, int64_t cols,
         for (int64_t b = 0; b < cols / QK_K; b++)
             unpack_qk(t, src + b * info.block_bytes, q + b * QK_K, sc + 16 * b, mn + 16 * b, d + b, m + b);
     }
+}
+
+// Steps of the batched kernels: 32 elements, or 16 for the formats with 16-element sub-scales.
+inline int batched_step(QType t) {
+    if (dot_family(t) == DotFamily::Q32) return QK;
+    return (t == QType::Q2_K || t == QType::Q3_K || t == QType::Q6_K) ? 16 : 32;
+}
+// The formats whose weights carry a min term (w = d q + m).
+inline bool has_min_term(QType t) {
+    return t == QType::Q4_1 || t == QType::Q5_1 || t == QType::Q2_K || t == QType::Q4_K || t == QType::Q5_K;
 }
 
 // The scales of one unpacked row (layout L) per step of `step` elements (32, or 16 for the
