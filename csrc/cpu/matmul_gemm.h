@@ -6,6 +6,8 @@
 #pragma once
 #include <immintrin.h>
 
+#include <type_traits>
+
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
 
@@ -74,6 +76,36 @@ void pack_token(const MatmulArgs& A, const GemmLayout& lo, int64_t t, int off) {
 struct PanelBufs {
     Panel unpack, wp, dm;
 };
+
+// fn(step, min) with the format's step (32 or 16) and min term as compile-time constants.
+template <class F>
+void with_step_min(QType t, F&& fn) {
+    using S32 = std::integral_constant<int, 32>;
+    using S16 = std::integral_constant<int, 16>;
+    const bool m = has_min_term(t);
+    if (batched_step(t) == 32) {
+        if (m) fn(S32{}, std::true_type{});
+        else fn(S32{}, std::false_type{});
+    } else {
+        if (m) fn(S16{}, std::true_type{});
+        else fn(S16{}, std::false_type{});
+    }
+}
+
+// tile(n, t0) over all tokens, n a compile-time count: tiles of NT tokens, then one of the rest.
+template <int N, class F>
+void tail_tile(int64_t rest, int64_t t0, F& tile) {
+    if constexpr (N > 0) {
+        if (rest == N) return tile(std::integral_constant<int, N>{}, t0);
+        tail_tile<N - 1>(rest, t0, tile);
+    }
+}
+template <int NT, class F>
+void over_token_tiles(int64_t n_tok, F&& tile) {
+    int64_t t = 0;
+    for (; t + NT <= n_tok; t += NT) tile(std::integral_constant<int, NT>{}, t);
+    tail_tile<NT - 1>(n_tok - t, t, tile);
+}
 
 // Tokens laid out in parallel, then panels of PR rows shared out: panel(bufs, r0) per panel.
 template <int PR, class F>

@@ -117,19 +117,6 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
     for (int j = 0; j < NTOK; j++) _mm256_maskstore_ps(y + (t0 + j) * ldy, mask, acc[j]);
 }
 
-template <int STEP, bool MIN>
-void gemm_panel_tokens(const uint8_t* wp, const float* D, const float* M, const GemmLayout& lo, const MatmulArgs& A,
-                       int64_t r0, int nr) {
-    float* y = A.y + r0;
-    int64_t t = 0;
-    for (; t + NT <= A.n_tok; t += NT) gemm_tile<STEP, MIN, NT>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, nr);
-    switch (A.n_tok - t) {
-        case 1: return gemm_tile<STEP, MIN, 1>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, nr);
-        case 2: return gemm_tile<STEP, MIN, 2>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, nr);
-        case 3: return gemm_tile<STEP, MIN, 3>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, nr);
-        default: return;
-    }
-}
 
 }  // namespace
 
@@ -137,19 +124,16 @@ bool matmul_gemm_avx2(const MatmulArgs& A, ThreadPool& pool) {
     const int off = small_offset(A.type);
     if (off < 0 || A.n_tok < kBatchMinTokens) return false;
     const GemmLayout lo = gemm_layout(A);
-    const bool with_min = has_min_term(A.type);
     gemm_drive<PR>(A, lo, off, pool, [&](PanelBufs& bufs, int64_t r0) {
         uint8_t* wp;
         float *D, *M;
         pack_panel(A, lo, r0, off, bufs, wp, D, M);
         const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
-        if (lo.step == 32) {
-            if (with_min) gemm_panel_tokens<32, true>(wp, D, M, lo, A, r0, nr);
-            else gemm_panel_tokens<32, false>(wp, D, M, lo, A, r0, nr);
-        } else {
-            if (with_min) gemm_panel_tokens<16, true>(wp, D, M, lo, A, r0, nr);
-            else gemm_panel_tokens<16, false>(wp, D, M, lo, A, r0, nr);
-        }
+        with_step_min(A.type, [&](auto step, auto min) {
+            over_token_tiles<NT>(A.n_tok, [&](auto n, int64_t t) {
+                gemm_tile<step(), min(), n()>(wp, D, M, lo.nsteps, lo, A.cols, t, A.y + r0, A.ldy, nr);
+            });
+        });
     });
     return true;
 }

@@ -133,20 +133,6 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
     for (int j = 0; j < NTOK; j++) _mm512_mask_storeu_ps(y + (t0 + j) * ldy, rmask, acc[j]);
 }
 
-template <int STEP, bool MIN>
-void gemm_panel_tokens(const uint8_t* wp, const float* D, const float* M, const GemmLayout& lo, const MatmulArgs& A,
-                       int64_t r0, __mmask16 rmask) {
-    float* y = A.y + r0;
-    int64_t t = 0;
-    for (; t + NT <= A.n_tok; t += NT) gemm_tile<STEP, MIN, NT>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, rmask);
-    switch (A.n_tok - t) {
-#define STOWLM_TAIL(n) \
-    case n: return gemm_tile<STEP, MIN, n>(wp, D, M, lo.nsteps, lo, A.cols, t, y, A.ldy, rmask);
-        STOWLM_TAIL(1) STOWLM_TAIL(2) STOWLM_TAIL(3) STOWLM_TAIL(4) STOWLM_TAIL(5) STOWLM_TAIL(6) STOWLM_TAIL(7)
-#undef STOWLM_TAIL
-        default: return;
-    }
-}
 
 }  // namespace
 
@@ -158,20 +144,17 @@ size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
 bool matmul_gemm_vnni(const MatmulArgs& A, ThreadPool& pool) {
     if (dot_family(A.type) == DotFamily::Float || A.n_tok < kBatchMinTokens) return false;
     const GemmLayout lo = gemm_layout(A);
-    const bool with_min = has_min_term(A.type);
     gemm_drive<PR>(A, lo, 128, pool, [&](PanelBufs& bufs, int64_t r0) {
         uint8_t* wp;
         float *D, *M;
         pack_panel(A, lo, r0, bufs, wp, D, M);
         const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
         const __mmask16 rmask = (__mmask16)((1u << nr) - 1);
-        if (lo.step == 32) {
-            if (with_min) gemm_panel_tokens<32, true>(wp, D, M, lo, A, r0, rmask);
-            else gemm_panel_tokens<32, false>(wp, D, M, lo, A, r0, rmask);
-        } else {
-            if (with_min) gemm_panel_tokens<16, true>(wp, D, M, lo, A, r0, rmask);
-            else gemm_panel_tokens<16, false>(wp, D, M, lo, A, r0, rmask);
-        }
+        with_step_min(A.type, [&](auto step, auto min) {
+            over_token_tiles<NT>(A.n_tok, [&](auto n, int64_t t) {
+                gemm_tile<step(), min(), n()>(wp, D, M, lo.nsteps, lo, A.cols, t, A.y + r0, A.ldy, rmask);
+            });
+        });
     });
     return true;
 }
