@@ -115,7 +115,15 @@ void gemm_drive(const MatmulArgs& A, const GemmLayout& lo, int off, ThreadPool& 
     });
     pool.parallel_for_dynamic((A.rows + PR - 1) / PR, 1, [&](int64_t p0, int64_t p1, int) {
         static thread_local PanelBufs bufs;
-        for (int64_t p = p0; p < p1; p++) panel(bufs, p * PR);
+        for (int64_t p = p0; p < p1; p++) {
+            // the weights of the next panels (this thread's or the other's) on their way from
+            // memory while this panel's products run: unpacking them would otherwise wait on it
+            const uint8_t* next = A.w + (p + 1) * PR * A.w_stride;
+            const uint8_t* end = A.w + A.rows * A.w_stride;
+            for (const uint8_t* q = next; q < next + 2 * PR * A.w_stride && q < end; q += 64)
+                _mm_prefetch((const char*)q, _MM_HINT_T2);
+            panel(bufs, p * PR);
+        }
     });
 }
 
