@@ -23,8 +23,8 @@ ISAS = ["scalar", "avx2", "avx512", "amx"]
 # (rows, cols, n_tok): rows that no tile divides, several token counts, both column sizes;
 # 96, 288 and 320 columns (32-element formats only: 3, 9 and 10 blocks) hit the single-block
 # tails and every partial group of the four-block Q4_0/Q4_1 kernels;
-# 67 and 40 tokens reach the AMX path (24+) with partial token tiles; 64 rows x 1 token the
-# decoding kernels (4-row tiles, one token).
+# 67 and 40 tokens reach the batched paths (24+: GEMM or AMX) with partial token tiles; 64 rows
+# x 1 token the decoding kernels (4-row tiles, one token).
 SHAPES = [(1, 256, 1), (7, 512, 2), (33, 256, 3), (131, 512, 8), (33, 512, 17), (131, 256, 67),
           (5, 288, 3), (9, 96, 40), (64, 512, 1), (13, 320, 1), (6, 320, 5)]
 
@@ -163,9 +163,10 @@ def test_token_result_independent_of_batch(isa, restore_isa):
 
 @pytest.mark.parametrize("isa", ISAS)
 def test_batch_result_independent_of_position(isa, restore_isa):
-    """In batches big enough for the batched kernels (24+ tokens: AMX tiles, or the VNNI GEMM's
-    8-token register tiles with tails of 1-7), a token's product does not depend on where it
-    sits in the batch nor on the batch's size: prompts split into micro-batches rely on it."""
+    """In batches big enough for the batched kernels (24+ tokens: the GEMMs' register tiles of
+    8 or 4 tokens with their tails, or AMX tiles), a token's product does not depend on
+    where it sits in the batch nor on the batch's size: prompts split into micro-batches rely
+    on it."""
     if isa not in ops.cpu_info()["supported"]:
         pytest.skip(f"this CPU/OS cannot run the {isa} path")
     ops.set_isa(isa)

@@ -123,7 +123,7 @@ size_t batched_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
 
 bool matmul_batched(const MatmulArgs& A, Isa isa, ThreadPool& pool) {
     if (A.n_tok < kBatchMinTokens) return false;
-    if (isa == Isa::AMX && matmul_amx(A, pool)) return true;
+    if (isa == Isa::AMX && A.n_tok >= kAmxMinTokens && matmul_amx(A, pool)) return true;
     if (isa == Isa::AVX2) return matmul_gemm_avx2(A, pool);
     return (isa == Isa::AMX || isa == Isa::AVX512_VNNI) && matmul_gemm_vnni(A, pool);
 }

@@ -3,11 +3,11 @@
 // for the 32-element weight formats; for the K formats and IQ4_XS also one scale per 32, in
 // 256-blocks with per-16 sums (quant/dot.h block_q8_K32); float weights use the
 // F32 activations as they are), then dotted with the kernel path chosen at run time
-// (cpu_features.h): scalar, AVX2 or AVX-512 VNNI rows, and for batches of 24+ tokens AMX tiles
-// or the VNNI GEMM (panels of 16 rows interleaved per call). Rows or panels are split over the
-// pool's threads. Paths that unpack weights keep a per-thread buffer that is allocated on first
-// use and reused (grown only for a larger `cols`), so steady-state calls allocate nothing and
-// create no threads.
+// (cpu_features.h): scalar, AVX2 or AVX-512 VNNI rows, and for batches of 24+ tokens the GEMM
+// of AVX-512 VNNI or AVX2 (weight panels interleaved per call), or AMX tiles.
+// Rows or panels are split over the pool's threads. Paths that unpack weights keep a per-thread
+// buffer that is allocated on first use and reused (grown only for a larger `cols`), so
+// steady-state calls allocate nothing and create no threads.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -59,8 +59,12 @@ void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n);
 void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n);
 
-// Batches of this many tokens or more go to a batched kernel (AMX tiles, or the VNNI GEMM).
+// Batches of this many tokens or more go to a batched kernel (the GEMMs, AMX tiles). Below it
+// the row kernels give a token the same product in any batch, which prefix reuse and small
+// micro-batches rely on. (The GEMMs overtake the row kernels from about 16 tokens for every
+// format, bench-matmul --ntok 8,12,16,20; the bound stays where attention switches too.)
 constexpr int64_t kBatchMinTokens = 24;
+constexpr int64_t kAmxMinTokens = 24;
 // Whole product on AMX tiles (rows split over the pool); false when this type/shape is
 // better left to the AVX-512 path.
 bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
