@@ -193,11 +193,33 @@ void quantize_acts(const MatmulArgs& A, ThreadPool& pool) {
     else pool.parallel_for(A.n_tok * nblk, quantize);
 }
 
+}  // namespace
+
+RowsFn matmul_rows_for(Isa isa) {
+#ifdef STOWLM_X86
+    if (isa == Isa::AVX2) return matmul_rows_avx2;
+    if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) return matmul_rows_avx512;
+#endif
+    (void)isa;
+    return matmul_rows_scalar;
+}
+
+bool matmul_rows_read_nib(Isa isa) {
+#ifdef STOWLM_X86
+    return matmul_rows_for(isa) == matmul_rows_avx512;
+#else
+    (void)isa;
+    return false;
+#endif
+}
+
+namespace {
+
 #ifdef STOWLM_X86
 // The AVX-512 row kernels of Q4_0/Q4_1 read regrouped activations (NibGroup): made once per
 // call, after the quantized ones, and shared by every matrix of the call (same cols, same act).
 void attach_nib_acts(MatmulArgs* A, int n, Isa isa) {
-    if (isa != Isa::AVX512_VNNI && isa != Isa::AMX) return;
+    if (!matmul_rows_read_nib(isa)) return;
     size_t stride = 0;
     for (int i = 0; i < n; i++) stride = std::max(stride, nib_act_row_bytes(A[i].type, A[i].cols));
     if (!stride) return;
@@ -206,17 +228,6 @@ void attach_nib_acts(MatmulArgs* A, int n, Isa isa) {
     for (int i = 0; i < n; i++) A[i].act_nib = dst, A[i].nib_stride = stride;
 }
 #endif
-
-using RowsFn = void (*)(const MatmulArgs&, int64_t, int64_t);
-
-RowsFn rows_fn_for(Isa isa) {
-#ifdef STOWLM_X86
-    if (isa == Isa::AVX2) return matmul_rows_avx2;
-    if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) return matmul_rows_avx512;
-#endif
-    (void)isa;
-    return matmul_rows_scalar;
-}
 
 // One chunk of rows per thread: each streams its rows front to back (the hardware prefetcher
 // and the kernels' next-tile prefetch stay on one stream) and the shared counter is touched once
@@ -239,7 +250,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     if (matmul_batched(A, isa, pool)) return;
     attach_nib_acts(&A, 1, isa);
 #endif
-    const RowsFn rows_fn = rows_fn_for(isa);
+    const RowsFn rows_fn = matmul_rows_for(isa);
     pool.parallel_for_dynamic(w.rows, row_chunk(w.rows, pool.size()),
                               [&](int64_t r0, int64_t r1, int) { rows_fn(A, r0, r1); });
 }
@@ -269,9 +280,8 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     }
     quantize_acts(A[0], pool);
     const Isa isa = active_isa();
-    const RowsFn rows_fn = rows_fn_for(isa);
+    const RowsFn rows_fn = matmul_rows_for(isa);
 #ifdef STOWLM_X86
-    if (n_tok < kBatchMinTokens) attach_nib_acts(A, n_w, isa);
     if (n_tok >= kBatchMinTokens) {
         // a batch: the activations quantized once, each matrix through the batched kernel
         for (int i = 0; i < n_w; i++)
@@ -279,6 +289,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
                 pool.parallel_for_dynamic(A[i].rows, chunk[i], [&](int64_t r0, int64_t r1, int) { rows_fn(A[i], r0, r1); });
         return;
     }
+    attach_nib_acts(A, n_w, isa);
 #endif
     pool.parallel_for_dynamic(first[n_w], 1, [&](int64_t c, int64_t, int) {
         int i = 0;

@@ -133,7 +133,6 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
     for (int j = 0; j < NTOK; j++) _mm512_mask_storeu_ps(y + (t0 + j) * ldy, rmask, acc[j]);
 }
 
-
 }  // namespace
 
 size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok) {

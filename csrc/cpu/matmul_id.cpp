@@ -57,16 +57,6 @@ Layout layout(QType t, int64_t rows, int64_t cols, int64_t n_expert, int64_t k, 
     return L;
 }
 
-void rows_for_isa(Isa isa, void (*&fn)(const MatmulArgs&, int64_t, int64_t)) {
-    fn = matmul_rows_scalar;
-#ifdef STOWLM_X86
-    if (isa == Isa::AVX2) fn = matmul_rows_avx2;
-    else if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) fn = matmul_rows_avx512;
-#else
-    (void)isa;
-#endif
-}
-
 }  // namespace
 
 size_t mul_mat_id_scratch_bytes(QType wtype, int64_t rows, int64_t cols, int64_t n_expert, int64_t k,
@@ -145,7 +135,7 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         }
     });
 
-    const bool nib = L.nib_row && (isa == Isa::AVX512_VNNI || isa == Isa::AMX);
+    const bool nib = L.nib_row && matmul_rows_read_nib(isa);
     const size_t wrow = row_bytes(w.type, w.cols);
     const size_t expert_bytes = wrow * (size_t)w.rows;
     auto args_for = [&](int64_t e) {
@@ -184,8 +174,7 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         small.push_back(e);
     }
     if (!small.empty()) {
-        void (*rows_fn)(const MatmulArgs&, int64_t, int64_t);
-        rows_for_isa(isa, rows_fn);
+        const RowsFn rows_fn = matmul_rows_for(isa);
         const int64_t nth = pool.size();
         int64_t chunk = (w.rows * (int64_t)small.size() + nth * 8 - 1) / (nth * 8);
         chunk = std::min<int64_t>(w.rows, std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3));

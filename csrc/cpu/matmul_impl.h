@@ -54,6 +54,10 @@ void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride);
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
+// The row kernels of an instruction set, and whether they read MatmulArgs::act_nib.
+using RowsFn = void (*)(const MatmulArgs&, int64_t, int64_t);
+RowsFn matmul_rows_for(Isa isa);
+bool matmul_rows_read_nib(Isa isa);
 // Activation quantization of n elements of one token (Q8_a blocks for the 32-element
 // weight formats, block_q8_K32 otherwise), per instruction set.
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n);
