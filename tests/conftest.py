@@ -1,5 +1,6 @@
 """Shared test fixtures: real models (pulled once into the stowlm cache) and llama.cpp fixtures."""
 import functools
+import hashlib
 import json
 import os
 import subprocess
@@ -13,22 +14,42 @@ SHARED = Path(os.environ.get("STOWLM_SHARED", REPO.parent / "shared"))
 FIXTURES = SHARED / "fixtures"
 DENSE_MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 MOE_MODELS = ["smollm2-moe", "qwen3moe-tiny"]
+# Test models the shared tools write (deterministic: ../shared/models.md lists their sha256). A
+# cached file of an older version of a tool is made again.
+GENERATED = {
+    "smollm2-moe": ("make_moe_models.py", "b987b3a3445955f79643ff07ccd29438056b297b63b7327e8ac9a52e6ceb946d"),
+    "qwen3moe-tiny": ("make_moe_models.py", "232e70ced29fcb8393e10e2f877d0b95dee07df4f4bf45ae6da1468d98934f5d"),
+    "gptoss-tiny": ("make_arch_models.py", "625b5d30ed66aba1867a0fba1b8c905d6c1203944a43cbec4d9d1a336b7b6dc5"),
+    "deepseek2-tiny": ("make_arch_models.py", "a000e383e12dc36b207820884fbb614d059584e4748989849127be2d23d8f6b9"),
+    "glm4moe-tiny": ("make_arch_models.py", "bdd114262527f37a3ed83f76d431bfd622d978dfbc11ea24d6c724437a776d1f"),
+}
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("STOWLM_CACHE", Path.home() / ".cache" / "stowlm")) / "models"
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
 def get_model(name: str) -> Path:
-    """Path of a model of shared/models.md, pulled (or, for the MoE test models, generated) once."""
+    """Path of a model of shared/models.md, pulled (or, for the test models, generated) once."""
     path = cache_dir() / f"{name}.gguf"
-    if path.exists():
+    if name in GENERATED:
+        tool, sha = GENERATED[name]
+        if not path.exists() or _sha256(path) != sha:
+            src = get_model("smollm2-135m")
+            subprocess.run([sys.executable, str(SHARED / "tools" / tool), str(src), str(cache_dir())], check=True,
+                           stdout=subprocess.DEVNULL)
+            assert _sha256(path) == sha, f"{tool} wrote {path} with another sha256 than ../shared/models.md lists"
         return path
-    if name in MOE_MODELS:
-        src = get_model("smollm2-135m")
-        tool = SHARED / "tools" / "make_moe_models.py"
-        subprocess.run([sys.executable, str(tool), str(src), str(cache_dir())], check=True,
-                       stdout=subprocess.DEVNULL)
+    if path.exists():
         return path
     from stowlm import pull  # the real download path users take
 

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <thread>
 
@@ -49,7 +50,7 @@ void prepare_in_place(Tensor* out) {
 class CpuBackend final : public Backend {
 public:
     CpuBackend(int id, std::string name, int threads, size_t mem_bytes)
-        : id_(id), name_(std::move(name)), pool_(threads > 0 ? threads : default_threads()),
+        : id_(id), name_(std::move(name)), n_threads_(threads > 0 ? threads : default_threads()),
           budget_(mem_bytes ? mem_bytes : physical_ram()) {}
 
     const std::string& name() const override { return name_; }
@@ -95,7 +96,7 @@ public:
             return cpu::mul_mat_id_scratch_bytes(n.src[0]->type, n.src[0]->ne[1], n.src[0]->ne[0], n.src[0]->ne[2],
                                                  n.src[2]->ne[0], n.src[2]->ne[1]);
         if (n.op == Op::FLASH_ATTN)
-            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], n.src[0]->ne[0], pool_.size());
+            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], n.src[0]->ne[0], n_threads_);
         return 0;
     }
 
@@ -154,11 +155,11 @@ private:
             ldys[i] = ns[i]->ne[0];
         }
         Tensor* x = ns[0]->src[1];
-        cpu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, pool_);
+        cpu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, pool());
     }
 
     void run(Tensor* n, void* scratch) {
-        ThreadPool& pool = pool_;
+        ThreadPool& pool = this->pool();
         Tensor* a = n->src[0];
         Tensor* b = n->src[1];
         switch (n->op) {
@@ -245,7 +246,15 @@ private:
 
     int id_;
     std::string name_;
-    mutable ThreadPool pool_;
+    // Started on the first computation: a model loaded only to project memory (fit) starts no
+    // threads.
+    ThreadPool& pool() {
+        std::call_once(pool_once_, [this] { pool_ = std::make_unique<ThreadPool>(n_threads_); });
+        return *pool_;
+    }
+    int n_threads_;
+    std::once_flag pool_once_;
+    std::unique_ptr<ThreadPool> pool_;
     size_t budget_;
     std::atomic<size_t> used_{0};
 };

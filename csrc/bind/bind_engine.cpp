@@ -7,6 +7,7 @@
 
 #include "bind.h"
 #include "engine/context.h"
+#include "cpu/threadpool.h"
 #include "error.h"
 
 namespace nb = nanobind;
@@ -29,9 +30,11 @@ std::vector<DeviceSpec> to_specs(const std::vector<SpecTuple>& in) {
     return out;
 }
 
-std::vector<TensorOverride> to_overrides(const std::vector<std::tuple<std::string, int>>& in) {
+using OverrideTuple = std::tuple<std::string, int, std::string>;  // pattern, device index, label
+
+std::vector<TensorOverride> to_overrides(const std::vector<OverrideTuple>& in) {
     std::vector<TensorOverride> out;
-    for (const auto& t : in) out.push_back({std::get<0>(t), std::get<1>(t)});
+    for (const auto& t : in) out.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t)});
     return out;
 }
 
@@ -70,6 +73,13 @@ struct BoundContext {
     std::unique_ptr<Context> c;
 };
 
+// One model file opened once, for fit: what each weight costs, what the KV of each layer
+// costs, and exact projections of any placement (nothing allocated, no threads started).
+struct BoundProjector {
+    std::shared_ptr<const GGUFFile> file;
+    std::unique_ptr<Model> shape;  // on one CPU device: hyperparameters and weights
+};
+
 }  // namespace
 
 STOWLM_BIND(engine) {
@@ -78,7 +88,7 @@ STOWLM_BIND(engine) {
     nb::class_<BoundModel>(e, "Model")
         .def("__init__",
              [](BoundModel* self, const std::string& path, const std::vector<SpecTuple>& devices,
-                const std::vector<int>& layer_split, const std::vector<std::tuple<std::string, int>>& overrides) {
+                const std::vector<int>& layer_split, const std::vector<OverrideTuple>& overrides) {
                  std::unique_ptr<Model> model;
                  {
                      nb::gil_scoped_release nogil;
@@ -152,10 +162,55 @@ STOWLM_BIND(engine) {
             return to_py(s.c->memory_report(), &backends);
         });
 
+    e.def("default_threads", &default_threads, "threads a CPU device gets when none are asked for");
+
+    nb::class_<BoundProjector>(e, "Projector")
+        .def("__init__",
+             [](BoundProjector* self, const std::string& path) {
+                 std::shared_ptr<const GGUFFile> f(GGUFFile::open(path));
+                 auto shape = Model::load(f, {DeviceSpec()}, {}, false, {});
+                 new (self) BoundProjector{std::move(f), std::move(shape)};
+             },
+             nb::arg("path"))
+        .def_prop_ro("arch", [](const BoundProjector& s) { return s.shape->hp().arch; })
+        .def_prop_ro("n_layer", [](const BoundProjector& s) { return s.shape->hp().n_layer; })
+        .def_prop_ro("n_ctx_train", [](const BoundProjector& s) { return s.shape->hp().n_ctx_train; })
+        .def_prop_ro("n_expert", [](const BoundProjector& s) { return s.shape->hp().n_expert; })
+        .def_prop_ro("n_vocab", [](const BoundProjector& s) { return s.shape->hp().n_vocab; })
+        .def_prop_ro("tied_output", [](const BoundProjector& s) { return s.shape->output() == s.shape->tok_embd(); })
+        // Every weight the model uses: (name, anchor, bytes, packed_bytes, index of the first
+        // override matching it or -1); anchor: its layer, -1 first device, -2 last device.
+        .def("weights",
+             [](const BoundProjector& s, const std::vector<OverrideTuple>& overrides) {
+                 int n_dev = 1;
+                 for (const auto& o : overrides) n_dev = std::max(n_dev, std::get<1>(o) + 1);
+                 auto m = Model::load(s.file, std::vector<DeviceSpec>(n_dev), std::vector<int>(), false,
+                                      to_overrides(overrides));
+                 nb::list out;
+                 for (const WeightInfo& w : m->weight_infos())
+                     out.append(nb::make_tuple(w.name, w.anchor, w.bytes, w.packed_bytes, w.override_index));
+                 return out;
+             },
+             nb::arg("overrides"))
+        .def("kv_layer_bytes",
+             [](const BoundProjector& s, int64_t n_ctx, const std::string& kv_type) {
+                 return kv_bytes_per_layer(context_kv_layout(*s.shape, params(n_ctx, 1, kv_type, 0)));
+             },
+             nb::arg("n_ctx"), nb::arg("kv_type"))
+        .def("project",
+             [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
+                const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
+                const std::string& kv_type, int64_t n_outputs) {
+                 auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides));
+                 return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
+             },
+             nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
+             nb::arg("kv_type"), nb::arg("n_outputs"));
+
     e.def(
         "project",
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
-           const std::vector<std::tuple<std::string, int>>& overrides, int64_t n_ctx, int64_t n_ubatch,
+           const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
            const std::string& kv_type, int64_t n_outputs) {
             auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides));
             return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);

@@ -77,6 +77,8 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     schedule(g, model.backends());
 }
 
+KVLayout context_kv_layout(const Model& model, const ContextParams& p) { return kv_layout(model, checked(model, p)); }
+
 std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& params) {
     const ContextParams p = checked(model, params);
     const KVLayout layout = kv_layout(model, p);

@@ -34,6 +34,8 @@ struct DeviceMemory {
 // Bytes per device a context with these parameters would take, from the same planner path
 // the context allocates with. Allocates nothing.
 std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& p);
+// The KV cache a context with these parameters has (parameters checked as a Context does).
+KVLayout context_kv_layout(const Model& model, const ContextParams& p);
 
 class Context {
 public:

@@ -19,11 +19,17 @@ QType parse_kv_type(const std::string& name) {
     throw InvalidInput("kv_type: '" + name + "' is not one of f16, q8_0, f32");
 }
 
+std::vector<size_t> kv_bytes_per_layer(const KVLayout& l) {
+    std::vector<size_t> bytes(l.layer_device.size());
+    for (size_t il = 0; il < bytes.size(); il++)
+        bytes[il] = tensor_bytes(l.type, l.layer_k_embd[il], l.n_ctx) + tensor_bytes(l.type, l.layer_v_embd[il], l.n_ctx);
+    return bytes;
+}
+
 std::vector<size_t> kv_bytes_per_device(const KVLayout& l, size_t n_devices) {
     std::vector<size_t> bytes(n_devices, 0);
-    for (size_t il = 0; il < l.layer_device.size(); il++)
-        bytes.at(l.layer_device[il]) +=
-            tensor_bytes(l.type, l.layer_k_embd[il], l.n_ctx) + tensor_bytes(l.type, l.layer_v_embd[il], l.n_ctx);
+    const std::vector<size_t> per_layer = kv_bytes_per_layer(l);
+    for (size_t il = 0; il < per_layer.size(); il++) bytes.at(l.layer_device[il]) += per_layer[il];
     return bytes;
 }
 

@@ -22,8 +22,9 @@ struct KVLayout {
     std::vector<int64_t> layer_v_embd;
 };
 
-// KV bytes each device holds for this layout (what KVCache allocates).
+// KV bytes each device holds for this layout (what KVCache allocates), and each layer's share.
 std::vector<size_t> kv_bytes_per_device(const KVLayout& layout, size_t n_devices);
+std::vector<size_t> kv_bytes_per_layer(const KVLayout& layout);
 
 QType parse_kv_type(const std::string& name);  // "f16" | "q8_0"; InvalidInput otherwise
 

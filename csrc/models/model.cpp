@@ -8,7 +8,10 @@
 namespace stowlm {
 
 namespace {
+// A device that gets its weights uploaded packs them in one buffer, each at a 256-byte
+// boundary (as cudaMalloc would place it), and that padding is part of its share.
 constexpr size_t kWeightAlign = 256;
+size_t packed(size_t bytes) { return (bytes + kWeightAlign - 1) / kWeightAlign * kWeightAlign; }
 }  // namespace
 
 const ArchDef* find_arch(const std::string& name) {
@@ -66,10 +69,17 @@ void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default) {
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
                                    const std::vector<TensorOverride>& overrides) {
+    return load(std::shared_ptr<const GGUFFile>(GGUFFile::open(path)), devices, layer_split, count_weights, overrides);
+}
+
+std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
+                                   const std::vector<int>& layer_split, bool count_weights,
+                                   const std::vector<TensorOverride>& overrides) {
     if (devices.empty()) throw InvalidInput("Model: devices is empty");
     std::unique_ptr<Model> m(new Model());
-    m->file_ = GGUFFile::open(path);
+    m->file_ = std::move(file);
     const GGUFFile& f = *m->file_;
+    const std::string& path = f.path();
     m->hp_.arch = f.get_str("general.architecture");
     m->arch_ = find_arch(m->hp_.arch);
     if (!m->arch_)
@@ -116,9 +126,11 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
     // Output head first: a tied embedding lives with the output on the last device.
     const bool tied = f.find_tensor("output.weight") == nullptr;
     m->loading_device_ = last_dev;
+    m->loading_anchor_ = kAnchorLastDevice;
     m->output_norm_ = m->require("output_norm.weight");
     if (!tied) m->output_ = m->require("output.weight");
     m->loading_device_ = tied ? last_dev : first_dev;
+    m->loading_anchor_ = tied ? kAnchorLastDevice : kAnchorFirstDevice;
     m->tok_embd_ = m->require("token_embd.weight");
     if (tied) m->output_ = m->tok_embd_;
     hp.n_vocab = m->tok_embd_->ne[1];
@@ -129,14 +141,19 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
     m->layers_.resize(hp.n_layer);
     for (int il = 0; il < hp.n_layer; il++) {
         m->loading_device_ = m->layer_device_[il];
+        m->loading_anchor_ = il;
         m->arch_->load_layer(*m, il, m->layers_[il]);
     }
+    for (size_t i = 0; i < overrides.size(); i++) {
+        bool hit = false;
+        for (const auto& a : m->anchors_) hit = hit || a.second.second == (int)i;
+        if (!hit)
+            throw InvalidInput("tensor override '" + (overrides[i].label.empty() ? overrides[i].pattern : overrides[i].label) +
+                               "' matches no tensor " + m->hp_.arch + " uses in " + path);
+    }
 
-    // A device that gets its weights uploaded packs them in one buffer, each at a 256-byte
-    // boundary (as cudaMalloc would place it), and that padding is part of its share.
     auto packed_bytes = [&](const Tensor& t) {
-        const size_t b = t.nbytes();
-        return m->backends_[t.device]->host_accessible() ? b : (b + kWeightAlign - 1) / kWeightAlign * kWeightAlign;
+        return m->backends_[t.device]->host_accessible() ? t.nbytes() : packed(t.nbytes());
     };
     m->weight_bytes_.assign(n_dev, 0);
     for (auto& kv : m->weights_) m->weight_bytes_[kv.second.device] += packed_bytes(kv.second);
@@ -174,6 +191,15 @@ std::vector<Backend*> Model::backends() const {
     return r;
 }
 
+std::vector<WeightInfo> Model::weight_infos() const {
+    std::vector<WeightInfo> r;
+    for (const auto& kv : weights_) {
+        const auto& a = anchors_.at(kv.first);
+        r.push_back({kv.first, a.first, kv.second.nbytes(), packed(kv.second.nbytes()), a.second});
+    }
+    return r;
+}
+
 int Model::weight_device(const std::string& name) const {
     auto it = weights_.find(name);
     return it == weights_.end() ? -1 : it->second.device;
@@ -191,11 +217,13 @@ Tensor* Model::optional(const std::string& name) {
     set_contiguous_strides(t);
     t.role = TensorRole::WEIGHT;
     t.device = loading_device_;
-    for (const auto& o : overrides_)
-        if (std::regex_match(name, o.first)) {
-            t.device = o.second;
-            break;
+    int hit = -1;
+    for (size_t i = 0; i < overrides_.size() && hit < 0; i++)
+        if (std::regex_match(name, overrides_[i].first)) {
+            t.device = overrides_[i].second;
+            hit = (int)i;
         }
+    anchors_[name] = {loading_anchor_, hit};
     t.data = const_cast<uint8_t*>(gt->data);
     return &weights_.emplace(name, std::move(t)).first->second;
 }

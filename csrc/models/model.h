@@ -87,15 +87,33 @@ extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3
 struct TensorOverride {
     std::string pattern;
     int device = 0;
+    std::string label;  // how the user wrote it, for errors (the pattern itself when empty)
+};
+
+// Where a weight goes when no override names it: with its layer (anchor >= 0), or with the
+// first / the last device that holds layers.
+constexpr int kAnchorFirstDevice = -1, kAnchorLastDevice = -2;
+
+struct WeightInfo {
+    std::string name;
+    int anchor = 0;           // layer index, kAnchorFirstDevice or kAnchorLastDevice
+    size_t bytes = 0;         // on a device that reads the mapping in place (CPU)
+    size_t packed_bytes = 0;  // on a device the weights are uploaded to (padded, see model.cpp)
+    int override_index = -1;  // the first override that matches it, -1 for none
 };
 
 class Model {
 public:
     // layer_split: layers per device (contiguous ranges, sums to n_layer); empty: even split.
     // count_weights=false: build shapes and placement only (projections), nothing reserved.
+    // An override that matches no weight the model uses is an error naming it.
     static std::unique_ptr<Model> load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights = true,
                                        const std::vector<TensorOverride>& overrides = {});
+    // The same over a file opened once (fit projects many placements of one file).
+    static std::unique_ptr<Model> load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
+                                       const std::vector<int>& layer_split, bool count_weights,
+                                       const std::vector<TensorOverride>& overrides);
 
     const GGUFFile& file() const { return *file_; }
     const HParams& hp() const { return hp_; }
@@ -110,6 +128,7 @@ public:
     const std::vector<int>& layer_devices() const { return layer_device_; }
     const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
     int weight_device(const std::string& name) const;  // -1 when the model does not use it
+    std::vector<WeightInfo> weight_infos() const;      // every weight the model uses, by name
 
     // Used by the arch files while loading.
     Tensor* require(const std::string& name);  // InvalidInput naming the tensor and file if absent
@@ -117,7 +136,7 @@ public:
 
 private:
     Model() = default;
-    std::unique_ptr<GGUFFile> file_;
+    std::shared_ptr<const GGUFFile> file_;
     HParams hp_;
     const ArchDef* arch_ = nullptr;
     std::vector<std::unique_ptr<Backend>> backends_;
@@ -128,6 +147,8 @@ private:
     std::vector<size_t> weight_bytes_;
     std::vector<BufferPtr> weight_buffers_;
     int loading_device_ = 0;  // device for tensors named while loading a layer
+    int loading_anchor_ = 0;  // and what that device follows (WeightInfo::anchor)
+    std::map<std::string, std::pair<int, int>> anchors_;  // weight -> (anchor, override index)
     std::vector<std::pair<std::regex, int>> overrides_;
 };
 

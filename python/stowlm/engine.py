@@ -30,7 +30,7 @@ def _overrides(overrides, devices: List[DeviceSpec]):
             index = names.index(str(dev))
         else:
             raise ValueError(f"tensor override {pattern!r}: device {dev!r} is not one of {names}")
-        out.append((str(pattern), int(index)))
+        out.append((str(pattern), int(index), f"{pattern}={dev}"))
     return out
 
 
@@ -55,7 +55,7 @@ def _tensor_overrides(specs, devices: List[DeviceSpec]):
         except re.error as e:
             raise ValueError(f"tensor override {spec!r}: invalid regular expression: {e}") from None
         # The native side matches whole names; wrapping makes that a search.
-        out.append((f"[\\s\\S]*(?:{pattern})[\\s\\S]*", names.index(dev)))
+        out.append((f"[\\s\\S]*(?:{pattern})[\\s\\S]*", names.index(dev), str(spec)))
     return out
 
 
@@ -76,15 +76,29 @@ class Model:
     match on another device (e.g. {r"blk\\..*\\.ffn_.*": "cpu:1"}); the nodes that read them run
     there. tensor_overrides (["REGEX=DEVICE", ...], e.g. [r"blk\\.[0-9]+\\.ffn_.*_exps=cpu:1"] for the
     experts of a mixture-of-experts model) do the same with llama.cpp's syntax: the regex is
-    searched for in the name; they are tried before `overrides`. Each device's share of the weights counts against its budget; a device too small
-    raises MemoryError naming it, and nothing stays allocated."""
+    searched for in the name; they are tried before `overrides`; one that matches no weight is an
+    error. Each device's share of the weights counts against its budget; a device too small
+    raises MemoryError naming it, and nothing stays allocated.
+
+    placement (a stowlm.fit Placement or the path of its JSON file) gives all of that at once,
+    exactly as fit decided it; a Context over the model then takes its n_ctx, n_ubatch, kv_type
+    and n_outputs."""
 
     def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
-                 tensor_overrides: Optional[Sequence[str]] = None):
+                 tensor_overrides: Optional[Sequence[str]] = None, placement=None):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"model file {path!r} does not exist")
         self.path = path
+        self.placement = None
+        if placement is not None:
+            given = [k for k, v in (("devices", devices), ("layer_split", layer_split), ("overrides", overrides),
+                                    ("tensor_overrides", tensor_overrides)) if v]
+            if given:
+                raise ValueError(f"Model: a placement fixes {', '.join(given)}; give either the placement or these")
+            self.placement = placement = _load_placement(placement, path)
+            devices, layer_split = placement.device_specs, placement.layer_split
+            tensor_overrides = placement.tensor_overrides
         self.devices: List[DeviceSpec] = parse_devices(devices)
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
                                 _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices))
@@ -121,6 +135,21 @@ def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int 
                            _n_outputs(n_outputs))
 
 
+def _load_placement(placement, path: str):
+    """A Placement (or the path of its JSON file), checked to be one made for the model at `path`."""
+    from .fit import fingerprint
+    from .placement import Placement
+
+    if not isinstance(placement, Placement):
+        placement = Placement.load(placement)
+    mine = fingerprint(path)
+    if placement.model.get("fingerprint") != mine:
+        raise ValueError(f"the placement was made for another model ({placement.model.get('path')}, "
+                         f"{placement.model.get('arch')}, fingerprint {placement.model.get('fingerprint')}), not "
+                         f"{path} (fingerprint {mine})")
+    return placement
+
+
 def _n_outputs(n_outputs: Optional[int]) -> int:
     if n_outputs is None:
         return 0
@@ -137,10 +166,18 @@ class Context:
     the compute buffer of large-vocabulary models, so a small n_outputs saves memory and only
     makes logits="all" requests go in smaller steps."""
 
-    def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: int = 512, kv_type: str = "f16",
-                 n_outputs: Optional[int] = None):
+    def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: Optional[int] = None,
+                 kv_type: Optional[str] = None, n_outputs: Optional[int] = None):
+        p = model.placement
+        if p is not None:  # the placement's values, which its projection was made with
+            for key, value in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type), ("n_outputs", n_outputs)):
+                if value is not None and value != getattr(p, key):
+                    raise ValueError(f"Context: {key}={value!r} differs from the model's placement ({getattr(p, key)!r})")
+            n_ctx, n_ubatch, kv_type, n_outputs = p.n_ctx, p.n_ubatch, p.kv_type, p.n_outputs
         if n_ctx is None:
             n_ctx = min(4096, model.n_ctx_train)
+        n_ubatch = 512 if n_ubatch is None else n_ubatch
+        kv_type = kv_type or "f16"
         if int(n_ctx) <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if int(n_ubatch) <= 0:

@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
         check(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}}, "cpu:0 + cuda:0 [15, 15]");
         check(dir, "smollm2-135m", {{spec("cuda", 0), spec("cpu", 0), spec("cuda", 1)}, {10, 10, 10}, {}},
               "cuda:0 + cpu:0 + cuda:1 [10, 10, 10]");
-        const std::vector<TensorOverride> experts_on_1 = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1}};
+        const std::vector<TensorOverride> experts_on_1 = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1, ""}};
         for (const char* name : {"qwen3moe-tiny", "smollm2-moe"}) {
             const int n_layer = (int)Model::load(dir + "/" + name + ".gguf", {spec("cpu", 0)}, {}, false)->hp().n_layer;
             check(dir, name, cuda0, "cuda:0");
