@@ -3,9 +3,12 @@
 from . import _core
 from . import gguffile
 from .engine import Context, Model
+from . import fit  # stowlm.fit.fit(...) decides a placement
+from .fit import FitError
 from .gguffile import GGUFFile
 from .llm import LLM, Completion
+from .placement import Placement
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "LLM", "Completion", "GGUFFile", "Model", "Context"]
+__all__ = ["__version__", "LLM", "Completion", "GGUFFile", "Model", "Context", "FitError", "Placement"]

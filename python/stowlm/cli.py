@@ -1,4 +1,4 @@
-"""The `stowlm` command line: run, pull, info, bench."""
+"""The `stowlm` command line: run, fit, pull, info, bench."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,65 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
                 seed=a.seed, stop=a.stop)
 
 
+def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
+    """Devices and what fit may decide; every value given is kept."""
+    g = p.add_argument_group("devices and placement")
+    g.add_argument("--devices", default=None,
+                   help="device list, e.g. 'cuda:0,cpu' or 'cpu:0[threads=1,mem=512MiB],cpu:1[threads=1]'; "
+                        "'auto': every CUDA device and the CPU")
+    g.add_argument("-c", "--ctx-size", type=int, default=None,
+                   help="context size (default: " + ("the largest that fits, from the training context down to "
+                                                     "--fit-ctx" if for_fit else "min(4096, trained), or what fit "
+                                                     "chooses when it runs") + ")")
+    g.add_argument("-ub", "--ubatch-size", type=int, default=None, help="tokens per micro-batch (default 512)")
+    g.add_argument("--kv-type", default=None, choices=["f16", "q8_0"], help="KV cache type (default f16)")
+    g.add_argument("--layer-split", default=None, metavar="N,N,...",
+                   help="layers per device, in the order of --devices")
+    g.add_argument("-ot", "--override-tensor", action="append", default=None, metavar="REGEX=DEVICE",
+                   help="put the weights whose names match REGEX on DEVICE (repeatable; first match wins)")
+    g.add_argument("--cpu-moe", action="store_true", help="keep every expert tensor on the CPU")
+    g.add_argument("--n-cpu-moe", type=int, default=None, metavar="N",
+                   help="keep the experts of the first N layers on the CPU")
+    g.add_argument("--fit-margin", default=None, metavar="MiB[,MiB...]",
+                   help="memory fit leaves free on each device, one value or one per device (default "
+                        "min(1024, memory/16) MiB)")
+    g.add_argument("--fit-ctx", type=int, default=None, metavar="N",
+                   help="the smallest context fit reduces to when none was given (default 4096)")
+    g.add_argument("--placement", default=None, metavar="FILE", help="load the placement saved in FILE "
+                   "(from `stowlm fit --json` or -o)")
+    if not for_fit:
+        g.add_argument("--no-fit", action="store_true", help="load as given, without fitting")
+
+
+def _placement_kwargs(a: argparse.Namespace) -> dict:
+    devices = a.devices.strip() if a.devices else None
+    split = None
+    if a.layer_split:
+        try:
+            split = [int(x) for x in a.layer_split.split(",")]
+        except ValueError:
+            raise ValueError(f"--layer-split {a.layer_split!r} is not a list of integers") from None
+    return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
+                tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
+                margin=_margins_mib(a.fit_margin))
+
+
+def _margins_mib(text: Optional[str]):
+    """--fit-margin "1024" or "512,2048" (MiB; a unit may be given instead) -> bytes (one or a list)."""
+    if text is None:
+        return None
+    from .devices import parse_bytes
+
+    out = []
+    for item in text.split(","):
+        item = item.strip()
+        try:
+            out.append(int(float(item) * (1 << 20)))
+        except ValueError:
+            out.append(parse_bytes(item))
+    return out[0] if len(out) == 1 else out
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="stowlm",
@@ -44,7 +103,8 @@ def _parser() -> argparse.ArgumentParser:
                "  stowlm run -p 'The capital of France is' -n 32   # pulls smollm2-135m on first use\n"
                "  stowlm run qwen2.5-coder-0.5b                       # interactive chat\n"
                "  stowlm pull gemma3-270m\n"
-               "  stowlm info ./model.gguf",
+               "  stowlm info ./model.gguf\n"
+               "  stowlm fit qwen2.5-coder-0.5b --devices 'cpu:1[mem=256MiB],cpu:0' --explain",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--version", action="version", version=f"stowlm {__version__}")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
@@ -55,15 +115,26 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"model name (see `stowlm pull --list`) or .gguf path (default {DEFAULT_MODEL})")
     r.add_argument("-p", "--prompt", help="prompt to complete (no prompt: interactive chat)")
     r.add_argument("-n", "--n-predict", type=int, default=256, help="maximum tokens to generate (default 256)")
-    r.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default min(4096, trained))")
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
-    r.add_argument("--devices", default=None, help="device list, e.g. 'cpu:0[threads=2,mem=4GiB]'")
-    r.add_argument("-ot", "--override-tensor", action="append", default=None, metavar="REGEX=DEVICE",
-                   help="put the weights whose names match REGEX on DEVICE (repeatable; first match wins)")
     r.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT")
     r.add_argument("--system", default=None, help="system message for chat")
     r.add_argument("-q", "--quiet", action="store_true", help="do not print timings")
+    _add_placement(r)
     _add_sampling(r)
+
+    f = sub.add_parser("fit", help="decide where a model's weights, KV cache and buffers go, and print it",
+                       description="Fit MODEL on the devices: the context (when -c is not given), which layers "
+                                   "and experts go on which device, and every device's bytes as the core projects "
+                                   "them. Nothing is loaded unless --verify. Exit status 0 when it fits, 2 when not.")
+    f.add_argument("model", help="model name or .gguf path")
+    _add_placement(f, for_fit=True)
+    f.add_argument("--max-ctx", type=int, default=None, metavar="N", help="cap on the training context (default 131072)")
+    f.add_argument("--json", action="store_true", help="print the placement as JSON instead of the table")
+    f.add_argument("-o", "--output", default=None, metavar="FILE", help="save the placement as JSON in FILE")
+    f.add_argument("--verify", action="store_true",
+                   help="load the placement, evaluate a prompt of n_ubatch tokens and report the bytes each "
+                        "device allocated")
+    f.add_argument("--explain", action="store_true", help="print each decision with its reason")
 
     pl = sub.add_parser("pull", help="download a model into the cache")
     pl.add_argument("name", nargs="?", help="model name")
@@ -94,10 +165,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.print_help()
         return 0
     try:
-        return {"run": _run, "pull": _pull, "info": _info, "bench": _bench}[a.command](a)
+        return {"run": _run, "pull": _pull, "info": _info, "bench": _bench, "fit": _fit}[a.command](a)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
+    except MemoryError as e:
+        from .fit import FitError
+
+        print(f"stowlm: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, FitError) else 1
     except (ValueError, FileNotFoundError, MemoryError, RuntimeError, OSError) as e:
         print(f"stowlm: error: {e}", file=sys.stderr)
         return 1
@@ -113,9 +189,18 @@ def _run(a: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(max_tokens=a.n_predict, **kw)
-    devices = [d.strip() for d in a.devices.split(",")] if a.devices else None
+    kw_place = _placement_kwargs(a)
+    margin = kw_place.pop("margin")
+    if a.placement:
+        given = [k for k, v in kw_place.items() if v]
+        if given:
+            raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
+        kw_place = {}
+    if a.devices and a.devices.strip() == "auto" and a.no_fit:
+        raise ValueError("--devices auto needs fit (drop --no-fit)")
     t0 = time.perf_counter()
-    llm = LLM(a.model, n_ctx=a.ctx_size, n_threads=a.threads, devices=devices, tensor_overrides=a.override_tensor)
+    llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
+              placement=a.placement, fit_margin=margin, **kw_place)
     if not a.quiet:
         print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     with llm:
@@ -130,6 +215,56 @@ def _run(a: argparse.Namespace) -> int:
             it = llm.generate(a.prompt, stream=True, max_tokens=a.n_predict, **kw)
         _stream(it, a.quiet)
     return 0
+
+
+def _fit(a: argparse.Namespace) -> int:
+    from . import fit as fitting
+    from .pull import pull
+
+    path = pull(a.model, progress=not a.json)
+    kw = _placement_kwargs(a)
+    if a.placement:
+        given = [k for k, v in kw.items() if v and k != "margin"]
+        if given:
+            raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
+        kw = {"margin": kw["margin"], "placement": a.placement}
+    if a.fit_ctx is not None:
+        kw["fit_ctx"] = a.fit_ctx
+    if a.max_ctx is not None:
+        kw["max_ctx"] = a.max_ctx
+    try:
+        placement = fitting.fit(path, **kw)
+    except fitting.FitError as e:
+        print(f"stowlm fit: {e}", file=sys.stderr)
+        return 2
+    if a.verify:
+        _verify(path, placement)
+    if a.output:
+        placement.save(a.output)
+    if a.json:
+        print(placement.to_json())
+        return 0
+    print(placement.table())
+    if a.explain:
+        print("decisions:")
+        print(placement.explain())
+    return 0
+
+
+def _verify(path: str, placement) -> None:
+    """Loads the placement, evaluates n_ubatch tokens and records what each device allocated."""
+    from .engine import Context, Model
+
+    model = Model(path, placement=placement)
+    ctx = Context(model)
+    n = min(placement.n_ubatch, placement.n_ctx)
+    ctx.eval([i % model.n_vocab for i in range(n)], logits="last")
+    report = {r["device"]: r["allocated"] for r in ctx.memory_report()}
+    for d in placement.used_devices:
+        d.allocated = report[d.name]
+        if d.allocated != d.projected["total"]:
+            raise RuntimeError(f"{d.name} allocated {d.allocated} bytes, fit projected {d.projected['total']}: "
+                               "please report this")
 
 
 def _stream(it, quiet: bool) -> None:

@@ -9,17 +9,23 @@ re-uses them and only evaluates the rest."""
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from . import _core
+from . import fit as fitting
 from .chat import ChatTemplate
+from .devices import parse_devices
 from .engine import Context, Model
 from .gguffile import GGUFFile
 from .pull import pull
 from .sampling import Sampler, SamplingParams, StopChecker
 from .tokenizer import Tokenizer
+
+LOGIT_ROWS = fitting.DEFAULT_N_OUTPUTS  # rows of logits a micro-batch returns: one to generate, a few for logits()
 
 __all__ = ["LLM", "Completion"]
 
@@ -46,18 +52,44 @@ class LLM:
     n_threads: threads of the default CPU device (ignored when ``devices`` is given).
     chat_template: Jinja source or a built-in name ("chatml", "gemma") replacing the model's own.
     tensor_overrides: ["REGEX=DEVICE", ...] weights to place on another device (see ``stowlm.Model``).
+    fit: decide the placement with ``stowlm.fit.fit`` (every value given here is kept; FitError, a
+        MemoryError, when they cannot fit). None (default): fit when several devices are given, when
+        cpu_moe / n_cpu_moe is asked for, or when the model does not fit the one device with the
+        default context; False: load as given. fit_margin, cpu_moe, n_cpu_moe: as fit takes them.
+    placement: a Placement (or its JSON file) from fit, loaded exactly as it says.
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
-                 n_threads: Optional[int] = None, devices=None, n_ubatch: int = 512, kv_type: str = "f16",
-                 layer_split: Optional[Sequence[int]] = None, chat_template: Optional[str] = None,
-                 progress: bool = True, tensor_overrides: Optional[Sequence[str]] = None):
+                 n_threads: Optional[int] = None, devices=None, n_ubatch: Optional[int] = None,
+                 kv_type: Optional[str] = None, layer_split: Optional[Sequence[int]] = None,
+                 chat_template: Optional[str] = None, progress: bool = True,
+                 tensor_overrides: Optional[Sequence[str]] = None, fit: Optional[bool] = None, placement=None,
+                 fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
         if devices is None and n_threads is not None:
             devices = [f"cpu:0[threads={n_threads}]"]
-        self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides)
+        self.placement = None
+        if placement is not None:
+            given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
+                                    ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
+                                    ("n_cpu_moe", n_cpu_moe)) if v is not None] + (["cpu_moe"] if cpu_moe else [])
+            if given:
+                raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
+            self.placement = placement
+        elif fit or (fit is None and _wants_fit(self.path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe,
+                                                fit_margin)):
+            self.placement = fitting.fit(self.path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
+                                         layer_split=layer_split, tensor_overrides=tensor_overrides,
+                                         cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin)
+            if progress:
+                print(f"[{self.placement.summary()}]", file=sys.stderr)
+        if self.placement is not None:
+            self.model = Model(self.path, placement=self.placement)
+            self.placement = self.model.placement
+        else:
+            self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides)
         with GGUFFile(self.path) as f:
             meta = f.metadata
             self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
@@ -70,12 +102,14 @@ class LLM:
                     meta, self.tokenizer, name=os.path.basename(self.path), template=chat_template)
             except ValueError as e:
                 self._template, self._template_error = None, str(e)
-        if n_ctx is None:
-            n_ctx = min(4096, self.model.n_ctx_train)
-        # Generation needs one row of logits; a few rows keep logits() reasonably batched while
-        # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
-        self.ctx = Context(self.model, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
-                           n_outputs=min(n_ubatch, 32))
+        if self.placement is not None:
+            self.ctx = Context(self.model)
+        else:
+            n_ubatch = n_ubatch or 512
+            # Generation needs one row of logits; a few rows keep logits() reasonably batched while
+            # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
+            self.ctx = Context(self.model, n_ctx=_default_ctx(self.model.n_ctx_train, n_ctx), n_ubatch=n_ubatch,
+                               kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
 
     # -- tokens -----------------------------------------------------------------------------
@@ -245,6 +279,21 @@ class _Generation:
                 text.append(tail)
                 yield tail
         self.completion = Completion("".join(text), finish, len(self.prompt), len(out_tokens), out_tokens)
+
+
+def _default_ctx(n_ctx_train: int, n_ctx: Optional[int]) -> int:
+    return min(4096, n_ctx_train) if n_ctx is None else n_ctx
+
+
+def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, margin) -> bool:
+    """Several devices, an expert spill asked for, or a model that does not fit the one device."""
+    specs = parse_devices(devices)
+    if len(specs) > 1 or cpu_moe or n_cpu_moe is not None:
+        return True
+    n_ubatch = n_ubatch or 512
+    projector = _core.engine.Projector(os.fspath(path))
+    return not fitting.fits_one_device(projector, specs[0], _default_ctx(projector.n_ctx_train, n_ctx), n_ubatch,
+                                       kv_type or "f16", min(n_ubatch, LOGIT_ROWS), margin)
 
 
 def _as_list(stop) -> List[str]:

@@ -1,0 +1,289 @@
+"""A Placement: what fit decided, as plain data that loads exactly as it says.
+
+Per device (in pipeline order: layers flow from the first to the last) its contiguous layer
+range, the tensor overrides that put weights there, its free memory and margin, and the bytes
+the core projects for it; for the whole model n_ctx, n_ubatch, n_outputs, kv_type and the
+override list in the order it is applied. ``to_json()`` / ``from_json()`` round-trip it;
+``stowlm.Model(path, placement=...)``, ``stowlm.LLM(..., placement=...)`` and
+``stowlm run --placement FILE`` load it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+from .devices import DeviceSpec, parse_device
+
+PROJECTED_KEYS = ("weights", "kv", "compute", "copies", "total")
+FORMAT = "stowlm-placement/1"
+
+
+@dataclass
+class DevicePlacement:
+    spec: str                                # "cpu:1[threads=1,mem=64MiB]"
+    layers: Optional[Tuple[int, int]]        # first, last (inclusive); None: no layers
+    expert_layers: List[int] = field(default_factory=list)  # layers whose experts live here
+    overrides: List[str] = field(default_factory=list)      # regexes that put weights here
+    free: int = 0
+    margin: int = 0
+    projected: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROJECTED_KEYS, 0))
+    allocated: Optional[int] = None          # filled by a verified load (stowlm fit --verify)
+    note: str = ""                           # why it is left out, when it is
+
+    @property
+    def name(self) -> str:
+        return self.device.name
+
+    @property
+    def device(self) -> DeviceSpec:
+        return parse_device(self.spec)
+
+    @property
+    def n_layers(self) -> int:
+        return 0 if self.layers is None else self.layers[1] - self.layers[0] + 1
+
+    @property
+    def used(self) -> bool:
+        """Holds anything (layers or weights placed by override): the model loads onto it."""
+        return self.projected["total"] > 0 or self.n_layers > 0 or bool(self.overrides)
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "spec": self.spec, "layers": list(self.layers) if self.layers else None,
+             "expert_layers": list(self.expert_layers), "overrides": list(self.overrides), "free": self.free,
+             "margin": self.margin, "projected": dict(self.projected)}
+        if self.allocated is not None:
+            d["allocated"] = self.allocated
+        if self.note:
+            d["note"] = self.note
+        return d
+
+
+@dataclass
+class Placement:
+    model: Dict[str, object]     # path, arch, n_layer, fingerprint (which file it was made for)
+    n_ctx: int
+    n_ubatch: int
+    n_outputs: int
+    kv_type: str
+    devices: List[DevicePlacement]
+    tensor_overrides: List[str] = field(default_factory=list)  # "REGEX=DEVICE", first match wins
+    decisions: List[str] = field(default_factory=list)         # what fit decided and why
+    host: Optional[Dict[str, int]] = None  # CPU devices share the host's RAM: free, margin, projected
+
+    # -- what the engine is given ------------------------------------------------------------
+    @property
+    def used_devices(self) -> List[DevicePlacement]:
+        return [d for d in self.devices if d.used]
+
+    @property
+    def device_specs(self) -> List[DeviceSpec]:
+        return [d.device for d in self.used_devices]
+
+    @property
+    def layer_split(self) -> List[int]:
+        return [d.n_layers for d in self.used_devices]
+
+    # -- serialisation ------------------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = {"format": FORMAT, "model": dict(self.model), "n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch,
+             "n_outputs": self.n_outputs, "kv_type": self.kv_type, "split_mode": "layer",
+             "tensor_overrides": list(self.tensor_overrides),
+             "devices": [dev.to_dict() for dev in self.devices], "decisions": list(self.decisions)}
+        if self.host is not None:
+            d["host"] = dict(self.host)
+        return d
+
+    def to_json(self, indent: Optional[int] = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+    def save(self, path) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def from_json(cls, text: str, source: str = "placement") -> "Placement":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{source}: not valid JSON ({e})") from None
+        return cls.from_dict(data, source)
+
+    @classmethod
+    def load(cls, path) -> "Placement":
+        path = os.fspath(path)
+        try:
+            with open(path) as f:
+                text = f.read()
+        except OSError as e:
+            raise ValueError(f"placement file {path!r} cannot be read: {e.strerror}") from None
+        return cls.from_json(text, source=path)
+
+    @classmethod
+    def from_dict(cls, data, source: str = "placement") -> "Placement":
+        r = _Reader(source)
+        r.dict(data, "the placement")
+        if data.get("format", FORMAT) != FORMAT:
+            raise ValueError(f"{source}: format {data.get('format')!r} is not {FORMAT!r}")
+        model = r.dict(data.get("model"), "model")
+        for key in ("arch", "fingerprint"):
+            r.str(model.get(key), f"model.{key}")
+        r.int(model.get("n_layer"), "model.n_layer", 1)
+        if data.get("split_mode", "layer") != "layer":
+            raise ValueError(f"{source}: split_mode {data.get('split_mode')!r} is not supported (layer)")
+        devices = []
+        items = r.list(data.get("devices"), "devices")
+        if not items:
+            raise ValueError(f"{source}: devices is empty")
+        for i, dd in enumerate(items):
+            where = f"devices[{i}]"
+            r.dict(dd, where)
+            spec = r.str(dd.get("spec", dd.get("name")), f"{where}.spec")
+            try:
+                dev = parse_device(spec)
+            except ValueError as e:
+                raise ValueError(f"{source}: {where}.spec: {e}") from None
+            if "name" in dd and dd["name"] != dev.name:
+                raise ValueError(f"{source}: {where}.name {dd['name']!r} does not match its spec {spec!r}")
+            layers = dd.get("layers")
+            if layers is not None:
+                r.list(layers, f"{where}.layers")
+                if len(layers) != 2:
+                    raise ValueError(f"{source}: {where}.layers must be [first, last] or null, got {layers!r}")
+                first = r.int(layers[0], f"{where}.layers[0]", 0)
+                last = r.int(layers[1], f"{where}.layers[1]", first)
+                layers = (first, last)
+            projected = r.dict(dd.get("projected", {}), f"{where}.projected")
+            proj = {k: r.int(projected.get(k, 0), f"{where}.projected.{k}", 0) for k in PROJECTED_KEYS}
+            devices.append(DevicePlacement(
+                spec=str(dev), layers=layers,
+                expert_layers=[r.int(x, f"{where}.expert_layers[]", 0)
+                               for x in r.list(dd.get("expert_layers", []), f"{where}.expert_layers")],
+                overrides=[r.str(x, f"{where}.overrides[]") for x in r.list(dd.get("overrides", []),
+                                                                            f"{where}.overrides")],
+                free=r.int(dd.get("free", 0), f"{where}.free", 0),
+                margin=r.int(dd.get("margin", 0), f"{where}.margin", 0), projected=proj,
+                allocated=None if dd.get("allocated") is None else r.int(dd["allocated"], f"{where}.allocated", 0),
+                note=r.str(dd.get("note", ""), f"{where}.note", allow_empty=True)))
+        names = [d.name for d in devices]
+        for n in names:
+            if names.count(n) > 1:
+                raise ValueError(f"{source}: device {n} appears more than once")
+        # Layer ranges must follow each other from 0 to n_layer - 1 in device order.
+        pos = 0
+        for i, d in enumerate(devices):
+            if d.layers is None:
+                continue
+            if d.layers[0] != pos:
+                raise ValueError(f"{source}: devices[{i}].layers starts at {d.layers[0]}, expected {pos} "
+                                 "(ranges are contiguous, in device order)")
+            pos = d.layers[1] + 1
+        if pos != model["n_layer"]:
+            raise ValueError(f"{source}: the layer ranges cover {pos} layers, model.n_layer is {model['n_layer']}")
+        overrides = [r.str(x, "tensor_overrides[]") for x in r.list(data.get("tensor_overrides", []),
+                                                                    "tensor_overrides")]
+        for o in overrides:
+            pattern, sep, dev = o.rpartition("=")
+            if not sep or not pattern or dev not in names:
+                raise ValueError(f"{source}: tensor_overrides entry {o!r} is not REGEX=DEVICE with a device "
+                                 f"of the placement ({', '.join(names)})")
+        n_ubatch = r.int(data.get("n_ubatch"), "n_ubatch", 1)
+        host = data.get("host")
+        if host is not None:
+            r.dict(host, "host")
+            host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
+        return cls(model=dict(model), n_ctx=r.int(data.get("n_ctx"), "n_ctx", 1), n_ubatch=n_ubatch,
+                   n_outputs=r.int(data.get("n_outputs", n_ubatch), "n_outputs", 1),
+                   kv_type=r.str(data.get("kv_type", "f16"), "kv_type"), devices=devices,
+                   tensor_overrides=overrides,
+                   decisions=[r.str(x, "decisions[]", allow_empty=True) for x in r.list(data.get("decisions", []),
+                                                                                      "decisions")],
+                   host=host)
+
+    # -- for people -------------------------------------------------------------------------------
+    def table(self) -> str:
+        head = ["device", "layers", "expert layers", "weights", "KV", "compute", "copies", "total", "free after",
+                "margin"]
+        rows = []
+        for d in self.devices:
+            p = d.projected
+            layers = f"{d.layers[0]}-{d.layers[1]}" if d.layers else "-"
+            from .split import describe_layers
+
+            experts = describe_layers(d.expert_layers) if d.expert_layers else "-"
+            if not d.used:
+                rows.append([d.name, "left out", "-", "-", "-", "-", "-", "-", format_size(d.free), format_size(d.margin)])
+                continue
+            row = [d.name, layers, experts] + [format_size(p[k]) for k in PROJECTED_KEYS] + \
+                  [format_size(d.free - p["total"]), format_size(d.margin)]
+            if d.allocated is not None:
+                row.append("allocated " + format_size(d.allocated) + (" (= projected)" if d.allocated == p["total"]
+                                                                      else " (projected " + format_size(p["total"]) + ")"))
+            rows.append(row)
+        width = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        lines = ["  ".join(str(c).ljust(width[i]) if i < 3 else str(c).rjust(width[i])
+                           for i, c in enumerate(r[:len(head)])) + ("  " + r[len(head)] if len(r) > len(head) else "")
+                 for r in [head] + rows]
+        lines.append(self.summary())
+        return "\n".join(lines)
+
+    def summary(self) -> str:
+        from .split import describe_layers
+
+        parts = []
+        for d in self.used_devices:
+            what = f"layers {d.layers[0]}-{d.layers[1]}" if d.layers else "no layers"
+            spilled = [x for x in d.expert_layers if d.layers is None or not d.layers[0] <= x <= d.layers[1]]
+            if spilled:
+                what += f" + experts of {describe_layers(spilled)}"
+            parts.append(f"{d.name} {what}")
+        used = sum(d.projected["total"] for d in self.used_devices)
+        free = sum(d.free for d in self.used_devices)
+        return (f"fit: n_ctx {self.n_ctx}, " + "; ".join(parts) +
+                f"; {format_size(used)} of {format_size(free)} free")
+
+    def explain(self) -> str:
+        return "\n".join("- " + d for d in self.decisions)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def format_size(n: int) -> str:
+    sign = "-" if n < 0 else ""
+    n = abs(n)
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{sign}{n / size:.1f} {unit}"
+    return f"{sign}{n} B"
+
+
+class _Reader:
+    """Type checks for fields of a placement file, each error naming the file and the field."""
+
+    def __init__(self, source: str):
+        self.source = source
+
+    def _bad(self, what: str, expected: str, value) -> ValueError:
+        return ValueError(f"{self.source}: {what} must be {expected}, got {value!r}")
+
+    def dict(self, v, what):
+        if not isinstance(v, dict):
+            raise self._bad(what, "an object", v)
+        return v
+
+    def list(self, v, what):
+        if not isinstance(v, list):
+            raise self._bad(what, "a list", v)
+        return v
+
+    def str(self, v, what, allow_empty=False):
+        if not isinstance(v, str) or (not v and not allow_empty):
+            raise self._bad(what, "a non-empty string" if not allow_empty else "a string", v)
+        return v
+
+    def int(self, v, what, minimum=None):
+        if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
+            raise self._bad(what, "an integer" + (f" >= {minimum}" if minimum is not None else ""), v)
+        return v

@@ -1,0 +1,91 @@
+"""How a run of consecutive layers is cut into contiguous ranges over devices.
+
+Pure functions over a room test ``fits(i, start, end, holds_output)``: can device ``i`` (an index
+into the device list given) hold layers ``[start, end)``, and the output head too when
+``holds_output``? The cost behind it (weights, KV cache, compute buffer) is fit's business
+(fit.py); here only the cutting is decided. Devices are given in pipeline order: layers flow
+from the first to the last, and the last one that holds layers holds the output head.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Callable, List, Optional, Sequence, Tuple
+
+Fits = Callable[[int, int, int, bool], bool]
+
+
+def fill_from_end(n_devices: int, start_min: int, end: int, fits: Fits, output_open: bool,
+                  limits: Optional[Sequence[int]] = None) -> Tuple[List[int], int]:
+    """Greedy from the end: the last device takes as many of the layers that end at ``end`` as
+    it has room for (at most ``limits[i]``), then the device before it, and so on, never below
+    ``start_min``. Returns (layers per device, the first layer covered). Taking the most at each
+    device covers the longest run a contiguous cut can cover in this device order."""
+    counts = [0] * n_devices
+    pos = end
+    for i in reversed(range(n_devices)):
+        hi = pos - start_min
+        if limits is not None:
+            hi = min(hi, limits[i])
+        if hi <= 0 or not fits(i, pos - 1, pos, output_open):
+            continue
+        lo = 1  # largest c in [lo, hi] with room for [pos - c, pos): costs grow with c
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(i, pos - mid, pos, output_open):
+                lo = mid
+            else:
+                hi = mid - 1
+        counts[i] = lo
+        pos -= lo
+        output_open = False
+    return counts, pos
+
+
+def balanced(speeds: Sequence[Fraction], start_min: int, end: int, fits: Fits,
+             output_open: bool) -> Tuple[List[int], int]:
+    """The longest run of layers ending at ``end`` the devices have room for, cut so that the
+    slowest stage (its layers / its speed) is as short as the room allows: each device takes at
+    most ``t * speed`` layers for the smallest stage time ``t`` that still covers the run."""
+    n = len(speeds)
+    counts, start = fill_from_end(n, start_min, end, fits, output_open)
+    covered = end - start
+    if covered == 0 or n == 1:
+        return counts, start
+    # Candidate stage times: every count over every speed; a device's cap at t is floor(t * speed).
+    times = sorted({Fraction(c) / s for s in speeds for c in range(1, covered + 1)})
+    best = counts
+    lo, hi = 0, len(times) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        limits = [int(times[mid] * s) for s in speeds]
+        trial, trial_start = fill_from_end(n, start_min, end, fits, output_open, limits)
+        if trial_start <= start:
+            best, hi = trial, mid - 1
+        else:
+            lo = mid + 1
+    return best, start
+
+
+def ranges(counts: Sequence[int], first: int = 0) -> List[Optional[Tuple[int, int]]]:
+    """Layer counts per device -> (first, last) inclusive per device, None where it has none."""
+    out: List[Optional[Tuple[int, int]]] = []
+    pos = first
+    for c in counts:
+        out.append((pos, pos + c - 1) if c else None)
+        pos += c
+    return out
+
+
+def describe_layers(layers: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
+    out, run = [], []
+    for layer in sorted(layers):
+        if run and layer == run[-1] + 1:
+            run.append(layer)
+            continue
+        if run:
+            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+        run = [layer]
+    if run:
+        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
+    return ", ".join(out)
