@@ -45,6 +45,7 @@ def test_device_lists():
     assert [s.name for s in specs] == ["cpu:0", "cpu:1"]
     assert [s.mem_bytes for s in specs] == [1 << 30, 2 << 30]
     assert parse_devices(None) == [DeviceSpec()]
+    assert parse_devices("auto")[-1] == DeviceSpec()  # every CUDA device (none here), then the CPU
     assert parse_devices(["cpu:0", DeviceSpec("cpu", 1)])[1].index == 1
     with pytest.raises(ValueError, match="more than once"):
         parse_devices(["cpu:0", "cpu:0[mem=1GiB]"])

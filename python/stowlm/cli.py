@@ -196,8 +196,6 @@ def _run(a: argparse.Namespace) -> int:
         if given:
             raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
         kw_place = {}
-    if a.devices and a.devices.strip() == "auto" and a.no_fit:
-        raise ValueError("--devices auto needs fit (drop --no-fit)")
     t0 = time.perf_counter()
     llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
               placement=a.placement, fit_margin=margin, **kw_place)

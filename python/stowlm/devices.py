@@ -133,9 +133,12 @@ def _split_outside_brackets(text: str) -> List[str]:
 
 
 def parse_devices(devices: Union[None, str, DeviceSpec, Iterable[Union[str, DeviceSpec]]]) -> List[DeviceSpec]:
-    """A device list from None (one CPU device), "cpu:0[...],cpu:1[...]", or a list of specs."""
+    """A device list from None (one CPU device), "auto" (every CUDA device, then the CPU),
+    "cpu:0[...],cpu:1[...]", or a list of specs."""
     if devices is None:
         return [DeviceSpec()]
+    if isinstance(devices, str) and devices.strip().lower() == "auto":
+        return [DeviceSpec("cuda", d["index"]) for d in cuda_devices()[0]] + [DeviceSpec()]
     if isinstance(devices, DeviceSpec):
         return [devices]
     if isinstance(devices, str):

@@ -785,8 +785,6 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
             raise ValueError(f"the placement was made for another model ({placement.model.get('path')}, "
                              f"{placement.model.get('arch')}, fingerprint {placement.model.get('fingerprint')}), "
                              f"not {path} (fingerprint {mine})")
-    if isinstance(devices, str) and devices.strip() == "auto":
-        devices = [f"cuda:{d['index']}" for d in cuda_devices()[0]] + ["cpu"]
     specs = parse_devices(devices)
     n_ubatch = DEFAULT_N_UBATCH if n_ubatch is None else int(n_ubatch)
     if n_ubatch <= 0:
