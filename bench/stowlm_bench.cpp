@@ -4,6 +4,7 @@
 //
 //   stowlm-bench -m MODEL [-p 512] [-n 128] [-pg 512,128] [-d 0] [-t THREADS] [-r 5]
 //                [-ub 512] [-ctk f16|q8_0] [-o md|json|csv] [-v] [--no-warmup]
+//                [-dev cpu:0[threads=1],cpu:1[threads=1]] [--layer-split 15,15] [--n-copies 1,4]
 //
 // Each test runs once as warm-up, then -r times; the table gives mean ± standard deviation of
 // tokens per second over the repetitions. Token ids are random but valid (seeded).
@@ -40,14 +41,15 @@ namespace {
 
 struct Options {
     std::vector<std::string> models;
-    std::vector<int64_t> n_prompt{512}, n_gen{128}, n_depth{0}, threads, n_ubatch{512};
+    std::vector<int64_t> n_prompt{512}, n_gen{128}, n_depth{0}, threads, n_ubatch{512}, n_copies{4};
     std::vector<std::pair<int64_t, int64_t>> pg;
     std::vector<std::string> type_k{"f16"};
     int reps = 5;
     bool warmup = true;
     bool verbose = false;
     std::string output = "md";
-    DeviceSpec device;  // the whole model on it: cpu (default) or cuda:N
+    std::vector<DeviceSpec> devices{DeviceSpec()};  // cpu (default), cuda:N, or a list the layers are split over
+    std::vector<int> layer_split;                   // layers per device (default: even)
     std::string dump_logits;  // hidden: last logits of every test's last repetition (tests)
     uint64_t seed = 1234;
 };
@@ -73,15 +75,22 @@ void print_usage(FILE* f) {
             "  -pg P,G                  a prompt of P tokens then G generated tokens, timed together\n"
             "  -d, --n-depth N          tokens already in the KV cache before each test (default 0)\n"
             "  -t, --threads N          CPU threads (default %d: the machine's cores or STOWLM_THREADS)\n"
-            "  -dev, --device D         the device the model runs on: cpu (default) or cuda:N\n"
+            "  -dev, --device LIST      the devices the model runs on: cpu (default), cuda:N, or a list such\n"
+            "                           as cpu:0[threads=1],cpu:1[threads=1,mem=512MiB] (layers split over them;\n"
+            "                           -t sets the threads of a CPU device that does not say)\n"
+            "  --layer-split N,N,...    layers per device of -dev (default: even)\n"
+            "  --n-copies N             with several devices: copies of the tensors that cross them, one per\n"
+            "                           micro-batch in flight (pipeline parallelism; default 4, 1 = off)\n"
             "  -ub, --ubatch-size N     tokens per micro-batch of prompt processing (default 512)\n"
             "  -ctk, --cache-type-k T   KV cache type: f16 or q8_0 (default f16)\n"
             "  -r, --repetitions N      timed repetitions per test (default 5)\n"
             "  --no-warmup              skip the warm-up run of each test\n"
             "  -o, --output FMT         md (default), json or csv on stdout\n"
             "  -v, --verbose            memory per device (weights, KV, compute) and the process's peak\n"
-            "                           RSS against model file + KV + compute, and for generation the\n"
-            "                           weight bytes read per token and their rate, on stderr\n",
+            "                           RSS against model file + KV + compute, for generation the weight\n"
+            "                           bytes read per token and their rate, and for a prompt over several\n"
+            "                           devices whether it ran as a pipeline and each device's idle share,\n"
+            "                           on stderr\n",
             default_threads());
 }
 
@@ -98,12 +107,79 @@ int64_t parse_int(const std::string& flag, const std::string& s, int64_t min) {
     return v;
 }
 
+// "512MiB", "2GiB", "1000" -> bytes.
+size_t parse_size(const std::string& flag, const std::string& s) {
+    size_t used = 0;
+    double v = 0;
+    try {
+        v = std::stod(s, &used);
+    } catch (const std::exception&) {
+        used = 0;
+    }
+    const std::string unit = s.substr(used);
+    static const std::pair<const char*, double> units[] = {{"", 1}, {"B", 1}, {"K", 1024}, {"KiB", 1024},
+                                                           {"M", 1 << 20}, {"MiB", 1 << 20}, {"G", 1 << 30},
+                                                           {"GiB", 1 << 30}};
+    for (const auto& u : units)
+        if (used && unit == u.first && v > 0) return (size_t)(v * u.second);
+    throw UsageError(flag + ": cannot read the memory size '" + s + "' (use e.g. 512MiB)");
+}
+
 std::vector<std::string> split(const std::string& s, char sep) {
     std::vector<std::string> out;
     std::string item;
     std::stringstream ss(s);
     while (std::getline(ss, item, sep)) out.push_back(item);
     if (!s.empty() && s.back() == sep) out.push_back("");
+    return out;
+}
+
+// "cpu", "cuda:1", "cpu:0[threads=1,mem=512MiB]" (as stowlm/devices.py reads them).
+DeviceSpec parse_device(const std::string& flag, const std::string& text) {
+    DeviceSpec d;
+    std::string head = text, opts;
+    const size_t br = text.find('[');
+    if (br != std::string::npos) {
+        if (text.back() != ']') throw UsageError(flag + ": '" + text + "' has an unclosed [");
+        head = text.substr(0, br), opts = text.substr(br + 1, text.size() - br - 2);
+    }
+    const size_t colon = head.find(':');
+    d.kind = head.substr(0, colon);
+    if (d.kind != "cpu" && d.kind != "cuda") throw UsageError(flag + ": unknown device '" + text + "' (use cpu or cuda:N)");
+    d.index = colon == std::string::npos ? 0 : (int)parse_int(flag, head.substr(colon + 1), 0);
+    for (const std::string& kv : split(opts, ',')) {
+        if (kv.empty()) continue;
+        const size_t eq = kv.find('=');
+        const std::string key = kv.substr(0, eq), value = eq == std::string::npos ? "" : kv.substr(eq + 1);
+        if (key == "threads" && d.kind == "cpu")
+            d.threads = (int)parse_int(flag, value, 1);
+        else if (key == "mem")
+            d.mem_bytes = parse_size(flag, value);
+        else
+            throw UsageError(flag + ": unknown option '" + kv + "' of device '" + text + "' (threads, mem)");
+    }
+    return d;
+}
+
+// A device list: commas inside [...] belong to a device's options.
+std::vector<DeviceSpec> parse_devices(const std::string& flag, const std::string& text) {
+    std::vector<DeviceSpec> out;
+    std::string cur;
+    int depth = 0;
+    for (char c : text + ",") {
+        if (c == '[') depth++;
+        if (c == ']') depth--;
+        if (c == ',' && depth == 0) {
+            if (cur.empty()) throw UsageError(flag + ": empty device in '" + text + "'");
+            out.push_back(parse_device(flag, cur));
+            cur.clear();
+        } else {
+            cur += c;
+        }
+    }
+    for (size_t i = 0; i < out.size(); i++)
+        for (size_t j = 0; j < i; j++)
+            if (out[i].name() == out[j].name()) throw UsageError(flag + ": " + out[i].name() + " appears twice");
     return out;
 }
 
@@ -144,12 +220,12 @@ Options parse_args(int argc, char** argv) {
         } else if (a == "-t" || a == "--threads") {
             int_list(a, "t", value(), o.threads, 1);
         } else if (a == "-dev" || a == "--device") {
-            const std::string d = value();
-            const size_t colon = d.find(':');
-            o.device.kind = d.substr(0, colon);
-            if (o.device.kind != "cpu" && o.device.kind != "cuda")
-                throw UsageError(a + ": unknown device '" + d + "' (use cpu or cuda:N)");
-            o.device.index = colon == std::string::npos ? 0 : (int)parse_int(a, d.substr(colon + 1), 0);
+            o.devices = parse_devices(a, value());
+        } else if (a == "--layer-split") {
+            o.layer_split.clear();
+            for (const std::string& n : split(value(), ',')) o.layer_split.push_back((int)parse_int(a, n, 0));
+        } else if (a == "--n-copies") {
+            int_list(a, "nc", value(), o.n_copies, 1);
         } else if (a == "-ub" || a == "--ubatch-size") {
             int_list(a, "ub", value(), o.n_ubatch, 1);
         } else if (a == "-pg") {
@@ -185,6 +261,9 @@ Options parse_args(int argc, char** argv) {
         }
     }
     if (o.models.empty()) throw UsageError("no model given (-m FILE)");
+    if (!o.layer_split.empty() && o.layer_split.size() != o.devices.size())
+        throw UsageError("--layer-split: " + std::to_string(o.layer_split.size()) + " counts for " +
+                         std::to_string(o.devices.size()) + " devices");
     if (o.threads.empty()) o.threads.push_back(default_threads());
     for (const std::string& m : o.models) {
         struct stat st;
@@ -330,8 +409,8 @@ struct Test {
 
 struct Result {
     const ModelInfo* model = nullptr;
-    std::string backend, type_k, test_time;
-    int64_t threads = 0, n_ubatch = 0;
+    std::string backend, type_k, test_time, devices;
+    int64_t threads = 0, n_ubatch = 0, n_copies = 1;
     Test test;
     std::vector<uint64_t> samples_ns;
 
@@ -435,6 +514,8 @@ std::vector<std::pair<std::string, std::string>> fields(const Result& r, const s
         {"model_size", std::to_string(r.model->size)},
         {"model_n_params", std::to_string(r.model->n_params)},
         {"n_ubatch", std::to_string(r.n_ubatch)},
+        {"devices", str(r.devices)},
+        {"n_copies", std::to_string(r.n_copies)},
         {"n_threads", std::to_string(r.threads)},
         {"type_k", str(r.type_k)},
         {"type_v", str(r.type_k)},
@@ -455,6 +536,7 @@ class Printer {
 public:
     Printer(const Options& o) : o_(o), cpu_(cpu_info()) {
         show_ubatch_ = o.n_ubatch != std::vector<int64_t>{512};
+        show_devices_ = o.devices.size() > 1;
         show_type_k_ = o.type_k != std::vector<std::string>{"f16"};
     }
 
@@ -494,6 +576,8 @@ private:
     void markdown(const Result& r) {
         std::vector<std::string> head{"model", "size", "params", "backend", "threads"};
         std::vector<bool> right{false, true, true, false, true};
+        if (show_devices_) head.push_back("devices"), right.push_back(false);
+        if (show_devices_) head.push_back("copies"), right.push_back(true);
         if (show_ubatch_) head.push_back("n_ubatch"), right.push_back(true);
         if (show_type_k_) head.push_back("type_k"), right.push_back(false);
         head.push_back("test"), right.push_back(true);
@@ -514,6 +598,7 @@ private:
         row.push_back(buf);
         row.push_back(r.backend);
         row.push_back(std::to_string(r.threads));
+        if (show_devices_) row.push_back(r.devices), row.push_back(std::to_string(r.n_copies));
         if (show_ubatch_) row.push_back(std::to_string(r.n_ubatch));
         if (show_type_k_) row.push_back(r.type_k);
         row.push_back(r.test.name());
@@ -550,7 +635,7 @@ private:
 
     const Options& o_;
     std::string cpu_;
-    bool show_ubatch_ = false, show_type_k_ = false;
+    bool show_ubatch_ = false, show_type_k_ = false, show_devices_ = false;
     int n_ = 0;
 };
 
@@ -570,6 +655,28 @@ struct MemoryCheck {
     size_t expected = 0;  // largest model file + KV + compute of any context run
     std::string what;
 };
+
+// Whether the last prompt ran as a pipeline, each device's idle share of it (the bubble and
+// the waits), and the bytes its copies of the crossing tensors take beyond one copy.
+void report_pipeline(const Context& ctx, const Model& model, const Test& t) {
+    const PipelineMode& mode = ctx.pipeline();
+    if (mode.n_copies == 1) {
+        fprintf(stderr, "  %s: not pipelined: %s\n", t.name().c_str(), mode.reason.c_str());
+        return;
+    }
+    const PipelineStats& st = ctx.pipeline_stats();
+    size_t copies = 0;
+    for (const DeviceMemory& d : ctx.memory_report()) copies += d.copies;
+    fprintf(stderr, "  %s: pipelined, %d micro-batches, %d copies of the crossing tensors (%.2f MiB, %.2f MiB more "
+                    "than one copy); idle:",
+            t.name().c_str(), st.micro_batches, mode.n_copies, mib(copies),
+            mib(copies - copies / (size_t)mode.n_copies));
+    const auto backends = model.backends();
+    for (size_t d = 0; d < st.busy_s.size(); d++)
+        fprintf(stderr, " %s %.1f%%", backends[d]->name().c_str(),
+                st.wall_s > 0 ? 100.0 * (1.0 - st.busy_s[d] / st.wall_s) : 0.0);
+    fprintf(stderr, "\n");
+}
 
 std::string backend_label(const Model& model) {
     std::string s;
@@ -604,18 +711,24 @@ int run(const Options& o) {
 
     for (const std::string& path : o.models) {
         for (int64_t threads : o.threads) {
-            DeviceSpec spec = o.device;
-            if (spec.kind == "cpu") spec.threads = (int)threads;
-            std::unique_ptr<Model> model = Model::load(path, {spec}, {});
+            std::vector<DeviceSpec> specs = o.devices;
+            std::string devices;
+            for (DeviceSpec& spec : specs) {
+                if (spec.kind == "cpu" && spec.threads == 0) spec.threads = (int)threads;
+                devices += (devices.empty() ? "" : "+") + spec.name();
+            }
+            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split);
             const ModelInfo info = describe(model->file());
             const std::string backend = backend_label(*model);
             const int64_t n_vocab = model->hp().n_vocab;
             for (int64_t ub : o.n_ubatch) {
+              for (int64_t n_copies : o.n_copies) {
                 for (const std::string& tk : o.type_k) {
                     for (const Test& t : tests) {
                         ContextParams cp;
                         cp.n_ctx = t.n_depth + t.n_prompt + t.n_gen;
                         cp.n_ubatch = ub;
+                        cp.n_copies = (int)n_copies;
                         cp.kv_type = parse_kv_type(tk);
                         // Only the last token's logits are ever read: one row keeps the
                         // compute buffer as small as a generation loop needs.
@@ -627,8 +740,10 @@ int run(const Options& o) {
                                     t.name().c_str(), (long long)cp.n_ctx, (long long)ub, tk.c_str());
                             for (const DeviceMemory& d : ctx->memory_report()) {
                                 fprintf(stderr,
-                                        "  %-8s weights %9.2f MiB  kv %8.2f MiB  compute %8.2f MiB  total %9.2f MiB\n",
-                                        d.name.c_str(), mib(d.weights), mib(d.kv), mib(d.compute), mib(d.total));
+                                        "  %-8s weights %9.2f MiB  kv %8.2f MiB  compute %8.2f MiB  copies %8.2f MiB  "
+                                        "total %9.2f MiB\n",
+                                        d.name.c_str(), mib(d.weights), mib(d.kv), mib(d.compute), mib(d.copies),
+                                        mib(d.total));
                                 kv += d.kv;
                                 compute += d.compute;
                             }
@@ -660,6 +775,8 @@ int run(const Options& o) {
                         r.type_k = tk;
                         r.threads = threads;
                         r.n_ubatch = ub;
+                        r.devices = devices;
+                        r.n_copies = ctx->pipeline().n_copies;
                         r.test = t;
                         r.test_time = now_iso();
                         if (o.warmup) {
@@ -672,6 +789,7 @@ int run(const Options& o) {
                             ctx->kv_truncate(t.n_depth);
                         }
                         printer.add(r);
+                        if (o.verbose && specs.size() > 1 && t.n_prompt > 0) report_pipeline(*ctx, *model, t);
                         if (o.verbose && t.n_gen > 0 && t.n_prompt == 0) {
                             double ts = 0;
                             for (uint64_t ns : r.samples_ns) ts += (double)t.n_gen * 1e9 / (double)ns;
@@ -698,6 +816,7 @@ int run(const Options& o) {
                         }
                     }
                 }
+              }
             }
         }
     }

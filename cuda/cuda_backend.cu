@@ -112,6 +112,7 @@ Event CudaDevice::record(Stream s) {
     return e;
 }
 void CudaDevice::wait(Stream s, Event e) {
+    set_current();  // the pipeline calls this from the thread of another device
     check_cuda(cudaStreamWaitEvent((cudaStream_t)s, (cudaEvent_t)e, 0), "cudaStreamWaitEvent");
 }
 void CudaDevice::release(Event e) {

@@ -5,7 +5,9 @@
 // Graph inputs (token ids, positions, KV cells) live in host memory: the scheduler gives this
 // device COPY nodes for them (host_accessible() is false) and the context uploads those before
 // the split runs. Every copy goes through the compute stream, so copies and kernels are
-// ordered without extra events; only a peer copy waits on the other device's stream.
+// ordered without extra events; only a peer copy waits on the other device's stream. With
+// pipeline parallelism (engine/pipeline.h) the device that produced a tensor pushes it into
+// this device's copy slot from its own thread: the CudaDevice calls set the current device.
 #include <algorithm>
 #include <memory>
 #include <string>

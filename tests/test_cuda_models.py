@@ -43,7 +43,7 @@ def test_cuda_device_lists_without_a_gpu_are_clear_errors(model_path):
     with pytest.raises(RuntimeError, match=r"cuda:0.*no CUDA device is present|no CUDA device is present.*cuda:0"):
         _core.engine.Model(str(path), [("cuda", 0, 0, 0)], [], [])
     with pytest.raises(RuntimeError, match="no CUDA device is present"):
-        _core.engine.project(str(path), [("cpu", 0, 1, 0), ("cuda", 0, 0, 0)], [], [], 64, 8, "f16", 0)
+        _core.engine.project(str(path), [("cpu", 0, 1, 0), ("cuda", 0, 0, 0)], [], [], 64, 8, "f16", 0, 4)
     assert stowlm.Model(path, devices=[CPU]).n_layer == 30  # the process stays usable
 
 

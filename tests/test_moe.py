@@ -82,9 +82,11 @@ def test_experts_on_another_device(model_path, name):
     # the layer's output back (the last one as the rows the output head wants).
     with stowlm.GGUFFile(path) as f:
         k = int(f.metadata[f"{model.arch}.expert_used_count"])
-    E, n = model.n_embd, n_ubatch
-    assert moved[1][1]["copies"] == n_layer * (2 * E * n * 4 + 2 * k * n * 4)
-    assert moved[1][0]["copies"] == n_layer * E * n * 4
+    # Kept once per micro-batch in flight: cpu:0 attends to micro-batch i while cpu:1 runs the
+    # experts of micro-batch i-1 (pipeline parallelism, test_pipeline.py).
+    E, n, slots = model.n_embd, n_ubatch, model.n_copies
+    assert moved[1][1]["copies"] == slots * n_layer * (2 * E * n * 4 + 2 * k * n * 4)
+    assert moved[1][0]["copies"] == slots * n_layer * E * n * 4
     assert same[1][1]["copies"] == same[1][0]["copies"] == 0
 
 

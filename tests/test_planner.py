@@ -25,10 +25,13 @@ def test_projected_equals_allocated(model_path, name):
             assert r[key] == p[key] > 0, (key, p, r)
         assert r["total"] == r["weights"] + r["kv"] + r["compute"]
     # The hidden state crosses from device 0 to device 1 once: one staging copy on device 1 (and
-    # on device 0 the embeddings, when a tied embedding lives with the output on device 1).
+    # on device 0 the embeddings, when a tied embedding lives with the output on device 1), in
+    # one slot per micro-batch the pipeline keeps in flight.
     hidden = model.n_embd * n_ubatch * 4
-    assert report[1]["copies"] == hidden
-    assert report[0]["copies"] == (hidden if model.tensor_device("token_embd.weight") == 1 else 0)
+    slots = ctx.pipeline["n_copies"]
+    assert slots == model.n_copies == 4
+    assert report[1]["copies"] == slots * hidden
+    assert report[0]["copies"] == (slots * hidden if model.tensor_device("token_embd.weight") == 1 else 0)
     assert ctx._c.check_plan() == ""
     assert ctx._c.n_inplace > 0
     # KV bytes are independent arithmetic: layers * 2 * n_ctx * n_head_kv*head_dim * 2 bytes (f16).
@@ -73,12 +76,13 @@ def test_n_outputs_shrinks_the_logits_buffer(model_path):
 def test_context_too_big_fails_cleanly_then_fits(model_path):
     """Device 1 gets exactly one byte less than its share: the compute buffer allocation fails
     naming the device and the bytes asked and available, everything the failed context had
-    allocated (KV on both devices) is released, and a context that fits then loads."""
+    allocated (KV on both devices) is released, and a context that fits then loads. (One copy
+    of the crossing tensors: with more, the context would retry with one; test_pipeline.py.)"""
     path = model_path("smollm2-135m")
     n_ctx, n_ubatch = 128, 32
-    need = plan(path, ["cpu:0[threads=1]", "cpu:1[threads=1]"], n_ctx=n_ctx, n_ubatch=n_ubatch)
+    need = plan(path, ["cpu:0[threads=1]", "cpu:1[threads=1]"], n_ctx=n_ctx, n_ubatch=n_ubatch, n_copies=1)
     budget1 = need[1]["total"] - 1
-    model = stowlm.Model(path, devices=["cpu:0[threads=1]", f"cpu:1[threads=1,mem={budget1}]"])
+    model = stowlm.Model(path, devices=["cpu:0[threads=1]", f"cpu:1[threads=1,mem={budget1}]"], n_copies=1)
     weights_only = [need[0]["weights"], need[1]["weights"]]
     assert model._m.device_used() == weights_only
     with pytest.raises(MemoryError) as e:

@@ -56,13 +56,29 @@ nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* 
     return out;
 }
 
-ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs) {
+ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs, int n_copies) {
     ContextParams p;
     p.n_ctx = n_ctx;
     p.n_ubatch = n_ubatch;
     p.n_outputs = n_outputs;
     p.kv_type = parse_kv_type(kv_type);
+    p.n_copies = n_copies;
     return p;
+}
+
+nb::dict pipeline_py(const PipelineMode& m) {
+    nb::dict d;
+    d["n_copies"] = m.n_copies;
+    d["reason"] = m.reason;
+    return d;
+}
+
+// {"devices": [per device ...], "pipeline": {"n_copies": N, "reason": why it is off or ""}}
+nb::dict projection_py(const Projection& p) {
+    nb::dict d;
+    d["devices"] = to_py(p.devices, nullptr);
+    d["pipeline"] = pipeline_py(p.pipeline);
+    return d;
 }
 
 struct BoundModel {
@@ -118,16 +134,15 @@ STOWLM_BIND(engine) {
                  return n;
              })
         .def("plan",
-             [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs) {
-                 return to_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
-             },
-             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"));
+             [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs,
+                int n_copies) { return projection_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies))); },
+             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"));
 
     nb::class_<BoundContext>(e, "Context")
         .def("__init__",
              [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type,
-                int64_t n_outputs) {
-                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs);
+                int64_t n_outputs, int n_copies) {
+                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies);
                  std::unique_ptr<Context> c;
                  {
                      nb::gil_scoped_release nogil;
@@ -136,7 +151,7 @@ STOWLM_BIND(engine) {
                  new (self) BoundContext{std::move(c)};
              },
              nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"),
-             nb::keep_alive<1, 2>())
+             nb::arg("n_copies"), nb::keep_alive<1, 2>())
         .def("eval",
              [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions, bool all) {
                  std::vector<float>* out = nullptr;
@@ -157,6 +172,23 @@ STOWLM_BIND(engine) {
         .def_prop_ro("n_graphs", [](const BoundContext& s) { return s.c->n_graphs(); })
         .def("check_plan", [](const BoundContext& s) { return s.c->check_plan_sound(); })
         .def_prop_ro("n_inplace", [](const BoundContext& s) { return s.c->plan().n_inplace; })
+        .def_prop_ro("pipeline", [](const BoundContext& s) { return pipeline_py(s.c->pipeline()); })
+        .def("kv_bytes",
+             [](const BoundContext& s, int il, bool v) {
+                 const std::vector<uint8_t> b = s.c->kv_bytes(il, v);
+                 return nb::bytes((const char*)b.data(), b.size());
+             },
+             nb::arg("layer"), nb::arg("v"))
+        // The last eval run as a pipeline: wall seconds, busy seconds per device, micro-batches.
+        .def_prop_ro("pipeline_stats",
+                     [](const BoundContext& s) {
+                         const PipelineStats& st = s.c->pipeline_stats();
+                         nb::dict d;
+                         d["wall_s"] = st.wall_s;
+                         d["busy_s"] = st.busy_s;
+                         d["micro_batches"] = st.micro_batches;
+                         return d;
+                     })
         .def("memory_report", [](const BoundContext& s, const BoundModel& model) {
             auto backends = model.m->backends();
             return to_py(s.c->memory_report(), &backends);
@@ -176,10 +208,11 @@ STOWLM_BIND(engine) {
         .def_prop_ro("n_layer", [](const BoundProjector& s) { return s.shape->hp().n_layer; })
         .def_prop_ro("n_ctx_train", [](const BoundProjector& s) { return s.shape->hp().n_ctx_train; })
         .def_prop_ro("n_expert", [](const BoundProjector& s) { return s.shape->hp().n_expert; })
+        .def_prop_ro("n_expert_used", [](const BoundProjector& s) { return s.shape->hp().n_expert_used; })
         .def_prop_ro("n_vocab", [](const BoundProjector& s) { return s.shape->hp().n_vocab; })
         .def_prop_ro("tied_output", [](const BoundProjector& s) { return s.shape->output() == s.shape->tok_embd(); })
         // Every weight the model uses: (name, anchor, bytes, packed_bytes, index of the first
-        // override matching it or -1); anchor: its layer, -1 first device, -2 last device.
+        // override matching it or -1, elements); anchor: its layer, -1 first device, -2 last device.
         .def("weights",
              [](const BoundProjector& s, const std::vector<OverrideTuple>& overrides) {
                  int n_dev = 1;
@@ -188,33 +221,34 @@ STOWLM_BIND(engine) {
                                       to_overrides(overrides));
                  nb::list out;
                  for (const WeightInfo& w : m->weight_infos())
-                     out.append(nb::make_tuple(w.name, w.anchor, w.bytes, w.packed_bytes, w.override_index));
+                     out.append(nb::make_tuple(w.name, w.anchor, w.bytes, w.packed_bytes, w.override_index,
+                                               w.n_elements));
                  return out;
              },
              nb::arg("overrides"))
         .def("kv_layer_bytes",
              [](const BoundProjector& s, int64_t n_ctx, const std::string& kv_type) {
-                 return kv_bytes_per_layer(context_kv_layout(*s.shape, params(n_ctx, 1, kv_type, 0)));
+                 return kv_bytes_per_layer(context_kv_layout(*s.shape, params(n_ctx, 1, kv_type, 0, 1)));
              },
              nb::arg("n_ctx"), nb::arg("kv_type"))
         .def("project",
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
-                const std::string& kv_type, int64_t n_outputs) {
+                const std::string& kv_type, int64_t n_outputs, int n_copies) {
                  auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides));
-                 return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
+                 return projection_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-             nb::arg("kv_type"), nb::arg("n_outputs"));
+             nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"));
 
     e.def(
         "project",
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
            const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
-           const std::string& kv_type, int64_t n_outputs) {
+           const std::string& kv_type, int64_t n_outputs, int n_copies) {
             auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides));
-            return to_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs)), nullptr);
+            return projection_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies)));
         },
         nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-        nb::arg("kv_type"), nb::arg("n_outputs"));
+        nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"));
 }

@@ -1,6 +1,7 @@
 #include "engine/context.h"
 
 #include <algorithm>
+#include <string>
 
 #include "error.h"
 #include "graph/scheduler.h"
@@ -18,6 +19,7 @@ ContextParams checked(const Model& m, ContextParams p) {
     if (p.n_ctx <= 0) throw InvalidInput("n_ctx must be positive, got " + std::to_string(p.n_ctx));
     if (p.n_ubatch <= 0) throw InvalidInput("n_ubatch must be positive, got " + std::to_string(p.n_ubatch));
     if (p.n_outputs < 0) throw InvalidInput("n_outputs must be >= 0, got " + std::to_string(p.n_outputs));
+    if (p.n_copies < 1) throw InvalidInput("n_copies must be >= 1, got " + std::to_string(p.n_copies));
     p.n_ubatch = std::min(p.n_ubatch, p.n_ctx);
     p.n_outputs = p.n_outputs == 0 ? p.n_ubatch : std::min(p.n_outputs, p.n_ubatch);
     const QTypeInfo* kv = qtype_info((uint32_t)p.kv_type);
@@ -37,6 +39,25 @@ KVLayout kv_layout(const Model& m, const ContextParams& p) {
     l.layer_k_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_k);
     l.layer_v_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_v);
     return l;
+}
+
+// Pipelining needs several copies, several devices that compute (layers, or weights an
+// override put there such as experts), and devices that do not keep tensors between their
+// splits of a micro-batch.
+PipelineMode pipeline_mode(const Model& m, const Graph& worst, int n_copies) {
+    PipelineMode mode;
+    std::vector<int> devices;
+    for (const Split& s : worst.splits) devices.push_back(s.device);
+    std::sort(devices.begin(), devices.end());
+    devices.erase(std::unique(devices.begin(), devices.end()), devices.end());
+    if (n_copies <= 1)
+        mode.reason = "n_copies is 1";
+    else if (devices.size() < 2)
+        mode.reason = "one device computes everything";
+    else
+        mode.reason = pipeline_blocker(worst, m.backends());
+    mode.n_copies = mode.reason.empty() ? n_copies : 1;
+    return mode;
 }
 
 std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, const ComputePlan& plan) {
@@ -79,15 +100,17 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
 
 KVLayout context_kv_layout(const Model& model, const ContextParams& p) { return kv_layout(model, checked(model, p)); }
 
-std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& params) {
+Projection project_memory(const Model& model, const ContextParams& params) {
     const ContextParams p = checked(model, params);
     const KVLayout layout = kv_layout(model, p);
     KVCache kv(layout, model.backends(), /*allocate=*/false);
     Graph g;
     BuildInputs in;
     build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
-    const ComputePlan plan = plan_compute(g, model.backends());
-    return report(model, kv.device_bytes(), plan);
+    Projection r;
+    r.pipeline = pipeline_mode(model, g, p.n_copies);
+    r.devices = report(model, kv.device_bytes(), plan_compute(g, model.backends(), r.pipeline.n_copies));
+    return r;
 }
 
 Context::Context(Model& model, const ContextParams& p) : model_(model), params_(checked(model, p)) {
@@ -98,9 +121,20 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
     BuildInputs in;
     KVCache shape_only(kv_layout(model, params_), backends_, false);
     build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
-    plan_ = plan_compute(ref, backends_);
+    pipeline_ = pipeline_mode(model, ref, params_.n_copies);
+    plan_ = plan_compute(ref, backends_, pipeline_.n_copies);
     kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true);
-    compute_ = allocate_compute(plan_, backends_);
+    try {
+        compute_ = allocate_compute(plan_, backends_);
+    } catch (const OutOfDeviceMemory& e) {
+        if (pipeline_.n_copies == 1) throw;
+        // What this attempt allocated is freed already (allocate_compute's buffers die with it).
+        pipeline_.reason = "the compute buffers with " + std::to_string(pipeline_.n_copies) +
+                           " copies of the crossing tensors did not fit (" + e.what() + "); retried with 1 copy";
+        pipeline_.n_copies = 1;
+        plan_ = plan_compute(ref, backends_, 1);
+        compute_ = allocate_compute(plan_, backends_);
+    }
 }
 
 std::string Context::check_plan_sound() const {
@@ -111,34 +145,61 @@ std::string Context::check_plan_sound() const {
     return check_plan(ref, plan_);
 }
 
+std::vector<uint8_t> Context::kv_bytes(int il, bool v) const {
+    if (il < 0 || il >= (int)model_.hp().n_layer) throw InvalidInput("kv_bytes: no layer " + std::to_string(il));
+    Tensor* t = v ? kv_->v(il) : kv_->k(il);
+    std::vector<uint8_t> out(t->nb[1] * (size_t)kv_->n_used());
+    if (!out.empty()) backends_[t->device]->copy_to_host(*t, out.data(), out.size());
+    return out;
+}
+
 std::vector<DeviceMemory> Context::memory_report() const { return report(model_, kv_->device_bytes(), plan_); }
 
-Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out) {
-    auto key = std::make_tuple(n_tok, n_kv, n_out);
+Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot) {
+    auto key = std::make_tuple(n_tok, n_kv, n_out, slot);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) return *it->second;
     auto sg = std::make_unique<ShapeGraph>();
     build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage);
-    place_graph(sg->g, plan_, compute_, backends_);
+    place_graph(sg->g, plan_, compute_, slot);
     return *graphs_.emplace(key, std::move(sg)).first->second;
 }
 
-void Context::run(ShapeGraph& sg) {
-    for (const Split& s : sg.g.splits) {
-        Backend& b = *backends_[s.device];
-        for (Tensor* n : s.nodes) {
-            if (n->op != Op::COPY) continue;
-            const Tensor* src = n->src[0];
-            if (src->storage_root()->role == TensorRole::INPUT)
-                b.copy_from_host(*n, src->data, src->nbytes());
-            else
-                b.copy_from_peer(*n, *src, *backends_[src->storage_root()->device]);
-        }
-        b.compute(s, (char*)compute_.buffers[s.device]->data + (compute_.buffers[s.device]->size -
-                                                                 plan_.devices[s.device].scratch_bytes),
-                  plan_.devices[s.device].scratch_bytes);
+void Context::run_split(const Split& s, bool pull_peers) {
+    Backend& b = *backends_[s.device];
+    for (Tensor* n : s.nodes) {
+        if (n->op != Op::COPY) continue;
+        const Tensor* src = n->src[0];
+        if (src->storage_root()->role == TensorRole::INPUT)
+            b.copy_from_host(*n, src->data, src->nbytes());
+        else if (pull_peers)
+            b.copy_from_peer(*n, *src, *backends_[src->storage_root()->device]);
     }
+    BackendBuffer& buf = *compute_.buffers[s.device];
+    const size_t scratch = plan_.devices[s.device].scratch_bytes;
+    b.compute(s, (char*)buf.data + (buf.size - scratch), scratch);
+}
+
+void Context::run(ShapeGraph& sg) {
+    for (const Split& s : sg.g.splits) run_split(s, true);
     for (Backend* b : backends_) b->synchronize();
+}
+
+void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& pos, int64_t b0,
+                      int64_t nt, int64_t n_out, bool all_logits) {
+    const int64_t first_cell = kv_->n_used();
+    int32_t* in_tok = (int32_t*)sg.in.tokens->data;
+    int32_t* in_pos = (int32_t*)sg.in.pos->data;
+    int32_t* in_cells = (int32_t*)sg.in.cells->data;
+    for (int64_t i = 0; i < nt; i++) {
+        in_tok[i] = tokens[b0 + i];
+        in_pos[i] = pos[b0 + i];
+        in_cells[i] = (int32_t)(first_cell + i);
+    }
+    kv_->append(in_pos, nt);
+    std::copy(kv_->cell_pos().begin(), kv_->cell_pos().begin() + sg.in.kv_pos->ne[0], (int32_t*)sg.in.kv_pos->data);
+    int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
+    for (int64_t i = 0; i < n_out; i++) out_ids[i] = (int32_t)(all_logits ? i : nt - 1);
 }
 
 std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
@@ -161,40 +222,51 @@ std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::
     std::vector<int32_t> pos(n);
     for (int64_t i = 0; i < n; i++) pos[i] = positions.empty() ? (int32_t)(kv_->n_used() + i) : positions[i];
 
-    std::vector<float> logits((all_logits ? n : 1) * n_vocab);
+    // The micro-batches: [b0, b0 + nt), n_out rows of logits each (earlier micro-batches of a
+    // "last" request still select one row, which is discarded).
+    struct Micro {
+        int64_t b0, nt, n_out, n_kv;
+    };
+    std::vector<Micro> micro;
     const int64_t n_start = kv_->n_used();
     const int64_t step = all_logits ? params_.n_outputs : params_.n_ubatch;
     for (int64_t b0 = 0; b0 < n; b0 += step) {
         const int64_t nt = std::min(step, n - b0);
-        const bool last = b0 + nt == n;
-        // Earlier micro-batches of a "last" request still select one row; it is discarded.
-        const int64_t n_out = all_logits ? nt : 1;
-        const int64_t first_cell = kv_->n_used();
-        const int64_t n_kv = std::min(params_.n_ctx, (first_cell + nt + kKvBucket - 1) / kKvBucket * kKvBucket);
-        ShapeGraph& sg = graph_for(nt, n_kv, n_out);
-        int32_t* in_tok = (int32_t*)sg.in.tokens->data;
-        int32_t* in_pos = (int32_t*)sg.in.pos->data;
-        int32_t* in_cells = (int32_t*)sg.in.cells->data;
-        for (int64_t i = 0; i < nt; i++) {
-            in_tok[i] = tokens[b0 + i];
-            in_pos[i] = pos[b0 + i];
-            in_cells[i] = (int32_t)(first_cell + i);
-        }
-        kv_->append(in_pos, nt);
-        std::copy(kv_->cell_pos().begin(), kv_->cell_pos().begin() + n_kv, (int32_t*)sg.in.kv_pos->data);
-        int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
-        for (int64_t i = 0; i < n_out; i++) out_ids[i] = (int32_t)(all_logits ? i : nt - 1);
-        try {
-            run(sg);
-        } catch (...) {
-            kv_->truncate(n_start);  // leave the cache as it was
-            throw;
-        }
-        const Tensor* out = sg.g.output;
+        const int64_t n_kv = std::min(params_.n_ctx, (n_start + b0 + nt + kKvBucket - 1) / kKvBucket * kKvBucket);
+        micro.push_back({b0, nt, all_logits ? nt : 1, n_kv});
+    }
+    std::vector<float> logits((all_logits ? n : 1) * n_vocab);
+    auto copy_logits = [&](int i, const Graph& g) {
+        const Tensor* out = g.output;
         if (all_logits)
-            backends_[out->device]->copy_to_host(*out, logits.data() + b0 * n_vocab, out->nbytes());
-        else if (last)
+            backends_[out->device]->copy_to_host(*out, logits.data() + micro[i].b0 * n_vocab, out->nbytes());
+        else if (i + 1 == (int)micro.size())
             backends_[out->device]->copy_to_host(*out, logits.data(), out->nbytes());
+    };
+    try {
+        if (pipeline_.n_copies > 1 && micro.size() > 1) {
+            const int slots = pipeline_.n_copies;
+            run_pipeline(
+                (int)micro.size(), slots, backends_,
+                [&](int i) {
+                    const Micro& m = micro[i];
+                    ShapeGraph& sg = graph_for(m.nt, m.n_kv, m.n_out, i % slots);
+                    prepare(sg, tokens, pos, m.b0, m.nt, m.n_out, all_logits);
+                    return &sg.g;
+                },
+                [&](const Graph&, const Split& s) { run_split(s, false); }, copy_logits, &stats_);
+        } else {
+            for (int i = 0; i < (int)micro.size(); i++) {
+                const Micro& m = micro[i];
+                ShapeGraph& sg = graph_for(m.nt, m.n_kv, m.n_out, 0);
+                prepare(sg, tokens, pos, m.b0, m.nt, m.n_out, all_logits);
+                run(sg);
+                copy_logits(i, sg.g);
+            }
+        }
+    } catch (...) {
+        kv_->truncate(n_start);  // leave the cache as it was
+        throw;
     }
     return logits;
 }

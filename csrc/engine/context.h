@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "engine/pipeline.h"
 #include "graph/planner.h"
 #include "kv/kv_cache.h"
 #include "models/model.h"
@@ -24,6 +25,15 @@ struct ContextParams {
     // the last token's logits can keep it small; "all" requests then go n_outputs at a time.
     int64_t n_outputs = 0;
     QType kv_type = QType::F16;
+    // Copies of the tensors that cross devices, one per micro-batch in flight (pipeline
+    // parallelism, engine/pipeline.h); 1: the devices take turns.
+    int n_copies = 4;
+};
+
+// Whether a context pipelines its micro-batches over the devices, and why not when it does not.
+struct PipelineMode {
+    int n_copies = 1;    // copy slots it plans (1: no pipelining)
+    std::string reason;  // why it is off ("" when on)
 };
 
 struct DeviceMemory {
@@ -31,9 +41,14 @@ struct DeviceMemory {
     size_t weights = 0, kv = 0, compute = 0, copies = 0, total = 0, budget = 0;
 };
 
+struct Projection {
+    std::vector<DeviceMemory> devices;
+    PipelineMode pipeline;
+};
+
 // Bytes per device a context with these parameters would take, from the same planner path
 // the context allocates with. Allocates nothing.
-std::vector<DeviceMemory> project_memory(const Model& model, const ContextParams& p);
+Projection project_memory(const Model& model, const ContextParams& p);
 // The KV cache a context with these parameters has (parameters checked as a Context does).
 KVLayout context_kv_layout(const Model& model, const ContextParams& p);
 
@@ -55,21 +70,32 @@ public:
         kv_->clear();
     }
     int64_t n_past() const { return kv_->n_used(); }
+    // The bytes of layer il's K (v=false) or V cache for the cells in use, read back to the host.
+    std::vector<uint8_t> kv_bytes(int il, bool v) const;
     int64_t n_ctx() const { return params_.n_ctx; }
     int64_t n_vocab() const { return model_.hp().n_vocab; }
     std::vector<DeviceMemory> memory_report() const;
+    const PipelineMode& pipeline() const { return pipeline_; }
+    // Of the last eval that ran its micro-batches as a pipeline (micro_batches 0 if none did).
+    const PipelineStats& pipeline_stats() const { return stats_; }
     size_t n_graphs() const { return graphs_.size(); }
     const ComputePlan& plan() const { return plan_; }
     // check_plan() over the worst-case graph (the one the plan was made for).
     std::string check_plan_sound() const;
 
 private:
+    // One micro-batch shape, built once per copy slot: a micro-batch in slot s reads its inputs
+    // and crossing tensors there while the micro-batches of other slots run.
     struct ShapeGraph {
         Graph g;
         BuildInputs in;
         std::vector<std::vector<int32_t>> input_storage;
     };
-    ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out);
+    ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot);
+    // Fills sg's inputs for the tokens [b0, b0 + nt) and takes their KV cells.
+    void prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& pos, int64_t b0,
+                 int64_t nt, int64_t n_out, bool all_logits);
+    void run_split(const Split& s, bool pull_peers);
     void run(ShapeGraph& sg);
 
     Model& model_;
@@ -78,7 +104,9 @@ private:
     std::unique_ptr<KVCache> kv_;
     ComputePlan plan_;
     ComputeBuffers compute_;
-    std::map<std::tuple<int64_t, int64_t, int64_t>, std::unique_ptr<ShapeGraph>> graphs_;
+    PipelineMode pipeline_;
+    PipelineStats stats_;
+    std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<ShapeGraph>> graphs_;
     std::mutex mu_;  // eval runs without the GIL: one call at a time per context
 };
 

@@ -83,9 +83,14 @@ bool is_placed(const Tensor* t) { return t->op != Op::NONE && t->op != Op::VIEW 
 
 }  // namespace
 
-size_t DeviceComputePlan::total() const { return scratch_bytes ? align_up(tensor_bytes) + scratch_bytes : tensor_bytes; }
+size_t DeviceComputePlan::copy_area_offset() const { return align_up(tensor_bytes); }
 
-ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends) {
+size_t DeviceComputePlan::total() const {
+    const size_t tensors = slots > 1 ? copy_area_offset() + (size_t)slots * slot_bytes : tensor_bytes;
+    return scratch_bytes ? align_up(tensors) + scratch_bytes : tensors;
+}
+
+ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, int copy_slots) {
     const std::vector<Tensor*> order = g.exec_order();
     ComputePlan plan;
     plan.devices.resize(backends.size());
@@ -113,6 +118,16 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends) 
         if (dev < 0 || dev >= (int)backends.size()) throw InvalidInput("planner: node " + n->name + " has no device");
         DeviceComputePlan& dp = plan.devices[dev];
         dp.scratch_bytes = std::max(dp.scratch_bytes, backends[dev]->scratch_bytes(*n));
+        if (copy_slots > 1 && n->op == Op::COPY) {
+            // Its own bytes in every slot, for the whole micro-batch: written when its producer
+            // finishes, read by this device whenever it gets to the micro-batch.
+            plan.offsets[i] = (int64_t)dp.slot_bytes;
+            plan.sizes[i] = n->nbytes();
+            dp.slot_bytes += align_up(n->nbytes());
+            dp.slots = copy_slots;
+            dp.copy_bytes = dp.slot_bytes * copy_slots;
+            continue;
+        }
         if (is_placed(n)) {
             const size_t size = n->nbytes();
             int64_t off = -1;
@@ -145,7 +160,7 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends) 
             const Tensor* r = n->src[s]->storage_root();
             if (r == out_root || last_use[r] != i) continue;
             auto h = held.find(r);
-            if (h == held.end()) continue;
+            if (h == held.end()) continue;  // not in the liveness region (a copy slot) or already freed
             alloc[r->device].release(h->second, plan.sizes[index[r]]);
             held.erase(h);
         }
@@ -177,14 +192,22 @@ std::string check_plan(const Graph& g, const ComputePlan& plan) {
         const Tensor* n = order[i];
         int death = last_use.count(n) ? last_use[n] : i;
         if (n == out_root) death = (int)order.size();
+        const DeviceComputePlan& dp = plan.devices[n->device];
+        if (dp.slots > 1 && n->op == Op::COPY) {  // in slot 0 of the copy area, for the whole graph
+            const size_t lo = dp.copy_area_offset() + (size_t)plan.offsets[i], hi = lo + n->nbytes();
+            if (hi > dp.copy_area_offset() + dp.slot_bytes) return "copy " + n->name + " ends past its copy slot";
+            live.push_back({i, 0, (int)order.size(), n->device, lo, hi});
+            continue;
+        }
         const size_t lo = (size_t)plan.offsets[i], hi = lo + n->nbytes();
-        if (hi > plan.devices[n->device].tensor_bytes)
+        if (hi > dp.tensor_bytes)
             return "tensor " + n->name + " ends past its device's tensor region";
         live.push_back({i, i, death, n->device, lo, hi});
     }
     for (size_t a = 0; a < live.size(); a++)
         for (size_t b = a + 1; b < live.size(); b++) {
-            const Live &x = live[a], &y = live[b];  // x born first
+            const Live &x = live[a].birth <= live[b].birth ? live[a] : live[b];  // x born first
+            const Live &y = &x == &live[a] ? live[b] : live[a];
             if (x.dev != y.dev || x.hi <= y.lo || y.hi <= x.lo) continue;
             if (y.birth > x.death) continue;  // x dead before y is born
             if (y.birth == x.death) {
@@ -210,8 +233,7 @@ ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backe
     return bufs;  // on a throw, the buffers made so far are freed with `bufs`
 }
 
-void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs,
-                 const std::vector<Backend*>& backends) {
+void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs, int slot) {
     const std::vector<Tensor*> order = g.exec_order();
     if (order.size() != plan.ops.size()) throw InvalidInput("planner: graph topology differs from its plan");
     for (size_t i = 0; i < order.size(); i++) {
@@ -221,10 +243,15 @@ void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs,
         if (n->nbytes() > plan.sizes[i])
             throw InvalidInput("planner: node " + n->name + " is larger than the plan's reservation");
         BackendBuffer* b = bufs.buffers[n->device].get();
+        const DeviceComputePlan& dp = plan.devices[n->device];
+        size_t off = (size_t)plan.offsets[i];
+        if (dp.slots > 1 && n->op == Op::COPY) {
+            if (slot < 0 || slot >= dp.slots) throw InvalidInput("planner: copy slot out of range");
+            off += dp.copy_area_offset() + (size_t)slot * dp.slot_bytes;
+        }
         n->buffer = b;
-        n->data = (char*)b->data + plan.offsets[i];
+        n->data = (char*)b->data + off;
     }
-    (void)backends;
     // Views: resolve after their sources (a view of a view resolves through the chain).
     std::vector<Tensor*> pending;
     for (Tensor* n : order)

@@ -1,6 +1,8 @@
 // The memory planner: liveness over a scheduled graph's execution order gives each device's
 // compute buffer (tensor offsets, in-place reuse of a dying input where the op allows it,
-// peak bytes) plus one scratch region per device sized for its hungriest node.
+// peak bytes) plus one scratch region per device sized for its hungriest node. For pipeline
+// parallelism the tensors that cross devices (COPY nodes) leave the liveness region for a copy
+// area of `copy_slots` slots, one per micro-batch in flight: only they are kept in copies.
 // plan_compute() allocates nothing; allocate_compute() allocates exactly what a plan says, so
 // projected bytes equal allocated bytes per device by construction.
 #pragma once
@@ -15,9 +17,13 @@
 namespace stowlm {
 
 struct DeviceComputePlan {
-    size_t tensor_bytes = 0;   // peak of the live tensors (copies of other devices' tensors included)
-    size_t copy_bytes = 0;     // of which: bytes of COPY destinations ever placed (staging)
-    size_t scratch_bytes = 0;  // kernels' scratch, after the tensors
+    size_t tensor_bytes = 0;   // peak of the live tensors (copies of other devices' tensors included
+                               // when there is one slot)
+    size_t copy_bytes = 0;     // bytes of COPY destinations ever placed (all slots of the copy area)
+    size_t slot_bytes = 0;     // with several slots: one slot of the copy area, after the tensors
+    int slots = 1;
+    size_t scratch_bytes = 0;  // kernels' scratch, after the tensors (and the copy area)
+    size_t copy_area_offset() const;  // where slot 0 starts in the device's buffer
     size_t total() const;      // bytes of the device's compute buffer
 };
 
@@ -31,7 +37,8 @@ struct ComputePlan {
     int n_inplace = 0;    // nodes that reused a dying input's bytes
 };
 
-ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends);
+// copy_slots > 1: every COPY node gets its own bytes in each of that many slots.
+ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, int copy_slots = 1);
 
 // Independent check of a plan: every placed tensor lies inside its device's buffer, and no two
 // tensors whose lifetimes overlap share bytes (except an in-place output taking over the input
@@ -45,8 +52,8 @@ struct ComputeBuffers {
 ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backend*>& backends);
 
 // Points every tensor of g at its bytes: nodes into the compute buffers by the plan (which may
-// come from a larger graph of the same topology), views into their sources.
-void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs,
-                 const std::vector<Backend*>& backends);
+// come from a larger graph of the same topology), COPY nodes into copy slot `slot`, views into
+// their sources.
+void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs, int slot = 0);
 
 }  // namespace stowlm

@@ -195,7 +195,8 @@ std::vector<WeightInfo> Model::weight_infos() const {
     std::vector<WeightInfo> r;
     for (const auto& kv : weights_) {
         const auto& a = anchors_.at(kv.first);
-        r.push_back({kv.first, a.first, kv.second.nbytes(), packed(kv.second.nbytes()), a.second});
+        r.push_back({kv.first, a.first, kv.second.nbytes(), packed(kv.second.nbytes()), a.second,
+                     kv.second.n_elements()});
     }
     return r;
 }

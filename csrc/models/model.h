@@ -100,6 +100,7 @@ struct WeightInfo {
     size_t bytes = 0;         // on a device that reads the mapping in place (CPU)
     size_t packed_bytes = 0;  // on a device the weights are uploaded to (padded, see model.cpp)
     int override_index = -1;  // the first override that matches it, -1 for none
+    int64_t n_elements = 0;
 };
 
 class Model {

@@ -60,6 +60,9 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                         "min(1024, memory/16) MiB)")
     g.add_argument("--fit-ctx", type=int, default=None, metavar="N",
                    help="the smallest context fit reduces to when none was given (default 4096)")
+    g.add_argument("--n-copies", type=int, default=None, metavar="N",
+                   help="copies of the tensors that cross devices, one per micro-batch in flight (pipeline "
+                        "parallelism over the layer split; default 4 where they fit, 1 = off)")
     g.add_argument("--placement", default=None, metavar="FILE", help="load the placement saved in FILE "
                    "(from `stowlm fit --json` or -o)")
     if not for_fit:
@@ -76,7 +79,7 @@ def _placement_kwargs(a: argparse.Namespace) -> dict:
             raise ValueError(f"--layer-split {a.layer_split!r} is not a list of integers") from None
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
-                margin=_margins_mib(a.fit_margin))
+                n_copies=a.n_copies, margin=_margins_mib(a.fit_margin))
 
 
 def _margins_mib(text: Optional[str]):
@@ -198,7 +201,7 @@ def _run(a: argparse.Namespace) -> int:
         kw_place = {}
     t0 = time.perf_counter()
     llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
-              placement=a.placement, fit_margin=margin, **kw_place)
+              placement=a.placement, fit_margin=margin, fit_ctx=a.fit_ctx, **kw_place)
     if not a.quiet:
         print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     with llm:

@@ -3,6 +3,7 @@ token ids into next-token logits. The graph, scheduling, memory planning and ker
 in the native core (stowlm._core.engine); this module only shapes arguments and results."""
 from __future__ import annotations
 
+import logging
 import os
 import re
 from typing import List, Optional, Sequence
@@ -13,6 +14,7 @@ from . import _core
 from .devices import DeviceSpec, parse_devices
 
 _native = _core.engine
+_log = logging.getLogger("stowlm")
 
 
 def _overrides(overrides, devices: List[DeviceSpec]):
@@ -82,10 +84,15 @@ class Model:
 
     placement (a stowlm.fit Placement or the path of its JSON file) gives all of that at once,
     exactly as fit decided it; a Context over the model then takes its n_ctx, n_ubatch, kv_type
-    and n_outputs."""
+    and n_outputs.
+
+    n_copies (default 4): with the layers on several devices, each device works on a
+    micro-batch while the next works on the one before (pipeline parallelism); the tensors that
+    cross devices are kept in n_copies copies, one per micro-batch in flight. 1 turns it off."""
 
     def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
-                 tensor_overrides: Optional[Sequence[str]] = None, placement=None):
+                 tensor_overrides: Optional[Sequence[str]] = None, placement=None,
+                 n_copies: Optional[int] = None):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"model file {path!r} does not exist")
@@ -99,6 +106,10 @@ class Model:
             self.placement = placement = _load_placement(placement, path)
             devices, layer_split = placement.device_specs, placement.layer_split
             tensor_overrides = placement.tensor_overrides
+            if n_copies is not None and n_copies != placement.n_copies:
+                raise ValueError(f"Model: n_copies={n_copies} differs from the placement's ({placement.n_copies})")
+            n_copies = placement.n_copies
+        self.n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
         self.devices: List[DeviceSpec] = parse_devices(devices)
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
                                 _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices))
@@ -116,9 +127,9 @@ class Model:
 
     def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16",
              n_outputs: Optional[int] = None) -> List[dict]:
-        """Bytes per device (weights, kv, compute, total, budget) a Context with these
+        """Bytes per device (weights, kv, compute, copies, total, budget) a Context with these
         parameters would take; allocates nothing."""
-        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs))
+        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), self.n_copies)["devices"]
 
     def __repr__(self) -> str:
         return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
@@ -126,13 +137,22 @@ class Model:
 
 def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
          kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None,
-         tensor_overrides: Optional[Sequence[str]] = None) -> List[dict]:
+         tensor_overrides: Optional[Sequence[str]] = None, n_copies: Optional[int] = None) -> List[dict]:
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
                            _tensor_overrides(tensor_overrides, specs) + _overrides(overrides, specs), int(n_ctx),
-                           int(n_ubatch), kv_type,
-                           _n_outputs(n_outputs))
+                           int(n_ubatch), kv_type, _n_outputs(n_outputs),
+                           _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies))["devices"]
+
+
+DEFAULT_N_COPIES = 4
+
+
+def _n_copies(n) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n_copies must be a positive integer, got {n!r}")
+    return n
 
 
 def _load_placement(placement, path: str):
@@ -183,7 +203,9 @@ class Context:
         if int(n_ubatch) <= 0:
             raise ValueError(f"n_ubatch must be positive, got {n_ubatch}")
         self.model = model
-        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs))
+        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), model.n_copies)
+        if self._c.pipeline["n_copies"] == 1 and model.n_copies > 1 and "retried" in self._c.pipeline["reason"]:
+            _log.warning("stowlm: pipeline parallelism off: %s", self._c.pipeline["reason"])
 
     def eval(self, tokens, positions=None, logits: str = "last") -> np.ndarray:
         """Appends tokens to the sequence and returns float32 logits: [n_vocab] for
@@ -215,6 +237,16 @@ class Context:
 
     n_past = property(lambda self: self._c.n_past)
     n_ctx = property(lambda self: self._c.n_ctx)
+
+    @property
+    def pipeline(self) -> dict:
+        """{"n_copies": copies of the crossing tensors (1: no pipelining), "reason": why it is off}."""
+        return dict(self._c.pipeline)
+
+    @property
+    def pipeline_stats(self) -> dict:
+        """The last eval that ran as a pipeline: wall_s, busy_s per device, micro_batches."""
+        return dict(self._c.pipeline_stats)
 
     def memory_report(self) -> List[dict]:
         """Per device: weights, kv, compute (incl. copies), total, budget, and the bytes the

@@ -41,13 +41,12 @@ import hashlib
 import os
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 from . import _core
 from . import split as splitting
 from .devices import DeviceSpec, cuda_devices, parse_bytes, parse_devices
-from .engine import _tensor_overrides
+from .engine import DEFAULT_N_COPIES, _n_copies, _tensor_overrides
 from .placement import DevicePlacement, Placement, format_size
 
 __all__ = ["fit", "FitError", "Placement", "default_margin", "DEFAULT_MAX_CTX", "DEFAULT_FIT_CTX", "CTX_STEP"]
@@ -108,7 +107,7 @@ class _Dev:
     total: int       # the memory it has (budget, GPU memory, host RAM)
     free: int
     margin: int
-    speed: Fraction  # relative: a CPU device's threads, 1 for a GPU
+    speed: float     # relative: a CPU device's threads, 1 for a GPU
     tier: int        # 0 GPU memory, 1 a CPU device with a budget, 2 the host's RAM
     free_source: str
 
@@ -152,13 +151,13 @@ def _describe_devices(specs: List[DeviceSpec], margin) -> Tuple[List[_Dev], int,
                 source, tier = "the host's available RAM", 2
                 if m is not None:
                     host_margin = m
-            speed = Fraction(s.threads or default_threads)
+            speed = float(s.threads or default_threads)
         else:
             found = {d["index"]: d for d in cuda_devices()[0]}
             d = found[s.index]
             total = min(s.mem_bytes, d["total_bytes"]) if s.mem_bytes else d["total_bytes"]
             free = min(total, d["free_bytes"])
-            source, tier, speed = "cudaMemGetInfo" + (", capped by its budget" if s.mem_bytes else ""), 0, Fraction(1)
+            source, tier, speed = "cudaMemGetInfo" + (", capped by its budget" if s.mem_bytes else ""), 0, 1.0
         m = default_margin(total) if m is None else m
         if m >= free:
             raise ValueError(f"margin {format_size(m)} for {s.name} is not smaller than its free memory "
@@ -188,7 +187,13 @@ class _Costs:
         self.pinned_experts: Dict[int, set] = {}  # layer -> devices its expert tensors are pinned to
         moe = set()
         rows = projector.weights(native_overrides)
-        for name, anchor, nbytes, packed, hit in rows:
+        # Work of a layer for one token: its weights' elements, an expert stack's in the share
+        # of experts a token uses (what a stage's time is balanced on).
+        used = projector.n_expert_used / projector.n_expert if projector.n_expert else 1.0
+        work = [0.0] * n
+        for name, anchor, nbytes, packed, hit, elements in rows:
+            if anchor >= 0:
+                work[anchor] += elements * (used if EXPERT_NAME.match(name) else 1.0)
             size = {True: nbytes, False: packed}
             if hit >= 0:
                 m = EXPERT_NAME.match(name)
@@ -217,7 +222,18 @@ class _Costs:
         self._dense_sum = {k: _prefix(v) for k, v in self.dense.items()}
         self._expert_sum = {k: _prefix(v) for k, v in self.expert.items()}
         self._moe_count = _prefix([1 if l in moe else 0 for l in range(n)])
+        self.work_sum = _prefix(work)
         self._kv: Dict[int, List[int]] = {}
+        self._spill: Dict[Tuple[int, ...], tuple] = {}
+
+    def spilled(self, spill: Tuple[int, ...]) -> tuple:
+        """Prefix sums over the layers of a spill set: expert bytes (CPU, GPU) and layer count."""
+        if spill not in self._spill:
+            s = set(spill)
+            self._spill[spill] = ({k: _prefix([v[l] if l in s else 0 for l in range(self.n_layer)])
+                                   for k, v in self.expert.items()},
+                                  _prefix([1 if l in s else 0 for l in range(self.n_layer)]))
+        return self._spill[spill]
 
     def kv_sum(self, ctx: int) -> List[int]:
         """Prefix sums of the KV bytes of the layers at this context."""
@@ -266,11 +282,14 @@ class _Layout:
 
 class _Fitter:
     def __init__(self, path: str, devs: List[_Dev], host_free: int, host_margin: int, *, n_ctx, n_ubatch,
-                 n_outputs, kv_type, layer_split, user_overrides, cpu_moe, n_cpu_moe, max_ctx, fit_ctx,
+                 n_outputs, kv_type, n_copies, layer_split, user_overrides, cpu_moe, n_cpu_moe, max_ctx, fit_ctx,
                  set_by: Dict[str, str]):
         self.path, self.devs = path, devs
         self.host_free, self.host_margin = host_free, host_margin
         self.n_ubatch, self.n_outputs, self.kv_type = n_ubatch, n_outputs, kv_type
+        # Searched with one copy unless the user set it (see _with_copies).
+        self.wanted_copies = n_copies
+        self.n_copies = n_copies if "n_copies" in set_by else 1
         self.n_ctx, self.max_ctx, self.fit_ctx = n_ctx, max_ctx, fit_ctx
         self.set_by = set_by
         self.projector = _core.engine.Projector(path)
@@ -312,15 +331,18 @@ class _Fitter:
         self.projections = 0
 
     # -- the cost of one device ---------------------------------------------------------------------
-    def _role(self, ctx: int, d: int, start: int, end: int, holds_output: bool, spill: frozenset,
+    def _role(self, ctx: int, d: int, start: int, end: int, holds_output: bool, spill: Tuple[int, ...],
               hosts_spill: bool):
         """What a device's compute buffer depends on: the micro-batch (n_ubatch, at most n_ctx),
-        the kinds of its layers, and whether it holds the output head or spilled experts."""
+        the kinds of its layers, whether it holds the output head or spilled experts, and whether
+        the micro-batches are likely pipelined (copy slots; spilled or pinned weights stop it)."""
         n_moe = self.costs.n_moe(start, end)
-        n_spilled = sum(1 for l in spill if start <= l < end)
+        count = self.costs.spilled(spill)[1]
+        n_spilled = count[end] - count[start]
         kinds = frozenset(k for k, n in (("dense", end - start - n_moe), ("moe", n_moe - n_spilled),
                                          ("moe-spilled", n_spilled)) if n > 0)
-        return d, min(self.n_ubatch, ctx), holds_output, kinds, hosts_spill
+        pipelined = self.n_copies > 1 and len(self.devs) > 1
+        return d, min(self.n_ubatch, ctx), holds_output, kinds, hosts_spill, pipelined
 
     def _compute_estimate(self, role) -> int:
         """A device's compute buffer in a role (its layers' kinds, whether it holds the output or
@@ -332,15 +354,15 @@ class _Fitter:
     def _weights(self, d: int, start: int, end: int, holds_output: bool, spill: Tuple[int, ...],
                  embd_to_spill: bool) -> int:
         c, cpu = self.costs, self.devs[d].cpu
-        w = c.layers_bytes(cpu, start, end)
-        w -= sum(c.expert[cpu][l] for l in spill if start <= l < end)
+        spilled = c.spilled(spill)[0][cpu]
+        w = c.layers_bytes(cpu, start, end) - (spilled[end] - spilled[start])
         w += c.pinned.get(d, {True: 0, False: 0})[cpu]
         if holds_output:
             w += c.last[cpu]
         if start == 0 and end > 0 and not embd_to_spill:
             w += c.first[cpu]
         if d == self.spill_dev:
-            w += sum(c.expert[cpu][l] for l in spill)
+            w += spilled[-1]
             if embd_to_spill:
                 w += c.first[cpu]
         return w
@@ -351,7 +373,7 @@ class _Fitter:
 
     def _total(self, ctx, d, start, end, holds_output, spill, embd_to_spill) -> int:
         hosts = d == self.spill_dev and (bool(spill) or embd_to_spill)
-        role = self._role(ctx, d, start, end, holds_output, frozenset(spill), hosts)
+        role = self._role(ctx, d, start, end, holds_output, spill, hosts)
         return (self._weights(d, start, end, holds_output, spill, embd_to_spill) + self._kv(ctx, start, end) +
                 self._compute_estimate(role))
 
@@ -376,7 +398,8 @@ class _Fitter:
             d = group[i]
             return self._total(ctx, d, start, stop, holds_output, spill, self.embd_to_spill) <= self.devs[d].room
 
-        return splitting.balanced([self.devs[d].speed for d in group], start_min, end, fits, output_open)
+        return splitting.balanced([self.devs[d].speed for d in group], start_min, end, fits, output_open,
+                                  self.costs.work_sum)
 
     def _pipeline_order(self) -> Tuple[int, ...]:
         if self.layer_split is not None:
@@ -486,15 +509,16 @@ class _Fitter:
         used = self._used(layout)
         specs = [self.devs[d].spec for d in used]
         overrides = _tensor_overrides([f"{p}={dev}" for p, dev in self._overrides(layout)], specs)
-        rows = self.projector.project([s.as_tuple() for s in specs], [layout.count(d) for d in used], overrides,
-                                      ctx, self.n_ubatch, self.kv_type, self.n_outputs)
+        result = self.projector.project([s.as_tuple() for s in specs], [layout.count(d) for d in used], overrides,
+                                        ctx, self.n_ubatch, self.kv_type, self.n_outputs, self.n_copies)
         self.projections += 1
-        out = {d: dict(r) for d, r in zip(used, rows)}
+        self.pipeline = dict(result["pipeline"])
+        out = {d: dict(r) for d, r in zip(used, result["devices"])}
         last = layout.last_device()
         for d in used:  # what the search will expect of this device's role from now on
             start, end = layout.range_of(d)
             hosts = d == self.spill_dev and (bool(layout.spill) or layout.embd_to_spill)
-            role = self._role(ctx, d, start, end, d == last, frozenset(layout.spill), hosts)
+            role = self._role(ctx, d, start, end, d == last, layout.spill, hosts)
             self.observed[role] = max(self.observed.get(role, 0), out[d]["compute"])
             expect_w = self._weights(d, start, end, d == last, layout.spill, layout.embd_to_spill)
             if (expect_w, self._kv(ctx, start, end)) != (out[d]["weights"], out[d]["kv"]):
@@ -548,20 +572,42 @@ class _Fitter:
                 raise self._fit_error(ctx)
             proj = self._project(layout, ctx)
             if not self._over(proj):
-                return self._placement(layout, ctx, proj)
+                return self._placement(layout, ctx, self._with_copies(layout, ctx, proj))
         raise RuntimeError(f"fit: no placement settled after {_ROUNDS} projections; please report this")
+
+    def _with_copies(self, layout: _Layout, ctx: int, proj: Dict[int, dict]) -> Dict[int, dict]:
+        """Pipelining's copies never displace weights or context: unless the user set n_copies,
+        the layout is chosen with one copy, then takes the default copies if they fit too."""
+        if "n_copies" in self.set_by or self.wanted_copies == 1:
+            return proj
+        self.n_copies = self.wanted_copies
+        more = self._project(layout, ctx)
+        if not self._over(more):
+            return more
+        short = ", ".join(f"{name} by {format_size(b)}" for name, b in self._over(more).items())
+        self.n_copies = 1
+        proj = self._project(layout, ctx)
+        self.pipeline["reason"] = (f"its {self.wanted_copies} copies of the tensors that cross devices did not fit "
+                                   f"with this placement (short: {short})")
+        return proj
 
     # -- when it does not fit ------------------------------------------------------------------------
     def _largest_ctx(self, below: int) -> Optional[int]:
+        """The largest context below `below` (in steps of CTX_STEP) that fits with everything else
+        as set, checked by projecting its layout."""
         steps = list(range(CTX_STEP, below, CTX_STEP))
-        best, a, b = None, 0, len(steps) - 1
-        while a <= b:
-            mid = (a + b) // 2
-            if self._search(steps[mid], False) is not None:
-                best, a = steps[mid], mid + 1
-            else:
-                b = mid - 1
-        return best
+        for _ in range(_ROUNDS):
+            best, a, b = None, 0, len(steps) - 1
+            while a <= b:
+                mid = (a + b) // 2
+                lay = self._search(steps[mid], False)
+                if lay is not None:
+                    best, a = (steps[mid], lay), mid + 1
+                else:
+                    b = mid - 1
+            if best is None or not self._over(self._project(best[1], best[0])):
+                return None if best is None else best[0]
+        return None
 
     def _forced(self, ctx: int) -> _Layout:
         """The layout that comes closest: every device as full as it goes, the rest of the layers on
@@ -652,21 +698,33 @@ class _Fitter:
         pl = Placement(model={"path": os.path.abspath(self.path), "arch": self.projector.arch, "n_layer": self.L,
                               "fingerprint": self.costs.fingerprint},
                        n_ctx=ctx, n_ubatch=self.n_ubatch, n_outputs=self.n_outputs, kv_type=self.kv_type,
-                       devices=devices, tensor_overrides=[f"{o}={name}" for o, name in overrides], host=host)
+                       devices=devices, tensor_overrides=[f"{o}={name}" for o, name in overrides], host=host,
+                       n_copies=self.n_copies, pipeline=dict(self.pipeline))
+        # What a Model / Context over this placement asks for: the copies searched with, or 1.
         pl.decisions = self._decisions(layout, ctx, pl)
         return pl
 
     def _left_out_reason(self, d: int, layout: _Layout, ctx: int) -> str:
         dev = self.devs[d]
-        # Exactly what its first layer would take there, with its buffers, the rest elsewhere.
-        other = next(x for x in layout.order if x != d)
-        specs = [dev.spec, self.devs[other].spec]
-        row = self.projector.project([s.as_tuple() for s in specs], [1, self.L - 1], [], ctx, self.n_ubatch,
-                                     self.kv_type, self.n_outputs)[0]
-        self.projections += 1
-        if row["total"] > dev.room:
-            return (f"left out: too small for one layer plus its buffers (layer 0 needs {format_size(row['total'])} "
-                    f"there, it has {format_size(dev.room)} after its margin)")
+        other = self.devs[next(x for x in layout.order if x != d)]
+
+        def alone(split, i):  # exactly what the device takes with `split` over [it, other] or [other, it]
+            specs = [dev.spec, other.spec] if i == 0 else [other.spec, dev.spec]
+            row = self.projector.project([s.as_tuple() for s in specs], split, [], ctx, self.n_ubatch, self.kv_type,
+                                         self.n_outputs, self.n_copies)["devices"][i]
+            self.projections += 1
+            return row["total"]
+
+        first = alone([1, self.L - 1], 0)
+        if first > dev.room:
+            return (f"left out: too small for one layer plus its buffers (layer 0 needs {format_size(first)} there, "
+                    f"it has {format_size(dev.room)} after its margin)")
+        tier = [x for x in self._pipeline_order() if self.devs[x].tier == dev.tier]
+        if self.layer_split is None and tier and tier[-1] == d and self.devs[d].tier == min(x.tier for x in self.devs):
+            last = alone([self.L - 1, 1], 1)
+            if last > dev.room:
+                return (f"left out: the last device of the fastest tier holds the output head, and the last layer with "
+                        f"it needs {format_size(last)} there; it has {format_size(dev.room)} after its margin")
         return "left out: not needed (the layers fit on faster devices)"
 
     def _decisions(self, layout: _Layout, ctx: int, pl: Placement) -> List[str]:
@@ -728,6 +786,20 @@ class _Fitter:
         last = layout.last_device()
         if last is not None:
             out.append(f"output head -> {self.devs[last].name}: it stays with the last layer")
+        holders = [d for d in layout.order if layout.count(d)]
+        if len(holders) > 1:
+            if self.pipeline["n_copies"] > 1:
+                extra = sum(p.projected["copies"] for p in pl.devices) * (self.n_copies - 1) // self.n_copies
+                out.append(f"pipeline parallelism on: {self.n_copies} copies of the tensors that cross devices "
+                           f"({format_size(extra)} more than one copy), so each device works on its own "
+                           "micro-batch of a long prompt")
+            else:
+                out.append(f"pipeline parallelism off: {self.pipeline['reason']}")
+            times = {d: (self.costs.work_sum[layout.range_of(d)[1]] - self.costs.work_sum[layout.range_of(d)[0]])
+                     / self.devs[d].speed for d in holders}
+            slowest = max(times.values())
+            out.append("expected time per stage (its layers' weights read per token / its speed, slowest = 1.00): " +
+                       ", ".join(f"{self.devs[d].name} {times[d] / slowest:.2f}" for d in holders))
         for p in pl.devices:
             if p.note:
                 out.append(f"{p.name} {p.note}")
@@ -742,7 +814,7 @@ class _Fitter:
 
 def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = None,
         n_ubatch: Optional[int] = None, n_outputs: Optional[int] = None, kv_type: Optional[str] = None,
-        layer_split: Optional[Sequence[int]] = None, tensor_overrides: Optional[Sequence[str]] = None,
+        n_copies: Optional[int] = None, layer_split: Optional[Sequence[int]] = None, tensor_overrides: Optional[Sequence[str]] = None,
         cpu_moe: bool = False, n_cpu_moe: Optional[int] = None, margin=None, max_ctx: int = DEFAULT_MAX_CTX,
         fit_ctx: int = DEFAULT_FIT_CTX, placement: Optional[Union[Placement, str, os.PathLike]] = None) -> Placement:
     """Decide a placement of the GGUF file `model` on `devices` (a list or "cpu:0[...],cuda:0";
@@ -755,7 +827,8 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         raise ValueError(f"model file {path!r} does not exist")
     set_by: Dict[str, str] = {}
     for key, value in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("n_outputs", n_outputs), ("kv_type", kv_type),
-                       ("layer_split", layer_split), ("margin", margin), ("n_cpu_moe", n_cpu_moe)):
+                       ("n_copies", n_copies), ("layer_split", layer_split), ("margin", margin),
+                       ("n_cpu_moe", n_cpu_moe)):
         if value is not None:
             set_by[key] = "set by the user"
     if tensor_overrides:
@@ -767,19 +840,21 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     if placement is not None:
         if not isinstance(placement, Placement):
             placement = Placement.load(placement)
-        conflict = [k for k in ("n_ctx", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe") if k in set_by]
+        conflict = [k for k in ("n_ctx", "n_copies", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe")
+                    if k in set_by]
         if conflict or devices is not None:
             raise ValueError("fit: a placement fixes the devices, " + ", ".join(conflict or ["devices"]) +
                              "; give either the placement or these")
         devices = [d.spec for d in placement.devices]
         n_ctx, n_ubatch, n_outputs, kv_type = placement.n_ctx, placement.n_ubatch, placement.n_outputs, \
             placement.kv_type
+        n_copies = placement.n_copies
         layer_split = [d.n_layers for d in placement.devices]
         tensor_overrides = list(placement.tensor_overrides)
         if margin is None:
             margin = [d.margin for d in placement.devices]
-        set_by = {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "layer_split",
-                                                       "margin", "tensor_overrides")}
+        set_by = {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "n_copies",
+                                                       "layer_split", "margin", "tensor_overrides")}
         mine = fingerprint(path)
         if placement.model.get("fingerprint") != mine:
             raise ValueError(f"the placement was made for another model ({placement.model.get('path')}, "
@@ -797,9 +872,11 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     if not 0 < n_outputs <= n_ubatch:
         raise ValueError(f"n_outputs must be in [1, n_ubatch={n_ubatch}], got {n_outputs}")
     kv_type = kv_type or "f16"
+    n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
     devs, host_free, host_margin = _describe_devices(specs, margin)
     fitter = _Fitter(path, devs, host_free, host_margin, n_ctx=None if n_ctx is None else int(n_ctx),
-                     n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, layer_split=layer_split,
+                     n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, n_copies=n_copies,
+                     layer_split=layer_split,
                      user_overrides=tensor_overrides, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, max_ctx=int(max_ctx),
                      fit_ctx=int(fit_ctx), set_by=set_by)
     return fitter.solve()
@@ -815,8 +892,7 @@ def fits_one_device(projector, device: DeviceSpec, n_ctx: int, n_ubatch: int, kv
     """Whether the model (a _core.engine.Projector of its file) with these settings fits `device`
     alone: its free memory less its margin."""
     devs, host_free, host_margin = _describe_devices([device], margin)
-    rows = projector.project([device.as_tuple()], [], [], n_ctx, n_ubatch, kv_type, n_outputs)
-    total = rows[0]["total"]
+    total = projector.project([device.as_tuple()], [], [], n_ctx, n_ubatch, kv_type, n_outputs, 1)["devices"][0]["total"]
     return total <= devs[0].room and (device.kind != "cpu" or total <= host_free - host_margin)
 
 

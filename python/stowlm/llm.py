@@ -55,8 +55,11 @@ class LLM:
     fit: decide the placement with ``stowlm.fit.fit`` (every value given here is kept; FitError, a
         MemoryError, when they cannot fit). None (default): fit when several devices are given, when
         cpu_moe / n_cpu_moe is asked for, or when the model does not fit the one device with the
-        default context; False: load as given. fit_margin, cpu_moe, n_cpu_moe: as fit takes them.
+        default context; False: load as given. fit_margin, fit_ctx, cpu_moe, n_cpu_moe: as fit takes them
+        (margin, fit_ctx, ...).
     placement: a Placement (or its JSON file) from fit, loaded exactly as it says.
+    n_copies: with the layers on several devices, copies of the tensors that cross devices, one per
+        micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -64,7 +67,8 @@ class LLM:
                  kv_type: Optional[str] = None, layer_split: Optional[Sequence[int]] = None,
                  chat_template: Optional[str] = None, progress: bool = True,
                  tensor_overrides: Optional[Sequence[str]] = None, fit: Optional[bool] = None, placement=None,
-                 fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None):
+                 fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
+                 n_copies: Optional[int] = None, fit_ctx: Optional[int] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
@@ -74,7 +78,8 @@ class LLM:
         if placement is not None:
             given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                     ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
-                                    ("n_cpu_moe", n_cpu_moe)) if v is not None] + (["cpu_moe"] if cpu_moe else [])
+                                    ("n_cpu_moe", n_cpu_moe), ("n_copies", n_copies)) if v is not None] + \
+                (["cpu_moe"] if cpu_moe else [])
             if given:
                 raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
             self.placement = placement
@@ -82,14 +87,16 @@ class LLM:
                                                 fit_margin)):
             self.placement = fitting.fit(self.path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
                                          layer_split=layer_split, tensor_overrides=tensor_overrides,
-                                         cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin)
+                                         cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
+                                         **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
             if progress:
                 print(f"[{self.placement.summary()}]", file=sys.stderr)
         if self.placement is not None:
             self.model = Model(self.path, placement=self.placement)
             self.placement = self.model.placement
         else:
-            self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides)
+            self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides,
+                               n_copies=n_copies)
         with GGUFFile(self.path) as f:
             meta = f.metadata
             self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}

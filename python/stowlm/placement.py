@@ -71,6 +71,8 @@ class Placement:
     tensor_overrides: List[str] = field(default_factory=list)  # "REGEX=DEVICE", first match wins
     decisions: List[str] = field(default_factory=list)         # what fit decided and why
     host: Optional[Dict[str, int]] = None  # CPU devices share the host's RAM: free, margin, projected
+    n_copies: int = 4                      # asked for: copies of the tensors that cross devices
+    pipeline: Optional[Dict[str, object]] = None  # what the core makes of it: n_copies, reason (off)
 
     # -- what the engine is given ------------------------------------------------------------
     @property
@@ -88,11 +90,13 @@ class Placement:
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "model": dict(self.model), "n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch,
-             "n_outputs": self.n_outputs, "kv_type": self.kv_type, "split_mode": "layer",
+             "n_outputs": self.n_outputs, "kv_type": self.kv_type, "n_copies": self.n_copies, "split_mode": "layer",
              "tensor_overrides": list(self.tensor_overrides),
              "devices": [dev.to_dict() for dev in self.devices], "decisions": list(self.decisions)}
         if self.host is not None:
             d["host"] = dict(self.host)
+        if self.pipeline is not None:
+            d["pipeline"] = dict(self.pipeline)
         return d
 
     def to_json(self, indent: Optional[int] = 2) -> str:
@@ -193,13 +197,18 @@ class Placement:
         if host is not None:
             r.dict(host, "host")
             host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
+        pipeline = data.get("pipeline")
+        if pipeline is not None:
+            r.dict(pipeline, "pipeline")
+            pipeline = {"n_copies": r.int(pipeline.get("n_copies"), "pipeline.n_copies", 1),
+                        "reason": r.str(pipeline.get("reason", ""), "pipeline.reason", allow_empty=True)}
         return cls(model=dict(model), n_ctx=r.int(data.get("n_ctx"), "n_ctx", 1), n_ubatch=n_ubatch,
                    n_outputs=r.int(data.get("n_outputs", n_ubatch), "n_outputs", 1),
                    kv_type=r.str(data.get("kv_type", "f16"), "kv_type"), devices=devices,
                    tensor_overrides=overrides,
                    decisions=[r.str(x, "decisions[]", allow_empty=True) for x in r.list(data.get("decisions", []),
                                                                                       "decisions")],
-                   host=host)
+                   host=host, n_copies=r.int(data.get("n_copies", 4), "n_copies", 1), pipeline=pipeline)
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:
@@ -240,8 +249,12 @@ class Placement:
             parts.append(f"{d.name} {what}")
         used = sum(d.projected["total"] for d in self.used_devices)
         free = sum(d.free for d in self.used_devices)
+        pipe = ""
+        if self.pipeline is not None and len(self.used_devices) > 1:
+            pipe = (f"; pipelined ({self.pipeline['n_copies']} copies)" if self.pipeline["n_copies"] > 1
+                    else "; not pipelined")
         return (f"fit: n_ctx {self.n_ctx}, " + "; ".join(parts) +
-                f"; {format_size(used)} of {format_size(free)} free")
+                f"; {format_size(used)} of {format_size(free)} free" + pipe)
 
     def explain(self) -> str:
         return "\n".join("- " + d for d in self.decisions)

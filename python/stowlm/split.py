@@ -8,24 +8,23 @@ from the first to the last, and the last one that holds layers holds the output 
 """
 from __future__ import annotations
 
-from fractions import Fraction
 from typing import Callable, List, Optional, Sequence, Tuple
 
 Fits = Callable[[int, int, int, bool], bool]
 
 
 def fill_from_end(n_devices: int, start_min: int, end: int, fits: Fits, output_open: bool,
-                  limits: Optional[Sequence[int]] = None) -> Tuple[List[int], int]:
+                  limit: Optional[Callable[[int, int], int]] = None) -> Tuple[List[int], int]:
     """Greedy from the end: the last device takes as many of the layers that end at ``end`` as
-    it has room for (at most ``limits[i]``), then the device before it, and so on, never below
-    ``start_min``. Returns (layers per device, the first layer covered). Taking the most at each
-    device covers the longest run a contiguous cut can cover in this device order."""
+    it has room for (at most ``limit(i, end_of_its_range)``), then the device before it, and so
+    on, never below ``start_min``. Returns (layers per device, the first layer covered). Taking
+    the most at each device covers the longest run a contiguous cut can cover in this order."""
     counts = [0] * n_devices
     pos = end
     for i in reversed(range(n_devices)):
         hi = pos - start_min
-        if limits is not None:
-            hi = min(hi, limits[i])
+        if limit is not None:
+            hi = min(hi, limit(i, pos))
         if hi <= 0 or not fits(i, pos - 1, pos, output_open):
             continue
         lo = 1  # largest c in [lo, hi] with room for [pos - c, pos): costs grow with c
@@ -41,28 +40,40 @@ def fill_from_end(n_devices: int, start_min: int, end: int, fits: Fits, output_o
     return counts, pos
 
 
-def balanced(speeds: Sequence[Fraction], start_min: int, end: int, fits: Fits,
-             output_open: bool) -> Tuple[List[int], int]:
+def balanced(speeds: Sequence[float], start_min: int, end: int, fits: Fits, output_open: bool,
+             work: Optional[Sequence[float]] = None, steps: int = 24) -> Tuple[List[int], int]:
     """The longest run of layers ending at ``end`` the devices have room for, cut so that the
-    slowest stage (its layers / its speed) is as short as the room allows: each device takes at
-    most ``t * speed`` layers for the smallest stage time ``t`` that still covers the run."""
+    slowest stage (its layers' work / its speed) is as short as the room allows. ``work`` holds
+    prefix sums of each layer's work (default: 1 per layer). The stage time is found by
+    bisection: each device takes at most the layers whose work fits ``t * speed``."""
     n = len(speeds)
     counts, start = fill_from_end(n, start_min, end, fits, output_open)
-    covered = end - start
-    if covered == 0 or n == 1:
+    if end == start or n == 1:
         return counts, start
-    # Candidate stage times: every count over every speed; a device's cap at t is floor(t * speed).
-    times = sorted({Fraction(c) / s for s in speeds for c in range(1, covered + 1)})
+    w = work if work is not None else list(range(end + 1))
+
+    def limit_at(t):
+        def limit(i, pos):
+            budget = t * speeds[i]
+            lo, hi = 0, pos - start_min  # the most layers ending at pos within the budget
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if w[pos] - w[pos - mid] <= budget:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return lo
+        return limit
+
+    lo, hi = 0.0, (w[end] - w[start]) / min(speeds)
     best = counts
-    lo, hi = 0, len(times) - 1
-    while lo <= hi:
-        mid = (lo + hi) // 2
-        limits = [int(times[mid] * s) for s in speeds]
-        trial, trial_start = fill_from_end(n, start_min, end, fits, output_open, limits)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        trial, trial_start = fill_from_end(n, start_min, end, fits, output_open, limit_at(mid))
         if trial_start <= start:
-            best, hi = trial, mid - 1
+            best, hi = trial, mid
         else:
-            lo = mid + 1
+            lo = mid
     return best, start
 
 

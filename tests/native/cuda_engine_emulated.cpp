@@ -33,16 +33,19 @@ struct Run {
     std::vector<int> split;
     std::vector<TensorOverride> overrides;
     QType kv = QType::F16;
+    int n_copies = 4;    // several devices: pipelined unless 1
+    int pipelined = -1;  // out: the copy slots the context ran with
 };
 
 // All-position logits of the prompt, then n_decode greedy single-token steps (the tokens come
 // from `forced` when given, so two runs decode the same sequence).
-std::vector<float> run(const std::string& path, const Run& r, const std::vector<int32_t>& prompt, int n_decode,
+std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_t>& prompt, int n_decode,
                        int64_t n_ctx, int64_t n_ubatch, std::vector<int32_t>* forced) {
     auto m = Model::load(path, r.devices, r.split, true, r.overrides);
     ContextParams p;
-    p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv;
+    p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies;
     Context c(*m, p);
+    r.pipelined = c.pipeline().n_copies;
     const std::string why = c.check_plan_sound();
     if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
     std::vector<float> all = c.eval(prompt, {}, true);
@@ -68,7 +71,7 @@ std::vector<float> run(const std::string& path, const Run& r, const std::vector<
     return all;
 }
 
-void check(const std::string& model_dir, const std::string& name, const Run& r, const std::string& what,
+void check(const std::string& model_dir, const std::string& name, Run r, const std::string& what,
            int n_prompt = 40, int n_decode = 3, int64_t n_ctx = 128, int64_t n_ubatch = 16) {
     const std::string path = model_dir + "/" + name + ".gguf";
     std::vector<int32_t> prompt;
@@ -81,8 +84,20 @@ void check(const std::string& model_dir, const std::string& name, const Run& r, 
     const std::vector<float> got = run(path, r, prompt, n_decode, n_ctx, n_ubatch, &tokens);
     double maxd = 0;
     for (size_t i = 0; i < ref.size(); i++) maxd = std::max(maxd, (double)std::fabs(ref[i] - got[i]));
-    const bool ok = got.size() == ref.size() && maxd <= 1e-3;
-    printf("%s %-22s %-44s max|logit diff| %.3g\n", ok ? "ok  " : "FAIL", name.c_str(), what.c_str(), maxd);
+    bool ok = got.size() == ref.size() && maxd <= 1e-3;
+    std::string how = what;
+    if (r.devices.size() > 1 && r.pipelined > 1) {
+        // Pipelined (copies pushed by the producing device's thread, events between streams):
+        // the same bits as the same layout with the devices taking turns.
+        Run turns = r;
+        turns.n_copies = 1;
+        const std::vector<float> seq = run(path, turns, prompt, n_decode, n_ctx, n_ubatch, &tokens);
+        const bool same = seq.size() == got.size() && std::equal(seq.begin(), seq.end(), got.begin());
+        if (!same) printf("FAIL %s %s: pipelined logits differ from the devices taking turns\n", name.c_str(), what.c_str());
+        ok = ok && same;
+        how += ", pipelined = in turns";
+    }
+    printf("%s %-22s %-56s max|logit diff| %.3g\n", ok ? "ok  " : "FAIL", name.c_str(), how.c_str(), maxd);
     if (!ok) failures++;
 }
 
@@ -107,6 +122,8 @@ int main(int argc, char** argv) {
         check(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}}, "cpu:0 + cuda:0 [15, 15]");
         check(dir, "smollm2-135m", {{spec("cuda", 0), spec("cpu", 0), spec("cuda", 1)}, {10, 10, 10}, {}},
               "cuda:0 + cpu:0 + cuda:1 [10, 10, 10]");
+        check(dir, "qwen2.5-coder-0.5b", {{spec("cuda", 0), spec("cuda", 1)}, {12, 12}, {}}, "cuda:0 + cuda:1 [12, 12]",
+              64);
         const std::vector<TensorOverride> experts_on_1 = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1, ""}};
         for (const char* name : {"qwen3moe-tiny", "smollm2-moe"}) {
             const int n_layer = (int)Model::load(dir + "/" + name + ".gguf", {spec("cpu", 0)}, {}, false)->hp().n_layer;

@@ -62,7 +62,7 @@ void rows_limit(const char* op, int64_t n) {
 bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
 
 void cpu_matmul(const cpu::WeightRef& w, const float* x, int64_t n, int64_t ldx, float* y, int64_t ldy) {
-    static std::vector<char> scratch;
+    thread_local std::vector<char> scratch;  // per thread: pipelined devices run at once
     scratch.resize(cpu::matmul_scratch_bytes(w.type, w.cols, n) + 64);
     cpu::matmul(w, x, n, ldx, y, ldy, scratch.data(), pool());
 }
@@ -200,7 +200,7 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     dev_ptr(ids, span(n_tok, k, k), "moe_matmul ids");
     dev_ptr(y, span(n_tok * k, ldy, w.rows), "moe_matmul y");
     dev_ptr(scratch, moe_scratch_bytes(w, n_expert, n_act, n_tok * k), "moe_matmul scratch");
-    static std::vector<char> sc;
+    thread_local std::vector<char> sc;
     sc.resize(cpu::mul_mat_id_scratch_bytes(w.type, w.rows, w.cols, n_expert, k, n_tok) + 64);
     cpu::mul_mat_id(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, n_expert, ids, k, x, per_slot_input ? k : 1, ldx,
                     n_tok, y, ldy, sc.data(), pool());

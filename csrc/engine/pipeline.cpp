@@ -1,0 +1,201 @@
+#include "engine/pipeline.h"
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <map>
+#include <mutex>
+#include <thread>
+#include <unordered_map>
+
+#include "error.h"
+
+namespace stowlm {
+
+namespace {
+
+// Split index of every node of g, by storage.
+std::unordered_map<const Tensor*, int> split_of(const Graph& g) {
+    std::unordered_map<const Tensor*, int> at;
+    for (int j = 0; j < (int)g.splits.size(); j++)
+        for (const Tensor* n : g.splits[j].nodes) at[n] = j;
+    return at;
+}
+
+bool is_input(const Tensor* t) { return t->storage_root()->role == TensorRole::INPUT; }
+
+// What a graph's splits push when they finish, and which split computes the output.
+struct Pushes {
+    std::vector<std::vector<Tensor*>> after;  // per split: COPY nodes whose source it computed
+    int output_split = -1;
+};
+
+Pushes pushes_of(const Graph& g) {
+    Pushes p;
+    const auto at = split_of(g);
+    p.after.resize(g.splits.size());
+    for (const Split& s : g.splits)
+        for (Tensor* n : s.nodes) {
+            if (n->op != Op::COPY || is_input(n->src[0])) continue;
+            auto it = at.find(n->src[0]->storage_root());
+            if (it == at.end()) throw InvalidInput("pipeline: the source of " + n->name + " is computed by no split");
+            p.after[it->second].push_back(n);
+        }
+    auto it = at.find(g.output->storage_root());
+    if (it == at.end()) throw InvalidInput("pipeline: no split computes the graph's output");
+    p.output_split = it->second;
+    return p;
+}
+
+}  // namespace
+
+std::string pipeline_blocker(const Graph& g, const std::vector<Backend*>& backends) {
+    const auto at = split_of(g);
+    for (int j = 0; j < (int)g.splits.size(); j++)
+        for (const Tensor* n : g.splits[j].nodes)
+            for (int k = 0; k < n->n_src(); k++) {
+                if (!n->src[k]) continue;
+                const Tensor* r = n->src[k]->storage_root();
+                if (r->role != TensorRole::COMPUTE) continue;
+                auto it = at.find(r);
+                if (it == at.end() || it->second == j) continue;
+                if (r->device == g.splits[j].device)
+                    return backends[g.splits[j].device]->name() + " keeps " + r->name + " from one of its splits of " +
+                           "a micro-batch to another (" + n->name + " reads it): tensor overrides interleave the devices "
+                           "inside a layer, and pipelining would need that device's compute buffer once per "
+                           "micro-batch in flight";
+            }
+    return "";
+}
+
+void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backends,
+                  const std::function<Graph*(int)>& prepare,
+                  const std::function<void(const Graph&, const Split&)>& run_split,
+                  const std::function<void(int, const Graph&)>& finish, PipelineStats* stats) {
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
+    std::mutex mu;
+    std::condition_variable cv;
+    std::vector<Graph*> graphs(n_micro, nullptr);
+    std::map<const Graph*, Pushes> pushes;   // per distinct graph; nodes never move once inserted
+    std::vector<const Pushes*> micro_pushes(n_micro, nullptr);
+    std::vector<std::vector<char>> done(n_micro);
+    std::vector<int> remaining(n_micro, 0);
+    std::exception_ptr error;
+    std::vector<double> busy(backends.size(), 0.0);
+
+    auto release = [&](int i, Graph* g) {  // under mu
+        auto it = pushes.find(g);
+        if (it == pushes.end()) it = pushes.emplace(g, pushes_of(*g)).first;
+        micro_pushes[i] = &it->second;
+        graphs[i] = g;
+        done[i].assign(g->splits.size(), 0);
+        remaining[i] = (int)g->splits.size();
+    };
+    Graph* first = prepare(0);
+    std::vector<int> split_device;
+    for (const Split& s : first->splits) split_device.push_back(s.device);
+    release(0, first);
+
+    auto worker = [&](int device) {
+        struct Task {
+            int micro, split;
+        };
+        std::vector<Task> tasks;
+        for (int i = 0; i < n_micro; i++)
+            for (int j = 0; j < (int)split_device.size(); j++)
+                if (split_device[j] == device) tasks.push_back({i, j});
+        std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+            return a.micro + a.split != b.micro + b.split ? a.micro + a.split < b.micro + b.split : a.micro < b.micro;
+        });
+        std::vector<char> taken(tasks.size(), 0);
+        size_t left = tasks.size();
+        while (left) {
+            int pick = -1;
+            Graph* g = nullptr;
+            const Pushes* p = nullptr;
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                cv.wait(lock, [&] {
+                    if (error) return true;
+                    for (size_t t = 0; t < tasks.size(); t++) {
+                        if (taken[t]) continue;
+                        const Task& k = tasks[t];
+                        if (graphs[k.micro] && (k.split == 0 || done[k.micro][k.split - 1])) {
+                            pick = (int)t;
+                            return true;
+                        }
+                    }
+                    return false;
+                });
+                if (error) return;
+                g = graphs[tasks[pick].micro];
+                p = micro_pushes[tasks[pick].micro];
+            }
+            taken[pick] = 1;
+            left--;
+            const Task k = tasks[pick];
+            const auto start = Clock::now();
+            try {
+                const Split& s = g->splits[k.split];
+                run_split(*g, s);
+                // Into the consumers' copy slots of this micro-batch, before this device's next
+                // split may overwrite what they copy.
+                for (Tensor* c : p->after[k.split])
+                    backends[c->device]->copy_from_peer(*c, *c->src[0], *backends[device]);
+                if (k.split == p->output_split) finish(k.micro, *g);
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(mu);
+                if (!error) error = std::current_exception();
+                cv.notify_all();
+                return;
+            }
+            std::lock_guard<std::mutex> lock(mu);
+            busy[device] += std::chrono::duration<double>(Clock::now() - start).count();
+            done[k.micro][k.split] = 1;
+            remaining[k.micro]--;
+            cv.notify_all();
+        }
+    };
+
+    std::vector<std::thread> threads;
+    std::vector<char> has_work(backends.size(), 0);
+    for (int d : split_device) has_work[d] = 1;
+    for (int d = 0; d < (int)backends.size(); d++)
+        if (has_work[d]) threads.emplace_back(worker, d);
+
+    // Release the micro-batches in order, each once the one n_slots before it is done.
+    for (int i = 1; i < n_micro; i++) {
+        {
+            std::unique_lock<std::mutex> lock(mu);
+            cv.wait(lock, [&] { return error || i < n_slots || remaining[i - n_slots] == 0; });
+            if (error) break;
+        }
+        Graph* g = nullptr;
+        try {
+            g = prepare(i);
+            std::vector<int> devs;
+            for (const Split& s : g->splits) devs.push_back(s.device);
+            if (devs != split_device) throw InvalidInput("pipeline: micro-batch graphs differ in their splits");
+        } catch (...) {
+            std::lock_guard<std::mutex> lock(mu);
+            if (!error) error = std::current_exception();
+            cv.notify_all();
+            break;
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        release(i, g);
+        cv.notify_all();
+    }
+    for (std::thread& t : threads) t.join();
+    for (Backend* b : backends) b->synchronize();
+    if (error) std::rethrow_exception(error);
+    if (stats) {
+        stats->wall_s = std::chrono::duration<double>(Clock::now() - t0).count();
+        stats->busy_s = busy;
+        stats->micro_batches = n_micro;
+    }
+}
+
+}  // namespace stowlm
