@@ -248,7 +248,9 @@ class Placement:
                 what += f" + experts of {describe_layers(spilled)}"
             parts.append(f"{d.name} {what}")
         used = sum(d.projected["total"] for d in self.used_devices)
-        free = sum(d.free for d in self.used_devices)
+        # CPU devices without a budget all draw on the host's RAM: count it once.
+        host = [d for d in self.used_devices if d.device.kind == "cpu" and not d.device.mem_bytes]
+        free = sum(d.free for d in self.used_devices if d not in host) + (max(d.free for d in host) if host else 0)
         pipe = ""
         if self.pipeline is not None and len(self.used_devices) > 1:
             pipe = (f"; pipelined ({self.pipeline['n_copies']} copies)" if self.pipeline["n_copies"] > 1
