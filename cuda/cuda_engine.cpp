@@ -229,8 +229,27 @@ private:
                 if (n.op == Op::FLASH_ATTN && a->ne[0] > cu::kFlashAttnMaxHeadDim)
                     return "head_dim " + std::to_string(a->ne[0]) + " exceeds the CUDA kernel's " +
                            std::to_string(cu::kFlashAttnMaxHeadDim);
+                if (n.op == Op::FLASH_ATTN && (n.src[7] || n.src[2]->ne[0] != n.src[1]->ne[0] ||
+                                               n.src[2]->nb[1] != n.src[1]->nb[1]))
+                    return "attention sinks and a V that differs from K in width or layout have no CUDA kernel yet";
                 return "";
             }
+            case Op::ROPE:
+                if (n.fparams[2] != 0.0f || n.fparams[3] != 1.0f) return "YaRN RoPE has no CUDA kernel yet";
+                return "";
+            case Op::TOP_K:
+                if (n.src[1] || n.iparams[1] == (int32_t)cpu::Gating::Sigmoid || n.iparams[2] > 1)
+                    return "expert selection with a bias, sigmoid scores or groups has no CUDA kernel yet";
+                return "";
+            case Op::MOE_WEIGHTS:
+                if (n.iparams[0] == (int32_t)cpu::Gating::SoftmaxSelected)
+                    return "a softmax over the picked experts has no CUDA kernel yet";
+                return "";
+            case Op::CONT:
+            case Op::CONCAT:
+            case Op::SWIGLU_OAI:
+            case Op::ADD_ID:
+                return std::string(op_name(n.op)) + " has no CUDA kernel yet";
             default:
                 return "";
         }
@@ -248,6 +267,11 @@ private:
         Tensor* a = n->src[0];
         Tensor* b = n->src[1];
         switch (n->op) {
+            case Op::CONT:
+            case Op::CONCAT:
+            case Op::SWIGLU_OAI:
+            case Op::ADD_ID:
+                throw Unsupported(name_ + ": " + op_name(n->op) + " has no CUDA kernel yet");
             case Op::NONE:
             case Op::VIEW:
             case Op::COPY:  // done by the context's copy step before the split runs

@@ -95,8 +95,10 @@ public:
         if (n.op == Op::MUL_MAT_ID)
             return cpu::mul_mat_id_scratch_bytes(n.src[0]->type, n.src[0]->ne[1], n.src[0]->ne[0], n.src[0]->ne[2],
                                                  n.src[2]->ne[0], n.src[2]->ne[1]);
-        if (n.op == Op::FLASH_ATTN)
-            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], n.src[0]->ne[0], n_threads_);
+        if (n.op == Op::FLASH_ATTN) {
+            const cpu::KvView kv = kv_view(n);
+            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], kv.hd_k, kv.hd_v, n_threads_);
+        }
         return 0;
     }
 
@@ -210,14 +212,25 @@ private:
                 return;
             }
             case Op::FLASH_ATTN: {
-                Tensor *k = n->src[1], *v = n->src[2];
-                const cpu::AttnParams p = attn_params(*n);
-                const int64_t hd = a->ne[0];
-                cpu::flash_attn(f32(a), a->ne[2], a->ne[1], hd * a->ne[1], k->data, v->data, k->type, k->ne[1],
-                                k->ne[0] / hd, k->nb[1], hd, (const int32_t*)n->src[3]->data,
-                                (const int32_t*)n->src[4]->data, p, f32(n), n->ne[0], scratch, pool);
+                const cpu::KvView kv = kv_view(*n);
+                cpu::flash_attn(f32(a), a->ne[2], a->ne[1], a->ne[0] * a->ne[1], kv, (const int32_t*)n->src[3]->data,
+                                (const int32_t*)n->src[4]->data, attn_params(*n), f32(n), n->ne[0], scratch, pool);
                 return;
             }
+            case Op::CONT:
+                cpu::cont(f32(a), a->ne, a->nb, f32(n), pool);
+                return;
+            case Op::CONCAT:
+                cpu::concat(f32(a), a->ne, a->nb, f32(b), b->ne[0], b->nb, f32(n), pool);
+                return;
+            case Op::SWIGLU_OAI:
+                cpu::swiglu_oai(f32(a), f32(b), n->n_elements(), n->fparams[0], n->fparams[1], f32(n), pool);
+                return;
+            case Op::ADD_ID:
+                prepare_in_place(n);
+                cpu::add_id(f32(n), f32(b), b->ne[1], (const int32_t*)n->src[2]->data, n->ne[2], n->ne[1], n->ne[0],
+                            pool);
+                return;
             case Op::SWIGLU:
                 cpu::swiglu(f32(a), a->ne[0], f32(b), b->ne[0], a->n_rows(), a->ne[0], f32(n), n->ne[0], pool);
                 return;
@@ -225,7 +238,7 @@ private:
                 cpu::geglu(f32(a), a->ne[0], f32(b), b->ne[0], a->n_rows(), a->ne[0], f32(n), n->ne[0], pool);
                 return;
             case Op::TOP_K:
-                cpu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], n->ne[0], (int32_t*)n->data, pool);
+                cpu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], top_k_params(*n), (int32_t*)n->data, pool);
                 return;
             case Op::MOE_WEIGHTS:
                 cpu::moe_weights(f32(a), a->n_rows(), a->ne[0], (const int32_t*)b->data, b->ne[0],

@@ -1,6 +1,7 @@
 // How a graph node's parameter slots (tensor.h: iparams/fparams of ROPE and FLASH_ATTN) map to
 // the kernels' parameter structs: one place for every backend.
 #pragma once
+#include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "graph/tensor.h"
 
@@ -10,8 +11,13 @@ inline cpu::RopeParams rope_params(const Tensor& n) {
     cpu::RopeParams p;
     p.n_rot = n.iparams[0];
     p.neox = n.iparams[1] != 0;
+    p.n_ctx_orig = n.iparams[2];
     p.freq_base = n.fparams[0];
     p.freq_scale = n.fparams[1];
+    p.ext_factor = n.fparams[2];
+    p.attn_factor = n.fparams[3];
+    p.beta_fast = n.fparams[4];
+    p.beta_slow = n.fparams[5];
     return p;
 }
 
@@ -21,7 +27,30 @@ inline cpu::AttnParams attn_params(const Tensor& n) {
     p.softcap = n.fparams[1];
     p.window = n.iparams[0];
     p.causal = true;
+    p.sinks = n.src[7] ? (const float*)n.src[7]->data : nullptr;
     return p;
+}
+
+inline cpu::TopKParams top_k_params(const Tensor& n) {
+    cpu::TopKParams p;
+    p.k = n.iparams[0];
+    p.gating = (cpu::Gating)n.iparams[1];
+    p.bias = n.src[1] ? (const float*)n.src[1]->data : nullptr;
+    p.n_groups = n.iparams[2], p.n_group_used = n.iparams[3];
+    return p;
+}
+
+// The K and V cache views of a FLASH_ATTN node as the kernels read them.
+inline cpu::KvView kv_view(const Tensor& n) {
+    const Tensor *q = n.src[0], *k = n.src[1], *v = n.src[2];
+    cpu::KvView kv;
+    kv.k = k->data, kv.v = v->data, kv.type = k->type;
+    kv.hd_k = q->ne[0];
+    kv.n_head_kv = k->ne[0] / kv.hd_k;
+    kv.hd_v = v->ne[0] / kv.n_head_kv;
+    kv.n_kv = k->ne[1];
+    kv.k_cell_bytes = k->nb[1], kv.v_cell_bytes = v->nb[1];
+    return kv;
 }
 
 }  // namespace stowlm

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bind.h"
+#include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "cpu/ops_kernels.h"
 #include "error.h"
@@ -140,7 +141,8 @@ STOWLM_BIND(nn) {
         return y;
     }, nb::arg("x"), nb::arg("weight").none(), nb::arg("eps"));
 
-    ops.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox) {
+    ops.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox, float ext_factor,
+                       float attn_factor, float beta_fast, float beta_slow, int n_ctx_orig) {
         need_ndim(x, 3, "x");
         need_ndim(pos, 1, "pos");
         const int64_t n_tok = x.shape(0), n_head = x.shape(1), hd = x.shape(2);
@@ -152,15 +154,18 @@ STOWLM_BIND(nn) {
         p.freq_base = base;
         p.freq_scale = scale;
         p.neox = neox;
+        p.ext_factor = ext_factor, p.attn_factor = attn_factor, p.beta_fast = beta_fast, p.beta_slow = beta_slow;
+        p.n_ctx_orig = n_ctx_orig;
         cpu::rope(y.data(), n_tok, n_head, hd, n_head * hd, pos.data(), p, pool());
         return y;
     }, nb::arg("x"), nb::arg("pos"), nb::arg("n_rot"), nb::arg("base") = 10000.0f, nb::arg("scale") = 1.0f,
-       nb::arg("neox") = false);
+       nb::arg("neox") = false, nb::arg("ext_factor") = 0.0f, nb::arg("attn_factor") = 1.0f,
+       nb::arg("beta_fast") = 32.0f, nb::arg("beta_slow") = 1.0f, nb::arg("n_ctx_orig") = 0);
 
     ops.def("flash_attn",
             [](In<float> q, nb::ndarray<nb::c_contig, nb::device::cpu> k, nb::ndarray<nb::c_contig, nb::device::cpu> v,
                In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap, int window, bool causal,
-               nb::handle kv_type_h, int threads) {
+               nb::handle kv_type_h, int threads, std::optional<In<float>> sinks) {
                 const QType kv_type = parse_qtype(kv_type_h, "kv_type");
                 if (kv_type != QType::F16 && kv_type != QType::Q8_0)
                     throw InvalidInput("kv_type must be F16 or Q8_0");
@@ -168,9 +173,10 @@ STOWLM_BIND(nn) {
                 need_ndim(k, 3, "k");
                 need_ndim(v, 3, "v");
                 const int64_t n_tok = q.shape(0), n_head = q.shape(1), hd = q.shape(2);
-                const int64_t n_kv = k.shape(0), n_head_kv = k.shape(1);
+                const int64_t n_kv = k.shape(0), n_head_kv = k.shape(1), hd_v = v.shape(2);
                 need_len(k, 2, hd, "k");
-                for (size_t d = 0; d < 3; d++) need_len(v, d, (int64_t)k.shape(d), "v");
+                for (size_t d = 0; d < 2; d++) need_len(v, d, (int64_t)k.shape(d), "v");
+                if (sinks) need_len(*sinks, 0, n_head, "sinks");
                 need_ndim(q_pos, 1, "q_pos");
                 need_len(q_pos, 0, n_tok, "q_pos");
                 need_ndim(kv_pos, 1, "kv_pos");
@@ -179,28 +185,32 @@ STOWLM_BIND(nn) {
                     throw InvalidInput("q heads " + std::to_string(n_head) + " not a multiple of k heads " +
                                        std::to_string(n_head_kv));
                 const std::vector<uint8_t> kc = encode_kv(k.data(), k.dtype(), kv_type, n_kv, n_head_kv, hd, "k");
-                const std::vector<uint8_t> vc = encode_kv(v.data(), v.dtype(), kv_type, n_kv, n_head_kv, hd, "v");
-                Out<float> o = new_array<float>({(size_t)n_tok, (size_t)n_head, (size_t)hd});
+                const std::vector<uint8_t> vc = encode_kv(v.data(), v.dtype(), kv_type, n_kv, n_head_kv, hd_v, "v");
+                Out<float> o = new_array<float>({(size_t)n_tok, (size_t)n_head, (size_t)hd_v});
                 cpu::AttnParams p;
                 p.scale = scale;
                 p.softcap = softcap;
                 p.window = window;
                 p.causal = causal;
+                p.sinks = sinks ? sinks->data() : nullptr;
                 // threads > 0: a pool of that size for this call (tests of the KV split across threads).
                 std::unique_ptr<ThreadPool> own = threads > 0 ? std::make_unique<ThreadPool>(threads) : nullptr;
                 ThreadPool& tp = own ? *own : pool();
-                std::vector<uint8_t> scratch(cpu::flash_attn_scratch_bytes(n_tok, n_head, hd, tp.size()));
+                std::vector<uint8_t> scratch(cpu::flash_attn_scratch_bytes(n_tok, n_head, hd, hd_v, tp.size()));
+                cpu::KvView kv;
+                kv.k = kc.data(), kv.v = vc.data(), kv.type = kv_type, kv.n_kv = n_kv, kv.n_head_kv = n_head_kv;
+                kv.k_cell_bytes = n_head_kv * row_bytes(kv_type, hd), kv.v_cell_bytes = n_head_kv * row_bytes(kv_type, hd_v);
+                kv.hd_k = hd, kv.hd_v = hd_v;
                 {
                     nb::gil_scoped_release rel;
-                    cpu::flash_attn(q.data(), n_tok, n_head, n_head * hd, kc.data(), vc.data(), kv_type, n_kv,
-                                    n_head_kv, n_head_kv * row_bytes(kv_type, hd), hd, q_pos.data(), kv_pos.data(), p,
-                                    o.data(), n_head * hd, scratch.data(), tp);
+                    cpu::flash_attn(q.data(), n_tok, n_head, n_head * hd, kv, q_pos.data(), kv_pos.data(), p, o.data(),
+                                    n_head * hd_v, scratch.data(), tp);
                 }
                 return o;
             },
             nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"), nb::arg("scale"),
             nb::arg("softcap") = 0.0f, nb::arg("window") = 0, nb::arg("causal") = true,
-            nb::arg("kv_type") = "F16", nb::arg("threads") = 0);
+            nb::arg("kv_type") = "F16", nb::arg("threads") = 0, nb::arg("sinks").none() = nb::none());
 
     // Times `iters` calls of flash_attn on cells encoded once (for benchmarks): seconds per call.
     ops.def("bench_flash_attn",
@@ -219,13 +229,16 @@ STOWLM_BIND(nn) {
                 std::vector<float> o((size_t)(n_tok * n_head * hd));
                 cpu::AttnParams p;
                 p.scale = scale;
-                std::vector<uint8_t> scratch(cpu::flash_attn_scratch_bytes(n_tok, n_head, hd, pool().size()));
+                std::vector<uint8_t> scratch(cpu::flash_attn_scratch_bytes(n_tok, n_head, hd, hd, pool().size()));
+                cpu::KvView kv;
+                kv.k = kc.data(), kv.v = vc.data(), kv.type = kv_type, kv.n_kv = n_kv, kv.n_head_kv = n_head_kv;
+                kv.k_cell_bytes = kv.v_cell_bytes = n_head_kv * row_bytes(kv_type, hd);
+                kv.hd_k = kv.hd_v = hd;
                 nb::gil_scoped_release rel;
                 auto t0 = std::chrono::steady_clock::now();
                 for (int i = 0; i < iters; i++)
-                    cpu::flash_attn(q.data(), n_tok, n_head, n_head * hd, kc.data(), vc.data(), kv_type, n_kv,
-                                    n_head_kv, n_head_kv * row_bytes(kv_type, hd), hd, q_pos.data(), kv_pos.data(), p,
-                                    o.data(), n_head * hd, scratch.data(), pool());
+                    cpu::flash_attn(q.data(), n_tok, n_head, n_head * hd, kv, q_pos.data(), kv_pos.data(), p, o.data(),
+                                    n_head * hd, scratch.data(), pool());
                 return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / iters;
             },
             nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"), nb::arg("scale"),
@@ -279,5 +292,51 @@ STOWLM_BIND(nn) {
     }, nb::arg("x"), nb::arg("cap"));
 
     // The kernel path these ops use now (follows stowlm._core.cpu.set_isa).
+    ops.def("swiglu_oai", [](In<float> g, In<float> u, float alpha, float limit) {
+        if (g.size() != u.size()) throw InvalidInput("swiglu_oai: gate and up differ in size");
+        Out<float> y = new_array<float>(shape_of(g));
+        cpu::swiglu_oai(g.data(), u.data(), (int64_t)g.size(), alpha, limit, y.data(), pool());
+        return y;
+    }, nb::arg("gate"), nb::arg("up"), nb::arg("alpha") = 1.702f, nb::arg("limit") = 7.0f);
+
+    // Expert selection of (n_tok, n_expert) router logits: ids (n_tok, k) (cpu::top_k).
+    ops.def("top_k", [](In<float> x, int k, int gating, std::optional<In<float>> bias, int n_groups, int n_group_used) {
+        auto [n, dim] = rows_dim(x, "x");
+        if (bias) need_len(*bias, 0, dim, "bias");
+        cpu::TopKParams p;
+        p.k = k, p.gating = (cpu::Gating)gating, p.bias = bias ? bias->data() : nullptr;
+        p.n_groups = n_groups, p.n_group_used = n_group_used;
+        Out<int32_t> ids = new_array<int32_t>({(size_t)n, (size_t)k});
+        cpu::top_k(x.data(), n, dim, dim, p, ids.data(), pool());
+        return ids;
+    }, nb::arg("x"), nb::arg("k"), nb::arg("gating") = 0, nb::arg("bias").none() = nb::none(), nb::arg("n_groups") = 0,
+       nb::arg("n_group_used") = 0);
+
+    ops.def("moe_weights", [](In<float> logits, In<int32_t> ids, int gating, bool normalize, float scale) {
+        auto [n, n_expert] = rows_dim(logits, "logits");
+        need_ndim(ids, 2, "ids");
+        need_len(ids, 0, n, "ids");
+        const int64_t k = ids.shape(1);
+        Out<float> w = new_array<float>({(size_t)n, (size_t)k});
+        cpu::moe_weights(logits.data(), n, n_expert, ids.data(), k, (cpu::Gating)gating, normalize, scale, w.data(),
+                         pool());
+        return w;
+    }, nb::arg("logits"), nb::arg("ids"), nb::arg("gating") = 0, nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
+
+    // x (n_tok, k, d) + bias[ids] with bias (n_expert, d), ids (n_tok, k).
+    ops.def("add_id", [](In<float> x, In<float> bias, In<int32_t> ids) {
+        need_ndim(x, 3, "x");
+        need_ndim(bias, 2, "bias");
+        need_ndim(ids, 2, "ids");
+        const int64_t n = x.shape(0), k = x.shape(1), d = x.shape(2);
+        need_len(bias, 1, d, "bias");
+        need_len(ids, 0, n, "ids");
+        need_len(ids, 1, k, "ids");
+        Out<float> y = new_array<float>(shape_of(x));
+        std::memcpy(y.data(), x.data(), x.size() * sizeof(float));
+        cpu::add_id(y.data(), bias.data(), bias.shape(0), ids.data(), n, k, d, pool());
+        return y;
+    }, nb::arg("x"), nb::arg("bias"), nb::arg("ids"));
+
     ops.def("ops_isa", [] { return std::string(cpu::ops_isa_name(cpu::ops_isa())); });
 }

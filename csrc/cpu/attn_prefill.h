@@ -12,16 +12,17 @@ namespace stowlm::cpu {
 
 struct PrefillArgs {
     const float* q;
-    int64_t ld_q, n_rep, hd;
-    const unsigned char* k;  // KV head 0 of cell 0; head g at + g * rb, cell j at + j * cell_bytes
-    const unsigned char* v;
-    size_t cell_bytes, rb;
+    int64_t ld_q, n_rep, hd_k, hd_v;
+    const unsigned char* k;  // KV head 0 of cell 0; head g at + g * rb_k, cell j at + j * k_cell_bytes
+    const unsigned char* v;  // the same with rb_v, v_cell_bytes
+    size_t k_cell_bytes, v_cell_bytes, rb_k, rb_v;
     int64_t n_kv;
     const int32_t* q_pos;
     const int32_t* kv_pos;
     float scale, softcap;
     int32_t window;
     bool causal;
+    const float* sinks;  // per query head, or null
     float* out;
     int64_t ld_out;
 };
@@ -37,14 +38,15 @@ inline bool prefill_head_dim_ok(int64_t hd) { return hd % 16 == 0 && hd <= 256; 
 
 // Per-thread workspace of one unit: scaled queries, K^T, V, P (floats), softmax state, the
 // per-token cell masks, a sink for padding rows.
-inline size_t prefill_ws_bytes(int64_t hd) {
+inline size_t prefill_ws_bytes(int64_t hd_k, int64_t hd_v) {
+    const int64_t hd = hd_k > hd_v ? hd_k : hd_v;
     const size_t floats = (size_t)kPrefillRows * hd * 2 + (size_t)kPrefillBlock * kPrefillRows + 2 * kPrefillRows +
                           (size_t)kPrefillBlock * hd + 4 * hd;
     return floats * sizeof(float) + kPrefillRows * sizeof(uint64_t) + 6 * 64;
 }
 
 #if defined(STOWLM_X86)
-// Tokens [t0, t1) (t1 - t0 <= kPrefillRows / n_rep) for KV head g; ws: prefill_ws_bytes(hd), 64-aligned.
+// Tokens [t0, t1) (t1 - t0 <= kPrefillRows / n_rep) for KV head g; ws: prefill_ws_bytes(hd_k, hd_v), 64-aligned.
 void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int64_t g, void* ws);
 #endif
 

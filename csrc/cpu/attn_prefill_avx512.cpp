@@ -78,41 +78,41 @@ inline float reduce_max(const __m512* v) {
 }  // namespace
 
 void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int64_t g, void* ws) {
-    const int64_t hd = a.hd, n_rep = a.n_rep;
+    const int64_t hd_k = a.hd_k, hd_v = a.hd_v, n_rep = a.n_rep;
     const int nt = (int)(t1 - t0);
     const int R = (int)(nt * n_rep), Rp = (R + 3) & ~3;
     unsigned char* p = (unsigned char*)ws;
-    float* Q = align_up(p, (size_t)kPrefillRows * hd * 4);
-    float* Kt = align_up(p, (size_t)hd * BK * 4);
-    float* V = align_up(p, (size_t)BK * hd * 4);
+    float* Q = align_up(p, (size_t)kPrefillRows * hd_k * 4);
+    float* Kt = align_up(p, (size_t)hd_k * BK * 4);
+    float* V = align_up(p, (size_t)BK * hd_v * 4);
     float* P = align_up(p, (size_t)kPrefillRows * BK * 4);
     float* ml = align_up(p, 2 * kPrefillRows * 4);
-    float* sink = align_up(p, 4 * hd * 4);
+    float* sink = align_up(p, 4 * hd_v * 4);
     uint64_t* tmask = (uint64_t*)align_up(p, kPrefillRows * 8);
 
     // Rows r = token * n_rep + head: queries pre-scaled, outputs (padding rows go to the sink).
     float* orow[kPrefillRows];
     for (int r = 0; r < Rp; r++) {
-        float* qd = Q + r * hd;
+        float* qd = Q + r * hd_k;
         if (r < R) {
             const int64_t t = t0 + r / n_rep, h = g * n_rep + r % n_rep;
-            const float* qs = a.q + t * a.ld_q + h * hd;
-            for (int64_t d = 0; d < hd; d += 16)
+            const float* qs = a.q + t * a.ld_q + h * hd_k;
+            for (int64_t d = 0; d < hd_k; d += 16)
                 _mm512_storeu_ps(qd + d, _mm512_mul_ps(_mm512_loadu_ps(qs + d), _mm512_set1_ps(a.scale)));
-            orow[r] = a.out + t * a.ld_out + h * hd;
+            orow[r] = a.out + t * a.ld_out + h * hd_v;
         } else {
-            memset(qd, 0, hd * 4);
-            orow[r] = sink + (r - R) * hd;
+            memset(qd, 0, hd_k * 4);
+            orow[r] = sink + (r - R) * hd_v;
         }
-        memset(orow[r], 0, hd * 4);
+        memset(orow[r], 0, hd_v * 4);
         ml[2 * r] = -INFINITY;
         ml[2 * r + 1] = 0.0f;
     }
 
-    const unsigned char* kb0 = a.k + g * a.rb;
-    const unsigned char* vb0 = a.v + g * a.rb;
+    const unsigned char* kb0 = a.k + g * a.rb_k;
+    const unsigned char* vb0 = a.v + g * a.rb_v;
     const __m512i cell_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                                _mm512_set1_epi32((int)a.cell_bytes));
+                                                _mm512_set1_epi32((int)a.k_cell_bytes));
     for (int64_t jb = 0; jb < a.n_kv; jb += BK) {
         const int nb = (int)std::min<int64_t>(BK, a.n_kv - jb);
         // visibility per token: kp >= 0, causal kp <= qp, window qp - kp < window
@@ -140,8 +140,8 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
         // K^T and V of the block in float; cells no row sees are zero (they may be unwritten)
         for (int c = 0; c < NC; c++) {
             const __mmask16 cm = (__mmask16)(any >> (16 * c));
-            const unsigned char* kc = kb0 + (size_t)(jb + 16 * c) * a.cell_bytes;
-            for (int64_t e = 0; e < hd / 2; e++) {
+            const unsigned char* kc = kb0 + (size_t)(jb + 16 * c) * a.k_cell_bytes;
+            for (int64_t e = 0; e < hd_k / 2; e++) {
                 const __m512i w = cm ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), cm, cell_off, kc + 4 * e, 1)
                                      : _mm512_setzero_si512();
                 _mm512_store_ps(Kt + (2 * e) * BK + 16 * c, _mm512_cvtph_ps(_mm512_cvtepi32_epi16(w)));
@@ -150,17 +150,17 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
             }
         }
         for (int j = 0; j < nb; j++) {
-            float* vd = V + j * hd;
+            float* vd = V + j * hd_v;
             if (any >> j & 1) {
-                const uint16_t* vs = (const uint16_t*)(vb0 + (size_t)(jb + j) * a.cell_bytes);
-                for (int64_t d = 0; d < hd; d += 16)
+                const uint16_t* vs = (const uint16_t*)(vb0 + (size_t)(jb + j) * a.v_cell_bytes);
+                for (int64_t d = 0; d < hd_v; d += 16)
                     _mm512_store_ps(vd + d, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(vs + d))));
             } else {
-                memset(vd, 0, hd * 4);
+                memset(vd, 0, hd_v * 4);
             }
         }
 
-        for (int r0 = 0; r0 < Rp; r0 += 4) scores4(Q + r0 * hd, hd, Kt, P + r0 * BK);
+        for (int r0 = 0; r0 < Rp; r0 += 4) scores4(Q + r0 * hd_k, hd_k, Kt, P + r0 * BK);
 
         // online softmax per row; P becomes the weights (0 where masked)
         for (int r = 0; r < Rp; r++) {
@@ -179,7 +179,7 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
             const float f = online_softmax_rescale(st[0], st[1], reduce_max(s));
             if (f != 1.0f) {
                 float* o = orow[r];
-                for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(f)));
+                for (int64_t d = 0; d < hd_v; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), _mm512_set1_ps(f)));
             }
             const __m512 vm = _mm512_set1_ps(st[0]);
             __m512 sum = _mm512_setzero_ps();
@@ -197,15 +197,17 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
             float* const* o = orow + r0;
             const float* pr = P + r0 * BK;
             int64_t d0 = 0;
-            for (; d0 + 64 <= hd; d0 += 64) pv4(o, d0, pr, V, hd, n_used);
-            for (; d0 < hd; d0 += 16) pv4_1(o, d0, pr, V, hd, n_used);
+            for (; d0 + 64 <= hd_v; d0 += 64) pv4(o, d0, pr, V, hd_v, n_used);
+            for (; d0 < hd_v; d0 += 16) pv4_1(o, d0, pr, V, hd_v, n_used);
         }
     }
     for (int r = 0; r < R; r++) {
+        float f = 1.0f;
+        if (a.sinks) f = attn_sink(ml[2 * r], ml[2 * r + 1], a.sinks[g * n_rep + r % n_rep]);
         const float l = ml[2 * r + 1];
-        const __m512 inv = _mm512_set1_ps(l > 0 ? 1.0f / l : 0.0f);  // no visible cell: zeros
+        const __m512 inv = _mm512_set1_ps(l > 0 ? f / l : 0.0f);  // no visible cell: zeros
         float* o = orow[r];
-        for (int64_t d = 0; d < hd; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
+        for (int64_t d = 0; d < hd_v; d += 16) _mm512_storeu_ps(o + d, _mm512_mul_ps(_mm512_loadu_ps(o + d), inv));
     }
 }
 

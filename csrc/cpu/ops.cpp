@@ -58,29 +58,32 @@ void quantize_q8_0(const float* x, block_q8_0* y, int64_t n) {
 // positions and parameters match (a memcmp instead of n_tok * n_rot/2 sincos).
 struct RopeTable {
     std::vector<int32_t> pos;
-    int32_t n_rot;
-    float base, scale;
-    bool neox;
+    RopeParams p;
     std::vector<float> cs;  // [n_tok][cc[n_rot], ss[n_rot]] in rope_head's form for this mode
 };
+
+bool same_rope(const RopeParams& a, const RopeParams& b) {
+    return a.n_rot == b.n_rot && a.freq_base == b.freq_base && a.freq_scale == b.freq_scale && a.neox == b.neox &&
+           a.ext_factor == b.ext_factor && a.attn_factor == b.attn_factor && a.beta_fast == b.beta_fast &&
+           a.beta_slow == b.beta_slow && a.n_ctx_orig == b.n_ctx_orig;
+}
 
 std::shared_ptr<const RopeTable> rope_table(const int32_t* pos, int64_t n_tok, const RopeParams& p) {
     static std::mutex mu;
     static std::shared_ptr<const RopeTable> last;
     {
         std::lock_guard<std::mutex> lock(mu);
-        if (last && last->n_rot == p.n_rot && last->base == p.freq_base && last->scale == p.freq_scale &&
-            last->neox == p.neox &&
-            (int64_t)last->pos.size() == n_tok && std::memcmp(last->pos.data(), pos, (size_t)n_tok * 4) == 0)
+        if (last && same_rope(last->p, p) && (int64_t)last->pos.size() == n_tok &&
+            std::memcmp(last->pos.data(), pos, (size_t)n_tok * 4) == 0)
             return last;
     }
     auto t = std::make_shared<RopeTable>();
     t->pos.assign(pos, pos + n_tok);
-    t->n_rot = p.n_rot;
-    t->base = p.freq_base;
-    t->scale = p.freq_scale;
-    t->neox = p.neox;
+    t->p = p;
     const int64_t half = p.n_rot / 2, n_rot = p.n_rot;
+    const bool yarn = p.ext_factor != 0.0f || p.attn_factor != 1.0f;
+    float corr_lo = 0, corr_hi = 0;
+    if (yarn) rope_yarn_corr_dims(p.n_rot, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow, &corr_lo, &corr_hi);
     std::vector<float> inv((size_t)half);
     for (int64_t i = 0; i < half; i++) inv[i] = rope_inv_freq((int)i, p.n_rot, p.freq_base);
     t->cs.resize((size_t)(n_tok * n_rot * 2));
@@ -88,8 +91,14 @@ std::shared_ptr<const RopeTable> rope_table(const int32_t* pos, int64_t n_tok, c
         float* cc = t->cs.data() + (size_t)tk * n_rot * 2;
         float* ss = cc + n_rot;
         for (int64_t i = 0; i < half; i++) {
-            const float th = rope_theta_f(pos[tk], inv[i], p.freq_scale);
-            const float c = std::cos(th), sn = std::sin(th);
+            float c, sn;
+            if (yarn) {
+                rope_yarn((float)pos[tk] * inv[i], p.freq_scale, corr_lo, corr_hi, (int)i, p.ext_factor, p.attn_factor,
+                          &c, &sn);
+            } else {
+                const float th = rope_theta_f(pos[tk], inv[i], p.freq_scale);
+                c = std::cos(th), sn = std::sin(th);
+            }
             // pair (a, b): y_a = x_a cos - x_b sin, y_b = x_b cos + x_a sin
             const int64_t a = p.neox ? i : 2 * i, b = p.neox ? i + half : 2 * i + 1;
             cc[a] = cc[b] = c;
@@ -222,6 +231,41 @@ void gated_rows(const char* op, GatedRowFn fn, const float* gate, int64_t ld_gat
     });
 }
 }  // namespace
+
+namespace {
+// The start of row (i1, i2, i3) of a strided tensor.
+inline const float* row_at(const float* base, const size_t nb[4], int64_t i1, int64_t i2, int64_t i3) {
+    return (const float*)((const char*)base + i1 * nb[1] + i2 * nb[2] + i3 * nb[3]);
+}
+}  // namespace
+
+void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, ThreadPool& pool) {
+    const int64_t rows = ne[1] * ne[2] * ne[3];
+    for_rows(pool, rows, ne[0], [&](int64_t b, int64_t e) {
+        for (int64_t r = b; r < e; r++)
+            std::memcpy(out + r * ne[0], row_at(x, nb, r % ne[1], r / ne[1] % ne[2], r / (ne[1] * ne[2])),
+                        (size_t)ne[0] * 4);
+    });
+}
+
+void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const float* b, int64_t b_ne0,
+            const size_t b_nb[4], float* out, ThreadPool& pool) {
+    const int64_t rows = a_ne[1] * a_ne[2] * a_ne[3], w = a_ne[0] + b_ne0;
+    for_rows(pool, rows, w, [&](int64_t rb, int64_t re) {
+        for (int64_t r = rb; r < re; r++) {
+            const int64_t i1 = r % a_ne[1], i2 = r / a_ne[1] % a_ne[2], i3 = r / (a_ne[1] * a_ne[2]);
+            std::memcpy(out + r * w, row_at(a, a_nb, i1, i2, i3), (size_t)a_ne[0] * 4);
+            std::memcpy(out + r * w + a_ne[0], row_at(b, b_nb, i1, i2, i3), (size_t)b_ne0 * 4);
+        }
+    });
+}
+
+void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, ThreadPool& pool) {
+    constexpr int64_t kChunk = 4096;
+    for_rows(pool, (n + kChunk - 1) / kChunk, kChunk, [&](int64_t b, int64_t e) {
+        for (int64_t i = b * kChunk; i < std::min(n, e * kChunk); i++) out[i] = stowlm::swiglu_oai(gate[i], up[i], alpha, limit);
+    });
+}
 
 void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,
             int64_t ld_out, ThreadPool& pool) {

@@ -33,46 +33,47 @@ int64_t max_splits(int64_t n_tok, int n_threads) {
 }
 
 // The many-token path (attn_prefill.h) applies to these calls where the CPU has AVX-512.
-bool prefill_shape(int64_t n_tok, int64_t head_dim) {
-    return n_tok >= kPrefillMinTokens && prefill_head_dim_ok(head_dim);
+bool prefill_shape(int64_t n_tok, int64_t hd_k, int64_t hd_v) {
+    return n_tok >= kPrefillMinTokens && prefill_head_dim_ok(hd_k) && prefill_head_dim_ok(hd_v);
 }
 
 // scores [n_rep][kKvBlock], visible-cell list, (m, l) per (token, head) of a unit, block maxima;
 // or the prefill path's workspace where that may run.
-size_t per_thread_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim) {
+size_t per_thread_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v) {
     const size_t b = align64(n_head * kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
                      align64(2 * kTokTile * n_head * sizeof(float)) + align64(n_head * sizeof(float));
-    return prefill_shape(n_tok, head_dim) ? std::max(b, align64(prefill_ws_bytes(head_dim))) : b;
+    return prefill_shape(n_tok, hd_k, hd_v) ? std::max(b, align64(prefill_ws_bytes(hd_k, hd_v))) : b;
 }
 
-size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t n_split) {
-    return n_split > 1 ? align64((size_t)(n_tok * n_head * n_split * (head_dim + 2)) * sizeof(float)) : 0;
+size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_split) {
+    return n_split > 1 ? align64((size_t)(n_tok * n_head * n_split * (hd_v + 2)) * sizeof(float)) : 0;
 }
 
 }  // namespace
 
-size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_threads) {
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads) {
     if (n_threads < 1) n_threads = 1;
-    return partial_bytes(n_tok, n_head, head_dim, max_splits(n_tok, n_threads)) +
-           (size_t)n_threads * per_thread_bytes(n_tok, n_head, head_dim) + 64;
+    return partial_bytes(n_tok, n_head, hd_v, max_splits(n_tok, n_threads)) +
+           (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v) + 64;
 }
 
-void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
-                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
-                const int32_t* q_pos, const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out,
-                void* scratch, ThreadPool& pool) {
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,
+                const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out, void* scratch,
+                ThreadPool& pool) {
+    const QType kv_type = kv.type;
+    const int64_t n_kv = kv.n_kv, n_head_kv = kv.n_head_kv, hd_k = kv.hd_k, hd_v = kv.hd_v;
     if (kv_type != QType::F16 && kv_type != QType::Q8_0)
         throw InvalidInput(std::string("flash_attn: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
-    if (n_tok < 0 || n_kv < 0 || head_dim <= 0 || n_head <= 0 || n_head_kv <= 0)
-        throw InvalidInput("flash_attn: n_tok, n_kv must be >= 0 and n_head, n_head_kv, head_dim > 0");
+    if (n_tok < 0 || n_kv < 0 || hd_k <= 0 || hd_v <= 0 || n_head <= 0 || n_head_kv <= 0)
+        throw InvalidInput("flash_attn: n_tok, n_kv must be >= 0 and n_head, n_head_kv, head dims > 0");
     if (n_head % n_head_kv != 0)
         throw InvalidInput("flash_attn: n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
                            std::to_string(n_head_kv));
-    const size_t rb = row_bytes(kv_type, head_dim);  // throws for a Q8_0 head_dim not a multiple of 32
-    if (kv_cell_bytes < (size_t)n_head_kv * rb)
-        throw InvalidInput("flash_attn: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
-                           std::to_string((size_t)n_head_kv * rb));
-    if (ld_q < n_head * head_dim || ld_out < n_head * head_dim)
+    // throw for a Q8_0 head dim not a multiple of 32
+    const size_t rb_k = row_bytes(kv_type, hd_k), rb_v = row_bytes(kv_type, hd_v);
+    if (kv.k_cell_bytes < (size_t)n_head_kv * rb_k || kv.v_cell_bytes < (size_t)n_head_kv * rb_v)
+        throw InvalidInput("flash_attn: a KV cell stride is smaller than n_head_kv * row bytes");
+    if (ld_q < n_head * hd_k || ld_out < n_head * hd_v)
         throw InvalidInput("flash_attn: ld_q / ld_out smaller than n_head * head_dim");
     if (p.window < 0) throw InvalidInput("flash_attn: window must be >= 0");
     if (n_tok == 0) return;
@@ -81,29 +82,30 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const int64_t n_rep = n_head / n_head_kv;
     const int64_t n_tiles = cdiv(n_tok, kTokTile);
     // Below this many q.k multiply-adds waking the workers costs more than it saves.
-    const bool small = n_tok * n_head * n_kv * head_dim < (1 << 16);
+    const bool small = n_tok * n_head * n_kv * hd_k < (1 << 16);
     int64_t n_split = 1;
     if (n_tiles * n_head_kv < 4 * nth && !small) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
     const int64_t split_len = cdiv(std::max<int64_t>(n_kv, 1), n_split);
 
     std::vector<unsigned char> own;
     if (!scratch) {
-        own.resize(flash_attn_scratch_bytes(n_tok, n_head, head_dim, nth));
+        own.resize(flash_attn_scratch_bytes(n_tok, n_head, hd_k, hd_v, nth));
         scratch = own.data();
     }
     unsigned char* base = (unsigned char*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float* partial = (float*)base;
-    unsigned char* thread_base = base + partial_bytes(n_tok, n_head, head_dim, n_split);
-    const size_t ptb = per_thread_bytes(n_tok, n_head, head_dim);
+    unsigned char* thread_base = base + partial_bytes(n_tok, n_head, hd_v, n_split);
+    const size_t ptb = per_thread_bytes(n_tok, n_head, hd_k, hd_v);
 
 #ifdef STOWLM_X86
-    if (kv_type == QType::F16 && prefill_shape(n_tok, head_dim) && n_rep <= kPrefillRows &&
+    if (kv_type == QType::F16 && prefill_shape(n_tok, hd_k, hd_v) && n_rep <= kPrefillRows &&
         ops_isa() == OpsIsa::Avx512) {
         PrefillArgs a;
-        a.q = q, a.ld_q = ld_q, a.n_rep = n_rep, a.hd = head_dim;
-        a.k = (const unsigned char*)k, a.v = (const unsigned char*)v, a.cell_bytes = kv_cell_bytes, a.rb = rb;
+        a.q = q, a.ld_q = ld_q, a.n_rep = n_rep, a.hd_k = hd_k, a.hd_v = hd_v;
+        a.k = (const unsigned char*)kv.k, a.v = (const unsigned char*)kv.v;
+        a.k_cell_bytes = kv.k_cell_bytes, a.v_cell_bytes = kv.v_cell_bytes, a.rb_k = rb_k, a.rb_v = rb_v;
         a.n_kv = n_kv, a.q_pos = q_pos, a.kv_pos = kv_pos;
-        a.scale = p.scale, a.softcap = p.softcap, a.window = p.window, a.causal = p.causal;
+        a.scale = p.scale, a.softcap = p.softcap, a.window = p.window, a.causal = p.causal, a.sinks = p.sinks;
         a.out = out, a.ld_out = ld_out;
         const int64_t tq = kPrefillRows / n_rep, n_ptiles = cdiv(n_tok, tq);
         // the last tiles first: under a causal mask they see the most cells
@@ -122,9 +124,9 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const float scale = p.scale, cap = p.softcap;
     const int32_t window = p.window;
     const bool causal = p.causal;
-    const int64_t slot = head_dim + 2;  // partial state: acc[head_dim], m, l
+    const int64_t slot = hd_v + 2;  // partial state: acc[hd_v], m, l
     // distance between the accumulators of consecutive heads (output rows or partial slots)
-    const int64_t acc_ld = n_split == 1 ? head_dim : n_split * slot;
+    const int64_t acc_ld = n_split == 1 ? hd_v : n_split * slot;
 
     auto unit = [&](int64_t u, int ith) {
         const int64_t s = u % n_split;
@@ -143,19 +145,18 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         float* mx = (float*)tb;
 
         auto acc_of = [&](int64_t t, int64_t h) -> float* {
-            return n_split == 1 ? out + t * ld_out + h * head_dim
-                                : partial + ((t * n_head + h) * n_split + s) * slot;
+            return n_split == 1 ? out + t * ld_out + h * hd_v : partial + ((t * n_head + h) * n_split + s) * slot;
         };
         for (int64_t t = t0; t < t1; t++)
             for (int64_t r = 0; r < n_rep; r++) {
-                std::fill(acc_of(t, g * n_rep + r), acc_of(t, g * n_rep + r) + head_dim, 0.0f);
+                std::fill(acc_of(t, g * n_rep + r), acc_of(t, g * n_rep + r) + hd_v, 0.0f);
                 const int64_t i = ((t - t0) * n_rep + r) * 2;
                 ml[i] = -INFINITY;
                 ml[i + 1] = 0.0f;
             }
 
-        const unsigned char* kbase = (const unsigned char*)k + g * rb;
-        const unsigned char* vbase = (const unsigned char*)v + g * rb;
+        const unsigned char* kbase = (const unsigned char*)kv.k + g * rb_k;
+        const unsigned char* vbase = (const unsigned char*)kv.v + g * rb_v;
         for (int64_t jb = j_begin; jb < j_end; jb += kKvBlock) {
             const int64_t je = std::min(j_end, jb + kKvBlock);
             for (int64_t t = t0; t < t1; t++) {
@@ -168,19 +169,19 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                     if (ok) vis[nv++] = (int32_t)(j - jb);
                 }
                 if (nv == 0) continue;
-                const unsigned char* kb = kbase + (size_t)jb * kv_cell_bytes;
-                const unsigned char* vb = vbase + (size_t)jb * kv_cell_bytes;
-                const float* qg = q + t * ld_q + g * n_rep * head_dim;
+                const unsigned char* kb = kbase + (size_t)jb * kv.k_cell_bytes;
+                const unsigned char* vb = vbase + (size_t)jb * kv.v_cell_bytes;
+                const float* qg = q + t * ld_q + g * n_rep * hd_k;
                 float* acc0 = acc_of(t, g * n_rep);
                 auto scores_mh = f16 ? kr.scores_f16_mh : kr.scores_q8_0_mh;
                 auto accum_mh = f16 ? kr.accum_f16_mh : kr.accum_q8_0_mh;
                 if (scores_mh) {
-                    scores_mh(qg, head_dim, (int)n_rep, kb, kv_cell_bytes, vis, nv, head_dim, scale, sc, kKvBlock, mx);
+                    scores_mh(qg, hd_k, (int)n_rep, kb, kv.k_cell_bytes, vis, nv, hd_k, scale, sc, kKvBlock, mx);
                 } else {
                     for (int64_t r = 0; r < n_rep; r++)
-                        mx[r] = f16 ? kr.scores_f16(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
+                        mx[r] = f16 ? kr.scores_f16(qg + r * hd_k, kb, kv.k_cell_bytes, vis, nv, hd_k, scale,
                                                     sc + r * kKvBlock)
-                                    : kr.scores_q8_0(qg + r * head_dim, kb, kv_cell_bytes, vis, nv, head_dim, scale,
+                                    : kr.scores_q8_0(qg + r * hd_k, kb, kv.k_cell_bytes, vis, nv, hd_k, scale,
                                                      sc + r * kKvBlock);
                 }
                 for (int64_t r = 0; r < n_rep; r++) {
@@ -191,29 +192,30 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                     }
                     float* st = ml + ((t - t0) * n_rep + r) * 2;
                     const float f = online_softmax_rescale(st[0], st[1], mx[r]);
-                    if (f != 1.0f) kr.scale(acc0 + r * acc_ld, f, head_dim);
+                    if (f != 1.0f) kr.scale(acc0 + r * acc_ld, f, hd_v);
                     st[1] += kr.exp_sum(sr, nv, st[0]);  // sr now holds the weights
                 }
                 if (accum_mh) {
-                    accum_mh(acc0, acc_ld, (int)n_rep, sc, kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                    accum_mh(acc0, acc_ld, (int)n_rep, sc, kKvBlock, vb, kv.v_cell_bytes, vis, nv, hd_v);
                 } else {
                     for (int64_t r = 0; r < n_rep; r++) {
-                        if (f16) kr.accum_f16(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
-                        else kr.accum_q8_0(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv_cell_bytes, vis, nv, head_dim);
+                        if (f16) kr.accum_f16(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv.v_cell_bytes, vis, nv, hd_v);
+                        else kr.accum_q8_0(acc0 + r * acc_ld, sc + r * kKvBlock, vb, kv.v_cell_bytes, vis, nv, hd_v);
                     }
                 }
             }
         }
         for (int64_t t = t0; t < t1; t++)
             for (int64_t r = 0; r < n_rep; r++) {
-                const float* st = ml + ((t - t0) * n_rep + r) * 2;
+                float* st = ml + ((t - t0) * n_rep + r) * 2;
                 float* acc = acc_of(t, g * n_rep + r);
                 if (n_split == 1) {
-                    // A query with no visible key gets zeros rather than NaN.
-                    kr.scale(acc, st[1] > 0 ? 1.0f / st[1] : 0.0f, head_dim);
+                    if (p.sinks) kr.scale(acc, attn_sink(st[0], st[1], p.sinks[g * n_rep + r]), hd_v);
+                    // A query with no visible key (and no sink) gets zeros rather than NaN.
+                    kr.scale(acc, st[1] > 0 ? 1.0f / st[1] : 0.0f, hd_v);
                 } else {
-                    acc[head_dim] = st[0];
-                    acc[head_dim + 1] = st[1];
+                    acc[hd_v] = st[0];
+                    acc[hd_v + 1] = st[1];
                 }
             }
     };
@@ -236,20 +238,21 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         auto merge = [&](int64_t b, int64_t e) {
             for (int64_t th = b; th < e; th++) {
                 const int64_t t = th / n_head, h = th % n_head;
-                float* o = out + t * ld_out + h * head_dim;
+                float* o = out + t * ld_out + h * hd_v;
                 const float* ps = partial + (t * n_head + h) * n_split * slot;
                 float m = -INFINITY, l = 0.0f;
-                std::fill(o, o + head_dim, 0.0f);
+                std::fill(o, o + hd_v, 0.0f);
                 for (int64_t s = 0; s < n_split; s++) {
                     const float* a = ps + s * slot;
                     float fa, fb;
-                    online_softmax_merge(m, l, a[head_dim], a[head_dim + 1], &fa, &fb);
-                    for (int64_t d = 0; d < head_dim; d++) o[d] = o[d] * fa + a[d] * fb;
+                    online_softmax_merge(m, l, a[hd_v], a[hd_v + 1], &fa, &fb);
+                    for (int64_t d = 0; d < hd_v; d++) o[d] = o[d] * fa + a[d] * fb;
                 }
-                kr.scale(o, l > 0 ? 1.0f / l : 0.0f, head_dim);
+                if (p.sinks) kr.scale(o, attn_sink(m, l, p.sinks[h]), hd_v);
+                kr.scale(o, l > 0 ? 1.0f / l : 0.0f, hd_v);
             }
         };
-        merge(0, n_tok * n_head);  // tiny: n_tok * n_head * n_split * head_dim flops
+        merge(0, n_tok * n_head);  // tiny: n_tok * n_head * n_split * hd_v flops
     }
 }
 

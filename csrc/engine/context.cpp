@@ -37,7 +37,7 @@ KVLayout kv_layout(const Model& m, const ContextParams& p) {
     l.layer_device = m.layer_devices();
     const HParams& hp = m.hp();
     l.layer_k_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_k);
-    l.layer_v_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_v);
+    l.layer_v_embd.assign(hp.n_layer, hp.kv_v_in_k ? 0 : hp.n_head_kv * hp.head_dim_v);  // MLA: V is in K
     return l;
 }
 
@@ -86,6 +86,9 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     in.cells = g.new_input("inp_kv_cells", QType::I32, n_tok);
     in.kv_pos = g.new_input("inp_kv_pos", QType::I32, n_kv);
     in.out_ids = g.new_input("inp_out_ids", QType::I32, n_out);
+    const HParams& hp = model.hp();
+    if (hp.kv_lora_rank > 0)
+        in.head_ids = reshape(g, g.new_input("inp_head_ids", QType::I32, hp.n_head * n_tok), hp.n_head, n_tok);
     if (storage) {
         storage->clear();
         for (Tensor* t : g.inputs()) {
@@ -200,6 +203,11 @@ void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const 
     std::copy(kv_->cell_pos().begin(), kv_->cell_pos().begin() + sg.in.kv_pos->ne[0], (int32_t*)sg.in.kv_pos->data);
     int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
     for (int64_t i = 0; i < n_out; i++) out_ids[i] = (int32_t)(all_logits ? i : nt - 1);
+    if (sg.in.head_ids) {
+        int32_t* h = (int32_t*)sg.in.head_ids->view_src->data;
+        const int64_t n_head = sg.in.head_ids->ne[0];
+        for (int64_t i = 0; i < n_head * nt; i++) h[i] = (int32_t)(i % n_head);
+    }
 }
 
 std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,

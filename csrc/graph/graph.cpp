@@ -21,6 +21,10 @@ const char* op_name(Op op) {
         case Op::SWIGLU: return "swiglu";
         case Op::GEGLU: return "geglu";
         case Op::COPY: return "copy";
+        case Op::CONT: return "cont";
+        case Op::CONCAT: return "concat";
+        case Op::SWIGLU_OAI: return "swiglu_oai";
+        case Op::ADD_ID: return "add_id";
         case Op::TOP_K: return "top_k";
         case Op::MOE_WEIGHTS: return "moe_weights";
         case Op::MUL_MAT_ID: return "mul_mat_id";
@@ -159,12 +163,64 @@ Tensor* view_rows(Graph& g, Tensor* x, int64_t n) {
     return t;
 }
 
-Tensor* rope(Graph& g, Tensor* x, Tensor* pos, int32_t n_rot, float freq_base, float freq_scale, bool neox) {
+Tensor* rope(Graph& g, Tensor* x, Tensor* pos, const RopeSpec& r) {
     check(pos->type == QType::I32 && pos->ne[0] == x->ne[2], "rope", x, "positions must be I32, one per token");
-    check(n_rot <= x->ne[0] && n_rot % 2 == 0, "rope", x, "n_rot must be even and <= head_dim");
+    check(r.n_rot <= x->ne[0] && r.n_rot % 2 == 0, "rope", x, "n_rot must be even and <= head_dim");
+    check(x->is_contiguous(), "rope", x, "must be contiguous (cont() a view first)");
     Tensor* t = node(g, Op::ROPE, x, QType::F32, {x, pos});
-    t->iparams[0] = n_rot, t->iparams[1] = neox;
-    t->fparams[0] = freq_base, t->fparams[1] = freq_scale;
+    t->iparams[0] = r.n_rot, t->iparams[1] = r.neox, t->iparams[2] = r.n_ctx_orig;
+    t->fparams[0] = r.freq_base, t->fparams[1] = r.freq_scale, t->fparams[2] = r.ext_factor;
+    t->fparams[3] = r.attn_factor, t->fparams[4] = r.beta_fast, t->fparams[5] = r.beta_slow;
+    return t;
+}
+
+Tensor* view_cols(Graph& g, Tensor* x, int64_t n, int64_t first) {
+    check(first >= 0 && n > 0 && first + n <= x->ne[0], "view_cols", x, "columns out of range");
+    const int64_t block = x->type == QType::I32 ? 1 : qtype_info((uint32_t)x->type)->block_elems;
+    check(first % block == 0 && n % block == 0, "view_cols", x, "a quantized view must cover whole blocks");
+    Tensor* t = g.new_tensor(x->name + ".cols", x->type, n, x->ne[1], x->ne[2], x->ne[3]);
+    t->nb[1] = x->nb[1], t->nb[2] = x->nb[2], t->nb[3] = x->nb[3];
+    t->op = Op::VIEW;
+    t->src[0] = x;
+    t->view_src = x;
+    t->view_offset = tensor_row_bytes(x->type, first);
+    t->role = x->role;
+    return t;
+}
+
+Tensor* cont(Graph& g, Tensor* x) {
+    check(x->type == QType::F32, "cont", x, "F32 only");
+    Tensor* t = g.new_tensor("cont", QType::F32, x->ne[0], x->ne[1], x->ne[2], x->ne[3]);
+    t->op = Op::CONT;
+    t->src[0] = x;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* concat(Graph& g, Tensor* a, Tensor* b) {
+    check(a->type == QType::F32 && b->type == QType::F32 && a->ne[1] == b->ne[1] && a->ne[2] == b->ne[2] &&
+              a->ne[3] == b->ne[3],
+          "concat", a, "F32 operands with the same rows");
+    Tensor* t = g.new_tensor("concat", QType::F32, a->ne[0] + b->ne[0], a->ne[1], a->ne[2], a->ne[3]);
+    t->op = Op::CONCAT;
+    t->src[0] = a, t->src[1] = b;
+    g.add_node(t);
+    return t;
+}
+
+Tensor* swiglu_oai(Graph& g, Tensor* gate, Tensor* up, float alpha, float limit) {
+    check(same_shape(gate, up) && gate->is_contiguous() && up->is_contiguous(), "swiglu_oai", gate,
+          "gate and up differ in shape or are not contiguous");
+    Tensor* t = node(g, Op::SWIGLU_OAI, gate, QType::F32, {gate, up});
+    t->fparams[0] = alpha, t->fparams[1] = limit;
+    return t;
+}
+
+Tensor* add_id(Graph& g, Tensor* x, Tensor* bias, Tensor* ids) {
+    check(x->type == QType::F32 && x->is_contiguous() && bias->type == QType::F32 && bias->ne[0] == x->ne[0] &&
+              ids->type == QType::I32 && ids->ne[0] == x->ne[1] && ids->ne[1] == x->ne[2],
+          "add_id", x, "x [d, k, n] F32, bias [d, n_expert] F32, ids I32 [k, n]");
+    Tensor* t = node(g, Op::ADD_ID, x, QType::F32, {x, bias, ids});
     return t;
 }
 
@@ -181,13 +237,18 @@ Tensor* store_kv(Graph& g, Tensor* x, Tensor* cache, Tensor* cells) {
 }
 
 Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Tensor* kv_pos, Tensor* k_stored,
-                   Tensor* v_stored, float scale, float softcap, int32_t window) {
-    check(q->ne[1] % (k->ne[0] / q->ne[0]) == 0, "flash_attn", q, "query heads not a multiple of KV heads");
+                   Tensor* v_stored, float scale, float softcap, int32_t window, Tensor* sinks) {
+    const int64_t n_head_kv = k->ne[0] / q->ne[0];
+    check(n_head_kv >= 1 && k->ne[0] % q->ne[0] == 0 && q->ne[1] % n_head_kv == 0, "flash_attn", q,
+          "query heads not a multiple of KV heads");
+    check(v->ne[0] % n_head_kv == 0 && v->ne[1] == k->ne[1], "flash_attn", v, "V rows differ from K's");
     check(k->ne[1] == kv_pos->ne[0], "flash_attn", k, "KV cells differ from kv_pos length");
-    Tensor* t = g.new_tensor("flash_attn", QType::F32, q->ne[0] * q->ne[1], q->ne[2]);
+    check(!sinks || (sinks->type == QType::F32 && sinks->ne[0] == q->ne[1]), "flash_attn", q,
+          "sinks must be F32 [n_head]");
+    Tensor* t = g.new_tensor("flash_attn", QType::F32, v->ne[0] / n_head_kv * q->ne[1], q->ne[2]);
     t->op = Op::FLASH_ATTN;
     t->src[0] = q, t->src[1] = k, t->src[2] = v, t->src[3] = q_pos, t->src[4] = kv_pos;
-    t->src[5] = k_stored, t->src[6] = v_stored;
+    t->src[5] = k_stored, t->src[6] = v_stored, t->src[7] = sinks;
     t->fparams[0] = scale, t->fparams[1] = softcap;
     t->iparams[0] = window;
     g.add_node(t);
@@ -212,12 +273,16 @@ Tensor* copy_to_device(Graph& g, Tensor* src, int device) {
     return t;  // the scheduler places it in its split
 }
 
-Tensor* top_k(Graph& g, Tensor* x, int64_t k) {
+Tensor* top_k(Graph& g, Tensor* x, int64_t k, int32_t gating, Tensor* bias, int32_t n_groups, int32_t n_group_used) {
     check(x->type == QType::F32 && k >= 1 && k <= x->ne[0], "top_k", x, "k must be in [1, row length] (F32 rows)");
+    check(!bias || (bias->type == QType::F32 && bias->ne[0] == x->ne[0]), "top_k", x, "bias must be F32 [n]");
+    check(n_groups <= 1 || (x->ne[0] % n_groups == 0 && n_group_used >= 1 && n_group_used <= n_groups &&
+                            k <= x->ne[0] / n_groups * n_group_used),
+          "top_k", x, "groups must divide the row, and the kept groups hold at least k");
     Tensor* t = g.new_tensor("top_k", QType::I32, k, x->n_rows());
     t->op = Op::TOP_K;
-    t->src[0] = x;
-    t->iparams[0] = (int32_t)k;
+    t->src[0] = x, t->src[1] = bias;
+    t->iparams[0] = (int32_t)k, t->iparams[1] = gating, t->iparams[2] = n_groups, t->iparams[3] = n_group_used;
     g.add_node(t);
     return t;
 }

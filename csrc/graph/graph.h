@@ -55,15 +55,32 @@ Tensor* rms_norm(Graph& g, Tensor* x, Tensor* weight, float eps);
 Tensor* reshape(Graph& g, Tensor* x, int64_t ne0, int64_t ne1, int64_t ne2 = 1);
 // The first n rows (along ne[1]) of a contiguous 2-d tensor, as a view.
 Tensor* view_rows(Graph& g, Tensor* x, int64_t n);
-Tensor* rope(Graph& g, Tensor* x, Tensor* pos, int32_t n_rot, float freq_base, float freq_scale, bool neox);
+// How a RoPE node rotates (llama.cpp's ggml_rope_ext arguments); ext_factor 0: no YaRN.
+struct RopeSpec {
+    int32_t n_rot = 0;
+    float freq_base = 10000, freq_scale = 1;
+    bool neox = false;
+    float ext_factor = 0, attn_factor = 1, beta_fast = 32, beta_slow = 1;
+    int32_t n_ctx_orig = 0;
+};
+Tensor* rope(Graph& g, Tensor* x, Tensor* pos, const RopeSpec& r);
+// Columns [first, first + n) of every row of x, as a view (row strides kept).
+Tensor* view_cols(Graph& g, Tensor* x, int64_t n, int64_t first);
+Tensor* cont(Graph& g, Tensor* x);
+Tensor* concat(Graph& g, Tensor* a, Tensor* b);
+Tensor* swiglu_oai(Graph& g, Tensor* gate, Tensor* up, float alpha, float limit);
+// x [d, k, n] + the bias column of each slot's expert: bias [d, n_expert], ids [k, n].
+Tensor* add_id(Graph& g, Tensor* x, Tensor* bias, Tensor* ids);
 Tensor* store_kv(Graph& g, Tensor* x, Tensor* cache, Tensor* cells);
 Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Tensor* kv_pos, Tensor* k_stored,
-                   Tensor* v_stored, float scale, float softcap, int32_t window);
+                   Tensor* v_stored, float scale, float softcap, int32_t window, Tensor* sinks = nullptr);
 Tensor* swiglu(Graph& g, Tensor* gate, Tensor* up);
 Tensor* geglu(Graph& g, Tensor* gate, Tensor* up);
 Tensor* copy_to_device(Graph& g, Tensor* src, int device);
 // Mixture of experts (see Op in graph/tensor.h).
-Tensor* top_k(Graph& g, Tensor* x, int64_t k);
+// gating: cpu::Gating applied before a selection bias is added (see Op::TOP_K).
+Tensor* top_k(Graph& g, Tensor* x, int64_t k, int32_t gating = 0, Tensor* bias = nullptr, int32_t n_groups = 0,
+              int32_t n_group_used = 0);
 Tensor* moe_weights(Graph& g, Tensor* logits, Tensor* ids, int32_t gating, bool normalize, float scale);
 Tensor* mul_mat_id(Graph& g, Tensor* experts, Tensor* x, Tensor* ids);
 Tensor* moe_sum(Graph& g, Tensor* e, Tensor* weights);

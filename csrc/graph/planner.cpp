@@ -73,6 +73,8 @@ bool may_run_in_place(Op op) {
         case Op::ROPE:
         case Op::SWIGLU:
         case Op::GEGLU:
+        case Op::SWIGLU_OAI:
+        case Op::ADD_ID:
             return true;
         default:
             return false;

@@ -24,17 +24,28 @@ enum class Op : uint8_t {
     SCALE,       // src0 * f[0]
     SOFTCAP,     // f[0] * tanh(src0 / f[0])
     RMS_NORM,    // rows of src0 over ne[0], times src1 (optional weight [d]); f[0] = eps
-    ROPE,        // src0 [head_dim, n_head, n], src1 positions I32 [n]; i[0] n_rot, i[1] neox, f[0] base, f[1] scale
+    ROPE,        // src0 [head_dim, n_head, n], src1 positions I32 [n]; i[0] n_rot, i[1] neox, i[2] YaRN's
+                 // original context; f[0] base, f[1] scale, f[2] YaRN ext_factor, f[3] attn_factor,
+                 // f[4] beta_fast, f[5] beta_slow (backend/node_params.h)
     STORE_KV,    // src0 F32 [head_dim, n_head_kv, n] into cache src1 at cells src2 (I32 [n]); output is an ordering token
-    FLASH_ATTN,  // src0 q [head_dim, n_head, n], src1 k cache view, src2 v cache view, src3 q_pos, src4 kv_pos,
-                 // src5/src6 the STORE_KV tokens it must follow; f[0] scale, f[1] softcap, i[0] window
+    FLASH_ATTN,  // src0 q [head_dim_k, n_head, n], src1 k cache view, src2 v cache view (rows of
+                 // head_dim_v per KV head, any row stride), src3 q_pos, src4 kv_pos, src5/src6 the STORE_KV
+                 // tokens it must follow, src7 optional sinks F32 [n_head]; f[0] scale, f[1] softcap,
+                 // i[0] window -> [head_dim_v * n_head, n]
     SWIGLU,      // silu(src0) * src1
     GEGLU,       // gelu_tanh(src0) * src1
     COPY,        // src0 lives on another device; out is its copy on this node's device
+    CONT,        // src0 any F32 view (rows contiguous, any strides) -> the same shape, contiguous
+    CONCAT,      // src0 [a, rows...], src1 [b, rows...] (F32, any row strides) -> [a + b, rows...]
+    SWIGLU_OAI,  // gpt-oss: g = min(src0, f[1]), u = clamp(src1, -f[1], f[1]): g * sigmoid(f[0] g) * (u + 1)
     // Mixture of experts:
-    TOP_K,       // src0 F32 [n, rows] -> I32 [k, rows]: indices of the k largest, best first; i[0] = k
+    TOP_K,       // src0 F32 [n, rows] -> I32 [k, rows]: indices of the k largest selection scores, best
+                 // first; i[0] = k. Score = gating(src0) (i[1] cpu::Gating; Softmax/SoftmaxSelected
+                 // select on the raw value) + src1 (optional bias [n]); with i[2] > 1 groups only the
+                 // i[3] groups of the highest top-2 sums compete (DeepSeek-V3)
     MOE_WEIGHTS, // src0 router logits [n_expert, n], src1 ids I32 [k, n] -> F32 [k, n];
                  // i[0] gating (cpu::Gating), i[1] normalize, f[0] scale
+    ADD_ID,      // src0 F32 [d, k, n] + column ids[j, t] of src1 [d, n_expert] (src2 ids I32 [k, n])
     MUL_MAT_ID,  // src0 experts [cols, rows, n_expert], src1 F32 [cols, 1 or k, n], src2 ids I32 [k, n]
                  // -> F32 [rows, k, n]
     MOE_SUM,     // src0 F32 [d, k, n], src1 weights [k, n] -> F32 [d, n]
@@ -62,7 +73,7 @@ struct Tensor {
     Op op = Op::NONE;
     Tensor* src[kMaxSrc] = {};
     int32_t iparams[4] = {};
-    float fparams[4] = {};
+    float fparams[8] = {};
 
     // Where the bytes are. For a VIEW, view_src/view_offset describe them; data is resolved
     // from the source once that is placed.

@@ -31,6 +31,17 @@ void load_moe_layer(Model& m, int il, LayerWeights& w) {
     if (w.ffn_down_exps->ne[0] != ff || w.ffn_down_exps->ne[1] != hp.n_embd || w.ffn_down_exps->ne[2] != hp.n_expert)
         bad(w.ffn_down_exps, "[" + F + ", " + E + ", " + N + "] (expert ff, n_embd, expert_count)");
     auto opt = [&](const char* n) { return m.optional(layer_tensor(il, n)); };
+    w.ffn_gate_inp_b = opt("ffn_gate_inp.bias");
+    w.ffn_exp_probs_b = opt("exp_probs_b.bias");
+    for (const Tensor* b : {w.ffn_gate_inp_b, w.ffn_exp_probs_b})
+        if (b && (b->ne[0] != hp.n_expert || b->n_rows() != 1)) bad(b, "[" + N + "] (expert_count)");
+    w.ffn_gate_exps_b = opt("ffn_gate_exps.bias");
+    w.ffn_up_exps_b = opt("ffn_up_exps.bias");
+    w.ffn_down_exps_b = opt("ffn_down_exps.bias");
+    for (const Tensor* b : {w.ffn_gate_exps_b, w.ffn_up_exps_b})
+        if (b && (b->ne[0] != ff || b->ne[1] != hp.n_expert)) bad(b, "[" + F + ", " + N + "] (expert ff, expert_count)");
+    if (w.ffn_down_exps_b && (w.ffn_down_exps_b->ne[0] != hp.n_embd || w.ffn_down_exps_b->ne[1] != hp.n_expert))
+        bad(w.ffn_down_exps_b, "[" + E + ", " + N + "] (n_embd, expert_count)");
     w.ffn_up_shexp = opt("ffn_up_shexp.weight");
     if (w.ffn_up_shexp) {
         w.ffn_gate_shexp = req("ffn_gate_shexp.weight");
@@ -41,7 +52,7 @@ void load_moe_layer(Model& m, int il, LayerWeights& w) {
     }
 }
 
-void load_standard_layer(Model& m, int il, LayerWeights& w) {
+void load_attention_layer(Model& m, int il, LayerWeights& w) {
     auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
     auto opt = [&](const char* n) { return m.optional(layer_tensor(il, n)); };
     w.attn_norm = req("attn_norm.weight");
@@ -56,15 +67,28 @@ void load_standard_layer(Model& m, int il, LayerWeights& w) {
     w.q_norm = opt("attn_q_norm.weight");
     w.k_norm = opt("attn_k_norm.weight");
     w.post_attn_norm = opt("post_attention_norm.weight");
-    w.ffn_norm = req("ffn_norm.weight");
-    if (m.hp().n_expert > 0) {
+    w.attn_sinks = opt("attn_sinks.weight");
+    if (w.attn_sinks && w.attn_sinks->ne[0] != m.hp().n_head)
+        throw InvalidInput(m.file().path() + ": " + w.attn_sinks->name + " must have one value per head (" +
+                           std::to_string(m.hp().n_head) + ")");
+}
+
+void load_ffn_layer(Model& m, int il, LayerWeights& w) {
+    auto req = [&](const char* n) { return m.require(layer_tensor(il, n)); };
+    if (m.hp().n_expert > 0 && il >= m.hp().n_layer_dense_lead) {
         load_moe_layer(m, il, w);
     } else {
         w.ffn_gate = req("ffn_gate.weight");
         w.ffn_up = req("ffn_up.weight");
         w.ffn_down = req("ffn_down.weight");
     }
-    w.post_ffn_norm = opt("post_ffw_norm.weight");
+    w.post_ffn_norm = m.optional(layer_tensor(il, "post_ffw_norm.weight"));
+}
+
+void load_standard_layer(Model& m, int il, LayerWeights& w) {
+    load_attention_layer(m, il, w);
+    w.ffn_norm = m.require(layer_tensor(il, "ffn_norm.weight"));
+    load_ffn_layer(m, il, w);
 }
 
 static Tensor* named(Tensor* t, int il, const char* what) {
@@ -76,6 +100,17 @@ Tensor* build_embedding(BuildContext& c) {
     Tensor* x = named(get_rows(c.g, c.model.tok_embd(), c.in.tokens), -1, "inp_embd");
     if (c.model.hp().embed_scale != 1.0f) x = named(scale(c.g, x, c.model.hp().embed_scale), -1, "inp_scaled");
     return x;
+}
+
+RopeSpec rope_spec(const HParams& hp, bool swa) {
+    RopeSpec r;
+    r.n_rot = (int32_t)hp.n_rot;
+    r.freq_base = swa ? hp.rope_base_swa : hp.rope_base;
+    r.freq_scale = swa ? hp.rope_scale_swa : hp.rope_scale;
+    r.neox = hp.rope_neox;
+    r.ext_factor = hp.yarn_ext_factor, r.attn_factor = hp.yarn_attn_factor;
+    r.beta_fast = hp.yarn_beta_fast, r.beta_slow = hp.yarn_beta_slow, r.n_ctx_orig = hp.n_ctx_orig;
+    return r;
 }
 
 Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
@@ -97,10 +132,9 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     if (w.k_norm) k = named(rms_norm(g, k, w.k_norm, hp.eps), il, "k_norm");
 
     const bool swa = hp.swa_layer[il];
-    const float base = swa ? hp.rope_base_swa : hp.rope_base;
-    const float fscale = swa ? hp.rope_scale_swa : hp.rope_scale;
-    q = named(rope(g, q, c.in.pos, (int32_t)hp.n_rot, base, fscale, hp.rope_neox), il, "q_rope");
-    k = named(rope(g, k, c.in.pos, (int32_t)hp.n_rot, base, fscale, hp.rope_neox), il, "k_rope");
+    const RopeSpec r = rope_spec(hp, swa);
+    q = named(rope(g, q, c.in.pos, r), il, "q_rope");
+    k = named(rope(g, k, c.in.pos, r), il, "k_rope");
 
     Tensor* k_stored = named(store_kv(g, k, c.kv.k(il), c.in.cells), il, "k_store");
     Tensor* v_stored = named(store_kv(g, v, c.kv.v(il), c.in.cells), il, "v_store");
@@ -108,7 +142,7 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* v_cells = view_rows(g, c.kv.v(il), c.n_kv);
     const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
     Tensor* a = named(flash_attn(g, q, k_cells, v_cells, c.in.pos, c.in.kv_pos, k_stored, v_stored, kq_scale,
-                                 hp.attn_softcap, swa ? hp.sliding_window : 0),
+                                 hp.attn_softcap, swa ? hp.sliding_window : 0, w.attn_sinks),
                       il, "attn");
     Tensor* o = named(mul_mat(g, w.wo, a), il, "attn_out");
     if (w.bo) o = named(add(g, o, w.bo), il, "attn_out_bias");
@@ -129,16 +163,22 @@ Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     Graph& g = c.g;
     const int64_t n = c.n_tok, k = hp.n_expert_used;
     Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
-    // Softmax and sigmoid are monotonic: the top k of the logits are the top k of the probabilities.
-    Tensor* ids = named(top_k(g, logits, k), il, "ffn_moe_topk");
+    if (w.ffn_gate_inp_b) logits = named(add(g, logits, w.ffn_gate_inp_b), il, "ffn_moe_logits_biased");
+    Tensor* ids = named(top_k(g, logits, k, hp.expert_gating, w.ffn_exp_probs_b, hp.n_expert_groups, hp.n_group_used),
+                        il, "ffn_moe_topk");
     Tensor* weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm,
                                         hp.expert_weights_scale),
                             il, "ffn_moe_weights");
     Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
-    Tensor* gate = named(mul_mat_id(g, w.ffn_gate_exps, x3, ids), il, "ffn_moe_gate");
-    Tensor* up = named(mul_mat_id(g, w.ffn_up_exps, x3, ids), il, "ffn_moe_up");
-    Tensor* h = named(swiglu(g, gate, up), il, "ffn_moe_act");
-    Tensor* down = named(mul_mat_id(g, w.ffn_down_exps, h, ids), il, "ffn_moe_down");
+    auto experts = [&](Tensor* stack, Tensor* bias, Tensor* in, const char* what) {
+        Tensor* y = named(mul_mat_id(g, stack, in, ids), il, what);
+        return bias ? named(add_id(g, y, bias, ids), il, (std::string(what) + "_biased").c_str()) : y;
+    };
+    Tensor* gate = experts(w.ffn_gate_exps, w.ffn_gate_exps_b, x3, "ffn_moe_gate");
+    Tensor* up = experts(w.ffn_up_exps, w.ffn_up_exps_b, x3, "ffn_moe_up");
+    Tensor* h = named(hp.expert_act_oai ? swiglu_oai(g, gate, up, 1.702f, 7.0f) : swiglu(g, gate, up), il,
+                      "ffn_moe_act");
+    Tensor* down = experts(w.ffn_down_exps, w.ffn_down_exps_b, h, "ffn_moe_down");
     Tensor* out = named(moe_sum(g, down, weights), il, "ffn_moe_out");
     if (!w.ffn_up_shexp) return out;
     Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");

@@ -7,21 +7,34 @@
 namespace stowlm {
 
 Tensor* build_embedding(BuildContext& c);
+// How this model rotates (its RoPE base/scale, the sliding-window layers' own, YaRN).
+RopeSpec rope_spec(const HParams& hp, bool swa);
 // x: the normed hidden state [n_embd, n_tok]. Returns the attention output [n_embd, n_tok].
 Tensor* build_attention(BuildContext& c, int il, Tensor* x);
 enum class FfnAct { SILU, GELU };
 Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act);
-// Mixture-of-experts FFN (SiLU-gated experts): router logits, top-k experts, their routing
-// weights (gating, renormalisation and scale from HParams), the expert products, weighted sum.
+// Mixture-of-experts FFN: router logits (+ bias), top-k experts (by the gated scores + the
+// selection bias, within the best groups where there are groups), their routing weights
+// (gating, renormalisation and scale from HParams), the expert products (+ per-expert biases,
+// SwiGLU or gpt-oss's clamped SwiGLU), weighted sum, plus a shared expert when the layer has one.
 Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x);
 // Picks the wanted rows, final norm, LM head, optional softcap: logits [n_vocab, n_out].
 Tensor* build_output(BuildContext& c, Tensor* x);
 
+// The pre-norm decoder (models/llama.cpp): x += attention(norm(x)); x += ffn(ffn_norm(x)) per
+// layer (an MoE FFN where the layer has experts), then the output head.
+using AttentionFn = Tensor* (*)(BuildContext&, int, Tensor*);
+Tensor* build_decoder(BuildContext& c, AttentionFn attention);
+Tensor* build_prenorm_decoder(BuildContext& c);  // with build_attention
+
 // Layer tensor names as GGUF spells them.
 std::string layer_tensor(int il, const char* what);
-// The tensors a plain pre-norm transformer layer has (llama, qwen2, qwen3, gemma3 all share them).
-// When hp.n_expert > 0 the FFN is the router and expert stacks instead (load_moe_layer).
+// The tensors a plain pre-norm transformer layer has (llama, qwen2, qwen3, gemma3 all share them):
+// the attention part and the FFN part. When hp.n_expert > 0 the FFN of the layers after
+// hp.n_layer_dense_lead is the router and expert stacks instead (load_moe_layer).
 void load_standard_layer(Model& m, int il, LayerWeights& w);
+void load_attention_layer(Model& m, int il, LayerWeights& w);
+void load_ffn_layer(Model& m, int il, LayerWeights& w);
 void load_moe_layer(Model& m, int il, LayerWeights& w);
 
 }  // namespace stowlm

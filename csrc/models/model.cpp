@@ -1,6 +1,7 @@
 #include "models/model.h"
 
 #include <cmath>
+#include <string>
 #include <numeric>
 
 #include "error.h"
@@ -15,7 +16,8 @@ size_t packed(size_t bytes) { return (bytes + kWeightAlign - 1) / kWeightAlign *
 }  // namespace
 
 const ArchDef* find_arch(const std::string& name) {
-    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe, &kArchQwen2Moe})
+    for (const ArchDef* a : {&kArchLlama, &kArchQwen2, &kArchQwen3, &kArchGemma3, &kArchQwen3Moe, &kArchQwen2Moe,
+                             &kArchGptOss, &kArchDeepseek2, &kArchGlm4Moe})
         if (name == a->name) return a;
     return nullptr;
 }
@@ -33,13 +35,21 @@ void load_common_hparams(const GGUFFile& f, HParams& hp) {
         throw InvalidInput(f.path() + ": inconsistent " + a + "attention.head_count / head_count_kv / block_count");
     hp.head_dim_k = f.get_int(a + "attention.key_length", hp.n_embd / hp.n_head);
     hp.head_dim_v = f.get_int(a + "attention.value_length", hp.head_dim_k);
-    if (hp.head_dim_v != hp.head_dim_k)
-        throw InvalidInput(f.path() + ": " + a + "attention.value_length differs from key_length (unsupported)");
     hp.n_rot = f.get_int(a + "rope.dimension_count", hp.head_dim_k);
     hp.rope_base = (float)f.get_float(a + "rope.freq_base", 10000.0);
     const std::string scaling = f.get_str(a + "rope.scaling.type", "none");
     if (scaling == "linear") {
         hp.rope_scale = 1.0f / (float)f.get_float(a + "rope.scaling.factor", 1.0);
+    } else if (scaling == "yarn") {
+        const double factor = f.get_float(a + "rope.scaling.factor", 1.0);
+        if (!(factor >= 1.0)) throw InvalidInput(f.path() + ": " + a + "rope.scaling.factor must be >= 1 for yarn");
+        hp.rope_scale = (float)(1.0 / factor);
+        hp.n_ctx_orig = (int32_t)f.get_int(a + "rope.scaling.original_context_length", hp.n_ctx_train);
+        hp.yarn_ext_factor = (float)f.get_float(a + "rope.scaling.yarn_ext_factor", 1.0);
+        hp.yarn_beta_fast = (float)f.get_float(a + "rope.scaling.yarn_beta_fast", 32.0);
+        hp.yarn_beta_slow = (float)f.get_float(a + "rope.scaling.yarn_beta_slow", 1.0);
+        hp.yarn_log_mul = (float)f.get_float(a + "rope.scaling.yarn_log_multiplier", 0.0);
+        set_yarn_attn_factor(f, hp, false);
     } else if (scaling != "none" && !scaling.empty()) {
         throw InvalidInput(f.path() + ": " + a + "rope.scaling.type '" + scaling + "' is not supported yet");
     }
@@ -49,7 +59,26 @@ void load_common_hparams(const GGUFFile& f, HParams& hp) {
     hp.swa_layer.assign(hp.n_layer, false);
 }
 
-void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default) {
+void set_yarn_attn_factor(const GGUFFile& f, HParams& hp, bool deepseek2) {
+    // llama_context's derivation: get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dims)
+    // with the ext_factor's own 1 + 0.1 ln(factor) cancelled (the rope kernel applies it again).
+    auto get_mscale = [](float scale, float mscale) { return scale <= 1.0f ? 1.0f : 0.1f * mscale * logf(scale) + 1.0f; };
+    const float factor = 1.0f / hp.rope_scale;
+    float attn = 1.0f;
+    if (hp.yarn_ext_factor != 0.0f) {
+        if (hp.yarn_log_mul != 0.0f) {
+            const float mscale_all = hp.yarn_log_mul;
+            const float mscale = deepseek2 && mscale_all != 1.0f ? mscale_all : 1.0f;
+            attn = get_mscale(factor, mscale) / get_mscale(factor, mscale_all);
+        } else {
+            attn = get_mscale(factor, 1.0f);
+        }
+        attn *= 1.0f / (1.0f + 0.1f * logf(factor));
+    }
+    hp.yarn_attn_factor = attn * (float)f.get_float(hp.arch + ".rope.scaling.attn_factor", 1.0);
+}
+
+void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default, int32_t gating_default) {
     const std::string a = hp.arch + ".";
     hp.n_expert = f.get_int(a + "expert_count", 0);
     hp.n_expert_used = f.get_int(a + "expert_used_count", 0);
@@ -59,11 +88,22 @@ void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default) {
                            " must be in [1, expert_count=" + std::to_string(hp.n_expert) + "]");
     hp.expert_weights_norm = f.get_int(a + "expert_weights_norm", norm_default ? 1 : 0) != 0;
     hp.expert_weights_scale = (float)f.get_float(a + "expert_weights_scale", 0.0);
-    const int64_t gating = f.get_int(a + "expert_gating_func", 1);  // llama.cpp: 1 softmax, 2 sigmoid
-    if (gating != 1 && gating != 2)
+    // llama.cpp's ids: 1 softmax, 2 sigmoid, 3 softmax over the picked logits
+    const int64_t gating = f.get_int(a + "expert_gating_func", gating_default + 1);
+    if (gating < 1 || gating > 3)
         throw InvalidInput(f.path() + ": " + a + "expert_gating_func=" + std::to_string(gating) +
-                           " is not supported (1 softmax, 2 sigmoid)");
-    hp.expert_gating = gating == 2 ? 1 : 0;
+                           " is not supported (1 softmax, 2 sigmoid, 3 softmax over the picked)");
+    hp.expert_gating = (int32_t)gating - 1;
+    hp.n_layer_dense_lead = f.get_int(a + "leading_dense_block_count", 0);
+    hp.n_expert_groups = (int32_t)f.get_int(a + "expert_group_count", 0);
+    hp.n_group_used = (int32_t)f.get_int(a + "expert_group_used_count", 0);
+    if (hp.n_expert_groups > 1 && (hp.n_expert % hp.n_expert_groups || hp.n_group_used < 1 ||
+                                   hp.n_group_used > hp.n_expert_groups ||
+                                   hp.n_expert_used > hp.n_expert / hp.n_expert_groups * hp.n_group_used))
+        throw InvalidInput(f.path() + ": " + a + "expert_group_count / expert_group_used_count do not fit " +
+                           "expert_count and expert_used_count");
+    if (hp.n_layer_dense_lead < 0 || hp.n_layer_dense_lead > hp.n_layer)
+        throw InvalidInput(f.path() + ": " + a + "leading_dense_block_count is outside [0, block_count]");
 }
 
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,

@@ -23,6 +23,10 @@ struct HParams {
     float rope_base = 10000, rope_scale = 1;
     float rope_base_swa = 10000, rope_scale_swa = 1;
     bool rope_neox = false;
+    // YaRN scaling (rope.scaling.type yarn), with llama.cpp's defaults and attention factor.
+    float yarn_ext_factor = 0, yarn_attn_factor = 1, yarn_beta_fast = 32, yarn_beta_slow = 1;
+    float yarn_log_mul = 0;  // rope.scaling.yarn_log_multiplier (deepseek2 reads it / 0.1)
+    int32_t n_ctx_orig = 0;
     int32_t sliding_window = 0;
     std::vector<bool> swa_layer;  // per layer: sliding-window attention?
     float attn_scale = 0;         // 0: 1/sqrt(head_dim_k)
@@ -30,9 +34,16 @@ struct HParams {
     float embed_scale = 1;        // gemma: sqrt(n_embd)
     // Mixture of experts (0 experts: dense FFN).
     int64_t n_expert = 0, n_expert_used = 0;
-    int32_t expert_gating = 0;        // cpu::Gating: 0 softmax, 1 sigmoid
+    int32_t expert_gating = 0;        // cpu::Gating: 0 softmax, 1 sigmoid, 2 softmax over the picked
     bool expert_weights_norm = false; // renormalise the picked experts' weights to sum to 1
     float expert_weights_scale = 0;   // 0: none
+    int64_t n_layer_dense_lead = 0;   // the first layers keep a dense FFN (deepseek2, glm4moe)
+    int32_t n_expert_groups = 0, n_group_used = 0;  // grouped selection (DeepSeek-V3)
+    bool expert_act_oai = false;      // gpt-oss's clamped SwiGLU on the experts
+    // Multi-head latent attention (deepseek2): low-rank q and a compressed KV of kv_lora_rank
+    // plus n_rot rope dims per token, one cache row that V reads the first kv_lora_rank of.
+    int64_t q_lora_rank = 0, kv_lora_rank = 0, head_dim_qk_mla = 0, head_dim_v_mla = 0;
+    bool kv_v_in_k = false;  // V is a view into the K cache (no V cache)
 };
 
 // The weights of one layer a builder may use (null where the file has none).
@@ -40,9 +51,18 @@ struct LayerWeights {
     Tensor *attn_norm = nullptr, *wq = nullptr, *wk = nullptr, *wv = nullptr, *wo = nullptr;
     Tensor *bq = nullptr, *bk = nullptr, *bv = nullptr, *bo = nullptr;
     Tensor *q_norm = nullptr, *k_norm = nullptr, *post_attn_norm = nullptr;
+    Tensor* attn_sinks = nullptr;  // gpt-oss: per head
+    // Multi-head latent attention: q = wq_b(norm(wq_a x)); [kv, k_rope] = wkv_a x; the
+    // per-head wk_b takes q's no-rope part into the compressed space, wv_b takes it back out.
+    Tensor *wq_a = nullptr, *q_a_norm = nullptr, *wq_b = nullptr, *wkv_a = nullptr, *kv_a_norm = nullptr;
+    Tensor *wk_b = nullptr, *wv_b = nullptr;
     Tensor *ffn_norm = nullptr, *ffn_gate = nullptr, *ffn_up = nullptr, *ffn_down = nullptr, *post_ffn_norm = nullptr;
     // Mixture of experts: router [n_embd, n_expert] and the 3-d expert stacks [.., .., n_expert].
     Tensor *ffn_gate_inp = nullptr, *ffn_gate_exps = nullptr, *ffn_up_exps = nullptr, *ffn_down_exps = nullptr;
+    // Optional: router bias (added to the logits), selection bias (DeepSeek-V3's exp_probs_b:
+    // added to the gate scores to pick experts, not to their weights), per-expert biases.
+    Tensor *ffn_gate_inp_b = nullptr, *ffn_exp_probs_b = nullptr;
+    Tensor *ffn_gate_exps_b = nullptr, *ffn_up_exps_b = nullptr, *ffn_down_exps_b = nullptr;
     // Optional shared expert (qwen2moe): a dense SiLU FFN every token takes, scaled by the
     // sigmoid of its gate [n_embd] when there is one.
     Tensor *ffn_gate_inp_shexp = nullptr, *ffn_gate_shexp = nullptr, *ffn_up_shexp = nullptr,
@@ -59,6 +79,7 @@ struct BuildInputs {
     Tensor* cells = nullptr;    // I32 [n_tok]: KV cells the tokens are written to
     Tensor* kv_pos = nullptr;   // I32 [n_kv]: position per visible cell (-1 empty)
     Tensor* out_ids = nullptr;  // I32 [n_out]: rows whose logits are wanted
+    Tensor* head_ids = nullptr; // I32 [n_head, n_tok]: 0..n_head-1 per token (per-head products; MLA only)
 };
 
 struct BuildContext {
@@ -79,7 +100,8 @@ struct ArchDef {
 const ArchDef* find_arch(const std::string& name);  // nullptr if unknown
 // Defined by the architecture files (listed explicitly: a static library drops unreferenced
 // objects, so self-registration would be lost).
-extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3Moe, kArchQwen2Moe;
+extern const ArchDef kArchLlama, kArchQwen2, kArchQwen3, kArchGemma3, kArchQwen3Moe, kArchQwen2Moe, kArchGptOss,
+    kArchDeepseek2, kArchGlm4Moe;
 
 // A tensor override: weights whose name matches `pattern` (ECMAScript regex, whole name) live
 // on `device` instead of their layer's device; the first matching override wins. The scheduler
@@ -156,7 +178,11 @@ private:
 // Hyperparameter helpers for the arch files.
 void load_common_hparams(const GGUFFile& f, HParams& hp);
 // The {arch}.expert_* keys; `norm_default` is the architecture's convention when the file does
-// not say whether the picked experts' weights are renormalised.
-void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default);
+// not say whether the picked experts' weights are renormalised, `gating_default` (cpu::Gating)
+// when it does not name the gating function.
+void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default, int32_t gating_default = 0);
+// llama.cpp's YaRN attention factor from the scaling factor and yarn_log_mul (deepseek2 scales
+// by the log multiplier itself when it is not 1).
+void set_yarn_attn_factor(const GGUFFile& f, HParams& hp, bool deepseek2);
 
 }  // namespace stowlm

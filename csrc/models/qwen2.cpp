@@ -4,8 +4,6 @@
 
 namespace stowlm {
 
-Tensor* build_prenorm_decoder(BuildContext& c);
-
 namespace {
 
 void qwen_hparams(const GGUFFile& f, HParams& hp) {

@@ -8,8 +8,6 @@
 
 namespace stowlm {
 
-Tensor* build_prenorm_decoder(BuildContext& c);
-
 namespace {
 
 void qwen3moe_hparams(const GGUFFile& f, HParams& hp) {

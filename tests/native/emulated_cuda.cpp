@@ -234,8 +234,10 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         dev_ptr(scratch, flash_attn_scratch_bytes(n_tok, n_head, head_dim, n_split), "flash_attn scratch");
         g_split_calls++;
     }
-    cpu::flash_attn(q, n_tok, n_head, ld_q, k, v, kv_type, n_kv, n_head_kv, kv_cell_bytes, head_dim, q_pos, kv_pos, p,
-                    out, ld_out, nullptr, pool());
+    cpu::KvView kv;
+    kv.k = k, kv.v = v, kv.type = kv_type, kv.n_kv = n_kv, kv.n_head_kv = n_head_kv;
+    kv.k_cell_bytes = kv.v_cell_bytes = kv_cell_bytes, kv.hd_k = kv.hd_v = head_dim;
+    cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool());
 }
 
 void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
