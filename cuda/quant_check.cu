@@ -7,6 +7,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 #include "quant/quantize_block.h"
 
 namespace stowlm::cuda {
@@ -39,6 +40,14 @@ STOWLM_DECODE_KERNEL(q5_K, block_q5_K, QK_K)
 STOWLM_DECODE_KERNEL(q6_K, block_q6_K, QK_K)
 STOWLM_DECODE_KERNEL(q8_K, block_q8_K, QK_K)
 STOWLM_DECODE_KERNEL(iq4_xs, block_iq4_xs, QK_K)
+STOWLM_DECODE_KERNEL(mxfp4, block_mxfp4, QK)
+STOWLM_DECODE_KERNEL(iq2_xxs, block_iq2_xxs, QK_K)
+STOWLM_DECODE_KERNEL(iq2_xs, block_iq2_xs, QK_K)
+STOWLM_DECODE_KERNEL(iq2_s, block_iq2_s, QK_K)
+STOWLM_DECODE_KERNEL(iq3_xxs, block_iq3_xxs, QK_K)
+STOWLM_DECODE_KERNEL(iq3_s, block_iq3_s, QK_K)
+STOWLM_DECODE_KERNEL(iq1_s, block_iq1_s, QK_K)
+STOWLM_DECODE_KERNEL(iq1_m, block_iq1_m, QK_K)
 #undef STOWLM_DECODE_KERNEL
 
 // One encode kernel per quantizable block type: in[i*N ..) -> block i.

@@ -1,5 +1,7 @@
 """GGUF block formats: stowlm.quants against the gguf package's numpy code (the oracle),
 bit for bit, plus round-trip bounds and error reporting."""
+import zlib
+
 import numpy as np
 import pytest
 
@@ -10,12 +12,18 @@ from gguf.quants import quantize as gguf_quantize  # noqa: E402
 
 from stowlm import quants  # noqa: E402
 
-# Byte offsets of the fp16 scale fields in each block (GGUF layouts, ggml-common.h).
+# Byte offsets of the fp16 scale fields in each block (GGUF layouts, ggml-common.h). IQ1_M keeps
+# its fp16 scale in the top nibbles of four words and MXFP4 has a one-byte exponent: both are
+# set apart (set_iq1_m_scale; every MXFP4 byte is a valid code).
 FP16_FIELDS = {
     "Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
     "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0],
+    "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0], "IQ1_S": [0],
+    "IQ1_M": [], "MXFP4": [],
 }
 BLOCK_TYPES = list(FP16_FIELDS)
+# The formats whose values come from a codebook (grid) indexed by bits of the block.
+GRID_TYPES = ["IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 
 # Chosen finite fp16 scales: zeros of both signs, the largest, the smallest normal and
 # subnormal, ordinary values of both signs.
@@ -34,6 +42,15 @@ def random_fp16(rng, n):
     return np.where(pick, edge, mag.astype(np.float16)).astype(np.float16)
 
 
+def set_iq1_m_scale(raw, d):
+    """IQ1_M's fp16 scale d goes into the top nibbles of the four 16-bit words at byte 48."""
+    h = d.astype(np.float16).view(np.uint16)
+    words = raw[:, 48:56].copy().view(np.uint16)
+    for k in range(4):
+        words[:, k] = (words[:, k] & 0x0FFF) | (((h >> (4 * k)) & 0xF) << 12)
+    raw[:, 48:56] = words.view(np.uint8)
+
+
 def random_blocks(rng, name, n_blocks):
     """Random block bytes with finite fp16 scales; some blocks get all-zero / all-one quant
     bytes so the smallest and largest quant values (and scale codes) appear."""
@@ -44,7 +61,15 @@ def random_blocks(rng, name, n_blocks):
         raw[b, :] = fill[b]
     for off in FP16_FIELDS[name]:
         raw[:, off:off + 2] = random_fp16(rng, n_blocks).view(np.uint8).reshape(n_blocks, 2)
+    if name == "IQ1_M":
+        set_iq1_m_scale(raw, random_fp16(rng, n_blocks))
     return raw
+
+
+def gguf_reference(raw, name):
+    """gguf's decode; MXFP4's largest exponents overflow the top levels to inf (as stowlm's)."""
+    with np.errstate(over="ignore"):
+        return gguf_dequantize(raw, T[name])
 
 
 def bits(a):
@@ -56,21 +81,44 @@ def test_dequantize_bit_exact_with_gguf(name):
     rng = np.random.default_rng(abs(hash(name)) % 2**32)
     info = quants.type_info(name)
     raw = random_blocks(rng, name, 24 * 8).reshape(24, 8 * info.block_bytes)
-    ref = gguf_dequantize(raw, T[name])
+    ref = gguf_reference(raw, name)
     got = quants.dequantize(raw, name, (24, 8 * info.block_elems))
     assert got.dtype == np.float32 and got.shape == ref.shape
     assert not np.isnan(ref).any()
     np.testing.assert_array_equal(bits(got), bits(ref))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ4_XS", "Q5_1"])
+@pytest.mark.parametrize("name", GRID_TYPES)
+def test_dequantize_grid_types_every_grid_entry(name):
+    """4096 random blocks draw each grid entry (at most 2048 of them) about 64 times or more,
+    so every codebook entry, sign pattern and scale code is compared with gguf's tables."""
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    raw = random_blocks(rng, name, 4096)
+    ref = gguf_reference(raw, name)
+    got = quants.dequantize(raw, name, ref.shape)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+
+
+def test_dequantize_mxfp4_every_exponent():
+    """Each E8M0 exponent (0 and 1 give float32 subnormal scales, 254 and 255 overflow the top
+    levels to inf) with every 4-bit code."""
+    e = np.arange(256, dtype=np.uint8)
+    codes = np.arange(16, dtype=np.uint8) * 0x11  # each byte: the same code in both nibbles
+    raw = np.concatenate([e[:, None], np.tile(codes, (256, 1))], axis=1)
+    ref = gguf_reference(raw, "MXFP4")
+    got = quants.dequantize(raw, "MXFP4", ref.shape)
+    np.testing.assert_array_equal(bits(got), bits(ref))
+    assert np.isinf(got).any() and (got[0] != 0).any()
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "IQ4_XS", "Q5_1", "IQ2_XXS", "IQ1_M", "MXFP4"])
 def test_dequantize_large_unaligned_and_buffer_kinds(name):
     # Big enough to be split across the thread pool; the data starts at an odd address.
     rng = np.random.default_rng(7)
     info = quants.type_info(name)
     n_blocks = (1 << 17) // info.block_elems
     raw = random_blocks(rng, name, n_blocks).reshape(-1)
-    ref = gguf_dequantize(raw.reshape(8, -1), T[name])
+    ref = gguf_reference(raw.reshape(8, -1), name)
     shifted = np.empty(raw.size + 1, np.uint8)[1:]
     shifted[:] = raw
     assert shifted.ctypes.data % 2 == 1
@@ -284,8 +332,8 @@ def test_errors_name_the_problem():
         quants.dequantize(raw, 99, (256,))
     with pytest.raises(ValueError, match=r"unknown tensor type name 'Q9_K'"):
         quants.dequantize(raw, "q9_k", (256,))
-    with pytest.raises(ValueError, match=r"IQ2_XXS .*not supported"):
-        quants.dequantize(raw, T.IQ2_XXS, (256,))
+    with pytest.raises(ValueError, match=r"TQ1_0 .*not supported"):
+        quants.dequantize(raw, T.TQ1_0, (256,))
     with pytest.raises(ValueError, match=r"last dimension 128 is not a multiple of the Q4_K block size 256"):
         quants.dequantize(raw, "Q4_K", (2, 128))
     with pytest.raises(ValueError, match=r"must be a name or an integer id"):

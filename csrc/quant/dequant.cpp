@@ -15,6 +15,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 
 namespace stowlm {
 
@@ -59,6 +60,14 @@ void dequantize_row(QType t, const void* src, float* dst, int64_t n) {
         case QType::Q6_K: return decode_blocks<block_q6_K, dequantize_block_q6_K, QK_K>(src, dst, nb256);
         case QType::Q8_K: return decode_blocks<block_q8_K, dequantize_block_q8_K, QK_K>(src, dst, nb256);
         case QType::IQ4_XS: return decode_blocks<block_iq4_xs, dequantize_block_iq4_xs, QK_K>(src, dst, nb256);
+        case QType::MXFP4: return decode_blocks<block_mxfp4, dequantize_block_mxfp4, QK>(src, dst, nb32);
+        case QType::IQ2_XXS: return decode_blocks<block_iq2_xxs, dequantize_block_iq2_xxs, QK_K>(src, dst, nb256);
+        case QType::IQ2_XS: return decode_blocks<block_iq2_xs, dequantize_block_iq2_xs, QK_K>(src, dst, nb256);
+        case QType::IQ2_S: return decode_blocks<block_iq2_s, dequantize_block_iq2_s, QK_K>(src, dst, nb256);
+        case QType::IQ3_XXS: return decode_blocks<block_iq3_xxs, dequantize_block_iq3_xxs, QK_K>(src, dst, nb256);
+        case QType::IQ3_S: return decode_blocks<block_iq3_s, dequantize_block_iq3_s, QK_K>(src, dst, nb256);
+        case QType::IQ1_S: return decode_blocks<block_iq1_s, dequantize_block_iq1_s, QK_K>(src, dst, nb256);
+        case QType::IQ1_M: return decode_blocks<block_iq1_m, dequantize_block_iq1_m, QK_K>(src, dst, nb256);
         default: break;
     }
     throw InvalidInput(std::string("dequantize: tensor type ") + qtype_name(t) + " has no decoder");

@@ -20,6 +20,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 #include "quant/quantize_block.h"
 #include "quant/types.h"
 
@@ -63,17 +64,14 @@ HOST_DEVICE uint32_t load_u32_a2(const uint8_t* p) {
 #endif
 }
 
-// Bits 0..3 of b moved to bit 0 of bytes 0..3.
-HOST_DEVICE uint32_t spread_bits4(uint32_t b) {
-    return (b & 1u) | ((b & 2u) << 7) | ((b & 4u) << 14) | ((b & 8u) << 21);
-}
-
-// Four bytes, each an IQ4 codebook level picked by the low nibbles of the bytes of idx.
-HOST_DEVICE uint32_t iq4nl_word(uint32_t idx) {
+// Four bytes, each a level of a packed 16-level codebook (legacy.h) picked by the low nibbles
+// of the bytes of idx.
+HOST_DEVICE uint32_t packed_level_word(uint64_t lo, uint64_t hi, uint32_t idx) {
     uint32_t w = 0;
-    for (int i = 0; i < 4; i++) w |= (uint32_t)(uint8_t)iq4nl_value((idx >> (8 * i)) & 0xF) << (8 * i);
+    for (int i = 0; i < 4; i++) w |= (uint32_t)(uint8_t)packed_level(lo, hi, (idx >> (8 * i)) & 0xF) << (8 * i);
     return w;
 }
+HOST_DEVICE uint32_t iq4nl_word(uint32_t idx) { return packed_level_word(kIQ4NLPackedLo, kIQ4NLPackedHi, idx); }
 
 HOST_DEVICE void wsub_set_scales(WSub& w, float d0, float d1, float m0, float m1) {
     w.d[0] = d0, w.d[1] = d1, w.m[0] = m0, w.m[1] = m1;
@@ -205,6 +203,28 @@ HOST_DEVICE void load_wsub_iq4_xs(const block_iq4_xs* b, int s, WSub& w) {
     wsub_set_scales(w, d, d, 0.0f, 0.0f);
 }
 
+// MXFP4: the doubled E2M1 levels, scaled by half the E8M0 power of two.
+HOST_DEVICE void load_wsub_mxfp4(const block_mxfp4* b, int, WSub& w) {
+    for (int k = 0; k < 4; k++) {
+        const uint32_t v = (uint32_t)b->qs[4 * k] | ((uint32_t)b->qs[4 * k + 1] << 8) | ((uint32_t)b->qs[4 * k + 2] << 16) |
+                           ((uint32_t)b->qs[4 * k + 3] << 24);  // 17-byte blocks: byte loads
+        w.q[k] = (int32_t)packed_level_word(kMXFP4PackedLo, kMXFP4PackedHi, v);
+        w.q[k + 4] = (int32_t)packed_level_word(kMXFP4PackedLo, kMXFP4PackedHi, v >> 4);
+    }
+    const float d = e8m0_to_f32_half(b->e);
+    wsub_set_scales(w, d, d, 0.0f, 0.0f);
+}
+
+// The grid i-quants: their integer sub-block form (iquants.h) is already a WSub.
+template <class B>
+HOST_DEVICE void load_wsub_iq(const B* b, int s, WSub& w) {
+    IQSub t;
+    iq_sub(b, s, t);
+    for (int k = 0; k < 8; k++) w.q[k] = (int32_t)t.q[k];
+    const float d = iq_scale(b);
+    wsub_set_scales(w, d * (float)t.sc[0], d * (float)t.sc[1], 0.0f, 0.0f);
+}
+
 // Compile-time description of each quantized weight type for the kernels: block bytes,
 // sub-blocks per block, and the loader.
 template <QType T> struct WTraits;
@@ -229,6 +249,14 @@ STOWLM_WTRAITS(Q5_K, block_q5_K, load_wsub_q5_K, 8)
 STOWLM_WTRAITS(Q6_K, block_q6_K, load_wsub_q6_K, 8)
 STOWLM_WTRAITS(Q8_K, block_q8_K, load_wsub_q8_K, 8)
 STOWLM_WTRAITS(IQ4_XS, block_iq4_xs, load_wsub_iq4_xs, 8)
+STOWLM_WTRAITS(MXFP4, block_mxfp4, load_wsub_mxfp4, 1)
+STOWLM_WTRAITS(IQ2_XXS, block_iq2_xxs, load_wsub_iq, 8)
+STOWLM_WTRAITS(IQ2_XS, block_iq2_xs, load_wsub_iq, 8)
+STOWLM_WTRAITS(IQ2_S, block_iq2_s, load_wsub_iq, 8)
+STOWLM_WTRAITS(IQ3_XXS, block_iq3_xxs, load_wsub_iq, 8)
+STOWLM_WTRAITS(IQ3_S, block_iq3_s, load_wsub_iq, 8)
+STOWLM_WTRAITS(IQ1_S, block_iq1_s, load_wsub_iq, 8)
+STOWLM_WTRAITS(IQ1_M, block_iq1_m, load_wsub_iq, 8)
 #undef STOWLM_WTRAITS
 
 // Runtime dispatch of the loader (host tests; kernels use WTraits). False for a type that
@@ -238,7 +266,9 @@ HOST_DEVICE bool load_wsub(QType t, const uint8_t* row, int sub, WSub& w) {
 #define STOWLM_CASE(T) case QType::T: WTraits<QType::T>::load(row, sub, w); return true;
         STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
         STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)
-        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS)
+        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS) STOWLM_CASE(MXFP4) STOWLM_CASE(IQ2_XXS)
+        STOWLM_CASE(IQ2_XS) STOWLM_CASE(IQ2_S) STOWLM_CASE(IQ3_XXS) STOWLM_CASE(IQ3_S) STOWLM_CASE(IQ1_S)
+        STOWLM_CASE(IQ1_M)
 #undef STOWLM_CASE
         default: return false;
     }

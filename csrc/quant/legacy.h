@@ -19,21 +19,23 @@ constexpr uint64_t kIQ4NLPackedHi = 0x7159453526190d01ull;   // levels 8..15
 constexpr int8_t kIQ4NLValues[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                      1,    13,   25,  38,  53,  69,  89,  113};
 
-// Level i (0..15) of the IQ4 codebook, used by IQ4_NL and IQ4_XS.
-HOST_DEVICE int iq4nl_value(int i) {
-    const uint64_t w = i < 8 ? kIQ4NLPackedLo : kIQ4NLPackedHi;
-    return (int)(int8_t)(uint8_t)(w >> (8 * (i & 7)));
+// Level i (0..15) of a 16-level int8 codebook packed into two words as above.
+HOST_DEVICE int packed_level(uint64_t lo, uint64_t hi, int i) {
+    return (int)(int8_t)(uint8_t)((i < 8 ? lo : hi) >> (8 * (i & 7)));
 }
 
+// Level i (0..15) of the IQ4 codebook, used by IQ4_NL and IQ4_XS.
+HOST_DEVICE int iq4nl_value(int i) { return packed_level(kIQ4NLPackedLo, kIQ4NLPackedHi, i); }
+
 namespace detail {
-constexpr bool iq4nl_packing_ok() {
+constexpr bool packing_ok(uint64_t lo, uint64_t hi, const int8_t (&values)[16]) {
     for (int i = 0; i < 16; i++) {
-        const uint64_t w = i < 8 ? kIQ4NLPackedLo : kIQ4NLPackedHi;
-        if ((int8_t)(uint8_t)(w >> (8 * (i & 7))) != kIQ4NLValues[i]) return false;
+        const uint64_t w = i < 8 ? lo : hi;
+        if ((int8_t)(uint8_t)(w >> (8 * (i & 7))) != values[i]) return false;
     }
     return true;
 }
-static_assert(iq4nl_packing_ok(), "IQ4_NL packed levels disagree with the table");
+static_assert(packing_ok(kIQ4NLPackedLo, kIQ4NLPackedHi, kIQ4NLValues), "IQ4_NL packed levels disagree with the table");
 }  // namespace detail
 
 // The 32 5-bit high bits of Q5_0/Q5_1 as one little-endian word (bit j = element j).
