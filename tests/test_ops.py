@@ -386,3 +386,136 @@ def test_get_rows_bad_ids():
         ops.get_rows(raw, "F16", np.array([-1], np.int32), 32)
     with pytest.raises(ValueError, match="block size"):
         ops.get_rows(raw, "Q8_0", np.array([0], np.int32), 33)
+
+
+# ---- the ops of gpt-oss, deepseek2 and glm4moe ----------------------------------------------
+
+def yarn_ref(x, pos, n_rot, base, freq_scale, neox, ext_factor, attn_factor, beta_fast, beta_slow, n_ctx_orig):
+    """ggml's rope_yarn in float64: interpolated and extrapolated angles blended over the
+    corrected dims, cos/sin scaled by attn_factor * (1 + 0.1 ln(1/freq_scale))."""
+    def corr(n_turns):
+        return n_rot * np.log(n_ctx_orig / (n_turns * 2 * np.pi)) / (2 * np.log(base))
+    lo, hi = max(0.0, np.floor(corr(beta_fast))), min(n_rot - 1.0, np.ceil(corr(beta_slow)))
+    half = n_rot // 2
+    i = np.arange(half)
+    extrap = pos[:, None].astype(np.float64) * base ** (-2.0 * i / n_rot)
+    ramp = (1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)) * ext_factor
+    theta = extrap * freq_scale * (1 - ramp) + extrap * ramp
+    m = attn_factor * (1 + 0.1 * np.log(1 / freq_scale)) if ext_factor else attn_factor
+    c, s = (np.cos(theta) * m)[:, None, :], (np.sin(theta) * m)[:, None, :]
+    y = x.astype(np.float64).copy()
+    a, b = (slice(0, half), slice(half, n_rot)) if neox else (slice(0, n_rot, 2), slice(1, n_rot, 2))
+    x0, x1 = y[..., a].copy(), y[..., b].copy()
+    y[..., a] = x0 * c - x1 * s
+    y[..., b] = x0 * s + x1 * c
+    return y
+
+
+@pytest.mark.parametrize("neox,hd,n_rot,base,factor,attn,n_ctx_orig", [
+    (True, 64, 64, 150000.0, 32.0, 1.0, 4096),    # gpt-oss
+    (False, 32, 32, 10000.0, 40.0, 0.7305, 4096),  # deepseek2's rope dims
+    (True, 128, 64, 1e6, 4.0, 1.2, 8192),
+])
+def test_rope_yarn(isa, neox, hd, n_rot, base, factor, attn, n_ctx_orig):
+    r = rng(n_rot)
+    x = r.standard_normal((6, 3, hd)).astype(np.float32)
+    pos = np.array([0, 1, 17, 500, 2100, 4095], np.int32)  # float angles lose ~6e-8 x pos
+    got = ops.rope(x, pos, n_rot, base, 1 / factor, neox, ext_factor=1.0, attn_factor=attn, n_ctx_orig=n_ctx_orig)
+    ref = yarn_ref(x, pos, n_rot, base, 1 / factor, neox, 1.0, attn, 32.0, 1.0, n_ctx_orig)
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+    # ext_factor 0 and attn_factor 1 is plain RoPE with the same scale
+    plain = ops.rope(x, pos, n_rot, base, 1 / factor, neox, ext_factor=0.0, attn_factor=1.0)
+    np.testing.assert_allclose(plain, rope_ref(x, pos, n_rot, base, 1 / factor, neox), rtol=2e-4, atol=2e-4)
+
+
+def sink_attn_ref(q, k, v, q_pos, kv_pos, scale, window, sinks):
+    """Causal attention whose softmax denominator also holds exp(sink) per head (gpt-oss)."""
+    n_tok, n_head, _ = q.shape
+    k64, v64 = kv_values(k, "F16"), kv_values(v, "F16")
+    n_rep = n_head // k.shape[1]
+    qp, kp = q_pos[:, None].astype(np.int64), kv_pos[None, :].astype(np.int64)
+    vis = (kp >= 0) & (kp <= qp)
+    if window:
+        vis &= (qp - kp) < window
+    out = np.zeros((n_tok, n_head, v.shape[2]))
+    for h in range(n_head):
+        s = np.where(vis, q[:, h, :].astype(np.float64) @ k64[:, h // n_rep, :].T * scale, -np.inf)
+        m = np.maximum(s.max(axis=1, keepdims=True), sinks[h])
+        p = np.exp(s - m)
+        out[:, h, :] = (p @ v64[:, h // n_rep, :]) / (p.sum(axis=1, keepdims=True) + np.exp(sinks[h] - m))
+    return out
+
+
+@pytest.mark.parametrize("n_tok,n_kv,window", [(1, 300, 0), (5, 40, 8), (40, 40, 8), (64, 64, 0)])
+def test_attn_sinks_and_a_v_narrower_than_k(isa, n_tok, n_kv, window):
+    """Sinks (gpt-oss) and a value head narrower than the key head (deepseek2's absorbed MLA:
+    keys of 160, values of 128), on the one-token, few-token and prompt paths."""
+    r = rng(n_tok + n_kv)
+    for hd_k, hd_v, n_head, n_head_kv in [(64, 64, 8, 2), (160, 128, 8, 1)]:
+        q = r.standard_normal((n_tok, n_head, hd_k)).astype(np.float32)
+        k = r.standard_normal((n_kv, n_head_kv, hd_k)).astype(np.float32)
+        v = r.standard_normal((n_kv, n_head_kv, hd_v)).astype(np.float32)
+        kv_pos = np.arange(n_kv, dtype=np.int32)
+        q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+        sinks = (r.standard_normal(n_head) * 2).astype(np.float32)
+        scale = 1 / np.sqrt(hd_k)
+        got = ops.flash_attn(q, k, v, q_pos, kv_pos, scale, window=window, sinks=sinks)
+        np.testing.assert_allclose(got, sink_attn_ref(q, k, v, q_pos, kv_pos, scale, window, sinks), rtol=2e-3,
+                                   atol=2e-3)
+        plain = ops.flash_attn(q, k, v, q_pos, kv_pos, scale, window=window)
+        np.testing.assert_allclose(plain, sink_attn_ref(q, k, v, q_pos, kv_pos, scale, window, np.full(n_head, -np.inf)),
+                                   rtol=2e-3, atol=2e-3)
+
+
+def select_ref(x, k, gating, bias, n_groups, n_group_used):
+    """Expert selection as llama.cpp's build_moe_ffn does it: score = gate(x) + bias; groups
+    ranked by the sum of their two best scores; top-k among the kept groups (ties: lower id)."""
+    score = 1 / (1 + np.exp(-x.astype(np.float64))) if gating == 1 else x.astype(np.float64)
+    if bias is not None:
+        score = score + bias
+    ids = []
+    for row in score:
+        row = row.copy()
+        if n_groups > 1:
+            g = row.reshape(n_groups, -1)
+            gs = np.sort(g, axis=1)[:, -2:].sum(axis=1)
+            keep = sorted(range(n_groups), key=lambda i: (-gs[i], i))[:n_group_used]
+            mask = np.full(n_groups, True)
+            mask[keep] = False
+            g[mask] = -np.inf
+            row = g.reshape(-1)
+        ids.append(sorted(range(len(row)), key=lambda e: (-row[e], e))[:k])
+    return np.array(ids)
+
+
+@pytest.mark.parametrize("gating,use_bias,groups", [(0, False, (0, 0)), (1, True, (0, 0)), (1, True, (4, 3)),
+                                                    (2, False, (0, 0)), (0, True, (4, 2))])
+def test_expert_selection(gating, use_bias, groups):
+    r = rng(gating * 7 + groups[0])
+    x = (r.standard_normal((50, 16)) * 3).astype(np.float32)
+    bias = (r.standard_normal(16) * 0.5).astype(np.float32) if use_bias else None
+    got = ops.top_k(x, 6, gating, bias, *groups)
+    np.testing.assert_array_equal(got, select_ref(x, 6, gating, bias, *groups))
+
+
+def test_moe_weights_softmax_over_the_picked_and_add_id():
+    r = rng(3)
+    logits = r.standard_normal((9, 32)).astype(np.float32) * 2
+    ids = np.argsort(-logits, axis=1)[:, :4].astype(np.int32)
+    w = ops.moe_weights(logits, ids, 2, False, 0.0)
+    picked = np.take_along_axis(logits.astype(np.float64), ids, 1)
+    ref = np.exp(picked - picked.max(1, keepdims=True))
+    np.testing.assert_allclose(w, ref / ref.sum(1, keepdims=True), rtol=1e-6)
+    x = r.standard_normal((9, 4, 24)).astype(np.float32)
+    bias = r.standard_normal((32, 24)).astype(np.float32)
+    np.testing.assert_allclose(ops.add_id(x, bias, ids), x + bias[ids], rtol=1e-6)
+    with pytest.raises(ValueError, match="expert id 32"):
+        ops.add_id(x, bias, np.full_like(ids, 32))
+
+
+def test_swiglu_oai():
+    g = np.linspace(-12, 12, 4001, dtype=np.float32)
+    u = np.linspace(9, -9, 4001, dtype=np.float32)
+    gc, uc = np.minimum(g, 7.0).astype(np.float64), np.clip(u, -7.0, 7.0).astype(np.float64)
+    ref = gc / (1 + np.exp(-1.702 * gc)) * (uc + 1)
+    np.testing.assert_allclose(ops.swiglu_oai(g, u), ref, rtol=1e-5, atol=1e-5)
