@@ -1,6 +1,8 @@
 """CPU quantized matmul against an independent oracle: the weights dequantized by the `gguf`
 package's numpy code (Q8_K, which gguf does not decode, by a one-line numpy formula), times the
-activations in float64. Every weight type runs on every kernel path this CPU offers."""
+activations rounded to 8 bits as llama.cpp does for each weight type (numpy models of its Q8_0
+and Q8_K activation quantizers below), in float64. Every weight type runs on every kernel path
+this CPU offers."""
 import os
 import subprocess
 import sys
@@ -19,6 +21,9 @@ from stowlm import ops  # noqa: E402
 T = gguf.GGMLQuantizationType
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
          "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"]
+# Weight types whose activations are rounded per 32 values (llama.cpp's Q8_0 for them); every
+# other quantized type is rounded per 256 (llama.cpp's Q8_K).
+ACT32_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
 ISAS = ["scalar", "avx2", "avx512", "amx"]
 # (rows, cols, n_tok): rows that no tile divides, several token counts, both column sizes;
 # 96, 288 and 320 columns (32-element formats only: 3, 9 and 10 blocks) hit the single-block
@@ -79,27 +84,45 @@ def quantize_act32(x):
     return deq, (tie * d).astype(np.float64).reshape(n, cols)
 
 
+def quantize_act_q8_K(x):
+    """ggml's quantize_row_q8_K_ref in numpy (float32 throughout): per 256 elements iscale =
+    -127 / (the first value of largest magnitude), q = min(127, round half to even(iscale * x)),
+    d = 1 / iscale; an all-zero block gives zeros. Returns (d per block, q int8, d * q float64)."""
+    n, cols = x.shape
+    b = x.astype(np.float32).reshape(n, cols // 256, 256)
+    mx = np.take_along_axis(b, np.abs(b).argmax(axis=2)[..., None], axis=2)
+    with np.errstate(divide="ignore"):
+        iscale = np.where(mx == 0, np.float32(0), np.float32(-127.0) / mx).astype(np.float32)
+    q = np.minimum(127, np.rint((iscale * b).astype(np.float32))).astype(np.int8)
+    with np.errstate(divide="ignore"):
+        d = np.where(iscale == 0, np.float32(0), np.float32(1.0) / iscale).astype(np.float32)
+    return d[..., 0], q, (q.astype(np.float64) * d.astype(np.float64)).reshape(n, cols)
+
+
 def check(name, y, ref_w, x):
     x64 = x.astype(np.float64)
     mag = np.abs(x64) @ np.abs(ref_w).T
     if name in ("F32", "F16", "BF16"):
         # no activation rounding, only the float32 accumulation
         ref, slack = x64 @ ref_w.T, 0.0
-    else:
-        # Every quantized type (the K formats and IQ4_XS included) rounds activations to 8 bits
-        # with one scale per 32 elements: the products must equal the weights times those
-        # rounded activations up to float32 accumulation (1e-5 relative), plus one step per
-        # rounding tie. A per-256 scale misses this by far on the outliers x carries.
+    elif name in ACT32_TYPES:
+        # Activations rounded to 8 bits with one scale per 32 elements: the products must equal
+        # the weights times those rounded activations up to float32 accumulation (1e-5 relative),
+        # plus one step per rounding tie.
         xq, tie = quantize_act32(x)
         ref, slack = xq @ ref_w.T, tie @ np.abs(ref_w).T
+    else:
+        # The K formats and IQ4_XS: Q8_K activations, one scale per 256, ties to
+        # even on every path, so exactly these rounded activations (up to float32 accumulation).
+        ref, slack = quantize_act_q8_K(x)[2] @ ref_w.T, 0.0
     bound = 1e-5 * mag + slack + 1e-30
     err = np.abs(y - ref)
     assert np.all(err <= bound), (name, float((err / bound).max()))
 
 
 def with_outliers(x, rng):
-    """A few activations 30x larger, as real models have (a per-256 scale would round the 255
-    values around each coarsely)."""
+    """A few activations 30x larger, as real models have (they set the per-32 and per-256
+    scales, and a wrong choice of rounding block shows at once)."""
     x = x.copy()
     for t in range(x.shape[0]):
         idx = rng.integers(0, x.shape[1], size=max(1, x.shape[1] // 256))
@@ -207,6 +230,48 @@ def test_matmul_multi_equals_single(group, isa, restore_isa):
                 assert y.shape == (n_tok, rows)
                 check(name, y.astype(np.float64), ref_w, x)
                 np.testing.assert_array_equal(y, ops.matmul(raw, name, x, threads=threads))
+
+
+@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+def test_activation_quantization_matches_llama_cpp_on_every_isa(name, restore_isa):
+    """The activation bytes matmul makes: for the 256-element formats exactly llama.cpp's Q8_K
+    (per 256 values one scale, the same for all eight 32-groups of block_q8_K32, and the sums of
+    each 16) on every path; for the 32-element ones per 32 values within half a step (ties may
+    round either way between paths)."""
+    rng = np.random.default_rng(8)
+    x = with_outliers(rng.standard_normal((5, 1024)).astype(np.float32), rng)
+    x[1, :256] = 0.0  # a zero block
+    x[2, 300], x[2, 310] = 50.0, -50.0  # equal magnitudes: the first sets the sign of the scale
+    x[3, 512:768] = rng.integers(-100, 100, 256) + 0.5  # ties of iscale * x: d = 1 when max is -127
+    x[3, 600] = -127.0
+    seen = []
+    for isa in ops.cpu_info()["supported"]:
+        ops.set_isa(isa)
+        raw = _core_ops().quantize_act_raw(x, int(T[name]))
+        seen.append(raw)
+        if name in ACT32_TYPES:
+            blk = raw.reshape(5, -1, 40)
+            d = blk[..., 0:4].copy().view(np.float32)[..., 0]
+            q = blk[..., 8:40].view(np.int8).astype(np.float64)
+            xb = x.reshape(5, -1, 32).astype(np.float64)
+            np.testing.assert_array_equal(d, (np.abs(x.reshape(5, -1, 32)).max(axis=2) / np.float32(127)).astype(np.float32))
+            assert np.all(np.abs(q * d[..., None] - xb) <= 0.5 * d[..., None] * (1 + 1e-6) + 1e-30)
+            continue
+        blk = raw.reshape(5, -1, 320)
+        d = blk[..., 0:32].copy().view(np.float32)
+        bsums = blk[..., 32:64].copy().view(np.int16)
+        q = blk[..., 64:320].view(np.int8)
+        ref_d, ref_q, _ = quantize_act_q8_K(x)
+        np.testing.assert_array_equal(d, np.repeat(ref_d[..., None], 8, axis=2), err_msg=isa)
+        np.testing.assert_array_equal(q, ref_q, err_msg=isa)
+        np.testing.assert_array_equal(bsums, q.reshape(5, -1, 16, 16).astype(np.int64).sum(axis=3), err_msg=isa)
+        np.testing.assert_array_equal(raw, seen[0], err_msg=f"{isa} differs from {ops.cpu_info()['supported'][0]}")
+        assert not d[1, 0].any() and not q[1, 0].any()  # the zero block
+
+
+def _core_ops():
+    from stowlm import _core
+    return _core.ops
 
 
 def test_matmul_multi_errors():

@@ -3,6 +3,8 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -106,6 +108,20 @@ std::vector<nb::ndarray<nb::numpy, float, nb::ndim<2>>> matmul_multi_raw(
     return outs;
 }
 
+// The activations as matmul quantizes them for weight type `qtype` on the active path: raw
+// bytes (n_tok, matmul_act_row_bytes), for tests.
+nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>> quantize_act_raw(XArr x, uint32_t qtype) {
+    const QType t = (QType)qtype;
+    stowlm::qtype_checked(qtype);
+    const int64_t n_tok = (int64_t)x.shape(0), cols = (int64_t)x.shape(1);
+    const size_t rb = stowlm::cpu::matmul_act_row_bytes(t, cols);
+    // 64-byte aligned like matmul's scratch: the blocks hold floats
+    uint8_t* out = (uint8_t*)std::aligned_alloc(64, std::max<size_t>(64, (rb * (size_t)n_tok + 63) & ~(size_t)63));
+    nb::capsule owner(out, [](void* p) noexcept { std::free(p); });
+    stowlm::cpu::quantize_activations(t, cols, x.data(), n_tok, cols, out);
+    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(out, {(size_t)n_tok, rb}, owner);
+}
+
 }  // namespace
 
 STOWLM_BIND(matmul) {
@@ -117,4 +133,7 @@ STOWLM_BIND(matmul) {
     ops.def("matmul_multi_raw", &matmul_multi_raw, nb::arg("ws"), nb::arg("cols"), nb::arg("x"), nb::arg("threads") = 0,
             "[W_i x] for a list of (raw bytes, qtype, rows) sharing x (n_tok, cols), in one pass where the "
             "weights share an activation format; results equal matmul_raw's.");
+    ops.def("quantize_act_raw", &quantize_act_raw, nb::arg("x"), nb::arg("qtype"),
+            "The bytes of x (n_tok, cols) quantized as matmul_raw quantizes activations for weight type `qtype` "
+            "on the active ISA: block_q8_a (32 values) or block_q8_K32 (256 values) rows, see quant/dot.h.");
 }

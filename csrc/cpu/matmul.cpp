@@ -134,6 +134,24 @@ void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n) {
     else quantize_row_q8_K32(x, (block_q8_K32*)dst, n);
 }
 
+void quantize_act(Isa isa, DotFamily fam, const float* x, void* dst, int64_t n) {
+#ifdef STOWLM_X86
+    if (isa != Isa::Scalar) return quantize_act_avx2(fam, x, dst, n);
+#endif
+    (void)isa;
+    quantize_act_scalar(fam, x, dst, n);
+}
+
+void quantize_activations(QType wtype, int64_t cols, const float* x, int64_t n_tok, int64_t ldx, void* dst) {
+    check_type_cols(wtype, cols);
+    if (n_tok < 0 || ldx < cols) throw InvalidInput("quantize_activations: n_tok < 0 or ldx < cols");
+    const DotFamily fam = dot_family(wtype);
+    const size_t rb = act_row_bytes(wtype, cols);
+    if (fam == DotFamily::Float) return;
+    const Isa isa = active_isa();
+    for (int64_t t = 0; t < n_tok; t++) quantize_act(isa, fam, x + t * ldx, (uint8_t*)dst + t * rb, cols);
+}
+
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1) { rows_generic<ScalarKern>(a, r0, r1); }
 
 namespace {
@@ -180,11 +198,7 @@ void quantize_acts(const MatmulArgs& A, ThreadPool& pool) {
             const float* xs = A.x + t * A.ldx + j * belems;
             uint8_t* dst = act + t * A.act_stride;
             void* blk = dst + j * (fam == DotFamily::Q32 ? sizeof(block_q8_a) : sizeof(block_q8_K32));
-#ifdef STOWLM_X86
-            if (isa != Isa::Scalar) quantize_act_avx2(fam, xs, blk, n * belems);
-            else
-#endif
-                quantize_act_scalar(fam, xs, blk, n * belems);
+            quantize_act(isa, fam, xs, blk, n * belems);
             b += n;
         }
     };

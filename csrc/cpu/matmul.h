@@ -1,10 +1,11 @@
 // CPU quantized matrix products: y = W x for every weight type against F32 activations.
-// Activations are quantized once per call into `scratch` (8-bit blocks of 32 with their sums
-// for the 32-element weight formats; for the K formats and IQ4_XS also one scale per 32, in
-// 256-blocks with per-16 sums (quant/dot.h block_q8_K32); float weights use the
-// F32 activations as they are), then dotted with the kernel path chosen at run time
-// (cpu_features.h): scalar, AVX2 or AVX-512 VNNI rows, and for batches of 24+ tokens the GEMM
-// of AVX-512 VNNI or AVX2 (weight panels interleaved per call), or AMX tiles.
+// Activations are quantized once per call into `scratch` as llama.cpp does for each weight type
+// (8-bit blocks of 32 with their sums for the 32-element formats; for the K formats and
+// IQ4_XS one scale per 256 values, Q8_K's rule, kept with per-16 sums in
+// quant/dot.h's block_q8_K32; float weights use the F32 activations as they are), then dotted
+// with the kernel path chosen at run time (cpu_features.h): scalar, AVX2 or AVX-512 VNNI rows,
+// and for batches of 24+ tokens the GEMM of AVX-512 VNNI or AVX2 (weight panels interleaved per
+// call), or AMX tiles.
 // Rows or panels are split over the pool's threads. Paths that unpack weights keep a per-thread
 // buffer that is allocated on first use and reused (grown only for a larger `cols`), so
 // steady-state calls allocate nothing and create no threads.
@@ -34,6 +35,12 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
 // Throws InvalidInput for an unsupported type or a cols value that is not a block multiple.
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy,
             void* scratch, ThreadPool& pool);
+
+// The activations as matmul() quantizes them for weight type `wtype` on the active path: n_tok
+// rows of cols floats (ldx apart), row t at dst + t * matmul_act_row_bytes(wtype, cols) bytes
+// (block_q8_a or block_q8_K32 of quant/dot.h; 0 bytes for float weights). For tests and tools.
+size_t matmul_act_row_bytes(QType wtype, int64_t cols);
+void quantize_activations(QType wtype, int64_t cols, const float* x, int64_t n_tok, int64_t ldx, void* dst);
 
 // Several products of the same activations (a layer's q, k, v or gate, up): for weights of one
 // activation format the activations are quantized once, and for a few tokens one pass of the

@@ -108,13 +108,7 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         if (work < kInlineWork) fn(0, count, 0);
         else pool.parallel_for(count, fn);
     };
-    auto quantize = [&](const float* xr, uint8_t* dst) {
-#ifdef STOWLM_X86
-        if (isa != Isa::Scalar) quantize_act_avx2(fam, xr, dst, w.cols);
-        else
-#endif
-            quantize_act_scalar(fam, xr, dst, w.cols);
-    };
+    auto quantize = [&](const float* xr, uint8_t* dst) { quantize_act(isa, fam, xr, dst, w.cols); };
     const bool once = k > 1 && x_rows == 1 && !L.float_w;
     uint8_t* qx = base + L.once;
     if (once)

@@ -62,6 +62,8 @@ bool matmul_rows_read_nib(Isa isa);
 // weight formats, block_q8_K32 otherwise), per instruction set.
 void quantize_act_scalar(DotFamily fam, const float* x, void* dst, int64_t n);
 void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n);
+// The one of `isa` (identical results on every path for the 256-element formats).
+void quantize_act(Isa isa, DotFamily fam, const float* x, void* dst, int64_t n);
 
 // Batches of this many tokens or more go to a batched kernel (the GEMMs, AMX tiles). Below it
 // the row kernels give a token the same product in any batch, which prefix reuse and small
@@ -86,10 +88,9 @@ bool matmul_gemm_avx2(const MatmulArgs& a, ThreadPool& pool);
 // scratch after the activations: batched_scratch_extra.
 bool matmul_batched(const MatmulArgs& a, Isa isa, ThreadPool& pool);
 size_t batched_scratch_extra(QType t, int64_t cols, int64_t n_tok);
-// Shared with mul_mat_id (matmul_id.cpp): the checks of matmul(), and the bytes of one token's
-// quantized activations for a weight type (0 for the float types, which read x directly).
+// Shared with mul_mat_id (matmul_id.cpp): the checks of matmul() (the bytes of one token's
+// quantized activations, matmul_act_row_bytes, are in matmul.h).
 void matmul_check_type_cols(QType t, int64_t cols);
-size_t matmul_act_row_bytes(QType t, int64_t cols);
 
 namespace {
 

@@ -220,22 +220,41 @@ inline void quantize_q8_a_simd(const float* x, block_q8_a* y, int64_t k) {
     }
 }
 
+// 32 int8 values and their two sums of 16 into a block_q8_K32's group j.
+inline void put_q8_K32_group(block_q8_K32& y, int j, __m256i q) {
+    _mm256_storeu_si256((__m256i*)(y.qs + 32 * j), q);
+    // sums of each 16 (maddubs needs unsigned first: ones x q)
+    const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
+    const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));  // 8 sums of 4
+    const __m256i s2 = _mm256_hadd_epi32(s32, s32);                     // per lane: sums of 8
+    const __m256i s4 = _mm256_hadd_epi32(s2, s2);                       // per lane: sum of 16
+    y.bsums[2 * j] = (int16_t)_mm256_extract_epi32(s4, 0);
+    y.bsums[2 * j + 1] = (int16_t)_mm256_extract_epi32(s4, 4);
+}
+
+// llama.cpp's Q8_K rule, the same bits as quantize_row_q8_K32 (quant/dot.h): per 256 values
+// iscale = -127 / (the first value of largest magnitude), q = iscale * x rounded to even (the
+// conversion's default mode), d = 1 / iscale for all eight groups.
 inline void quantize_q8_K32_simd(const float* x, block_q8_K32* y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++) {
-        for (int j = 0; j < 8; j++) {
-            const float* xg = x + b * QK_K + 32 * j;
-            const float d = absmax(xg, 32) / 127.f, id = d > 0 ? 1.f / d : 0.f;
-            const __m256i q = quant8x4(xg, _mm256_set1_ps(id));
-            _mm256_storeu_si256((__m256i*)(y[b].qs + 32 * j), q);
-            // sums of each 16 (maddubs needs unsigned first: ones x q)
-            const __m256i s16 = _mm256_maddubs_epi16(_mm256_set1_epi8(1), q);
-            const __m256i s32 = _mm256_madd_epi16(s16, _mm256_set1_epi16(1));  // 8 sums of 4
-            const __m256i s2 = _mm256_hadd_epi32(s32, s32);                     // per lane: sums of 8
-            const __m256i s4 = _mm256_hadd_epi32(s2, s2);                       // per lane: sum of 16
-            y[b].bsums[2 * j] = (int16_t)_mm256_extract_epi32(s4, 0);
-            y[b].bsums[2 * j + 1] = (int16_t)_mm256_extract_epi32(s4, 4);
-            y[b].d[j] = d;
+        const float* xb = x + b * QK_K;
+        const float amax = absmax(xb, QK_K);
+        int first = -1;
+        if (amax > 0) {
+            const __m256 am = _mm256_set1_ps(amax), sign = _mm256_set1_ps(-0.0f);
+            for (int i = 0; i < QK_K && first < 0; i += 8) {
+                const int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), am, _CMP_EQ_OQ));
+                if (hit) first = i + __builtin_ctz((unsigned)hit);
+            }
         }
+        if (first < 0) {  // all zero, or a NaN hid the maximum: the scalar rule decides
+            quantize_row_q8_K32(xb, y + b, QK_K);
+            continue;
+        }
+        const float iscale = -127.f / xb[first];
+        for (int j = 0; j < 8; j++) put_q8_K32_group(y[b], j, quant8x4(xb + 32 * j, _mm256_set1_ps(iscale)));
+        const float d = 1.f / iscale;
+        for (int j = 0; j < 8; j++) y[b].d[j] = d;
     }
 }
 

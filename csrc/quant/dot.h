@@ -1,14 +1,16 @@
-// Per-block integer arithmetic of the quantized matrix products, shared by the CPU kernels
-// and (later) the CUDA kernels: unpacking a weight block into int8 values with integer or
-// float scales, quantizing activations to 8 bits, and reference block dot products.
+// Per-block integer arithmetic of the quantized matrix products of the CPU kernels: unpacking
+// a weight block into int8 values with integer or float scales, quantizing activations to 8
+// bits, and reference block dot products.
 //
 // Two unpacked forms cover every weight type:
 //   32-element formats (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL): w[i] = d * q[i] + m,
-//     dotted with block_q8_a activations (x[i] ~ a.d * a.qs[i], a.s = a.d * sum a.qs).
-//   256-element formats (Q2_K..Q8_K, IQ4_XS): w[i] = d * sc[i/16] * q[i] - dmin * mn[i/16],
-//     dotted with block_q8_K32 activations: one scale per 32 elements (a per-256 scale lets one
-//     outlier coarsen the rounding of 255 other values, which moved real models' logits most),
-//     sums of each 16 qs; integer products per 32-group, scaled by d_w * d_act[group].
+//     dotted with block_q8_a activations (x[i] ~ a.d * a.qs[i], a.s = a.d * sum a.qs): one
+//     scale per 32 values, as llama.cpp's Q8_0 activations for these formats.
+//   256-element formats (Q2_K..Q8_K, IQ4_XS):
+//     w[i] = d * sc[i/16] * q[i] - dmin * mn[i/16], dotted with block_q8_K32 activations
+//     quantized as llama.cpp's Q8_K (one scale per 256 values, so that a model's products
+//     round like the reference engine's), kept per 32-group and with the sums of each 16
+//     values; integer products per 32-group, scaled by d_w * d_act[group].
 // Scale unpacking and the IQ4 codebook come from the decoders (quant/kquants.h, iquants.h,
 // legacy.h). Functions here are static so that each instruction-set build of a kernel file keeps its own copy
 // (an inline function shared across files compiled with different -m flags could be linked
@@ -22,6 +24,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/quantize_block.h"
 #include "quant/types.h"
 
 #if defined(__CUDACC__)
@@ -41,8 +44,10 @@ struct block_q8_a {
 };
 static_assert(sizeof(block_q8_a) == 40, "q8_a layout");
 
-// 256 activations for the K formats: 8-bit values, a scale per 32, the sums of each 16 values.
-// The scales first so that qs starts 64 bytes in (aligned loads in 64-byte aligned arrays).
+// 256 activations for the 256-element formats: 8-bit values, a scale per 32 (all eight equal
+// with the Q8_K rule of quantize_row_q8_K32; the kernels take them per group), the sums of
+// each 16 values. The scales first so that qs starts 64 bytes in (aligned loads in 64-byte
+// aligned arrays).
 struct block_q8_K32 {
     float d[8];
     int16_t bsums[16];
@@ -85,25 +90,17 @@ STOWLM_DOT_FN void quantize_row_q8_a(const float* x, block_q8_a* y, int64_t k) {
     }
 }
 
-// k elements (multiple of 256) into k/256 block_q8_K32: per 32, scale = max|x| / 127.
+// k elements (multiple of 256) into k/256 block_q8_K32 by llama.cpp's Q8_K rule
+// (quantize_block_q8_K): one scale per 256 values, d = -(signed value of largest magnitude) / 127,
+// ties to even; the eight 32-groups share d. Call it only from code built without FMA
+// contraction (the scalar path): a fused iscale * x + round constant would round differently.
 STOWLM_DOT_FN void quantize_row_q8_K32(const float* x, block_q8_K32* y, int64_t k) {
     for (int64_t b = 0; b < k / QK_K; b++) {
-        for (int g = 0; g < 8; g++) {
-            const float* xg = x + b * QK_K + 32 * g;
-            float amax = 0;
-            for (int i = 0; i < 32; i++) { const float a = fabsf(xg[i]); amax = a > amax ? a : amax; }
-            const float d = amax / 127.f, id = d > 0 ? 1.f / d : 0.f;
-            for (int h = 0; h < 2; h++) {
-                int sum = 0;
-                for (int i = 0; i < 16; i++) {
-                    const int q = nearest_int(xg[16 * h + i] * id);
-                    y[b].qs[32 * g + 16 * h + i] = (int8_t)q;
-                    sum += q;
-                }
-                y[b].bsums[2 * g + h] = (int16_t)sum;
-            }
-            y[b].d[g] = d;
-        }
+        block_q8_K q;
+        quantize_block_q8_K(x + b * QK_K, &q);
+        for (int g = 0; g < 8; g++) y[b].d[g] = q.d;
+        for (int j = 0; j < 16; j++) y[b].bsums[j] = q.bsums[j];
+        for (int i = 0; i < QK_K; i++) y[b].qs[i] = q.qs[i];
     }
 }
 
