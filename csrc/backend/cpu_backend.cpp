@@ -97,7 +97,8 @@ public:
                                                  n.src[2]->ne[0], n.src[2]->ne[1]);
         if (n.op == Op::FLASH_ATTN) {
             const cpu::KvView kv = kv_view(n);
-            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], kv.hd_k, kv.hd_v, n_threads_);
+            return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], kv.hd_k, kv.hd_v, n_threads_, kv.n_kv,
+                                                 n.iparams[1]);
         }
         return 0;
     }

@@ -28,6 +28,9 @@ inline cpu::AttnParams attn_params(const Tensor& n) {
     p.window = n.iparams[0];
     p.causal = true;
     p.sinks = n.src[7] ? (const float*)n.src[7]->data : nullptr;
+    p.q_seq = n.src[8] ? (const int32_t*)n.src[8]->data : nullptr;
+    p.kv_seq = n.src[9] ? (const int32_t*)n.src[9]->data : nullptr;
+    p.split_cells = n.iparams[1];
     return p;
 }
 

@@ -56,8 +56,10 @@ nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* 
     return out;
 }
 
-ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs, int n_copies) {
+ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs, int n_copies,
+                     int n_seq = 1) {
     ContextParams p;
+    p.n_seq = n_seq;
     p.n_ctx = n_ctx;
     p.n_ubatch = n_ubatch;
     p.n_outputs = n_outputs;
@@ -141,8 +143,8 @@ STOWLM_BIND(engine) {
     nb::class_<BoundContext>(e, "Context")
         .def("__init__",
              [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type,
-                int64_t n_outputs, int n_copies) {
-                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies);
+                int64_t n_outputs, int n_copies, int n_seq) {
+                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq);
                  std::unique_ptr<Context> c;
                  {
                      nb::gil_scoped_release nogil;
@@ -151,7 +153,7 @@ STOWLM_BIND(engine) {
                  new (self) BoundContext{std::move(c)};
              },
              nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"),
-             nb::arg("n_copies"), nb::keep_alive<1, 2>())
+             nb::arg("n_copies"), nb::arg("n_seq") = 1, nb::keep_alive<1, 2>())
         .def("eval",
              [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions, bool all) {
                  std::vector<float>* out = nullptr;
@@ -165,9 +167,27 @@ STOWLM_BIND(engine) {
                  return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {rows, n_vocab}, owner);
              },
              nb::arg("tokens"), nb::arg("positions"), nb::arg("all_logits"))
-        .def("kv_truncate", [](BoundContext& s, int64_t n) { s.c->kv_truncate(n); })
-        .def("clear", [](BoundContext& s) { s.c->clear(); })
+        // Tokens of several sequences (seqs[i] is token i's); logits of the rows listed, in order.
+        .def("eval_batch",
+             [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
+                const std::vector<int32_t>& positions, const std::vector<int32_t>& rows) {
+                 std::vector<float>* out = nullptr;
+                 {
+                     nb::gil_scoped_release nogil;
+                     out = new std::vector<float>(s.c->eval_batch(tokens, seqs, positions, rows));
+                 }
+                 const size_t n_vocab = (size_t)s.c->n_vocab();
+                 nb::capsule owner(out, [](void* p) noexcept { delete (std::vector<float>*)p; });
+                 return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {out->size() / n_vocab, n_vocab}, owner);
+             },
+             nb::arg("tokens"), nb::arg("seqs"), nb::arg("positions"), nb::arg("rows"))
+        .def("kv_truncate", [](BoundContext& s, int64_t n, int seq) { s.c->kv_truncate(n, seq); }, nb::arg("n"),
+             nb::arg("seq") = 0)
+        .def("clear", [](BoundContext& s, int seq) { s.c->clear(seq); }, nb::arg("seq") = -1)
         .def_prop_ro("n_past", [](const BoundContext& s) { return s.c->n_past(); })
+        .def("n_past_of", [](const BoundContext& s, int seq) { return s.c->n_past(seq); }, nb::arg("seq"))
+        .def_prop_ro("n_cells_used", [](const BoundContext& s) { return s.c->n_cells_used(); })
+        .def_prop_ro("n_seq", [](const BoundContext& s) { return s.c->n_seq(); })
         .def_prop_ro("n_ctx", [](const BoundContext& s) { return s.c->n_ctx(); })
         .def_prop_ro("n_graphs", [](const BoundContext& s) { return s.c->n_graphs(); })
         .def("check_plan", [](const BoundContext& s) { return s.c->check_plan_sound(); })

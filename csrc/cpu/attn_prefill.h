@@ -23,6 +23,8 @@ struct PrefillArgs {
     int32_t window;
     bool causal;
     const float* sinks;  // per query head, or null
+    const int32_t* q_seq;   // sequence per query token, or null (one sequence)
+    const int32_t* kv_seq;  // sequence per cell
     float* out;
     int64_t ld_out;
 };

@@ -130,6 +130,9 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
                 __mmask16 ok = _mm512_mask_cmpge_epi32_mask(in, kp, _mm512_setzero_si512());
                 if (a.causal) ok = _mm512_mask_cmple_epi32_mask(ok, kp, vq);
                 if (a.window > 0 && lo > INT_MIN) ok = _mm512_mask_cmpgt_epi32_mask(ok, kp, vlo);
+                if (a.q_seq)
+                    ok = _mm512_mask_cmpeq_epi32_mask(ok, _mm512_maskz_loadu_epi32(in, a.kv_seq + jb + 16 * c),
+                                                      _mm512_set1_epi32(a.q_seq[t0 + t]));
                 m |= (uint64_t)ok << (16 * c);
             }
             tmask[t] = m;

@@ -39,6 +39,12 @@ struct AttnParams {
     bool causal = true;   // key visible only when kv_pos <= q_pos
     // Optional per query head: a logit every query also attends to, with no value (gpt-oss).
     const float* sinks = nullptr;
+    // Optional: sequence of each query and of each cell; a query sees only its sequence's cells.
+    const int32_t* q_seq = nullptr;
+    const int32_t* kv_seq = nullptr;
+    // > 0: the cells are cut into splits of this many, merged in order, whatever the batch, so a
+    // query's result does not depend on the others (a context serving several sequences).
+    int32_t split_cells = 0;
 };
 
 // Where the keys and values of the visible cells are: cells of kv_type (F16 or Q8_0), cell j
@@ -59,7 +65,8 @@ struct KvView {
 // out: [n_tok][n_head][hd_v] f32, token t at out + t * ld_out; must not overlap q.
 // A query that sees no cell (and no sink) gets zeros. scratch: flash_attn_scratch_bytes(...,
 // pool.size()) bytes, or null to allocate per call.
-size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads);
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads,
+                                int64_t n_kv = 0, int32_t split_cells = 0);
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,
                 const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out, void* scratch,
                 ThreadPool& pool);

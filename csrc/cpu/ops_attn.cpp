@@ -51,10 +51,18 @@ size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_spli
 
 }  // namespace
 
-size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads) {
+// Fixed splits (AttnParams::split_cells) apply to the calls of fewer tokens than a prompt
+// tile; a larger batch runs each query over the cells in one pass, also batch-independent.
+int64_t fixed_splits(int64_t n_tok, int64_t n_kv, int32_t split_cells) {
+    return n_tok < kPrefillMinTokens ? std::max<int64_t>(1, cdiv(n_kv, split_cells)) : 1;
+}
+
+size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads,
+                                int64_t n_kv, int32_t split_cells) {
     if (n_threads < 1) n_threads = 1;
-    return partial_bytes(n_tok, n_head, hd_v, max_splits(n_tok, n_threads)) +
-           (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v) + 64;
+    const int64_t splits = split_cells > 0 ? fixed_splits(n_tok, n_kv, split_cells) : max_splits(n_tok, n_threads);
+    return partial_bytes(n_tok, n_head, hd_v, splits) + (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v) +
+           64;
 }
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,
@@ -84,12 +92,15 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     // Below this many q.k multiply-adds waking the workers costs more than it saves.
     const bool small = n_tok * n_head * n_kv * hd_k < (1 << 16);
     int64_t n_split = 1;
-    if (n_tiles * n_head_kv < 4 * nth && !small) n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
-    const int64_t split_len = cdiv(std::max<int64_t>(n_kv, 1), n_split);
+    if (p.split_cells > 0)
+        n_split = fixed_splits(n_tok, n_kv, p.split_cells);
+    else if (n_tiles * n_head_kv < 4 * nth && !small)
+        n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
+    const int64_t split_len = p.split_cells > 0 ? (int64_t)p.split_cells : cdiv(std::max<int64_t>(n_kv, 1), n_split);
 
     std::vector<unsigned char> own;
     if (!scratch) {
-        own.resize(flash_attn_scratch_bytes(n_tok, n_head, hd_k, hd_v, nth));
+        own.resize(flash_attn_scratch_bytes(n_tok, n_head, hd_k, hd_v, nth, n_kv, p.split_cells));
         scratch = own.data();
     }
     unsigned char* base = (unsigned char*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
@@ -106,6 +117,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         a.k_cell_bytes = kv.k_cell_bytes, a.v_cell_bytes = kv.v_cell_bytes, a.rb_k = rb_k, a.rb_v = rb_v;
         a.n_kv = n_kv, a.q_pos = q_pos, a.kv_pos = kv_pos;
         a.scale = p.scale, a.softcap = p.softcap, a.window = p.window, a.causal = p.causal, a.sinks = p.sinks;
+        a.q_seq = p.q_seq, a.kv_seq = p.kv_seq;
         a.out = out, a.ld_out = ld_out;
         const int64_t tq = kPrefillRows / n_rep, n_ptiles = cdiv(n_tok, tq);
         // the last tiles first: under a causal mask they see the most cells
@@ -165,7 +177,8 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                 for (int64_t j = jb; j < je; j++) {
                     const int32_t kp = kv_pos[j];
                     const bool ok = kp >= 0 && (!causal || kp <= qp) &&
-                                    (window == 0 || (int64_t)qp - (int64_t)kp < (int64_t)window);
+                                    (window == 0 || (int64_t)qp - (int64_t)kp < (int64_t)window) &&
+                                    (!p.q_seq || p.kv_seq[j] == p.q_seq[t]);
                     if (ok) vis[nv++] = (int32_t)(j - jb);
                 }
                 if (nv == 0) continue;

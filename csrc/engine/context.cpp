@@ -20,6 +20,8 @@ ContextParams checked(const Model& m, ContextParams p) {
     if (p.n_ubatch <= 0) throw InvalidInput("n_ubatch must be positive, got " + std::to_string(p.n_ubatch));
     if (p.n_outputs < 0) throw InvalidInput("n_outputs must be >= 0, got " + std::to_string(p.n_outputs));
     if (p.n_copies < 1) throw InvalidInput("n_copies must be >= 1, got " + std::to_string(p.n_copies));
+    if (p.n_seq < 1 || p.n_seq > p.n_ctx)
+        throw InvalidInput("n_seq must be in [1, n_ctx], got " + std::to_string(p.n_seq));
     p.n_ubatch = std::min(p.n_ubatch, p.n_ctx);
     p.n_outputs = p.n_outputs == 0 ? p.n_ubatch : std::min(p.n_outputs, p.n_ubatch);
     const QTypeInfo* kv = qtype_info((uint32_t)p.kv_type);
@@ -96,6 +98,10 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
             t->data = storage->back().data();
         }
     }
+    if (kv.n_seq() > 1) {
+        in.q_seq = g.new_input("inp_seq", QType::I32, n_tok);
+        in.kv_seq = g.new_input("inp_kv_seq", QType::I32, n_kv);
+    }
     BuildContext c{g, model, kv, in, n_tok, n_kv, n_out};
     g.output = model.arch().build(c);
     schedule(g, model.backends());
@@ -106,7 +112,7 @@ KVLayout context_kv_layout(const Model& model, const ContextParams& p) { return 
 Projection project_memory(const Model& model, const ContextParams& params) {
     const ContextParams p = checked(model, params);
     const KVLayout layout = kv_layout(model, p);
-    KVCache kv(layout, model.backends(), /*allocate=*/false);
+    KVCache kv(layout, model.backends(), /*allocate=*/false, p.n_seq);
     Graph g;
     BuildInputs in;
     build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
@@ -122,11 +128,11 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
     // every tensor no larger), so nothing is allocated per token or per shape.
     Graph ref;
     BuildInputs in;
-    KVCache shape_only(kv_layout(model, params_), backends_, false);
+    KVCache shape_only(kv_layout(model, params_), backends_, false, params_.n_seq);
     build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
     pipeline_ = pipeline_mode(model, ref, params_.n_copies);
     plan_ = plan_compute(ref, backends_, pipeline_.n_copies);
-    kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true);
+    kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true, params_.n_seq);
     try {
         compute_ = allocate_compute(plan_, backends_);
     } catch (const OutOfDeviceMemory& e) {
@@ -143,7 +149,7 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
 std::string Context::check_plan_sound() const {
     Graph ref;
     BuildInputs in;
-    KVCache shape_only(kv_layout(model_, params_), backends_, false);
+    KVCache shape_only(kv_layout(model_, params_), backends_, false, params_.n_seq);
     build_scheduled_graph(model_, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
     return check_plan(ref, plan_);
 }
@@ -188,21 +194,22 @@ void Context::run(ShapeGraph& sg) {
     for (Backend* b : backends_) b->synchronize();
 }
 
-void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& pos, int64_t b0,
-                      int64_t nt, int64_t n_out, bool all_logits) {
-    const int64_t first_cell = kv_->n_used();
+void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
+                      const std::vector<int32_t>& pos, int64_t b0, int64_t nt, const std::vector<int32_t>& out) {
     int32_t* in_tok = (int32_t*)sg.in.tokens->data;
     int32_t* in_pos = (int32_t*)sg.in.pos->data;
-    int32_t* in_cells = (int32_t*)sg.in.cells->data;
     for (int64_t i = 0; i < nt; i++) {
         in_tok[i] = tokens[b0 + i];
         in_pos[i] = pos[b0 + i];
-        in_cells[i] = (int32_t)(first_cell + i);
     }
-    kv_->append(in_pos, nt);
-    std::copy(kv_->cell_pos().begin(), kv_->cell_pos().begin() + sg.in.kv_pos->ne[0], (int32_t*)sg.in.kv_pos->data);
+    const int64_t n_kv = sg.in.kv_pos->ne[0];
+    std::copy(kv_->cell_pos().begin(), kv_->cell_pos().begin() + n_kv, (int32_t*)sg.in.kv_pos->data);
+    if (sg.in.q_seq) {
+        std::copy(seqs.begin() + b0, seqs.begin() + b0 + nt, (int32_t*)sg.in.q_seq->data);
+        std::copy(kv_->cell_seq().begin(), kv_->cell_seq().begin() + n_kv, (int32_t*)sg.in.kv_seq->data);
+    }
     int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
-    for (int64_t i = 0; i < n_out; i++) out_ids[i] = (int32_t)(all_logits ? i : nt - 1);
+    for (int64_t i = 0; i < sg.in.out_ids->ne[0]; i++) out_ids[i] = out.empty() ? (int32_t)(nt - 1) : out[i];
     if (sg.in.head_ids) {
         int32_t* h = (int32_t*)sg.in.head_ids->view_src->data;
         const int64_t n_head = sg.in.head_ids->ne[0];
@@ -212,9 +219,22 @@ void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const 
 
 std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                                  bool all_logits) {
+    const int64_t n = (int64_t)tokens.size();
+    std::vector<int32_t> rows;
+    if (all_logits)
+        for (int64_t i = 0; i < n; i++) rows.push_back((int32_t)i);
+    else if (n > 0)
+        rows.push_back((int32_t)(n - 1));
+    return eval_batch(tokens, std::vector<int32_t>((size_t)n, 0), positions, rows);
+}
+
+std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
+                                       const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows) {
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t n = (int64_t)tokens.size();
     if (n == 0) throw InvalidInput("eval: no tokens");
+    if ((int64_t)seqs.size() != n)
+        throw InvalidInput("eval: " + std::to_string(seqs.size()) + " sequence ids for " + std::to_string(n) + " tokens");
     if (!positions.empty() && (int64_t)positions.size() != n)
         throw InvalidInput("eval: " + std::to_string(positions.size()) + " positions for " + std::to_string(n) +
                            " tokens");
@@ -223,57 +243,81 @@ std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::
                            " cached need " + std::to_string(kv_->n_used() + n) + " cells, but the context (n_ctx) is " +
                            std::to_string(params_.n_ctx));
     const int64_t n_vocab = model_.hp().n_vocab;
-    for (int64_t i = 0; i < n; i++)
+    for (int64_t i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= n_vocab)
             throw InvalidInput("eval: token id " + std::to_string(tokens[i]) + " at index " + std::to_string(i) +
                                " is outside the vocabulary [0, " + std::to_string(n_vocab) + ")");
+        if (seqs[i] < 0 || seqs[i] >= params_.n_seq)
+            throw InvalidInput("eval: sequence " + std::to_string(seqs[i]) + " at index " + std::to_string(i) +
+                               " is outside [0, n_seq=" + std::to_string(params_.n_seq) + ")");
+    }
+    for (size_t r = 0; r < out_rows.size(); r++)
+        if (out_rows[r] < 0 || out_rows[r] >= n || (r > 0 && out_rows[r] <= out_rows[r - 1]))
+            throw InvalidInput("eval: the rows whose logits are wanted must be ascending token indices in [0, " +
+                               std::to_string(n) + ")");
+    std::vector<int64_t> n_start(params_.n_seq);
+    for (int s = 0; s < params_.n_seq; s++) n_start[s] = kv_->n_used(s);
     std::vector<int32_t> pos(n);
-    for (int64_t i = 0; i < n; i++) pos[i] = positions.empty() ? (int32_t)(kv_->n_used() + i) : positions[i];
+    {
+        std::vector<int64_t> next(n_start);
+        for (int64_t i = 0; i < n; i++) pos[i] = positions.empty() ? (int32_t)next[seqs[i]]++ : positions[i];
+    }
 
-    // The micro-batches: [b0, b0 + nt), n_out rows of logits each (earlier micro-batches of a
-    // "last" request still select one row, which is discarded).
+    // The micro-batches: at most n_ubatch tokens and n_outputs wanted rows each; one that wants
+    // none still computes the last row's logits, which are discarded (the graph has one row).
     struct Micro {
-        int64_t b0, nt, n_out, n_kv;
+        int64_t b0, nt;
+        std::vector<int32_t> out;  // micro-batch relative
+        int64_t first_out;         // index in out_rows of its first wanted row
     };
     std::vector<Micro> micro;
-    const int64_t n_start = kv_->n_used();
-    const int64_t step = all_logits ? params_.n_outputs : params_.n_ubatch;
-    for (int64_t b0 = 0; b0 < n; b0 += step) {
-        const int64_t nt = std::min(step, n - b0);
-        const int64_t n_kv = std::min(params_.n_ctx, (n_start + b0 + nt + kKvBucket - 1) / kKvBucket * kKvBucket);
-        micro.push_back({b0, nt, all_logits ? nt : 1, n_kv});
+    size_t r = 0;
+    for (int64_t b0 = 0; b0 < n;) {
+        Micro m{b0, 0, {}, (int64_t)r};
+        while (b0 + m.nt < n && m.nt < params_.n_ubatch) {
+            const bool wanted = r < out_rows.size() && out_rows[r] == b0 + m.nt;
+            if (wanted && (int64_t)m.out.size() == params_.n_outputs) break;
+            if (wanted) m.out.push_back((int32_t)m.nt), r++;
+            m.nt++;
+        }
+        b0 += m.nt;
+        micro.push_back(std::move(m));
     }
-    std::vector<float> logits((all_logits ? n : 1) * n_vocab);
+    std::vector<float> logits(out_rows.size() * (size_t)n_vocab);
+    // Takes the micro-batch's cells, then the graph of its shape in copy slot `slot` (the KV range
+    // it looks at is the cells in use, in buckets), and fills its inputs.
+    std::vector<int32_t> cells(n);
+    auto start = [&](int i, int slot) -> ShapeGraph& {
+        const Micro& m = micro[i];
+        kv_->take(pos.data() + m.b0, seqs.data() + m.b0, m.nt, cells.data() + m.b0);
+        const int64_t n_kv = std::min(params_.n_ctx, (kv_->span() + kKvBucket - 1) / kKvBucket * kKvBucket);
+        ShapeGraph& sg = graph_for(m.nt, n_kv, std::max<int64_t>(1, (int64_t)m.out.size()), slot);
+        std::copy(cells.begin() + m.b0, cells.begin() + m.b0 + m.nt, (int32_t*)sg.in.cells->data);
+        prepare(sg, tokens, seqs, pos, m.b0, m.nt, m.out);
+        return sg;
+    };
     auto copy_logits = [&](int i, const Graph& g) {
+        const Micro& m = micro[i];
+        if (m.out.empty()) return;
         const Tensor* out = g.output;
-        if (all_logits)
-            backends_[out->device]->copy_to_host(*out, logits.data() + micro[i].b0 * n_vocab, out->nbytes());
-        else if (i + 1 == (int)micro.size())
-            backends_[out->device]->copy_to_host(*out, logits.data(), out->nbytes());
+        backends_[out->device]->copy_to_host(*out, logits.data() + m.first_out * n_vocab,
+                                             m.out.size() * (size_t)n_vocab * sizeof(float));
     };
     try {
         if (pipeline_.n_copies > 1 && micro.size() > 1) {
             const int slots = pipeline_.n_copies;
             run_pipeline(
-                (int)micro.size(), slots, backends_,
-                [&](int i) {
-                    const Micro& m = micro[i];
-                    ShapeGraph& sg = graph_for(m.nt, m.n_kv, m.n_out, i % slots);
-                    prepare(sg, tokens, pos, m.b0, m.nt, m.n_out, all_logits);
-                    return &sg.g;
-                },
+                (int)micro.size(), slots, backends_, [&](int i) { return &start(i, i % slots).g; },
                 [&](const Graph&, const Split& s) { run_split(s, false); }, copy_logits, &stats_);
         } else {
             for (int i = 0; i < (int)micro.size(); i++) {
-                const Micro& m = micro[i];
-                ShapeGraph& sg = graph_for(m.nt, m.n_kv, m.n_out, 0);
-                prepare(sg, tokens, pos, m.b0, m.nt, m.n_out, all_logits);
+                ShapeGraph& sg = start(i, 0);
                 run(sg);
                 copy_logits(i, sg.g);
             }
         }
     } catch (...) {
-        kv_->truncate(n_start);  // leave the cache as it was
+        for (int s = 0; s < params_.n_seq; s++) kv_->truncate(s, n_start[s]);  // leave the cache as it was
         throw;
     }
     return logits;

@@ -28,6 +28,9 @@ struct ContextParams {
     // Copies of the tensors that cross devices, one per micro-batch in flight (pipeline
     // parallelism, engine/pipeline.h); 1: the devices take turns.
     int n_copies = 4;
+    // Independent sequences sharing the n_ctx cells (a server's slots); each token of a batch
+    // names its sequence.
+    int n_seq = 1;
 };
 
 // Whether a context pipelines its micro-batches over the devices, and why not when it does not.
@@ -56,20 +59,28 @@ class Context {
 public:
     Context(Model& model, const ContextParams& p);
 
-    // Evaluates tokens (positions default to n_past, n_past+1, ...), appending them to the KV
-    // cache in micro-batches of n_ubatch. Returns logits row-major [rows][n_vocab]: every token's
-    // when all_logits, else the last token's.
+    // Evaluates tokens of sequence 0 (positions default to n_past, n_past+1, ...), appending them
+    // to the KV cache in micro-batches of n_ubatch. Returns logits row-major [rows][n_vocab]:
+    // every token's when all_logits, else the last token's.
     std::vector<float> eval(const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions,
                             bool all_logits);
-    void kv_truncate(int64_t n) {
+    // The general form: token i belongs to sequence seqs[i] (positions default to each sequence's
+    // length, then on), and the logits of the tokens listed in out_rows (ascending) come back in
+    // that order. On any error every sequence is left as it was.
+    std::vector<float> eval_batch(const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
+                                  const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows);
+    void kv_truncate(int64_t n, int seq = 0) {
         std::lock_guard<std::mutex> lock(mu_);
-        kv_->truncate(n);
+        kv_->truncate(seq, n);
     }
-    void clear() {
+    void clear(int seq = -1) {  // -1: every sequence
         std::lock_guard<std::mutex> lock(mu_);
-        kv_->clear();
+        if (seq < 0) kv_->clear_all();
+        else kv_->clear(seq);
     }
-    int64_t n_past() const { return kv_->n_used(); }
+    int64_t n_past(int seq = 0) const { return kv_->n_used(seq); }
+    int64_t n_cells_used() const { return kv_->n_used(); }
+    int n_seq() const { return params_.n_seq; }
     // The bytes of layer il's K (v=false) or V cache for the cells in use, read back to the host.
     std::vector<uint8_t> kv_bytes(int il, bool v) const;
     int64_t n_ctx() const { return params_.n_ctx; }
@@ -92,9 +103,10 @@ private:
         std::vector<std::vector<int32_t>> input_storage;
     };
     ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot);
-    // Fills sg's inputs for the tokens [b0, b0 + nt) and takes their KV cells.
-    void prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& pos, int64_t b0,
-                 int64_t nt, int64_t n_out, bool all_logits);
+    // Fills sg's inputs for the tokens [b0, b0 + nt) (out: the rows of them whose logits are
+    // wanted, micro-batch relative) and takes their KV cells.
+    void prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
+                 const std::vector<int32_t>& pos, int64_t b0, int64_t nt, const std::vector<int32_t>& out);
     void run_split(const Split& s, bool pull_peers);
     void run(ShapeGraph& sg);
 

@@ -236,8 +236,12 @@ Tensor* store_kv(Graph& g, Tensor* x, Tensor* cache, Tensor* cells) {
     return t;
 }
 
-Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Tensor* kv_pos, Tensor* k_stored,
+Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& mask, Tensor* k_stored,
                    Tensor* v_stored, float scale, float softcap, int32_t window, Tensor* sinks) {
+    Tensor *q_pos = mask.q_pos, *kv_pos = mask.kv_pos;
+    check(!mask.q_seq == !mask.kv_seq && (!mask.q_seq || (mask.q_seq->ne[0] == q->ne[2] &&
+                                                          mask.kv_seq->ne[0] == kv_pos->ne[0])),
+          "flash_attn", q, "sequence ids: one per query and one per cell, or none");
     const int64_t n_head_kv = k->ne[0] / q->ne[0];
     check(n_head_kv >= 1 && k->ne[0] % q->ne[0] == 0 && q->ne[1] % n_head_kv == 0, "flash_attn", q,
           "query heads not a multiple of KV heads");
@@ -248,9 +252,9 @@ Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Ten
     Tensor* t = g.new_tensor("flash_attn", QType::F32, v->ne[0] / n_head_kv * q->ne[1], q->ne[2]);
     t->op = Op::FLASH_ATTN;
     t->src[0] = q, t->src[1] = k, t->src[2] = v, t->src[3] = q_pos, t->src[4] = kv_pos;
-    t->src[5] = k_stored, t->src[6] = v_stored, t->src[7] = sinks;
+    t->src[5] = k_stored, t->src[6] = v_stored, t->src[7] = sinks, t->src[8] = mask.q_seq, t->src[9] = mask.kv_seq;
     t->fparams[0] = scale, t->fparams[1] = softcap;
-    t->iparams[0] = window;
+    t->iparams[0] = window, t->iparams[1] = mask.split_cells;
     g.add_node(t);
     return t;
 }

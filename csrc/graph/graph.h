@@ -72,7 +72,17 @@ Tensor* swiglu_oai(Graph& g, Tensor* gate, Tensor* up, float alpha, float limit)
 // x [d, k, n] + the bias column of each slot's expert: bias [d, n_expert], ids [k, n].
 Tensor* add_id(Graph& g, Tensor* x, Tensor* bias, Tensor* ids);
 Tensor* store_kv(Graph& g, Tensor* x, Tensor* cache, Tensor* cells);
-Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, Tensor* q_pos, Tensor* kv_pos, Tensor* k_stored,
+// Which cells a query sees: positions (causal, window) and, with several sequences, the sequence
+// of each query and cell; split_cells > 0 cuts the cells into fixed splits so a query's result
+// does not depend on the other queries of the batch (contexts with several sequences).
+struct AttnMask {
+    Tensor* q_pos = nullptr;
+    Tensor* kv_pos = nullptr;
+    Tensor* q_seq = nullptr;
+    Tensor* kv_seq = nullptr;
+    int32_t split_cells = 0;
+};
+Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& mask, Tensor* k_stored,
                    Tensor* v_stored, float scale, float softcap, int32_t window, Tensor* sinks = nullptr);
 Tensor* swiglu(Graph& g, Tensor* gate, Tensor* up);
 Tensor* geglu(Graph& g, Tensor* gate, Tensor* up);

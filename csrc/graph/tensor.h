@@ -30,8 +30,10 @@ enum class Op : uint8_t {
     STORE_KV,    // src0 F32 [head_dim, n_head_kv, n] into cache src1 at cells src2 (I32 [n]); output is an ordering token
     FLASH_ATTN,  // src0 q [head_dim_k, n_head, n], src1 k cache view, src2 v cache view (rows of
                  // head_dim_v per KV head, any row stride), src3 q_pos, src4 kv_pos, src5/src6 the STORE_KV
-                 // tokens it must follow, src7 optional sinks F32 [n_head]; f[0] scale, f[1] softcap,
-                 // i[0] window -> [head_dim_v * n_head, n]
+                 // tokens it must follow, src7 optional sinks F32 [n_head], src8/src9 optional
+                 // sequence ids of the queries I32 [n] and of the cells I32 [n_kv] (a query sees only
+                 // its own sequence's cells); f[0] scale, f[1] softcap, i[0] window, i[1] cells per
+                 // KV split (0: as the kernel likes) -> [head_dim_v * n_head, n]
     SWIGLU,      // silu(src0) * src1
     GEGLU,       // gelu_tanh(src0) * src1
     COPY,        // src0 lives on another device; out is its copy on this node's device
@@ -60,7 +62,7 @@ enum class TensorRole : uint8_t {
     INPUT,    // graph input (token ids, positions, KV cells), host memory
 };
 
-constexpr int kMaxSrc = 8;
+constexpr int kMaxSrc = 10;
 constexpr int kHostDevice = -1;
 
 struct Tensor {

@@ -1,5 +1,9 @@
 #include "kv/kv_cache.h"
 
+#include <algorithm>
+#include <functional>
+#include <string>
+
 #include "error.h"
 
 namespace stowlm {
@@ -33,7 +37,9 @@ std::vector<size_t> kv_bytes_per_device(const KVLayout& l, size_t n_devices) {
     return bytes;
 }
 
-KVCache::KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, bool allocate) : layout_(layout) {
+KVCache::KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, bool allocate, int n_seq)
+    : layout_(layout) {
+    if (n_seq < 1) throw InvalidInput("KV cache: n_seq must be >= 1");
     const size_t n_layer = layout.layer_device.size();
     device_bytes_ = kv_bytes_per_device(layout, backends.size());
     buffers_.resize(backends.size());
@@ -61,24 +67,63 @@ KVCache::KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, 
             offset[dev] += tensor_bytes(t.type, t.ne[0], layout.n_ctx);
         }
     }
-    cell_pos_.assign(layout.n_ctx, -1);
+    seq_cells_.resize(n_seq);
+    clear_all();
 }
 
-int64_t KVCache::append(const int32_t* pos, int64_t n) {
-    if (n_used_ + n > layout_.n_ctx)
-        throw InvalidInput("KV cache: " + std::to_string(n_used_ + n) + " tokens exceed the context of " +
+void KVCache::clear_all() {
+    cell_pos_.assign(layout_.n_ctx, -1);
+    cell_seq_.assign(layout_.n_ctx, -1);
+    for (auto& c : seq_cells_) c.clear();
+    free_.resize(layout_.n_ctx);
+    for (int64_t j = 0; j < layout_.n_ctx; j++) free_[j] = (int32_t)j;  // sorted: already a min-heap
+    n_cells_used_ = 0;
+}
+
+int64_t KVCache::span() const {
+    int64_t s = 0;
+    for (const auto& c : seq_cells_)
+        for (int32_t j : c) s = std::max<int64_t>(s, j + 1);
+    return s;
+}
+
+void KVCache::take(const int32_t* pos, const int32_t* seq, int64_t n, int32_t* cells) {
+    if (n_cells_used_ + n > layout_.n_ctx)
+        throw InvalidInput("KV cache: " + std::to_string(n_cells_used_ + n) + " tokens exceed the context of " +
                            std::to_string(layout_.n_ctx));
-    const int64_t first = n_used_;
-    for (int64_t i = 0; i < n; i++) cell_pos_[first + i] = pos[i];
-    n_used_ += n;
-    return first;
+    for (int64_t i = 0; i < n; i++)
+        if (seq[i] < 0 || seq[i] >= n_seq())
+            throw InvalidInput("KV cache: sequence " + std::to_string(seq[i]) + " is outside [0, " +
+                               std::to_string(n_seq()) + ")");
+    const auto lowest_first = std::greater<int32_t>();
+    for (int64_t i = 0; i < n; i++) {
+        std::pop_heap(free_.begin(), free_.end(), lowest_first);
+        const int32_t j = free_.back();
+        free_.pop_back();
+        cell_pos_[j] = pos[i];
+        cell_seq_[j] = seq[i];
+        seq_cells_[seq[i]].push_back(j);
+        cells[i] = j;
+    }
+    n_cells_used_ += n;
 }
 
-void KVCache::truncate(int64_t n) {
-    if (n < 0 || n > n_used_)
-        throw InvalidInput("kv_truncate: n=" + std::to_string(n) + " is outside [0, " + std::to_string(n_used_) + "]");
-    for (int64_t j = n; j < n_used_; j++) cell_pos_[j] = -1;
-    n_used_ = n;
+void KVCache::truncate(int seq, int64_t n) {
+    if (seq < 0 || seq >= n_seq())
+        throw InvalidInput("kv_truncate: sequence " + std::to_string(seq) + " is outside [0, " + std::to_string(n_seq()) +
+                           ")");
+    std::vector<int32_t>& c = seq_cells_[seq];
+    if (n < 0 || n > (int64_t)c.size())
+        throw InvalidInput("kv_truncate: n=" + std::to_string(n) + " is outside [0, " + std::to_string(c.size()) + "]");
+    const auto lowest_first = std::greater<int32_t>();
+    for (size_t i = (size_t)n; i < c.size(); i++) {
+        cell_pos_[c[i]] = -1;
+        cell_seq_[c[i]] = -1;
+        free_.push_back(c[i]);
+        std::push_heap(free_.begin(), free_.end(), lowest_first);
+    }
+    n_cells_used_ -= (int64_t)c.size() - n;
+    c.resize((size_t)n);
 }
 
 }  // namespace stowlm

@@ -1,8 +1,10 @@
 // The KV cache: per layer, a K and a V tensor of n_ctx cells on that layer's device, F16 by
-// default (Q8_0 option). Cells are filled in order; cell_pos[j] is the position cell j holds
-// (-1: empty), and flash attention masks with it (causal, and the window of sliding-window
-// layers, which keep a full-size cache for now). Truncating to n tokens empties the cells from
-// n on, so the next eval continues from that prefix.
+// default (Q8_0 option). The cells are shared by up to n_seq independent sequences: a new
+// token takes the lowest free cell; cell_pos[j] / cell_seq[j] are the position and sequence
+// cell j holds (-1: empty), and flash attention masks with them (same sequence, causal, and the
+// window of sliding-window layers, which keep a full-size cache for now). Truncating a
+// sequence to its first n tokens frees the cells of the rest, so the next eval continues from
+// that prefix; a finished sequence frees all of its cells at once.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -31,27 +33,35 @@ QType parse_kv_type(const std::string& name);  // "f16" | "q8_0"; InvalidInput o
 class KVCache {
 public:
     // allocate=false: tensors carry shapes and devices only (for planning).
-    KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, bool allocate);
+    KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, bool allocate, int n_seq = 1);
 
     Tensor* k(int layer) { return &k_[layer]; }
     Tensor* v(int layer) { return &v_[layer]; }
     int64_t n_ctx() const { return layout_.n_ctx; }
-    int64_t n_used() const { return n_used_; }
+    int64_t n_used() const { return n_cells_used_; }            // cells in use, every sequence
+    int64_t n_used(int seq) const { return (int64_t)seq_cells_.at(seq).size(); }  // tokens of one sequence
+    int64_t span() const;  // the highest cell in use + 1: attention looks at cells [0, span)
+    int n_seq() const { return (int)seq_cells_.size(); }
     const std::vector<int32_t>& cell_pos() const { return cell_pos_; }
+    const std::vector<int32_t>& cell_seq() const { return cell_seq_; }
+    const std::vector<int32_t>& cells_of(int seq) const { return seq_cells_.at(seq); }  // in the order taken
     const std::vector<size_t>& device_bytes() const { return device_bytes_; }
 
-    // Takes the next n cells for tokens at `pos`; returns the first cell.
-    int64_t append(const int32_t* pos, int64_t n);
-    void truncate(int64_t n);  // keep the first n cells
-    void clear() { truncate(0); }
+    // Takes a free cell for each of n tokens (sequence seq[i], position pos[i]); writes them to cells.
+    void take(const int32_t* pos, const int32_t* seq, int64_t n, int32_t* cells);
+    void truncate(int seq, int64_t n);  // keep the first n tokens of a sequence
+    void clear(int seq) { truncate(seq, 0); }
+    void clear_all();
 
 private:
     KVLayout layout_;
     std::vector<Tensor> k_, v_;
     std::vector<BufferPtr> buffers_;  // one per device
     std::vector<size_t> device_bytes_;
-    std::vector<int32_t> cell_pos_;
-    int64_t n_used_ = 0;
+    std::vector<int32_t> cell_pos_, cell_seq_;
+    std::vector<std::vector<int32_t>> seq_cells_;
+    std::vector<int32_t> free_;  // free cells, a min-heap: the lowest is taken first
+    int64_t n_cells_used_ = 0;
 };
 
 }  // namespace stowlm

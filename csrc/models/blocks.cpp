@@ -113,6 +113,14 @@ RopeSpec rope_spec(const HParams& hp, bool swa) {
     return r;
 }
 
+AttnMask attn_mask(const BuildContext& c) {
+    AttnMask m;
+    m.q_pos = c.in.pos, m.kv_pos = c.in.kv_pos, m.q_seq = c.in.q_seq, m.kv_seq = c.in.kv_seq;
+    // Several sequences: fixed KV splits, so a token's attention is the same in any batch.
+    m.split_cells = c.in.q_seq ? 512 : 0;
+    return m;
+}
+
 Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
     const LayerWeights& w = c.model.layers()[il];
@@ -141,7 +149,7 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* k_cells = view_rows(g, c.kv.k(il), c.n_kv);
     Tensor* v_cells = view_rows(g, c.kv.v(il), c.n_kv);
     const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
-    Tensor* a = named(flash_attn(g, q, k_cells, v_cells, c.in.pos, c.in.kv_pos, k_stored, v_stored, kq_scale,
+    Tensor* a = named(flash_attn(g, q, k_cells, v_cells, attn_mask(c), k_stored, v_stored, kq_scale,
                                  hp.attn_softcap, swa ? hp.sliding_window : 0, w.attn_sinks),
                       il, "attn");
     Tensor* o = named(mul_mat(g, w.wo, a), il, "attn_out");

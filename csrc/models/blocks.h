@@ -9,6 +9,8 @@ namespace stowlm {
 Tensor* build_embedding(BuildContext& c);
 // How this model rotates (its RoPE base/scale, the sliding-window layers' own, YaRN).
 RopeSpec rope_spec(const HParams& hp, bool swa);
+// Which cached cells the micro-batch's tokens see (positions; sequences when there are several).
+AttnMask attn_mask(const BuildContext& c);
 // x: the normed hidden state [n_embd, n_tok]. Returns the attention output [n_embd, n_tok].
 Tensor* build_attention(BuildContext& c, int il, Tensor* x);
 enum class FfnAct { SILU, GELU };

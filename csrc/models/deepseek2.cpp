@@ -100,7 +100,7 @@ Tensor* build_mla_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* stored = nm(store_kv(g, K, c.kv.k(il), c.in.cells), "kv_store");
     Tensor* k_cells = view_rows(g, c.kv.k(il), c.n_kv);
     Tensor* v_cells = view_cols(g, k_cells, L, 0);
-    Tensor* a = nm(flash_attn(g, Q, k_cells, v_cells, c.in.pos, c.in.kv_pos, stored, stored, hp.attn_scale, 0.0f, 0),
+    Tensor* a = nm(flash_attn(g, Q, k_cells, v_cells, attn_mask(c), stored, stored, hp.attn_scale, 0.0f, 0),
                    "attn");
     // Back out of the compressed space, per head: [dv, H, n].
     Tensor* o = nm(mul_mat_id(g, w.wv_b, reshape(g, a, L, H, n), c.in.head_ids), "attn_v");

@@ -80,6 +80,9 @@ struct BuildInputs {
     Tensor* kv_pos = nullptr;   // I32 [n_kv]: position per visible cell (-1 empty)
     Tensor* out_ids = nullptr;  // I32 [n_out]: rows whose logits are wanted
     Tensor* head_ids = nullptr; // I32 [n_head, n_tok]: 0..n_head-1 per token (per-head products; MLA only)
+    // With several sequences in the cache: the sequence of each token and of each visible cell.
+    Tensor* q_seq = nullptr;    // I32 [n_tok]
+    Tensor* kv_seq = nullptr;   // I32 [n_kv]
 };
 
 struct BuildContext {
