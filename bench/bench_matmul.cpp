@@ -35,7 +35,7 @@ static std::vector<std::string> split(const std::string& s) {
     return v;
 }
 
-// Random blocks with sane fp16 scales (random bytes elsewhere): timing does not depend on values.
+// Random blocks with sane scales (random bytes elsewhere): timing does not depend on values.
 static std::vector<uint8_t> make_weights(QType t, int64_t rows, int64_t cols) {
     const QTypeInfo& info = qtype_checked((uint32_t)t);
     const size_t nb = rows * cols / info.block_elems;
@@ -48,11 +48,17 @@ static std::vector<uint8_t> make_weights(QType t, int64_t rows, int64_t cols) {
         case QType::Q6_K: f16_fields = {208}; break;
         case QType::Q2_K: f16_fields = {80, 82}; break;
         case QType::Q3_K: f16_fields = {108}; break;
+        case QType::MXFP4: case QType::IQ1_M: break;  // below
         default: f16_fields = {0};
     }
     const uint16_t h = f32_to_fp16(0.01f);
-    for (size_t i = 0; i < nb; i++)
-        for (int off : f16_fields) memcpy(&w[i * info.block_bytes + off], &h, 2);
+    for (size_t i = 0; i < nb; i++) {
+        uint8_t* blk = &w[i * info.block_bytes];
+        for (int off : f16_fields) memcpy(blk + off, &h, 2);
+        if (t == QType::MXFP4) blk[0] = 121;  // E8M0 exponent: scale 2^-7
+        if (t == QType::IQ1_M)  // the fp16 scale in the top nibbles of the four scale words
+            for (int k = 0; k < 4; k++) blk[49 + 2 * k] = (uint8_t)((blk[49 + 2 * k] & 0x0F) | (((h >> (4 * k)) & 0xF) << 4));
+    }
     return w;
 }
 
@@ -90,7 +96,7 @@ int main(int argc, char** argv) {
     printf("# %lld x %lld weights; peaks: VNNI %.2f TOPS, AMX %.1f TOPS (2 threads)\n", (long long)rows,
            (long long)cols, peak_vnni, peak_amx);
     printf("# left: wall clock; right: per-thread CPU time (what a dedicated core would give)\n");
-    printf("%-6s %-7s %4s %5s %9s %8s %7s %7s | %9s %8s %7s %7s\n", "type", "isa", "thr", "n_tok", "ms/call", "GOP/s",
+    printf("%-7s %-7s %4s %5s %9s %8s %7s %7s | %9s %8s %7s %7s\n", "type", "isa", "thr", "n_tok", "ms/call", "GOP/s",
            "GB/s", "%peak", "cpu-ms", "GOP/s", "GB/s", "%peak");
     for (auto& [tn, t] : names) {
         std::vector<uint8_t> w = make_weights(t, rows, cols);
@@ -137,7 +143,7 @@ int main(int argc, char** argv) {
                     const double gops_c = 2.0 * rows * cols * n_tok / cper / 1e9;
                     const double gbs_c = (double)w.size() / cper / 1e9;
                     const double peak = (isa_s == "amx" ? peak_amx : peak_vnni) * 1000 * nth / 2;
-                    printf("%-6s %-7s %4d %5lld %9.3f %8.1f %7.1f %6.1f%% | %9.3f %8.1f %7.1f %6.1f%%\n", tn.c_str(),
+                    printf("%-7s %-7s %4d %5lld %9.3f %8.1f %7.1f %6.1f%% | %9.3f %8.1f %7.1f %6.1f%%\n", tn.c_str(),
                            isa_s.c_str(), nth, (long long)n_tok, per * 1e3, gops, gbs, 100 * gops / peak, cper * 1e3,
                            gops_c, gbs_c, 100 * gops_c / peak);
                     fflush(stdout);

@@ -19,11 +19,13 @@ from gguf.quants import dequantize  # noqa: E402
 from stowlm import ops  # noqa: E402
 
 T = gguf.GGMLQuantizationType
+# The grid i-quants and MXFP4 (weights of IQ1/IQ2/IQ3 and gpt-oss models).
+NEW_TYPES = ["MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 TYPES = ["F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-         "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"]
+         "Q6_K", "Q8_K", "IQ4_NL", "IQ4_XS"] + NEW_TYPES
 # Weight types whose activations are rounded per 32 values (llama.cpp's Q8_0 for them); every
 # other quantized type is rounded per 256 (llama.cpp's Q8_K).
-ACT32_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL"}
+ACT32_TYPES = {"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4"}
 ISAS = ["scalar", "avx2", "avx512", "amx"]
 # (rows, cols, n_tok): rows that no tile divides, several token counts, both column sizes;
 # 96, 288 and 320 columns (32-element formats only: 3, 9 and 10 blocks) hit the single-block
@@ -34,10 +36,29 @@ SHAPES = [(1, 256, 1), (7, 512, 2), (33, 256, 3), (131, 512, 8), (33, 512, 17), 
           (5, 288, 3), (9, 96, 40), (64, 512, 1), (13, 320, 1), (6, 320, 5)]
 
 # Byte offsets of the fp16 scale fields within a block, set to sane values in random blocks
-# (random bytes elsewhere exercise every bit pattern of the quants and sub-scales).
+# (random bytes elsewhere exercise every bit pattern of the quants and sub-scales). MXFP4's
+# one-byte exponent and IQ1_M's scale (top nibbles of its four scale words) are set apart.
 F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
               "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208],
-              "IQ4_XS": [0]}
+              "IQ4_XS": [0], "IQ2_XXS": [0], "IQ2_XS": [0], "IQ2_S": [0], "IQ3_XXS": [0], "IQ3_S": [0],
+              "IQ1_S": [0], "IQ1_M": [], "MXFP4": []}
+
+
+def set_scales(blocks, name, rng):
+    """Sane scales in random blocks: signed fp16 d (the min, where present, positive as quantizers
+    make it), MXFP4 exponents for scales 2^-10..2^-5."""
+    nb = len(blocks)
+    for k, off in enumerate(F16_FIELDS[name]):
+        v = rng.uniform(0.002, 0.02, nb) * (rng.choice([-1, 1], nb) if k == 0 else 1)
+        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    if name == "MXFP4":
+        blocks[:, 0] = rng.integers(118, 124, nb)
+    if name == "IQ1_M":
+        h = (rng.uniform(0.002, 0.02, nb) * rng.choice([-1, 1], nb)).astype(np.float16).view(np.uint16)
+        words = blocks[:, 48:56].copy().view(np.uint16)
+        for k in range(4):
+            words[:, k] = (words[:, k] & 0x0FFF) | (((h >> (4 * k)) & 0xF) << 12)
+        blocks[:, 48:56] = words.view(np.uint8)
 
 
 def make_weights(name, rows, cols, rng):
@@ -59,20 +80,17 @@ def make_weights(name, rows, cols, rng):
         d = blocks[:, 0:4].copy().view(np.float32)
         q = blocks[:, 4:260].view(np.int8).astype(np.float64)
         return blocks.reshape(rows, -1), (d.astype(np.float64) * q).reshape(rows, cols)
-    for k, off in enumerate(F16_FIELDS[name]):
-        # signed scale; the min field (second, where present) positive as quantizers make it
-        v = rng.uniform(0.002, 0.02, nb) * (rng.choice([-1, 1], nb) if k == 0 else 1)
-        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    set_scales(blocks, name, rng)
     raw = blocks.reshape(rows, -1)
     ref = dequantize(raw, T[name]).astype(np.float64).reshape(rows, cols)
     return raw, ref
 
 
 def quantize_act32(x):
-    """The activations as every quantized path rounds them: per 32 elements, scale
-    d = max|x| / 127 (float32), q = round(x / d) to the nearest integer; returns d * q in float64
-    and, per element, the size of one step where x / d lies on a rounding tie (SIMD rounds
-    ties to even, the scalar path away from zero)."""
+    """The activations as the paths of the 32-element formats round them (llama.cpp's Q8_0):
+    per 32 elements, scale d = max|x| / 127 (float32), q = round(x / d) to the nearest integer;
+    returns d * q in float64 and, per element, the size of one step where x / d lies on a rounding
+    tie (SIMD rounds ties to even, the scalar path away from zero)."""
     n, cols = x.shape
     xb = x.astype(np.float32).reshape(n, cols // 32, 32)
     d = (np.abs(xb).max(axis=2, keepdims=True) / np.float32(127)).astype(np.float32)
@@ -112,7 +130,7 @@ def check(name, y, ref_w, x):
         xq, tie = quantize_act32(x)
         ref, slack = xq @ ref_w.T, tie @ np.abs(ref_w).T
     else:
-        # The K formats and IQ4_XS: Q8_K activations, one scale per 256, ties to
+        # The K formats and the 256-element i-quants: Q8_K activations, one scale per 256, ties to
         # even on every path, so exactly these rounded activations (up to float32 accumulation).
         ref, slack = quantize_act_q8_K(x)[2] @ ref_w.T, 0.0
     bound = 1e-5 * mag + slack + 1e-30
@@ -176,7 +194,7 @@ def test_token_result_independent_of_batch(isa, restore_isa):
         pytest.skip(f"this CPU/OS cannot run the {isa} path")
     ops.set_isa(isa)
     rng = np.random.default_rng(5)
-    for name in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"]:
+    for name in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"] + NEW_TYPES:
         raw, _ = weights(name, 131, 512)
         x = rng.standard_normal((7, 512)).astype(np.float32)
         batch = ops.matmul(raw, name, x)
@@ -194,7 +212,7 @@ def test_batch_result_independent_of_position(isa, restore_isa):
         pytest.skip(f"this CPU/OS cannot run the {isa} path")
     ops.set_isa(isa)
     rng = np.random.default_rng(11)
-    for name in ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K", "IQ4_XS"]:
+    for name in ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q2_K", "Q4_K", "Q6_K", "IQ4_XS"] + NEW_TYPES:
         raw, _ = weights(name, 131, 512)
         x = with_outliers(rng.standard_normal((45, 512)).astype(np.float32), rng)
         y = ops.matmul(raw, name, x)
@@ -203,10 +221,11 @@ def test_batch_result_independent_of_position(isa, restore_isa):
         np.testing.assert_array_equal(ops.matmul(raw, name, x[:29]), y[:29], err_msg=name)
 
 
-# Groups as a decoder layer has them (q/k/v, gate/up), plus one mixing activation formats
-# (Q8_0 with Q4_K: the one-at-a-time fallback).
+# Groups as a decoder layer has them (q/k/v, gate/up), plus ones mixing activation formats
+# (Q8_0 with Q4_K, MXFP4 with IQ2_XXS: the one-at-a-time fallback).
 MULTI_GROUPS = [[("Q4_1", 131), ("Q4_1", 33), ("Q4_1", 7)], [("Q4_K", 33), ("Q6_K", 131)],
-                [("Q8_0", 33), ("Q4_K", 7)], [("Q5_0", 9), ("Q8_0", 33), ("Q5_0", 1), ("Q4_0", 131)]]
+                [("Q8_0", 33), ("Q4_K", 7)], [("Q5_0", 9), ("Q8_0", 33), ("Q5_0", 1), ("Q4_0", 131)],
+                [("IQ2_XXS", 33), ("IQ3_S", 131), ("IQ1_M", 7)], [("MXFP4", 33), ("IQ2_XXS", 7)]]
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -232,7 +251,7 @@ def test_matmul_multi_equals_single(group, isa, restore_isa):
                 np.testing.assert_array_equal(y, ops.matmul(raw, name, x, threads=threads))
 
 
-@pytest.mark.parametrize("name", ["Q4_K", "Q6_K", "Q8_0", "Q4_1"])
+@pytest.mark.parametrize("name", ["Q4_K", "IQ2_XXS", "Q8_0", "MXFP4"])
 def test_activation_quantization_matches_llama_cpp_on_every_isa(name, restore_isa):
     """The activation bytes matmul makes: for the 256-element formats exactly llama.cpp's Q8_K
     (per 256 values one scale, the same for all eight 32-groups of block_q8_K32, and the sums of
@@ -315,6 +334,11 @@ def test_matmul_errors():
     with pytest.raises(ValueError, match="multiple"):
         kraw, _ = weights("Q4_K", 7, 512)
         ops.matmul(kraw.reshape(-1)[:7 * 144], "Q4_K", np.zeros((2, 224), np.float32), rows=7, cols=224)
+    iraw, _ = weights("IQ2_XXS", 7, 512)
+    with pytest.raises(ValueError, match="not a positive multiple of the IQ2_XXS block size 256"):
+        ops.matmul(iraw.reshape(-1)[:7 * 66], "IQ2_XXS", np.zeros((2, 224), np.float32), rows=7, cols=224)
+    with pytest.raises(ValueError, match="IQ1_M"):
+        _core_ops().quantize_act_raw(np.zeros((1, 100), np.float32), int(T["IQ1_M"]))
     with pytest.raises(ValueError, match="float32"):
         ops.matmul(raw, "Q4_0", x.astype(np.float64))
     with pytest.raises(ValueError, match="uint8"):

@@ -5,12 +5,12 @@ import zlib
 import numpy as np
 import pytest
 
-from test_matmul import check as check_dense, make_weights
+from test_matmul import NEW_TYPES, check as check_dense, make_weights
 
 gguf = pytest.importorskip("gguf")
 from stowlm import ops  # noqa: E402
 
-TYPES = ["F32", "Q4_0", "Q8_0", "Q4_K", "Q6_K"]
+TYPES = ["F32", "Q4_0", "Q8_0", "Q4_K", "Q6_K"] + NEW_TYPES
 ISAS = ["scalar", "avx2", "avx512", "amx"]
 N_EXPERT, ROWS, COLS = 6, 20, 256
 
@@ -90,7 +90,7 @@ def test_mul_mat_id_permutation_and_dense(name):
         np.testing.assert_allclose(y[t, j], dense, rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "F32"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "F32", "MXFP4", "IQ2_XXS"])
 def test_mul_mat_id_every_batch_size(name):
     """n_tok = 1..67 with k = 1..n_expert in turn, against the float64 products all at once."""
     raw, ref_w = experts(name)

@@ -48,7 +48,8 @@ bool type_supported(QType t) {
         case QType::F32: case QType::F16: case QType::BF16: case QType::Q4_0: case QType::Q4_1:
         case QType::Q5_0: case QType::Q5_1: case QType::Q8_0: case QType::Q2_K: case QType::Q3_K:
         case QType::Q4_K: case QType::Q5_K: case QType::Q6_K: case QType::Q8_K: case QType::IQ4_NL:
-        case QType::IQ4_XS: return true;
+        case QType::IQ4_XS: case QType::MXFP4: case QType::IQ2_XXS: case QType::IQ2_XS: case QType::IQ2_S:
+        case QType::IQ3_XXS: case QType::IQ3_S: case QType::IQ1_S: case QType::IQ1_M: return true;
         default: return false;
     }
 }

@@ -1,7 +1,7 @@
 // CPU quantized matrix products: y = W x for every weight type against F32 activations.
 // Activations are quantized once per call into `scratch` as llama.cpp does for each weight type
-// (8-bit blocks of 32 with their sums for the 32-element formats; for the K formats and
-// IQ4_XS one scale per 256 values, Q8_K's rule, kept with per-16 sums in
+// (8-bit blocks of 32 with their sums for the 32-element formats and MXFP4; for the K formats
+// and the 256-element i-quants one scale per 256 values, Q8_K's rule, kept with per-16 sums in
 // quant/dot.h's block_q8_K32; float weights use the F32 activations as they are), then dotted
 // with the kernel path chosen at run time (cpu_features.h): scalar, AVX2 or AVX-512 VNNI rows,
 // and for batches of 24+ tokens the GEMM of AVX-512 VNNI or AVX2 (weight panels interleaved per

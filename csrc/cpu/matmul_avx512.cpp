@@ -28,9 +28,11 @@ struct Avx512Kern {
         for (int64_t b = 0; b < nb; b++) {
             const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(q + b * QK)), flip);
             const __m256i x = _mm256_loadu_si256((const __m256i*)a[b].qs);
-            const __m256i s = _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+            // starts at -128 * (sums of 4 activations): the offset leaves in integers, exactly
+            const __m256i neg = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_dpbusd_epi32(_mm256_setzero_si256(), flip, x));
+            const __m256i s = _mm256_dpbusd_epi32(neg, w, x);
             acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d[b] * a[b].d), acc);
-            macc += (m[b] - 128.f * d[b]) * a[b].s;
+            macc += m[b] * a[b].s;
         }
         return hsum8(acc) + macc;
     }

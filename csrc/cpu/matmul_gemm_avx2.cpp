@@ -3,7 +3,9 @@
 // place of vpdpbusd. maddubs multiplies unsigned by signed bytes and saturates its pair sums
 // at int16, so the weights go in as q + off with a per-format offset that leaves them in
 // [0, 63]: two products of at most 63 x 127 per pair, and two pairs added, stay below 32767.
-// The formats whose quants span a full byte (Q8_0, IQ4_NL, IQ4_XS, Q8_K) keep the row kernels.
+// Formats that need up to [0, 127] (IQ2 grids up to 43, IQ3_XXS up to 62) widen each maddubs
+// result on its own ("wide": one more madd per 8 elements). The formats whose quants span a
+// full byte (Q8_0, IQ4_NL, IQ4_XS, Q8_K) keep the row kernels.
 #include <immintrin.h>
 
 #include "cpu/matmul_gemm.h"
@@ -15,15 +17,25 @@ namespace {
 constexpr int PR = 8;  // weight rows per panel: the 8 int32 lanes of a YMM
 constexpr int NT = 4;  // tokens per register tile (16 YMM registers)
 
-// The offset that makes a format's unpacked quants lie in [0, 63]; -1 where none does.
-int small_offset(QType t) {
+// The offset that makes a format's unpacked quants non-negative, q + off in [0, 63], or in
+// [0, 127] where `wide`; off = -1 where no offset fits a byte below 128.
+struct UnsignedForm {
+    int off;
+    bool wide;
+};
+UnsignedForm unsigned_form(QType t) {
     switch (t) {
-        case QType::Q4_1: case QType::Q5_1: case QType::Q2_K: case QType::Q4_K: case QType::Q5_K: return 0;
-        case QType::Q3_K: return 4;
-        case QType::Q4_0: return 8;
-        case QType::Q5_0: return 16;
-        case QType::Q6_K: return 32;
-        default: return -1;
+        case QType::Q4_1: case QType::Q5_1: case QType::Q2_K: case QType::Q4_K: case QType::Q5_K: return {0, false};
+        case QType::Q3_K: return {4, false};
+        case QType::Q4_0: return {8, false};
+        case QType::IQ1_S: case QType::IQ1_M: return {9, false};  // 8 * grid +- 1
+        case QType::MXFP4: return {12, false};
+        case QType::IQ3_S: return {15, false};
+        case QType::Q5_0: return {16, false};
+        case QType::Q6_K: return {32, false};
+        case QType::IQ2_XXS: case QType::IQ2_XS: case QType::IQ2_S: return {43, true};
+        case QType::IQ3_XXS: return {62, true};
+        default: return {-1, false};
     }
 }
 
@@ -69,16 +81,19 @@ void pack_panel(const MatmulArgs& A, const GemmLayout& lo, int64_t r0, int off, 
 }
 
 // Two dwords of products (8 elements) of 8 rows with one token: maddubs pairs, added in int16
-// (at most 4 x 63 x 127), widened once.
+// (at most 4 x 63 x 127) and widened once, or (WIDE: weights up to 127) widened apart.
+template <bool WIDE>
 inline __m256i dot8(__m256i w0, __m256i w1, const int32_t* q) {
-    const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(q[0])),
-                                       _mm256_maddubs_epi16(w1, _mm256_set1_epi32(q[1])));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+    const __m256i p0 = _mm256_maddubs_epi16(w0, _mm256_set1_epi32(q[0]));
+    const __m256i p1 = _mm256_maddubs_epi16(w1, _mm256_set1_epi32(q[1]));
+    const __m256i ones = _mm256_set1_epi16(1);
+    if constexpr (WIDE) return _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones));
+    return _mm256_madd_epi16(_mm256_add_epi16(p0, p1), ones);
 }
 
 // y[t][r0 + lane] for NTOK tokens from t0 (the first nr lanes stored); 32 elements per
 // iteration: one step, or two 16-element steps sharing the activation scale.
-template <int STEP, bool MIN, int NTOK>
+template <int STEP, bool MIN, bool WIDE, int NTOK>
 void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps, const GemmLayout& lo, int64_t cols,
                int64_t t0, float* y, int64_t ldy, int nr) {
     constexpr int SP = 32 / STEP;
@@ -94,15 +109,15 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
             const TokStep* t = ts + j * nsteps + s;
             const int32_t* q = (const int32_t*)(qa + j * cols + s * STEP);
             if constexpr (SP == 1) {
-                __m256i i = _mm256_add_epi32(_mm256_add_epi32(dot8(w[0], w[1], q), dot8(w[2], w[3], q + 2)),
-                                             _mm256_add_epi32(dot8(w[4], w[5], q + 4), dot8(w[6], w[7], q + 6)));
+                __m256i i = _mm256_add_epi32(_mm256_add_epi32(dot8<WIDE>(w[0], w[1], q), dot8<WIDE>(w[2], w[3], q + 2)),
+                                             _mm256_add_epi32(dot8<WIDE>(w[4], w[5], q + 4), dot8<WIDE>(w[6], w[7], q + 6)));
                 i = _mm256_add_epi32(i, _mm256_set1_epi32(t[0].c));
                 const __m256 f = _mm256_mul_ps(_mm256_cvtepi32_ps(i), _mm256_set1_ps(t[0].d));
                 acc[j] = _mm256_fmadd_ps(f, _mm256_load_ps(D + s * PR), acc[j]);
             } else {
-                const __m256i i0 = _mm256_add_epi32(_mm256_add_epi32(dot8(w[0], w[1], q), dot8(w[2], w[3], q + 2)),
+                const __m256i i0 = _mm256_add_epi32(_mm256_add_epi32(dot8<WIDE>(w[0], w[1], q), dot8<WIDE>(w[2], w[3], q + 2)),
                                                     _mm256_set1_epi32(t[0].c));
-                const __m256i i1 = _mm256_add_epi32(_mm256_add_epi32(dot8(w[4], w[5], q + 4), dot8(w[6], w[7], q + 6)),
+                const __m256i i1 = _mm256_add_epi32(_mm256_add_epi32(dot8<WIDE>(w[4], w[5], q + 4), dot8<WIDE>(w[6], w[7], q + 6)),
                                                     _mm256_set1_epi32(t[1].c));
                 const __m256 f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_load_ps(D + (s + 1) * PR),
                                                  _mm256_mul_ps(_mm256_cvtepi32_ps(i0), _mm256_load_ps(D + s * PR)));
@@ -121,20 +136,25 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
 }  // namespace
 
 bool matmul_gemm_avx2(const MatmulArgs& A, ThreadPool& pool) {
-    const int off = small_offset(A.type);
+    const UnsignedForm form = unsigned_form(A.type);
+    const int off = form.off;
     if (off < 0 || A.n_tok < kBatchMinTokens) return false;
     const GemmLayout lo = gemm_layout(A);
-    gemm_drive<PR>(A, lo, off, pool, [&](PanelBufs& bufs, int64_t r0) {
-        uint8_t* wp;
-        float *D, *M;
-        pack_panel(A, lo, r0, off, bufs, wp, D, M);
-        const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
-        with_step_min(A.type, [&](auto step, auto min) {
-            over_token_tiles<NT>(A.n_tok, [&](auto n, int64_t t) {
-                gemm_tile<step(), min(), n()>(wp, D, M, lo.nsteps, lo, A.cols, t, A.y + r0, A.ldy, nr);
+    auto run = [&](auto wide) {
+        gemm_drive<PR>(A, lo, off, pool, [&](PanelBufs& bufs, int64_t r0) {
+            uint8_t* wp;
+            float *D, *M;
+            pack_panel(A, lo, r0, off, bufs, wp, D, M);
+            const int nr = (int)std::min<int64_t>(PR, A.rows - r0);
+            with_step_min(A.type, [&](auto step, auto min) {
+                over_token_tiles<NT>(A.n_tok, [&](auto n, int64_t t) {
+                    gemm_tile<step(), min(), wide(), n()>(wp, D, M, lo.nsteps, lo, A.cols, t, A.y + r0, A.ldy, nr);
+                });
             });
         });
-    });
+    };
+    if (form.wide) run(std::true_type{});
+    else run(std::false_type{});
     return true;
 }
 

@@ -159,8 +159,11 @@ inline void unpack_row(QType t, DotFamily fam, const uint8_t* src, int64_t cols,
 
 // Steps of the batched kernels: 32 elements, or 16 for the formats with 16-element sub-scales.
 inline int batched_step(QType t) {
-    if (dot_family(t) == DotFamily::Q32) return QK;
-    return (t == QType::Q2_K || t == QType::Q3_K || t == QType::Q6_K) ? 16 : 32;
+    switch (t) {
+        case QType::Q2_K: case QType::Q3_K: case QType::Q6_K: case QType::IQ2_XS: case QType::IQ2_S:
+        case QType::IQ1_M: return 16;
+        default: return 32;
+    }
 }
 // The formats whose weights carry a min term (w = d q + m).
 inline bool has_min_term(QType t) {

@@ -18,19 +18,50 @@ inline __m256i nibbles32(const uint8_t* p) {
     const __m128i m = _mm_set1_epi8(0x0f);
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m), _mm_and_si128(v, m));
 }
+// Bit j of h -> 0xFF in byte j, 0 elsewhere.
+inline __m256i byte_mask32(uint32_t h) {
+    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
+    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
 // Bit j of the 32-bit qh -> 0x10 in byte j (the fifth bit of the 5-bit formats).
 inline __m256i bits32(const uint8_t* qh) {
     uint32_t h;
     memcpy(&h, qh, 4);
-    const __m256i shuf = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
-    __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h), shuf);
-    const __m256i bit = _mm256_set1_epi64x((long long)0x8040201008040201ULL);
-    v = _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
-    return _mm256_and_si256(v, _mm256_set1_epi8(0x10));
+    return _mm256_and_si256(byte_mask32(h), _mm256_set1_epi8(0x10));
 }
 inline __m256i iq4_lookup(__m256i idx) {
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIQ4NLValues));
     return _mm256_shuffle_epi8(tab, idx);
+}
+inline __m256i mxfp4_lookup(__m256i idx) {
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kMXFP4Values));
+    return _mm256_shuffle_epi8(tab, idx);
+}
+// 32 grid values (all positive) negated where the bits of `signs` are set.
+inline __m256i iq_apply_signs(__m256i grid, uint32_t signs) {
+    const __m256i m = byte_mask32(signs);
+    return _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
+}
+inline __m256i grid64x4(const uint64_t* g, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
+    return _mm256_set_epi64x((long long)g[i3], (long long)g[i2], (long long)g[i1], (long long)g[i0]);
+}
+// The signs of four groups of 8 from four 7-bit fields of `aux` (IQ2_XXS, IQ3_XXS).
+inline uint32_t iq_signs32(uint32_t aux) {
+    return iq_signs8(aux & 127) | (iq_signs8((aux >> 7) & 127) << 8) | (iq_signs8((aux >> 14) & 127) << 16) |
+           (iq_signs8((aux >> 21) & 127) << 24);
+}
+// IQ1's +-1 delta per group of 8 (bit l of `minus`: group l subtracts), added to the grid times 8.
+inline __m256i iq1_add_delta(__m256i grid8, unsigned minus) {
+    auto dl = [&](int l) { return (long long)((minus >> l) & 1 ? 0xFFFFFFFFFFFFFFFFULL : 0x0101010101010101ULL); };
+    return _mm256_add_epi8(grid8, _mm256_set_epi64x(dl(3), dl(2), dl(1), dl(0)));
+}
+// Sub-block ib of a 256-element row block in the panel: 32 values and the two 16-element scales.
+inline void put_sub(int8_t* q, int16_t* sc, int16_t* mn, int ib, __m256i v, int s0, int s1) {
+    _mm256_storeu_si256((__m256i*)(q + 32 * ib), v);
+    sc[2 * ib] = (int16_t)s0, sc[2 * ib + 1] = (int16_t)s1;
+    mn[2 * ib] = mn[2 * ib + 1] = 0;
 }
 
 // Vector unpack of one row; false when the type has no vector version.
@@ -162,9 +193,130 @@ inline bool unpack_row_simd(QType t, const uint8_t* src, int64_t cols, uint8_t* 
             for (int64_t i = 0; i < nsb; i++) {
                 d[i] = h2f(b[i].d), m[i] = 0;
                 for (int ib = 0; ib < 8; ib++) {
-                    sc[16 * i + 2 * ib] = sc[16 * i + 2 * ib + 1] = (int16_t)iq4xs_scale(&b[i], ib);
-                    mn[16 * i + 2 * ib] = mn[16 * i + 2 * ib + 1] = 0;
-                    _mm256_storeu_si256((__m256i*)(q + QK_K * i + 32 * ib), iq4_lookup(nibbles32(b[i].qs + 16 * ib)));
+                    const int s = iq4xs_scale(&b[i], ib);
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq4_lookup(nibbles32(b[i].qs + 16 * ib)), s, s);
+                }
+            }
+            return true;
+        }
+        case QType::MXFP4: {
+            const block_mxfp4* b = (const block_mxfp4*)src;
+            for (int64_t i = 0; i < nb; i++) {
+                _mm256_storeu_si256((__m256i*)(q + 32 * i), mxfp4_lookup(nibbles32(b[i].qs)));
+                d[i] = e8m0_to_f32_half(b[i].e), m[i] = 0;
+            }
+            return true;
+        }
+        // The grid i-quants: the integer form of quant/iquants.h (iq_scale, iq_sub), one 32-value
+        // vector per sub-block from 4 (8-value) or 8 (4-value) grid entries and a sign mask.
+        case QType::IQ2_XXS: {
+            const block_iq2_xxs* b = (const block_iq2_xxs*)src;
+            const uint64_t* g = iq_tables::kIQ2XXS;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint32_t idx = u32_from_u16(b[i].qs + 4 * ib), aux = u32_from_u16(b[i].qs + 4 * ib + 2);
+                    const __m256i v = grid64x4(g, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24);
+                    const int s = 2 * (int)(aux >> 28) + 1;
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(v, iq_signs32(aux)), s, s);
+                }
+            }
+            return true;
+        }
+        case QType::IQ2_XS: {
+            const block_iq2_xs* b = (const block_iq2_xs*)src;
+            const uint64_t* g = iq_tables::kIQ2XS;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint16_t* v = b[i].qs + 4 * ib;
+                    const __m256i gv = grid64x4(g, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
+                    const uint32_t signs = iq_signs8(v[0] >> 9) | (iq_signs8(v[1] >> 9) << 8) | (iq_signs8(v[2] >> 9) << 16) |
+                                           (iq_signs8(v[3] >> 9) << 24);
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, signs),
+                            2 * (b[i].scales[ib] & 15) + 1, 2 * (b[i].scales[ib] >> 4) + 1);
+                }
+            }
+            return true;
+        }
+        case QType::IQ2_S: {
+            const block_iq2_s* b = (const block_iq2_s*)src;
+            const uint64_t* g = iq_tables::kIQ2S;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint8_t* qs = b[i].qs + 4 * ib;
+                    const uint32_t h = b[i].qh[ib];
+                    const __m256i gv = grid64x4(g, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300),
+                                                qs[2] | ((h << 4) & 0x300), qs[3] | ((h << 2) & 0x300));
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, u32_from_bytes(qs + QK_K / 8)),
+                            2 * (b[i].scales[ib] & 15) + 1, 2 * (b[i].scales[ib] >> 4) + 1);
+                }
+            }
+            return true;
+        }
+        case QType::IQ3_XXS: {
+            const block_iq3_xxs* b = (const block_iq3_xxs*)src;
+            const uint32_t* g = iq_tables::kIQ3XXS;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint8_t* qs = b[i].qs + 8 * ib;
+                    const uint32_t aux = u32_from_bytes(b[i].qs + QK_K / 4 + 4 * ib);
+                    const __m256i gv = _mm256_set_epi32((int)g[qs[7]], (int)g[qs[6]], (int)g[qs[5]], (int)g[qs[4]],
+                                                        (int)g[qs[3]], (int)g[qs[2]], (int)g[qs[1]], (int)g[qs[0]]);
+                    const int s = 2 * (int)(aux >> 28) + 1;
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, iq_signs32(aux)), s, s);
+                }
+            }
+            return true;
+        }
+        case QType::IQ3_S: {
+            const block_iq3_s* b = (const block_iq3_s*)src;
+            const uint32_t* g = iq_tables::kIQ3S;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint8_t* qs = b[i].qs + 8 * ib;
+                    const uint32_t h = b[i].qh[ib];
+                    auto e = [&](int k) { return (int)g[qs[k] | ((h << (8 - k)) & 256)]; };
+                    const __m256i gv = _mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0));
+                    const int s = 1 + 2 * ((b[i].scales[ib / 2] >> (4 * (ib % 2))) & 15);
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, u32_from_bytes(b[i].signs + 4 * ib)), s, s);
+                }
+            }
+            return true;
+        }
+        case QType::IQ1_S: {
+            const block_iq1_s* b = (const block_iq1_s*)src;
+            const uint64_t* g = iq_tables::kIQ1S8;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint8_t* qs = b[i].qs + 4 * ib;
+                    const uint32_t h = b[i].qh[ib];
+                    const __m256i gv = grid64x4(g, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700),
+                                                qs[2] | ((h << 2) & 0x700), qs[3] | ((h >> 1) & 0x700));
+                    const int s = 2 * (int)((h >> 12) & 7) + 1;
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq1_add_delta(gv, (h & 0x8000u) ? 15u : 0u), s, s);
+                }
+            }
+            return true;
+        }
+        case QType::IQ1_M: {
+            const block_iq1_m* b = (const block_iq1_m*)src;
+            const uint64_t* g = iq_tables::kIQ1S8;
+            for (int64_t i = 0; i < nsb; i++) {
+                d[i] = iq_scale(&b[i]), m[i] = 0;
+                for (int ib = 0; ib < 8; ib++) {
+                    const uint8_t* qs = b[i].qs + 4 * ib;
+                    const uint32_t h = (uint32_t)b[i].qh[2 * ib] | ((uint32_t)b[i].qh[2 * ib + 1] << 8);  // 4 nibbles
+                    const __m256i gv = grid64x4(g, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700),
+                                                qs[2] | (h & 0x700), qs[3] | ((h >> 4) & 0x700));
+                    const unsigned minus = ((h >> 3) & 1) | ((h >> 6) & 2) | ((h >> 9) & 4) | ((h >> 12) & 8);
+                    const uint32_t w = iq1m_scale_word(&b[i], ib / 2) >> (6 * (ib % 2));
+                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq1_add_delta(gv, minus), 2 * (int)(w & 7) + 1,
+                            2 * (int)((w >> 3) & 7) + 1);
                 }
             }
             return true;

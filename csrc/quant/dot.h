@@ -3,16 +3,16 @@
 // bits, and reference block dot products.
 //
 // Two unpacked forms cover every weight type:
-//   32-element formats (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL): w[i] = d * q[i] + m,
+//   32-element formats (Q4_0 Q4_1 Q5_0 Q5_1 Q8_0 IQ4_NL MXFP4): w[i] = d * q[i] + m,
 //     dotted with block_q8_a activations (x[i] ~ a.d * a.qs[i], a.s = a.d * sum a.qs): one
 //     scale per 32 values, as llama.cpp's Q8_0 activations for these formats.
-//   256-element formats (Q2_K..Q8_K, IQ4_XS):
+//   256-element formats (Q2_K..Q8_K, IQ4_XS and the grid i-quants IQ1_S..IQ3_S):
 //     w[i] = d * sc[i/16] * q[i] - dmin * mn[i/16], dotted with block_q8_K32 activations
 //     quantized as llama.cpp's Q8_K (one scale per 256 values, so that a model's products
 //     round like the reference engine's), kept per 32-group and with the sums of each 16
 //     values; integer products per 32-group, scaled by d_w * d_act[group].
-// Scale unpacking and the IQ4 codebook come from the decoders (quant/kquants.h, iquants.h,
-// legacy.h). Functions here are static so that each instruction-set build of a kernel file keeps its own copy
+// Scale unpacking and the codebooks come from the decoders (quant/kquants.h, iquants.h,
+// legacy.h, mxfp4.h). Functions here are static so that each instruction-set build of a kernel file keeps its own copy
 // (an inline function shared across files compiled with different -m flags could be linked
 // into the baseline path from the AVX-512 one).
 #pragma once
@@ -24,6 +24,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 #include "quant/quantize_block.h"
 #include "quant/types.h"
 
@@ -61,7 +62,7 @@ STOWLM_DOT_FN DotFamily dot_family(QType t) {
     switch (t) {
         case QType::F32: case QType::F16: case QType::BF16: return DotFamily::Float;
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
-        case QType::IQ4_NL: return DotFamily::Q32;
+        case QType::IQ4_NL: case QType::MXFP4: return DotFamily::Q32;
         default: return DotFamily::QK256;
     }
 }
@@ -167,11 +168,34 @@ STOWLM_DOT_FN void unpack_q32(QType t, const void* blk, int8_t* q, float* d, flo
             }
             break;
         }
+        case QType::MXFP4: {
+            const block_mxfp4* b = (const block_mxfp4*)blk;
+            *d = e8m0_to_f32_half(b->e);
+            for (int j = 0; j < 16; j++) {
+                q[j] = (int8_t)mxfp4_value(b->qs[j] & 0xf);
+                q[j + 16] = (int8_t)mxfp4_value(b->qs[j] >> 4);
+            }
+            break;
+        }
         default: break;
     }
 }
 
 // ---- weight unpacking: 256-element formats -----------------------------------
+
+// A grid i-quant block from its integer sub-blocks (quant/iquants.h); no min term.
+template <class B>
+STOWLM_DOT_FN void unpack_iq(const void* blk, int8_t* q, int16_t* sc, float* d) {
+    const B* b = (const B*)blk;
+    *d = iq_scale(b);
+    for (int ib = 0; ib < QK_K / 32; ib++) {
+        IQSub s;
+        iq_sub(b, ib, s);
+        for (int i = 0; i < 32; i++) q[32 * ib + i] = (int8_t)iq_value(s, i);
+        sc[2 * ib] = (int16_t)s.sc[0];
+        sc[2 * ib + 1] = (int16_t)s.sc[1];
+    }
+}
 
 // q[256] in element order; w = d * sc[i/16] * q[i] - dmin * mn[i/16].
 STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, int16_t* mn, float* d,
@@ -272,6 +296,13 @@ STOWLM_DOT_FN void unpack_qk(QType t, const void* blk, int8_t* q, int16_t* sc, i
             }
             break;
         }
+        case QType::IQ2_XXS: return unpack_iq<block_iq2_xxs>(blk, q, sc, d);
+        case QType::IQ2_XS: return unpack_iq<block_iq2_xs>(blk, q, sc, d);
+        case QType::IQ2_S: return unpack_iq<block_iq2_s>(blk, q, sc, d);
+        case QType::IQ3_XXS: return unpack_iq<block_iq3_xxs>(blk, q, sc, d);
+        case QType::IQ3_S: return unpack_iq<block_iq3_s>(blk, q, sc, d);
+        case QType::IQ1_S: return unpack_iq<block_iq1_s>(blk, q, sc, d);
+        case QType::IQ1_M: return unpack_iq<block_iq1_m>(blk, q, sc, d);
         default: break;
     }
 }
