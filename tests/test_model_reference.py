@@ -1,5 +1,6 @@
-"""The engine's graphs against an independent float numpy forward pass, on tiny synthetic GGUF
-models with F32 weights (no weight or activation quantization, so agreement is tight).
+"""The engine's graphs against the independent float64 numpy forward pass of
+tests/float_reference.py, on tiny synthetic GGUF models with F32 weights (no weight or activation
+quantization, so agreement is tight).
 
 Covers each architecture's wiring (biases, q/k norms, pre/post norms, GELU vs SiLU, NeoX vs
 adjacent-pair RoPE, tied vs separate output, gemma3's embedding scale, sliding-window layers
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import stowlm
+from float_reference import FloatModel
 
 gguf = pytest.importorskip("gguf")
 
@@ -77,77 +79,9 @@ def make_model(path, arch, tied, seed=0):
     return T
 
 
-# ---- the numpy reference (float64) -------------------------------------------------------
-
-def rms(x, w):
-    return x / np.sqrt((x * x).mean(-1, keepdims=True) + EPS) * w
-
-
-def rope(x, pos, base, neox):
-    d = x.shape[-1]
-    theta = pos[:, None, None].astype(np.float64) * base ** (-2.0 * np.arange(d // 2) / d)
-    c, s = np.cos(theta), np.sin(theta)
-    y = x.copy()
-    if neox:
-        a, b = x[..., : d // 2], x[..., d // 2:]
-        y[..., : d // 2], y[..., d // 2:] = a * c - b * s, a * s + b * c
-    else:
-        a, b = x[..., 0::2], x[..., 1::2]
-        y[..., 0::2], y[..., 1::2] = a * c - b * s, a * s + b * c
-    return y
-
-
-def f16(x):
-    return x.astype(np.float16).astype(np.float64)  # the KV cache holds F16
-
-
-def reference(T, arch, ids, pos):
-    """Logits [len(ids), vocab] of the whole sequence, every token attending causally by position."""
-    W = {k: v.astype(np.float64) for k, v in T.items()}
-    hd, n = head_dim(arch), len(ids)
-    pos = np.asarray(pos)
-    gemma = arch == "gemma3"
-    x = W["token_embd.weight"][ids]
-    if gemma:
-        x = x * np.sqrt(N_EMBD)
-    for il in range(N_LAYER):
-        p = f"blk.{il}."
-        swa = gemma and il % 6 < 5
-        h = rms(x, W[p + "attn_norm.weight"])
-        q, k, v = (h @ W[p + f"attn_{t}.weight"].T for t in "qkv")
-        if arch == "qwen2":
-            q, k, v = q + W[p + "attn_q.bias"], k + W[p + "attn_k.bias"], v + W[p + "attn_v.bias"]
-        q, k, v = q.reshape(n, N_HEAD, hd), k.reshape(n, N_HEAD_KV, hd), v.reshape(n, N_HEAD_KV, hd)
-        if arch in ("qwen3", "gemma3"):
-            q, k = rms(q, W[p + "attn_q_norm.weight"]), rms(k, W[p + "attn_k_norm.weight"])
-        base = (10000.0 if swa else GEMMA_BASE) if gemma else BASE
-        q, k = rope(q, pos, base, arch != "llama"), rope(k, pos, base, arch != "llama")
-        k, v = f16(k), f16(v)
-        visible = pos[None, :] <= pos[:, None]
-        if swa:
-            visible &= (pos[:, None] - pos[None, :]) < GEMMA_WINDOW
-        out = np.zeros((n, N_HEAD, hd))
-        for hh in range(N_HEAD):
-            kh = hh // (N_HEAD // N_HEAD_KV)
-            s = np.where(visible, q[:, hh] @ k[:, kh].T / np.sqrt(hd), -np.inf)
-            pr = np.exp(s - s.max(-1, keepdims=True))
-            out[:, hh] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kh]
-        a = out.reshape(n, N_HEAD * hd) @ W[p + "attn_output.weight"].T
-        if gemma:
-            a = rms(a, W[p + "post_attention_norm.weight"])
-        x = x + a
-        h = rms(x, W[p + "ffn_norm.weight"])
-        g, u = h @ W[p + "ffn_gate.weight"].T, h @ W[p + "ffn_up.weight"].T
-        if gemma:
-            act = 0.5 * g * (1 + np.tanh(np.sqrt(2 / np.pi) * (g + 0.044715 * g ** 3)))
-        else:
-            act = g / (1 + np.exp(-g))
-        f = (act * u) @ W[p + "ffn_down.weight"].T
-        if gemma:
-            f = rms(f, W[p + "post_ffw_norm.weight"])
-        x = x + f
-    x = rms(x, W["output_norm.weight"])
-    return x @ W.get("output.weight", W["token_embd.weight"]).T
+def reference(path, ids, pos=None, **overrides):
+    """tests/float_reference.py on the written file, keys and values rounded to F16 as the cache holds them."""
+    return FloatModel(path, **overrides).logits(ids, positions=pos, kv_f16=True)
 
 
 def assert_close(got, want, what):
@@ -176,7 +110,7 @@ def tiny(tmp_path_factory):
 def test_architecture_matches_numpy(tiny, arch, tied):
     path, T = tiny(arch, tied)
     ids = [(7 * i + 3) % N_VOCAB for i in range(13)]
-    want = reference(T, arch, ids, np.arange(len(ids)))
+    want = reference(path, ids)
     model = stowlm.Model(path, devices=["cpu:0[threads=1]"])
     assert model.arch == arch and model.n_vocab == N_VOCAB
     ctx = stowlm.Context(model, n_ctx=32, n_ubatch=16)
@@ -194,16 +128,11 @@ def test_sliding_window_and_positions(tiny):
     path, T = tiny("gemma3", True)
     ids = [(5 * i + 1) % N_VOCAB for i in range(13)]
     pos = [0, 1, 2, 3, 10, 11, 12, 13, 14, 15, 20, 21, 22]
-    want = reference(T, "gemma3", ids, pos)
+    want = reference(path, ids, pos)
     ctx = stowlm.Context(stowlm.Model(path, devices=["cpu:0[threads=1]"]), n_ctx=32, n_ubatch=8)
     assert_close(ctx.eval(ids, positions=pos, logits="all"), want, "gemma3 window + positions")
     # The window does matter here: without it the reference differs.
-    global GEMMA_WINDOW
-    saved, GEMMA_WINDOW = GEMMA_WINDOW, 1000
-    try:
-        unwindowed = reference(T, "gemma3", ids, pos)
-    finally:
-        GEMMA_WINDOW = saved
+    unwindowed = reference(path, ids, pos, window=1000)
     assert np.abs(unwindowed - want).max() > 1e-2
 
 
@@ -211,7 +140,7 @@ def test_sliding_window_and_positions(tiny):
 def test_layer_splits_and_q8_kv(tiny, arch, tied):
     path, T = tiny(arch, tied)
     ids = [(11 * i + 5) % N_VOCAB for i in range(9)]
-    want = reference(T, arch, ids, np.arange(len(ids)))
+    want = reference(path, ids)
     for split in ([3, 3], [1, 2, 3], [0, 6, 0]):
         devices = [f"cpu:{i}[threads=1,mem=64MiB]" for i in range(len(split))]
         model = stowlm.Model(path, devices=devices, layer_split=split)
@@ -225,7 +154,7 @@ def test_layer_splits_and_q8_kv(tiny, arch, tied):
 def test_q8_0_kv_cache(tiny):
     path, T = tiny("gemma3", True)  # head_dim 32
     ids = [(11 * i + 5) % N_VOCAB for i in range(9)]
-    want = reference(T, "gemma3", ids, np.arange(len(ids)))
+    want = reference(path, ids)
     model = stowlm.Model(path, devices=["cpu:0[threads=1]"])
     f16_kv = stowlm.Context(model, n_ctx=16, kv_type="f16")
     q8_kv = stowlm.Context(model, n_ctx=16, kv_type="q8_0")
@@ -240,7 +169,7 @@ def test_tensor_overrides(tiny):
     scheduler runs the FFN matmuls there and copies activations both ways; same logits."""
     path, T = tiny("qwen3", True)
     ids = [(3 * i + 2) % N_VOCAB for i in range(9)]
-    want = reference(T, "qwen3", ids, np.arange(len(ids)))
+    want = reference(path, ids)
     devices = ["cpu:0[threads=1,mem=64MiB]", "cpu:1[threads=1,mem=64MiB]"]
     model = stowlm.Model(path, devices=devices, layer_split=[6, 0],
                          overrides={r"blk\.\d+\.ffn_(gate|up|down)\.weight": "cpu:1"})
