@@ -6,6 +6,7 @@ import pytest
 
 import stowlm
 from conftest import load_fixture
+from float_reference import FloatModel
 from stowlm.engine import plan
 
 EXPERTS = r"blk\.[0-9]+\.ffn_.*_exps=cpu:1"
@@ -105,9 +106,7 @@ def test_tensor_override_errors(model_path):
         stowlm.Model(path, devices=TWO, tensor_overrides=["ffn_(up=cpu:1"])
 
 
-# ---- tiny synthetic MoE models against a float64 numpy forward pass -------------------------
-
-from test_model_reference import f16, rms, rope  # noqa: E402
+# ---- tiny synthetic MoE models against the float64 numpy forward pass of float_reference.py -
 
 S_EMBD, S_HEAD, S_HEAD_KV, S_VOCAB, S_LAYER, S_EXPERT, S_USED, S_FF, S_SHFF = 64, 4, 2, 200, 3, 5, 2, 48, 80
 S_EPS, S_BASE = 1e-6, 10000.0
@@ -162,54 +161,11 @@ def make_moe(path, arch, seed=1):
     return T
 
 
-def silu(g):
-    return g / (1 + np.exp(-g))
-
-
-def moe_reference(T, arch, ids, norm=None):
-    """llama.cpp's conventions: softmax over all experts, top k, renormalised for llama and
-    qwen3moe (not qwen2moe), SiLU-gated experts summed with those weights; qwen2moe adds a shared
-    expert times sigmoid(gate . x)."""
-    W = {k: v.astype(np.float64) for k, v in T.items()}
-    n, hd = len(ids), S_EMBD // S_HEAD
-    if norm is None:
-        norm = arch != "qwen2moe"
-    pos = np.arange(n)
-    x = W["token_embd.weight"][ids]
-    for il in range(S_LAYER):
-        p = f"blk.{il}."
-        h = rms(x, W[p + "attn_norm.weight"])
-        q, k, v = (h @ W[p + f"attn_{t}.weight"].T + W.get(p + f"attn_{t}.bias", 0) for t in "qkv")
-        q, k, v = q.reshape(n, S_HEAD, hd), k.reshape(n, S_HEAD_KV, hd), v.reshape(n, S_HEAD_KV, hd)
-        if arch == "qwen3moe":
-            q, k = rms(q, W[p + "attn_q_norm.weight"]), rms(k, W[p + "attn_k_norm.weight"])
-        q, k = rope(q, pos, S_BASE, arch != "llama"), rope(k, pos, S_BASE, arch != "llama")
-        k, v = f16(k), f16(v)
-        out = np.zeros((n, S_HEAD, hd))
-        for hh in range(S_HEAD):
-            kh = hh // (S_HEAD // S_HEAD_KV)
-            s = np.where(pos[None, :] <= pos[:, None], q[:, hh] @ k[:, kh].T / np.sqrt(hd), -np.inf)
-            pr = np.exp(s - s.max(-1, keepdims=True))
-            out[:, hh] = (pr / pr.sum(-1, keepdims=True)) @ v[:, kh]
-        x = x + out.reshape(n, -1) @ W[p + "attn_output.weight"].T
-        h = rms(x, W[p + "ffn_norm.weight"])
-        logits = h @ W[p + "ffn_gate_inp.weight"].T
-        probs = np.exp(logits - logits.max(-1, keepdims=True))
-        probs /= probs.sum(-1, keepdims=True)
-        f = np.zeros_like(x)
-        for t in range(n):
-            sel = np.argsort(-probs[t], kind="stable")[:S_USED]
-            wts = probs[t, sel] / (probs[t, sel].sum() if norm else 1.0)
-            for e, we in zip(sel, wts):
-                act = silu(W[p + "ffn_gate_exps.weight"][e] @ h[t]) * (W[p + "ffn_up_exps.weight"][e] @ h[t])
-                f[t] += we * (W[p + "ffn_down_exps.weight"][e] @ act)
-        if arch == "qwen2moe":
-            sh = (silu(h @ W[p + "ffn_gate_shexp.weight"].T) * (h @ W[p + "ffn_up_shexp.weight"].T)) @ \
-                W[p + "ffn_down_shexp.weight"].T
-            gate = 1 / (1 + np.exp(-(h @ W[p + "ffn_gate_inp_shexp.weight"])))
-            f += sh * gate[:, None]
-        x = x + f
-    return rms(x, W["output_norm.weight"]) @ W["output.weight"].T
+def moe_reference(path, ids, **overrides):
+    """tests/float_reference.py on the written file (llama.cpp's conventions: softmax over all
+    experts, top k, renormalised for llama and qwen3moe, not qwen2moe, whose shared expert is
+    gated by sigmoid(gate . x)), K/V rounded to F16 as the cache holds them."""
+    return FloatModel(path, **overrides).logits(ids, kv_f16=True)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3moe", "qwen2moe"])
@@ -218,9 +174,9 @@ def test_synthetic_moe_matches_numpy(tmp_path, arch):
     pass, in one batch, in micro-batches with token-by-token decoding, and with the experts on
     a second device."""
     path = tmp_path / f"{arch}.gguf"
-    T = make_moe(path, arch)
+    make_moe(path, arch)
     ids = [(11 * i + 5) % S_VOCAB for i in range(14)]
-    want = moe_reference(T, arch, ids)
+    want = moe_reference(path, ids)
     model = stowlm.Model(path, devices=ONE)
     assert model.arch == arch
     got = stowlm.Context(model, n_ctx=32, n_ubatch=16).eval(ids, logits="all")
@@ -235,5 +191,5 @@ def test_synthetic_moe_matches_numpy(tmp_path, arch):
     np.testing.assert_allclose(stowlm.Context(moved, n_ctx=32, n_ubatch=16).eval(ids, logits="all"), got,
                                rtol=1e-5, atol=1e-5)
     # The test can tell the conventions apart: the other normalisation is far from the engine.
-    flipped = moe_reference(T, arch, ids, norm=arch == "qwen2moe")
+    flipped = moe_reference(path, ids, norm_w=arch == "qwen2moe")
     assert np.abs(flipped - got).max() / np.abs(want).max() > 2e-2
