@@ -5,7 +5,7 @@ import pytest
 
 import stowlm
 from conftest import load_fixture
-from float_reference import FloatModel
+from float_reference import float_model
 
 MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 N_CTX = 256
@@ -114,7 +114,7 @@ def test_greedy_matches_llama_cpp(loaded, prompt_figures):
                 gap = float(logits[got] - logits[want])
                 report.append(f"diverged at step {step}: ours {got}, llama.cpp {want}, our gap {gap:.3f}")
                 if gap >= band:
-                    exact = FloatModel(model.path).logits(r["ids"] + ref[:step], last_only=True)
+                    exact = float_model(model.path).logits(r["ids"] + ref[:step], last_only=True)
                     exact_gap = float(exact[got] - exact[want])
                     report.append(f"float64 gap {exact_gap:.3f}")
                     assert exact_gap > -band, (
