@@ -1,6 +1,8 @@
-"""How sensitive a llama-architecture GGUF (dense or with experts) is to tiny numerical noise.
+"""How sensitive a GGUF model (any architecture stowlm runs, dense or with experts) is to tiny
+numerical noise.
 
-Runs an independent float64 numpy forward pass over the prompts of a llama.cpp fixture twice:
+Runs the independent float64 numpy forward pass of tests/float_reference.py over the prompts of a
+llama.cpp fixture twice:
 exactly, and with the residual stream multiplied by (1 + eps * N(0, 1)) after every layer (eps
 1e-3 is far below the error of 8-bit activation rounding that every quantized engine makes). It
 prints KL / top-1 of the noisy pass, stowlm and optionally llama.cpp logits (dumped by
@@ -62,7 +64,7 @@ def between(a, b):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("model", help="fixture name (smollm2-135m, smollm2-moe)")
+    ap.add_argument("model", help="fixture name (smollm2-135m, smollm2-moe, glm4moe-tiny, ...)")
     ap.add_argument("--eps", type=float, default=1e-3, help="relative noise per layer")
     ap.add_argument("--peer", action="append", default=[], metavar="NAME=FILE",
                     help="float32 logits [positions, vocab] of every fixture prompt, concatenated")
