@@ -99,7 +99,8 @@ class FloatModel:
             raise ValueError(f"{path}: float reference has no {a!r} architecture")
         g = lambda key, default=None: md.get(f"{a}.{key}", default)  # noqa: E731
         self.info, self.cache = {t[0]: t for t in self.file.tensors}, {}
-        self.n_embd, self.n_layer, self.eps = g("embedding_length"), g("block_count"), g("attention.layer_norm_rms_epsilon")
+        self.n_embd, self.n_layer = g("embedding_length"), g("block_count")
+        self.eps = g("attention.layer_norm_rms_epsilon")
         self.n_head, self.n_head_kv = g("attention.head_count"), g("attention.head_count_kv")
         self.head_dim = g("attention.key_length_mla", g("attention.key_length", self.n_embd // self.n_head))
         self.n_rot, self.base = g("rope.dimension_count", self.head_dim), g("rope.freq_base", 10000.0)
@@ -107,18 +108,19 @@ class FloatModel:
         self.neox = a not in ("llama", "deepseek2")
         self.n_used, self.w_scale = g("expert_used_count", 0), g("expert_weights_scale", 0.0)
         self.groups, self.groups_used = g("expert_group_count", 0), g("expert_group_used_count", 0)
-        self.gating = {"gpt-oss": SOFTMAX_WEIGHT, "glm4moe": g("expert_gating_func", SIGMOID)}.get(
-            a, g("expert_gating_func", SOFTMAX))
+        self.gating = SOFTMAX_WEIGHT if a == "gpt-oss" else \
+            g("expert_gating_func", 0) or (SIGMOID if a == "glm4moe" else SOFTMAX)
         self.norm_w = g("expert_weights_norm", a in ("llama", "qwen3moe"))
         self.yarn, self.kq_mscale = None, 1.0
-        if g("rope.scaling.type") == "yarn":  # attn_factor as llama_context derives it
+        if g("rope.scaling.type") == "yarn":
             factor, log_mul = g("rope.scaling.factor"), g("rope.scaling.yarn_log_multiplier", 0.0)
-            log_mul = float(np.float32(log_mul) / np.float32(0.1)) if a == "deepseek2" else log_mul
+            if a == "deepseek2":  # models/deepseek2.cpp undoes the converter's factor 0.1
+                log_mul = float(np.float32(log_mul) / np.float32(0.1))
             ms = lambda m: 1 + 0.1 * m * np.log(factor)  # noqa: E731
-            af = ms(log_mul if a == "deepseek2" and log_mul != 1 else 1) / ms(log_mul) if log_mul else ms(1)
-            af *= g("rope.scaling.attn_factor", 1.0) / ms(1)
+            # attn_factor as llama_context derives it, divided by the ms(1) that rope_yarn multiplies back
+            af = (ms(log_mul if a == "deepseek2" and log_mul != 1 else 1) / ms(log_mul) if log_mul else ms(1)) / ms(1)
             self.yarn = (factor, g("rope.scaling.original_context_length"), af)
-            self.kq_mscale = af * ms(1) * ms(log_mul)  # deepseek2's kq_scale is its square / sqrt(dk)
+            self.kq_mscale = af * ms(1) * ms(log_mul)  # deepseek2's kq_scale: its square / sqrt(dk)
         for key, val in overrides.items():
             if not hasattr(self, key):
                 raise AttributeError(f"FloatModel has no hyperparameter {key!r}")
