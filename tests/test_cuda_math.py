@@ -7,16 +7,15 @@ import numpy as np
 import pytest
 
 from stowlm import _core
+from test_matmul import set_scales
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
 
 cm = _core.cuda_math
 T = gguf.GGMLQuantizationType
-QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_XS"]
-# Byte offsets of each block's fp16 scale fields (random bytes would give inf/NaN scales).
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K", "IQ4_XS",
+          "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 
 
 def random_weights(name, rows, cols, rng):
@@ -28,9 +27,7 @@ def random_weights(name, rows, cols, rng):
         blocks[:, 0:4] = rng.uniform(0.001, 0.02, nb).astype(np.float32).view(np.uint8).reshape(nb, 4)
         d = blocks[:, 0:4].copy().view(np.float32).astype(np.float64)
         return blocks.reshape(rows, -1), (d * blocks[:, 4:260].view(np.int8)).reshape(rows, cols)
-    for k, off in enumerate(F16_FIELDS[name]):
-        v = rng.uniform(0.002, 0.02, nb) * (rng.choice([-1, 1], nb) if k == 0 else 1)
-        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    set_scales(blocks, name, rng)  # random bytes would give inf/NaN scales
     raw = blocks.reshape(rows, -1)
     return raw, dequantize(raw, T[name]).astype(np.float64).reshape(rows, cols)
 

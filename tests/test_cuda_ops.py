@@ -7,6 +7,7 @@ import pytest
 
 from conftest import require_devices
 from stowlm import _core
+from test_matmul import set_scales
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
@@ -34,9 +35,8 @@ def run(dev, op, *args, **kw):
 
 # ---- matmul -------------------------------------------------------------------------------
 
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "IQ4_NL": [0],
-              "Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_XS": [0]}
-QTYPES = list(F16_FIELDS) + ["Q8_K"]
+QTYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q8_K",
+          "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"]
 
 
 def random_weights(name, rows, cols, rng):
@@ -56,9 +56,7 @@ def random_weights(name, rows, cols, rng):
         blocks[:, 0:4] = rng.uniform(0.001, 0.02, nb).astype(np.float32).view(np.uint8).reshape(nb, 4)
         d = blocks[:, 0:4].copy().view(np.float32).astype(np.float64)
         return blocks.reshape(rows, -1), (d * blocks[:, 4:260].view(np.int8)).reshape(rows, cols)
-    for k, off in enumerate(F16_FIELDS[name]):
-        v = rng.uniform(0.002, 0.02, nb) * (rng.choice([-1, 1], nb) if k == 0 else 1)
-        blocks[:, off:off + 2] = v.astype(np.float16).view(np.uint8).reshape(nb, 2)
+    set_scales(blocks, name, rng)
     raw = blocks.reshape(rows, -1)
     return raw, dequantize(raw, T[name]).astype(np.float64).reshape(rows, cols)
 
@@ -82,7 +80,8 @@ def test_matmul(dev, name, rows, cols, n_tok):
     check_matmul(y, w, x, name not in ("F32", "F16", "BF16"))
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS", "MXFP4", "IQ2_XXS",
+                                  "IQ2_S", "IQ3_S", "IQ1_M"])
 def test_matmul_vector_and_tiled_paths_agree(dev, name):
     """The same quantized activations through mmvq (dp4a) and mmq (int8 tensor cores)."""
     cuda_only(dev)
@@ -313,7 +312,7 @@ def test_top_k_moe_weights_match_host(dev, sigmoid, normalize, scale):
     np.testing.assert_allclose(w, hw, rtol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_K", "Q6_K", "F16", "MXFP4", "IQ2_XXS"])
 @pytest.mark.parametrize("per_slot_input", [False, True])
 def test_moe_matmul(dev, name, per_slot_input):
     cuda_only(dev)

@@ -2,12 +2,17 @@
 // the CPU tests check the very functions the CUDA kernels run.
 //
 // Activations: 32-element blocks of int8 (block_q8_1) with the float scale d and the scaled
-// sums of each 16-element half (s0, s1), so weight offsets need no extra integer work.
+// sums of each 16-element half (s0, s1), so weight offsets need no extra integer work. The GPU
+// keeps this per-32 rounding for every weight type, also where the CPU rounds per 256 as
+// llama.cpp's Q8_K does (K formats, 256-element i-quants): the two devices' products differ by
+// that rounding.
 // Weights: every type is read as 32-element sub-blocks (WSub): 32 small integers packed four
 // to a 32-bit word in element order, plus per 16-element half a scale d[h] and an offset m[h]:
 //     w[i] = d[i/16] * q[i] + m[i/16]
 // which covers the plain formats (Q4_0: d, m = -8d), the ones with a min (Q4_1, Q4_K: m = -dmin*mn)
-// and the K formats whose scales change every 16 elements (Q2_K, Q3_K, Q6_K). Then
+// and the K formats whose scales change every 16 elements (Q2_K, Q3_K, Q6_K); the grid
+// i-quants come as their integer sub-blocks (quant/iquants.h) and MXFP4 as doubled E2M1 levels
+// times half its power-of-two scale. Then
 //     sum_i w[i] * a.d * a.q[i] = a.d * (d0 * I0 + d1 * I1) + m0 * a.s0 + m1 * a.s1
 // with I0, I1 the integer dot products of the halves: four dp4a each on the GPU (__dp4a), or
 // one 16-deep int8 tensor-core step per half (mma m16n8k16) in the tiled kernels.

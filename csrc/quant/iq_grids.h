@@ -2,8 +2,9 @@
 // the byte-wise helpers that apply their signs and deltas, for host and device.
 //
 // The data (quant/iq_grids.inc) is included twice: as host arrays, and under nvcc as __device__
-// arrays, since device code cannot read a host array (and the 40 KB do not belong in registers
+// arrays, since device code cannot read a host array (and the 33 KB do not belong in registers
 // or immediates the way the 16 IQ4 levels do). The accessors pick the copy of the side they run on.
+// Without relocatable device code each CUDA module holds its own copy of the device arrays.
 #pragma once
 #include <cstdint>
 
