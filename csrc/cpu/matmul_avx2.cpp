@@ -5,6 +5,7 @@
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
 #include "cpu/matmul_fused.h"
+#include "cpu/matmul_fused_iq.h"
 
 namespace stowlm::cpu {
 
@@ -101,6 +102,7 @@ void quantize_act_avx2(DotFamily fam, const float* x, void* dst, int64_t n) {
 void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1) {
     // Fused kernels stream raw blocks; the other types go through an unpacked panel.
     if (has_fused(a.type)) fused_rows(a, r0, r1);
+    else if (has_fused_iq(a.type)) fused_iq_rows(a, r0, r1);
     else rows_generic<Avx2Kern, SimdUnpack>(a, r0, r1);
 }
 

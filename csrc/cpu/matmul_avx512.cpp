@@ -9,6 +9,7 @@
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
 #include "cpu/matmul_fused.h"
+#include "cpu/matmul_fused_iq.h"
 
 namespace stowlm::cpu {
 
@@ -108,6 +109,7 @@ void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) {
     // Fused kernels stream raw blocks (measured faster than the panel at every batch size);
     // the other types go through an unpacked panel. Large batches go to AMX before this.
     if (has_fused(a.type)) fused_rows(a, r0, r1);
+    else if (has_fused_iq(a.type)) fused_iq_rows(a, r0, r1);
     else rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1);
 }
 

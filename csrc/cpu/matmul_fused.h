@@ -107,6 +107,34 @@ struct LIQ4_NL {
     }
     static float m(const B&) { return 0; }
 };
+struct LMXFP4 {
+    using B = block_mxfp4;
+    static constexpr int OFF = 128;
+    static constexpr bool HAS_M = false;
+    static __m256i u(const B& b) {
+        return _mm256_xor_si256(mxfp4_lookup(nibbles32(b.qs)), _mm256_set1_epi8((char)0x80));
+    }
+    static float m(const B&) { return 0; }
+};
+
+// A 32-element block's scale: fp16 d, or MXFP4's E8M0 exponent (no fp16 field at all).
+template <class B>
+inline float block_d(const B& b) { return h2f(b.d); }
+inline float block_d(const block_mxfp4& b) { return e8m0_to_f32_half(b.e); }
+template <class B>
+constexpr bool kE8M0 = std::is_same_v<B, block_mxfp4>;
+// Whether a block starts with its fp16 scale (MXFP4's exponent byte is read on its own).
+template <class B>
+constexpr bool fp16_scale_first() {
+    if constexpr (kE8M0<B>) return true;
+    else return offsetof(B, d) == 0;
+}
+// e8m0_to_f32_half of eight exponents (int32 lanes).
+inline __m256 e8m0_half_ps(__m256i e) {
+    const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+    const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);  // e = 0, 1
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
+}
 
 // y[t][r] for RT rows from r0 and TT tokens from t0.
 template <class L, int RT, int TT>
@@ -138,7 +166,7 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const B& blk = w[i][b];
             prefetch_next<(int)sizeof(B)>(&blk, pf);
             const __m256i wu = L::u(blk);
-            const __m256 dw = _mm256_set1_ps(h2f(blk.d));
+            const __m256 dw = _mm256_set1_ps(block_d(blk));
             float mw = 0;
             if (L::HAS_M) mw = L::m(blk);
             for (int j = 0; j < TT; j++) {
@@ -214,6 +242,14 @@ struct ZIQ4_NL : Z4_0 {
         return _mm512_xor_si512(_mm512_shuffle_epi8(tab, nib64(x.qs, y.qs)), _mm512_set1_epi8((char)0x80));
     }
 };
+struct ZMXFP4 : Z4_0 {
+    using B = block_mxfp4;
+    static constexpr int OFF = 128;
+    static __m512i u2(const B& x, const B& y) {
+        const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kMXFP4Values));
+        return _mm512_xor_si512(_mm512_shuffle_epi8(tab, nib64(x.qs, y.qs)), _mm512_set1_epi8((char)0x80));
+    }
+};
 struct Z8_0 {
     using B = block_q8_0;
     static constexpr int OFF = 128;
@@ -245,6 +281,12 @@ inline __m256 pair_halves4(const B* const* w, int64_t b) {
     }
     return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(p[0], p[1]), _mm_unpacklo_epi32(p[2], p[3])));
 }
+// The same for MXFP4's exponents: [row0 b, row0 b+1, row1 b, ...] as floats.
+inline __m256 pair_e8m0_4(const block_mxfp4* const* w, int64_t b) {
+    return e8m0_half_ps(_mm256_setr_epi32(w[0][b].e, w[0][b + 1].e, w[1][b].e, w[1][b + 1].e, w[2][b].e, w[2][b + 1].e,
+                                          w[3][b].e, w[3][b + 1].e));
+}
+
 // [x0, x1] repeated over 8 lanes.
 inline __m256 pair_bcast(float x0, float x1) {
     return _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(_mm_unpacklo_ps(_mm_set_ss(x0), _mm_set_ss(x1)))));
@@ -278,7 +320,9 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
         if constexpr (RT == 4) {
             // products d_w * d_a of the 4 rows' two blocks per token, in 8 lanes; each row's
             // lane pattern is one permute of them
-            const __m256 dw8 = pair_halves4<0>(w, b);
+            __m256 dw8;
+            if constexpr (kE8M0<B>) dw8 = pair_e8m0_4(w, b);
+            else dw8 = pair_halves4<0>(w, b);
             for (int j = 0; j < TT; j++)
                 dav[j] = _mm512_castps256_ps512(_mm256_mul_ps(dw8, pair_bcast(a[j][b].d, a[j][b + 1].d)));
             if constexpr (L::HAS_M) {
@@ -302,8 +346,7 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
                     acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dav[j]), acc[i][j]);
                 }
             } else {
-                const __m128 dd = _mm_cvtph_ps(_mm_cvtsi32_si128((int)x0.d | ((int)x1.d << 16)));
-                const __m512 dwv = pair_sel(_mm_cvtss_f32(dd), _mm_cvtss_f32(_mm_movehdup_ps(dd)));
+                const __m512 dwv = pair_sel(block_d(x0), block_d(x1));
                 float m0 = 0, m1 = 0;
                 if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
                 for (int j = 0; j < TT; j++) {
@@ -332,7 +375,7 @@ void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
 template <class L>
 void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
-    static_assert(offsetof(B, d) == 0, "scale first");
+    static_assert(fp16_scale_first<B>(), "scale first");
     const int64_t nb = A.cols / QK;
     const B* w[4];
     for (int i = 0; i < 4; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
@@ -356,7 +399,9 @@ void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const B& x0 = w[i][b];
             prefetch_next<2 * (int)sizeof(B)>(&x0, pf);
             const B& x1 = w[i][b + 1];
-            const __m128 dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_loadu_si32(&x0), _mm_loadu_si32(&x1)));
+            __m128 dm;  // [d, m] of both blocks (m unused without a min term)
+            if constexpr (kE8M0<B>) dm = _mm_setr_ps(block_d(x0), 0.f, block_d(x1), 0.f);
+            else dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_loadu_si32(&x0), _mm_loadu_si32(&x1)));
             const __m128 p = _mm_mul_ps(dm, ads);  // [d d_a b, m s_a b, d d_a b+1, m s_a b+1]
             // the min terms exactly as fused_q32_x2 sums them (an FMA per block, the two blocks'
             // lanes added at the end), so a token's result does not depend on its batch
@@ -788,6 +833,7 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
         case QType::Q5_1: STOWLM_Q32(Z5_1, LQ5_1);
         case QType::Q8_0: STOWLM_Q32(Z8_0, LQ8_0);
         case QType::IQ4_NL: STOWLM_Q32(ZIQ4_NL, LIQ4_NL);
+        case QType::MXFP4: STOWLM_Q32(ZMXFP4, LMXFP4);
 #undef STOWLM_Q32
 #if STOWLM_FUSED_VNNI
         case QType::Q4_K: return fused_q45_K_vnni<false, RT, TT>(A, r0, t0);
@@ -807,7 +853,7 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
 inline bool has_fused(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
-        case QType::IQ4_NL: case QType::Q4_K: case QType::Q6_K: return true;
+        case QType::IQ4_NL: case QType::MXFP4: case QType::Q4_K: case QType::Q6_K: return true;
         case QType::Q5_K: return STOWLM_FUSED_VNNI;  // AVX2 keeps the panel path for it
         default: return false;
     }

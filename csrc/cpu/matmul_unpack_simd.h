@@ -52,10 +52,18 @@ inline uint32_t iq_signs32(uint32_t aux) {
     return iq_signs8(aux & 127) | (iq_signs8((aux >> 7) & 127) << 8) | (iq_signs8((aux >> 14) & 127) << 16) |
            (iq_signs8((aux >> 21) & 127) << 24);
 }
-// IQ1's +-1 delta per group of 8 (bit l of `minus`: group l subtracts), added to the grid times 8.
+// IQ1's +-1 delta bytes for each pattern of the four groups of 8 (bit l set: group l subtracts).
+struct alignas(32) IQ1Deltas {
+    uint64_t v[16][4];
+    constexpr IQ1Deltas() : v() {
+        for (int m = 0; m < 16; m++)
+            for (int l = 0; l < 4; l++) v[m][l] = (m >> l) & 1 ? 0xFFFFFFFFFFFFFFFFULL : 0x0101010101010101ULL;
+    }
+};
+constexpr IQ1Deltas kIQ1Deltas{};
+// The grid times 8 plus the deltas: IQ1's values 8 * grid +- 1.
 inline __m256i iq1_add_delta(__m256i grid8, unsigned minus) {
-    auto dl = [&](int l) { return (long long)((minus >> l) & 1 ? 0xFFFFFFFFFFFFFFFFULL : 0x0101010101010101ULL); };
-    return _mm256_add_epi8(grid8, _mm256_set_epi64x(dl(3), dl(2), dl(1), dl(0)));
+    return _mm256_add_epi8(grid8, _mm256_load_si256((const __m256i*)kIQ1Deltas.v[minus]));
 }
 // Sub-block ib of a 256-element row block in the panel: 32 values and the two 16-element scales.
 inline void put_sub(int8_t* q, int16_t* sc, int16_t* mn, int ib, __m256i v, int s0, int s1) {

@@ -46,7 +46,7 @@ HOST_DEVICE uint64_t iq1s_grid8(int i) { return STOWLM_IQ_GRID(IQ1S8)[i]; }
 // The 8 signs of an IQ2_XXS/IQ2_XS/IQ3_XXS group from its 7 stored bits: the eighth makes the
 // count of negative values even (GGUF's ksigns_iq2xs table, computed instead of looked up; the
 // parity of the 7 bits from a 16-bit lookup word, no popcount instruction needed).
-HOST_DEVICE uint32_t iq_signs8(uint32_t s7) { return s7 | (((0x6996u >> ((s7 ^ (s7 >> 4)) & 15u)) & 1u) << 7); }
+HOST_DEVICE constexpr uint32_t iq_signs8(uint32_t s7) { return s7 | (((0x6996u >> ((s7 ^ (s7 >> 4)) & 15u)) & 1u) << 7); }
 
 // Bits 0..3 of b moved to bit 0 of bytes 0..3.
 HOST_DEVICE uint32_t spread_bits4(uint32_t b) {
