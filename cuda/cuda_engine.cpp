@@ -232,6 +232,8 @@ private:
                 if (n.op == Op::FLASH_ATTN && (n.src[7] || n.src[2]->ne[0] != n.src[1]->ne[0] ||
                                                n.src[2]->nb[1] != n.src[1]->nb[1]))
                     return "attention sinks and a V that differs from K in width or layout have no CUDA kernel yet";
+                if (n.op == Op::FLASH_ATTN && n.src[8])
+                    return "attention over several sequences (n_seq > 1) has no CUDA kernel yet";
                 return "";
             }
             case Op::ROPE:

@@ -137,8 +137,11 @@ STOWLM_BIND(engine) {
              })
         .def("plan",
              [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs,
-                int n_copies) { return projection_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies))); },
-             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"));
+                int n_copies, int n_seq) {
+                 return projection_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
+             },
+             nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"),
+             nb::arg("n_seq") = 1);
 
     nb::class_<BoundContext>(e, "Context")
         .def("__init__",
@@ -254,12 +257,13 @@ STOWLM_BIND(engine) {
         .def("project",
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
-                const std::string& kv_type, int64_t n_outputs, int n_copies) {
+                const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq) {
                  auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides));
-                 return projection_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies)));
+                 return projection_py(
+                     project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-             nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"));
+             nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1);
 
     e.def(
         "project",

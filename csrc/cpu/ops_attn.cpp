@@ -60,9 +60,14 @@ int64_t fixed_splits(int64_t n_tok, int64_t n_kv, int32_t split_cells) {
 size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads,
                                 int64_t n_kv, int32_t split_cells) {
     if (n_threads < 1) n_threads = 1;
-    const int64_t splits = split_cells > 0 ? fixed_splits(n_tok, n_kv, split_cells) : max_splits(n_tok, n_threads);
-    return partial_bytes(n_tok, n_head, hd_v, splits) + (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v) +
-           64;
+    // The plan made for the largest call also serves the smaller ones of the same graph: with
+    // fixed splits those are the ones with partial states (fewer than a prompt tile of tokens).
+    const size_t partial =
+        split_cells > 0
+            ? partial_bytes(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_head, hd_v,
+                            fixed_splits(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_kv, split_cells))
+            : partial_bytes(n_tok, n_head, hd_v, max_splits(n_tok, n_threads));
+    return partial + (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v) + 64;
 }
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,

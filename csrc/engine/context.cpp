@@ -22,6 +22,8 @@ ContextParams checked(const Model& m, ContextParams p) {
     if (p.n_copies < 1) throw InvalidInput("n_copies must be >= 1, got " + std::to_string(p.n_copies));
     if (p.n_seq < 1 || p.n_seq > p.n_ctx)
         throw InvalidInput("n_seq must be in [1, n_ctx], got " + std::to_string(p.n_seq));
+    if (p.n_ctx % p.n_seq)  // each sequence owns n_ctx / n_seq cells
+        throw InvalidInput("n_ctx " + std::to_string(p.n_ctx) + " is not a multiple of n_seq " + std::to_string(p.n_seq));
     p.n_ubatch = std::min(p.n_ubatch, p.n_ctx);
     p.n_outputs = p.n_outputs == 0 ? p.n_ubatch : std::min(p.n_outputs, p.n_ubatch);
     const QTypeInfo* kv = qtype_info((uint32_t)p.kv_type);
@@ -91,16 +93,16 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     const HParams& hp = model.hp();
     if (hp.kv_lora_rank > 0)
         in.head_ids = reshape(g, g.new_input("inp_head_ids", QType::I32, hp.n_head * n_tok), hp.n_head, n_tok);
-    if (storage) {
+    if (kv.n_seq() > 1) {
+        in.q_seq = g.new_input("inp_seq", QType::I32, n_tok);
+        in.kv_seq = g.new_input("inp_kv_seq", QType::I32, n_kv);
+    }
+    if (storage) {  // after every input exists: each gets host storage
         storage->clear();
         for (Tensor* t : g.inputs()) {
             storage->emplace_back(t->ne[0]);
             t->data = storage->back().data();
         }
-    }
-    if (kv.n_seq() > 1) {
-        in.q_seq = g.new_input("inp_seq", QType::I32, n_tok);
-        in.kv_seq = g.new_input("inp_kv_seq", QType::I32, n_kv);
     }
     BuildContext c{g, model, kv, in, n_tok, n_kv, n_out};
     g.output = model.arch().build(c);
@@ -238,10 +240,6 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
     if (!positions.empty() && (int64_t)positions.size() != n)
         throw InvalidInput("eval: " + std::to_string(positions.size()) + " positions for " + std::to_string(n) +
                            " tokens");
-    if (kv_->n_used() + n > params_.n_ctx)
-        throw InvalidInput("eval: " + std::to_string(n) + " tokens after " + std::to_string(kv_->n_used()) +
-                           " cached need " + std::to_string(kv_->n_used() + n) + " cells, but the context (n_ctx) is " +
-                           std::to_string(params_.n_ctx));
     const int64_t n_vocab = model_.hp().n_vocab;
     for (int64_t i = 0; i < n; i++) {
         if (tokens[i] < 0 || tokens[i] >= n_vocab)
@@ -255,8 +253,17 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
         if (out_rows[r] < 0 || out_rows[r] >= n || (r > 0 && out_rows[r] <= out_rows[r - 1]))
             throw InvalidInput("eval: the rows whose logits are wanted must be ascending token indices in [0, " +
                                std::to_string(n) + ")");
-    std::vector<int64_t> n_start(params_.n_seq);
-    for (int s = 0; s < params_.n_seq; s++) n_start[s] = kv_->n_used(s);
+    std::vector<int64_t> n_start(params_.n_seq), n_new(params_.n_seq, 0);
+    for (int64_t i = 0; i < n; i++) n_new[seqs[i]]++;
+    for (int s = 0; s < params_.n_seq; s++) {
+        n_start[s] = kv_->n_used(s);
+        if (n_start[s] + n_new[s] > kv_->seq_ctx())
+            throw InvalidInput("eval: " + std::to_string(n_new[s]) + " tokens after " + std::to_string(n_start[s]) +
+                               " cached need " + std::to_string(n_start[s] + n_new[s]) + " cells, but the context " +
+                               (params_.n_seq > 1 ? "of sequence " + std::to_string(s) + " (n_ctx / n_seq)"
+                                                  : std::string("(n_ctx)")) +
+                               " is " + std::to_string(kv_->seq_ctx()));
+    }
     std::vector<int32_t> pos(n);
     {
         std::vector<int64_t> next(n_start);

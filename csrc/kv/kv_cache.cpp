@@ -1,7 +1,6 @@
 #include "kv/kv_cache.h"
 
 #include <algorithm>
-#include <functional>
 #include <string>
 
 #include "error.h"
@@ -75,34 +74,36 @@ void KVCache::clear_all() {
     cell_pos_.assign(layout_.n_ctx, -1);
     cell_seq_.assign(layout_.n_ctx, -1);
     for (auto& c : seq_cells_) c.clear();
-    free_.resize(layout_.n_ctx);
-    for (int64_t j = 0; j < layout_.n_ctx; j++) free_[j] = (int32_t)j;  // sorted: already a min-heap
     n_cells_used_ = 0;
 }
 
 int64_t KVCache::span() const {
     int64_t s = 0;
-    for (const auto& c : seq_cells_)
-        for (int32_t j : c) s = std::max<int64_t>(s, j + 1);
+    for (int q = 0; q < n_seq(); q++)
+        if (!seq_cells_[q].empty()) s = std::max<int64_t>(s, seq_cells_[q].back() + 1);
     return s;
 }
 
 void KVCache::take(const int32_t* pos, const int32_t* seq, int64_t n, int32_t* cells) {
-    if (n_cells_used_ + n > layout_.n_ctx)
-        throw InvalidInput("KV cache: " + std::to_string(n_cells_used_ + n) + " tokens exceed the context of " +
-                           std::to_string(layout_.n_ctx));
-    for (int64_t i = 0; i < n; i++)
+    std::vector<int64_t> count(n_seq(), 0);
+    for (int64_t i = 0; i < n; i++) {
         if (seq[i] < 0 || seq[i] >= n_seq())
             throw InvalidInput("KV cache: sequence " + std::to_string(seq[i]) + " is outside [0, " +
                                std::to_string(n_seq()) + ")");
-    const auto lowest_first = std::greater<int32_t>();
+        count[seq[i]]++;
+    }
+    for (int q = 0; q < n_seq(); q++)
+        if (n_used(q) + count[q] > seq_ctx())
+            throw InvalidInput("KV cache: sequence " + std::to_string(q) + " would hold " +
+                               std::to_string(n_used(q) + count[q]) + " tokens, more than its " +
+                               std::to_string(seq_ctx()) + " cells (n_ctx " + std::to_string(n_ctx()) + " / n_seq " +
+                               std::to_string(n_seq()) + ")");
     for (int64_t i = 0; i < n; i++) {
-        std::pop_heap(free_.begin(), free_.end(), lowest_first);
-        const int32_t j = free_.back();
-        free_.pop_back();
+        std::vector<int32_t>& c = seq_cells_[seq[i]];
+        const int32_t j = (int32_t)(seq[i] * seq_ctx() + (int64_t)c.size());
         cell_pos_[j] = pos[i];
         cell_seq_[j] = seq[i];
-        seq_cells_[seq[i]].push_back(j);
+        c.push_back(j);
         cells[i] = j;
     }
     n_cells_used_ += n;
@@ -115,12 +116,9 @@ void KVCache::truncate(int seq, int64_t n) {
     std::vector<int32_t>& c = seq_cells_[seq];
     if (n < 0 || n > (int64_t)c.size())
         throw InvalidInput("kv_truncate: n=" + std::to_string(n) + " is outside [0, " + std::to_string(c.size()) + "]");
-    const auto lowest_first = std::greater<int32_t>();
     for (size_t i = (size_t)n; i < c.size(); i++) {
         cell_pos_[c[i]] = -1;
         cell_seq_[c[i]] = -1;
-        free_.push_back(c[i]);
-        std::push_heap(free_.begin(), free_.end(), lowest_first);
     }
     n_cells_used_ -= (int64_t)c.size() - n;
     c.resize((size_t)n);

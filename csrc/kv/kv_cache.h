@@ -1,10 +1,12 @@
 // The KV cache: per layer, a K and a V tensor of n_ctx cells on that layer's device, F16 by
-// default (Q8_0 option). The cells are shared by up to n_seq independent sequences: a new
-// token takes the lowest free cell; cell_pos[j] / cell_seq[j] are the position and sequence
-// cell j holds (-1: empty), and flash attention masks with them (same sequence, causal, and the
-// window of sliding-window layers, which keep a full-size cache for now). Truncating a
-// sequence to its first n tokens frees the cells of the rest, so the next eval continues from
-// that prefix; a finished sequence frees all of its cells at once.
+// default (Q8_0 option). The cells are shared by n_seq independent sequences, each owning an
+// equal region of n_ctx / n_seq cells (as llama-server's slots do): a sequence's tokens sit at
+// the same offsets of its region whatever the others hold, so the attention kernels, which
+// split and block the cells at fixed boundaries, give a token the same numbers alone or among
+// other requests. cell_pos[j] / cell_seq[j] are the position and sequence cell j holds (-1:
+// empty), and flash attention masks with them (same sequence, causal, and the window of
+// sliding-window layers, which keep a full-size cache for now). Truncating a sequence to its
+// first n tokens frees the rest, so the next eval continues from that prefix.
 #pragma once
 #include <cstdint>
 #include <memory>
@@ -30,6 +32,14 @@ std::vector<size_t> kv_bytes_per_layer(const KVLayout& layout);
 
 QType parse_kv_type(const std::string& name);  // "f16" | "q8_0"; InvalidInput otherwise
 
+// The fixed KV split of attention over several sequences: the largest of 512, 256, 128 that
+// divides a region, so every region starts on a split boundary.
+inline int32_t kv_split_cells(int64_t seq_ctx) {
+    for (int32_t c : {512, 256, 128})
+        if (seq_ctx % c == 0) return c;
+    return 512;
+}
+
 class KVCache {
 public:
     // allocate=false: tensors carry shapes and devices only (for planning).
@@ -38,6 +48,7 @@ public:
     Tensor* k(int layer) { return &k_[layer]; }
     Tensor* v(int layer) { return &v_[layer]; }
     int64_t n_ctx() const { return layout_.n_ctx; }
+    int64_t seq_ctx() const { return layout_.n_ctx / n_seq(); }  // cells of one sequence's region
     int64_t n_used() const { return n_cells_used_; }            // cells in use, every sequence
     int64_t n_used(int seq) const { return (int64_t)seq_cells_.at(seq).size(); }  // tokens of one sequence
     int64_t span() const;  // the highest cell in use + 1: attention looks at cells [0, span)
@@ -47,7 +58,8 @@ public:
     const std::vector<int32_t>& cells_of(int seq) const { return seq_cells_.at(seq); }  // in the order taken
     const std::vector<size_t>& device_bytes() const { return device_bytes_; }
 
-    // Takes a free cell for each of n tokens (sequence seq[i], position pos[i]); writes them to cells.
+    // Takes the next cell of its sequence's region for each of n tokens (sequence seq[i], position
+    // pos[i]); writes them to cells. InvalidInput if a region would overflow.
     void take(const int32_t* pos, const int32_t* seq, int64_t n, int32_t* cells);
     void truncate(int seq, int64_t n);  // keep the first n tokens of a sequence
     void clear(int seq) { truncate(seq, 0); }
@@ -60,7 +72,6 @@ private:
     std::vector<size_t> device_bytes_;
     std::vector<int32_t> cell_pos_, cell_seq_;
     std::vector<std::vector<int32_t>> seq_cells_;
-    std::vector<int32_t> free_;  // free cells, a min-heap: the lowest is taken first
     int64_t n_cells_used_ = 0;
 };
 

@@ -117,7 +117,8 @@ AttnMask attn_mask(const BuildContext& c) {
     AttnMask m;
     m.q_pos = c.in.pos, m.kv_pos = c.in.kv_pos, m.q_seq = c.in.q_seq, m.kv_seq = c.in.kv_seq;
     // Several sequences: fixed KV splits, so a token's attention is the same in any batch.
-    m.split_cells = c.in.q_seq ? 512 : 0;
+    // Fixed splits for several sequences, on boundaries every region shares, so results are batch-independent.
+    m.split_cells = c.in.q_seq ? kv_split_cells(c.kv.seq_ctx()) : 0;
     return m;
 }
 

@@ -187,13 +187,14 @@ class Context:
     makes logits="all" requests go in smaller steps."""
 
     def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: Optional[int] = None,
-                 kv_type: Optional[str] = None, n_outputs: Optional[int] = None):
+                 kv_type: Optional[str] = None, n_outputs: Optional[int] = None, n_seq: Optional[int] = None):
         p = model.placement
         if p is not None:  # the placement's values, which its projection was made with
-            for key, value in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type), ("n_outputs", n_outputs)):
+            for key, value in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type), ("n_outputs", n_outputs),
+                               ("n_seq", n_seq)):
                 if value is not None and value != getattr(p, key):
                     raise ValueError(f"Context: {key}={value!r} differs from the model's placement ({getattr(p, key)!r})")
-            n_ctx, n_ubatch, kv_type, n_outputs = p.n_ctx, p.n_ubatch, p.kv_type, p.n_outputs
+            n_ctx, n_ubatch, kv_type, n_outputs, n_seq = p.n_ctx, p.n_ubatch, p.kv_type, p.n_outputs, p.n_seq
         if n_ctx is None:
             n_ctx = min(4096, model.n_ctx_train)
         n_ubatch = 512 if n_ubatch is None else n_ubatch
@@ -202,8 +203,13 @@ class Context:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if int(n_ubatch) <= 0:
             raise ValueError(f"n_ubatch must be positive, got {n_ubatch}")
+        n_seq = 1 if n_seq is None else n_seq
+        if isinstance(n_seq, bool) or not isinstance(n_seq, int) or not 1 <= n_seq <= int(n_ctx):
+            raise ValueError(f"n_seq must be an integer in [1, n_ctx={n_ctx}], got {n_seq!r}")
         self.model = model
-        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), model.n_copies)
+        self.n_ubatch = int(n_ubatch)
+        self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), model.n_copies,
+                                  n_seq)
         if self._c.pipeline["n_copies"] == 1 and model.n_copies > 1 and "retried" in self._c.pipeline["reason"]:
             _log.warning("stowlm: pipeline parallelism off: %s", self._c.pipeline["reason"])
 
@@ -228,15 +234,31 @@ class Context:
         out = self._c.eval(toks.astype(np.int64).tolist(), pos, logits == "all")
         return out if logits == "all" else out[0]
 
-    def kv_truncate(self, n: int) -> None:
-        """Keeps the first n tokens of the sequence in the KV cache."""
-        self._c.kv_truncate(int(n))
+    def eval_batch(self, tokens, seqs, positions=None, rows=None) -> np.ndarray:
+        """Tokens of several sequences in one pass (token i belongs to sequence seqs[i]; positions
+        default to each sequence's next ones). Returns float32 logits [len(rows), n_vocab] of the
+        token indices in `rows` (ascending; default the last token)."""
+        toks = [int(t) for t in tokens]
+        if not toks:
+            raise ValueError("eval_batch: no tokens")
+        rows = [len(toks) - 1] if rows is None else [int(r) for r in rows]
+        pos = [] if positions is None else [int(p) for p in positions]
+        return self._c.eval_batch(toks, [int(s) for s in seqs], pos, rows)
 
-    def clear(self) -> None:
-        self._c.clear()
+    def kv_truncate(self, n: int, seq: int = 0) -> None:
+        """Keeps the first n tokens of a sequence in the KV cache."""
+        self._c.kv_truncate(int(n), int(seq))
+
+    def clear(self, seq: Optional[int] = None) -> None:
+        """Empties one sequence, or (None) all of them."""
+        self._c.clear(-1 if seq is None else int(seq))
+
+    def n_past_of(self, seq: int) -> int:
+        return self._c.n_past_of(int(seq))
 
     n_past = property(lambda self: self._c.n_past)
     n_ctx = property(lambda self: self._c.n_ctx)
+    n_seq = property(lambda self: self._c.n_seq)
 
     @property
     def pipeline(self) -> dict:

@@ -47,7 +47,7 @@ from . import _core
 from . import split as splitting
 from .devices import DeviceSpec, cuda_devices, parse_bytes, parse_devices
 from .engine import DEFAULT_N_COPIES, _n_copies, _tensor_overrides
-from .placement import DevicePlacement, Placement, format_size
+from .placement import DevicePlacement, Placement, format_size, slot_context
 
 __all__ = ["fit", "FitError", "Placement", "default_margin", "DEFAULT_MAX_CTX", "DEFAULT_FIT_CTX", "CTX_STEP"]
 
@@ -282,11 +282,11 @@ class _Layout:
 
 class _Fitter:
     def __init__(self, path: str, devs: List[_Dev], host_free: int, host_margin: int, *, n_ctx, n_ubatch,
-                 n_outputs, kv_type, n_copies, layer_split, user_overrides, cpu_moe, n_cpu_moe, max_ctx, fit_ctx,
+                 n_outputs, kv_type, n_copies, n_seq, layer_split, user_overrides, cpu_moe, n_cpu_moe, max_ctx, fit_ctx,
                  set_by: Dict[str, str]):
         self.path, self.devs = path, devs
         self.host_free, self.host_margin = host_free, host_margin
-        self.n_ubatch, self.n_outputs, self.kv_type = n_ubatch, n_outputs, kv_type
+        self.n_ubatch, self.n_outputs, self.kv_type, self.n_seq = n_ubatch, n_outputs, kv_type, n_seq
         # Searched with one copy unless the user set it (see _with_copies).
         self.wanted_copies = n_copies
         self.n_copies = n_copies if "n_copies" in set_by else 1
@@ -510,7 +510,7 @@ class _Fitter:
         specs = [self.devs[d].spec for d in used]
         overrides = _tensor_overrides([f"{p}={dev}" for p, dev in self._overrides(layout)], specs)
         result = self.projector.project([s.as_tuple() for s in specs], [layout.count(d) for d in used], overrides,
-                                        ctx, self.n_ubatch, self.kv_type, self.n_outputs, self.n_copies)
+                                        ctx, self.n_ubatch, self.kv_type, self.n_outputs, self.n_copies, self.n_seq)
         self.projections += 1
         self.pipeline = dict(result["pipeline"])
         out = {d: dict(r) for d, r in zip(used, result["devices"])}
@@ -539,7 +539,11 @@ class _Fitter:
     # -- the decision -------------------------------------------------------------------------------
     def _context_range(self) -> Tuple[int, int]:
         hi = max(1, min(self.projector.n_ctx_train, self.max_ctx))
-        return min(self.fit_ctx, hi), hi
+        lo = min(self.fit_ctx, hi)
+        return slot_context(max(lo, self.n_seq), self.n_seq), slot_context(max(hi, self.n_seq), self.n_seq)
+
+    def _ctx_step(self) -> int:
+        return CTX_STEP * self.n_seq  # every slot's share moves by CTX_STEP
 
     def _choose(self) -> Tuple[int, Optional[_Layout], bool]:
         """(context, layout, whether it is the ideal layout) from the current estimates."""
@@ -549,7 +553,7 @@ class _Fitter:
         layout = self._search(hi, True)
         if layout is not None:
             return hi, layout, True
-        steps = [c for c in range(lo, hi, CTX_STEP)]  # lo, lo+256, ... below hi
+        steps = [c for c in range(lo, hi, self._ctx_step())]  # lo, lo+256, ... below hi
         if steps and steps[0] != lo:
             steps.insert(0, lo)
         best = None
@@ -595,7 +599,7 @@ class _Fitter:
     def _largest_ctx(self, below: int) -> Optional[int]:
         """The largest context below `below` (in steps of CTX_STEP) that fits with everything else
         as set, checked by projecting its layout."""
-        steps = list(range(CTX_STEP, below, CTX_STEP))
+        steps = list(range(self._ctx_step(), below, self._ctx_step()))
         for _ in range(_ROUNDS):
             best, a, b = None, 0, len(steps) - 1
             while a <= b:
@@ -699,7 +703,7 @@ class _Fitter:
                               "fingerprint": self.costs.fingerprint},
                        n_ctx=ctx, n_ubatch=self.n_ubatch, n_outputs=self.n_outputs, kv_type=self.kv_type,
                        devices=devices, tensor_overrides=[f"{o}={name}" for o, name in overrides], host=host,
-                       n_copies=self.n_copies, pipeline=dict(self.pipeline))
+                       n_copies=self.n_copies, n_seq=self.n_seq, pipeline=dict(self.pipeline))
         # What a Model / Context over this placement asks for: the copies searched with, or 1.
         pl.decisions = self._decisions(layout, ctx, pl)
         return pl
@@ -711,7 +715,7 @@ class _Fitter:
         def alone(split, i):  # exactly what the device takes with `split` over [it, other] or [other, it]
             specs = [dev.spec, other.spec] if i == 0 else [other.spec, dev.spec]
             row = self.projector.project([s.as_tuple() for s in specs], split, [], ctx, self.n_ubatch, self.kv_type,
-                                         self.n_outputs, self.n_copies)["devices"][i]
+                                         self.n_outputs, self.n_copies, self.n_seq)["devices"][i]
             self.projections += 1
             return row["total"]
 
@@ -814,7 +818,7 @@ class _Fitter:
 
 def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = None,
         n_ubatch: Optional[int] = None, n_outputs: Optional[int] = None, kv_type: Optional[str] = None,
-        n_copies: Optional[int] = None, layer_split: Optional[Sequence[int]] = None, tensor_overrides: Optional[Sequence[str]] = None,
+        n_copies: Optional[int] = None, n_seq: int = 1, layer_split: Optional[Sequence[int]] = None, tensor_overrides: Optional[Sequence[str]] = None,
         cpu_moe: bool = False, n_cpu_moe: Optional[int] = None, margin=None, max_ctx: int = DEFAULT_MAX_CTX,
         fit_ctx: int = DEFAULT_FIT_CTX, placement: Optional[Union[Placement, str, os.PathLike]] = None) -> Placement:
     """Decide a placement of the GGUF file `model` on `devices` (a list or "cpu:0[...],cuda:0";
@@ -874,8 +878,12 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     kv_type = kv_type or "f16"
     n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
     devs, host_free, host_margin = _describe_devices(specs, margin)
-    fitter = _Fitter(path, devs, host_free, host_margin, n_ctx=None if n_ctx is None else int(n_ctx),
-                     n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, n_copies=n_copies,
+    if placement is not None:
+        n_seq = placement.n_seq
+    if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
+        raise ValueError(f"n_seq must be a positive integer, got {n_seq!r}")
+    fitter = _Fitter(path, devs, host_free, host_margin, n_ctx=None if n_ctx is None else slot_context(n_ctx, n_seq),
+                     n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, n_copies=n_copies, n_seq=n_seq,
                      layer_split=layer_split,
                      user_overrides=tensor_overrides, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, max_ctx=int(max_ctx),
                      fit_ctx=int(fit_ctx), set_by=set_by)
@@ -888,11 +896,12 @@ def fingerprint(path: Union[str, os.PathLike]) -> str:
 
 
 def fits_one_device(projector, device: DeviceSpec, n_ctx: int, n_ubatch: int, kv_type: str, n_outputs: int,
-                    margin=None) -> bool:
+                    margin=None, n_seq: int = 1) -> bool:
     """Whether the model (a _core.engine.Projector of its file) with these settings fits `device`
     alone: its free memory less its margin."""
     devs, host_free, host_margin = _describe_devices([device], margin)
-    total = projector.project([device.as_tuple()], [], [], n_ctx, n_ubatch, kv_type, n_outputs, 1)["devices"][0]["total"]
+    total = projector.project([device.as_tuple()], [], [], n_ctx, n_ubatch, kv_type, n_outputs, 1,
+                              n_seq)["devices"][0]["total"]
     return total <= devs[0].room and (device.kind != "cpu" or total <= host_free - host_margin)
 
 

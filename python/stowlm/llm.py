@@ -21,6 +21,7 @@ from .chat import ChatTemplate
 from .devices import parse_devices
 from .engine import Context, Model
 from .gguffile import GGUFFile
+from .placement import slot_context
 from .pull import pull
 from .sampling import Sampler, SamplingParams, StopChecker
 from .tokenizer import Tokenizer
@@ -60,6 +61,9 @@ class LLM:
     placement: a Placement (or its JSON file) from fit, loaded exactly as it says.
     n_copies: with the layers on several devices, copies of the tensors that cross devices, one per
         micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
+    n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()
+        may then be called from several threads, and generate_batch() runs many prompts together;
+        each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells).
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -68,7 +72,7 @@ class LLM:
                  chat_template: Optional[str] = None, progress: bool = True,
                  tensor_overrides: Optional[Sequence[str]] = None, fit: Optional[bool] = None, placement=None,
                  fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
-                 n_copies: Optional[int] = None, fit_ctx: Optional[int] = None):
+                 n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
@@ -88,6 +92,7 @@ class LLM:
             self.placement = fitting.fit(self.path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
                                          layer_split=layer_split, tensor_overrides=tensor_overrides,
                                          cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
+                                         n_seq=n_seq,
                                          **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
             if progress:
                 print(f"[{self.placement.summary()}]", file=sys.stderr)
@@ -115,9 +120,15 @@ class LLM:
             n_ubatch = n_ubatch or 512
             # Generation needs one row of logits; a few rows keep logits() reasonably batched while
             # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
-            self.ctx = Context(self.model, n_ctx=_default_ctx(self.model.n_ctx_train, n_ctx), n_ubatch=n_ubatch,
+            self.ctx = Context(self.model, n_ctx=slot_context(_default_ctx(self.model.n_ctx_train, n_ctx), n_seq),
+                               n_ubatch=n_ubatch, n_seq=n_seq,
                                kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
+        self._engine = None
+        if self.ctx.n_seq > 1:
+            from .batching import BatchEngine
+
+            self._engine = BatchEngine(self)
 
     # -- tokens -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:
@@ -157,12 +168,23 @@ class LLM:
         else:
             tokens = list(prompt)
         tokens = self._check_tokens(tokens)
-        it = _Generation(self, tokens, params)
+        it = _Generation(self, tokens, params) if self._engine is None else _Served(self._engine, tokens, params)
         if stream:
             return it
         for _ in it:
             pass
         return it.completion
+
+    def generate_batch(self, prompts: Sequence[Union[str, Sequence[int]]], **kwargs) -> List[Completion]:
+        """Completes every prompt, n_seq at a time in one batch (continuous batching); the same
+        sampling options as generate() for all. Greedy text is the same as one at a time."""
+        if self._engine is None:
+            return [self.generate(p, **kwargs) for p in prompts]
+        runs = [self.generate(p, stream=True, **kwargs) for p in prompts]
+        for r in runs:
+            for _ in r:
+                pass
+        return [r.completion for r in runs]
 
     def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs):
         """Answer a conversation rendered with the model's chat template (GGUF
@@ -174,6 +196,9 @@ class LLM:
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
         self.ctx = None
         self.model = None
         self._cached = []
@@ -301,6 +326,45 @@ def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, marg
     projector = _core.engine.Projector(os.fspath(path))
     return not fitting.fits_one_device(projector, specs[0], _default_ctx(projector.n_ctx_train, n_ctx), n_ubatch,
                                        kv_type or "f16", min(n_ubatch, LOGIT_ROWS), margin)
+
+
+class _Served:
+    """Iterator of text pieces of one request served by the batch engine (LLM with n_seq > 1):
+    submitted at once, so several of them run together."""
+
+    def __init__(self, engine, prompt: List[int], params: SamplingParams):
+        import queue
+
+        self.completion: Optional[Completion] = None
+        self._events: "queue.Queue" = queue.Queue()
+        self._tokens: List[int] = []
+        self._text: List[str] = []
+        self._engine = engine
+        self._req = engine.submit(prompt, params, self._events.put)
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        while self.completion is None:
+            ev = self._events.get()
+            if ev.kind == "done":
+                if ev.finish_reason == "error":
+                    raise RuntimeError(f"generation failed: {ev.error}")
+                self.completion = Completion("".join(self._text), ev.finish_reason, ev.prompt_tokens,
+                                             ev.completion_tokens, self._tokens)
+                break
+            if ev.token is not None and not self._engine.llm.tokenizer.is_eog(ev.token):
+                self._tokens.append(ev.token)
+            if ev.text:
+                self._text.append(ev.text)
+                return ev.text
+        raise StopIteration
+
+    def __del__(self):
+        req = getattr(self, "_req", None)  # None: submit() refused the request
+        if self.completion is None and req is not None:
+            self._engine.cancel(req)
 
 
 def _as_list(stop) -> List[str]:

@@ -72,6 +72,7 @@ class Placement:
     decisions: List[str] = field(default_factory=list)         # what fit decided and why
     host: Optional[Dict[str, int]] = None  # CPU devices share the host's RAM: free, margin, projected
     n_copies: int = 4                      # asked for: copies of the tensors that cross devices
+    n_seq: int = 1                         # sequences (server slots) sharing the context
     pipeline: Optional[Dict[str, object]] = None  # what the core makes of it: n_copies, reason (off)
 
     # -- what the engine is given ------------------------------------------------------------
@@ -90,7 +91,8 @@ class Placement:
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "model": dict(self.model), "n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch,
-             "n_outputs": self.n_outputs, "kv_type": self.kv_type, "n_copies": self.n_copies, "split_mode": "layer",
+             "n_outputs": self.n_outputs, "kv_type": self.kv_type, "n_copies": self.n_copies, "n_seq": self.n_seq,
+             "split_mode": "layer",
              "tensor_overrides": list(self.tensor_overrides),
              "devices": [dev.to_dict() for dev in self.devices], "decisions": list(self.decisions)}
         if self.host is not None:
@@ -208,7 +210,8 @@ class Placement:
                    tensor_overrides=overrides,
                    decisions=[r.str(x, "decisions[]", allow_empty=True) for x in r.list(data.get("decisions", []),
                                                                                       "decisions")],
-                   host=host, n_copies=r.int(data.get("n_copies", 4), "n_copies", 1), pipeline=pipeline)
+                   host=host, n_copies=r.int(data.get("n_copies", 4), "n_copies", 1),
+                   n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline)
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:
@@ -263,6 +266,24 @@ class Placement:
 
     def __str__(self) -> str:
         return self.table()
+
+
+SLOT_ALIGN = 256  # cells: a slot's region starts on a boundary the attention splits share
+
+
+def slot_context(n_ctx: int, n_seq: int) -> int:
+    """The context actually made for n_seq slots sharing n_ctx cells: each slot gets n_ctx / n_seq
+    cells, rounded down to a multiple of SLOT_ALIGN where that leaves any (so results do not
+    depend on the slot; see kv_cache.h)."""
+    n_ctx, n_seq = int(n_ctx), int(n_seq)
+    if n_seq <= 1:
+        return n_ctx
+    per = n_ctx // n_seq
+    if per >= SLOT_ALIGN:
+        per -= per % SLOT_ALIGN
+    if per < 1:
+        raise ValueError(f"n_ctx {n_ctx} is smaller than n_seq {n_seq}: each sequence needs at least one cell")
+    return per * n_seq
 
 
 def format_size(n: int) -> str:

@@ -1,0 +1,287 @@
+"""Continuous batching: several requests share one context, each in its own sequence (slot).
+
+One engine thread runs the loop: waiting requests take free slots (the slot whose cached tokens
+share the longest prefix with the new prompt, so a follow-up turn only evaluates its new
+tokens); every step decodes one token for every generating slot in a single forward pass, then
+evaluates one chunk of one waiting prompt, so new prompts join between steps while the others
+keep generating. A finished or cancelled request frees its slot at once.
+
+Batching does not change results, so the greedy text of a request is the same alone and among
+others: each slot owns an equal region of the KV cells and attention splits the cells on fixed
+boundaries (kv_cache.h); a prompt is evaluated in chunks of its own that end at multiples of
+`chunk` positions, so its chunks depend only on the prompt; decode tokens go in batches of fewer
+than 24 (the row kernels, which give a token the same product in any such batch); and a slot's
+cached prefix is reused only up to a chunk boundary of the prompt that filled it, so a reused
+cache holds exactly what evaluating the prompt afresh would.
+"""
+from __future__ import annotations
+
+import collections
+import math
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Deque, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from .sampling import Sampler, SamplingParams, TextStream
+
+__all__ = ["BatchEngine", "Request", "QueueFull", "Event"]
+
+MAX_DECODE_BATCH = 23  # above this the batched kernels take over and a token's product may differ
+DEFAULT_CHUNK = 256    # prompt tokens per step (and the granularity of prefix reuse)
+
+
+class QueueFull(RuntimeError):
+    """More requests are waiting than the engine's queue holds."""
+
+
+@dataclass
+class Event:
+    """What a request produced: a piece of text (kind "piece": its token id, and with logprobs
+    requested the token's log-probability and the top alternatives) or the end (kind "done")."""
+
+    kind: str
+    text: str = ""
+    token: Optional[int] = None
+    logprob: Optional[float] = None
+    top_logprobs: Optional[List[tuple]] = None  # [(token id, logprob)], best first
+    finish_reason: Optional[str] = None  # done: "stop", "length", "cancelled" or "error"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Optional[str] = None
+
+
+@dataclass
+class Request:
+    tokens: List[int]
+    params: SamplingParams
+    on_event: Callable[[Event], None]
+    logprobs: Optional[int] = None  # None: no logprobs; N: the chosen token's and the best N
+    cancelled: bool = False
+    submitted: float = field(default_factory=time.perf_counter)
+    first_token_at: Optional[float] = None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Slot:
+    def __init__(self, index: int):
+        self.index = index
+        self.cached: List[int] = []   # tokens whose K/V this slot's sequence holds, in order
+        self.reusable = 0             # leading cached tokens evaluated in whole prompt chunks
+        self.req: Optional[Request] = None
+        self.pos = 0                  # next prompt token to evaluate
+        self.pending: Optional[int] = None  # sampled, not yet evaluated
+        self.history: List[int] = []
+        self.sampler: Optional[Sampler] = None
+        self.stream: Optional[TextStream] = None
+
+
+class BatchEngine:
+    """Serves requests on `llm`'s context (an LLM made with n_seq slots) from its own thread.
+
+    submit() may be called from any thread; events go to each request's on_event from the engine
+    thread. A prompt longer than a slot's share of the context (n_ctx / n_seq) is refused with
+    ValueError naming both lengths; more than max_queue waiting requests raise QueueFull."""
+
+    def __init__(self, llm, chunk: Optional[int] = None, max_queue: int = 64):
+        self.llm = llm
+        self.ctx = llm.ctx
+        self.n_seq = self.ctx.n_seq
+        self.slot_ctx = self.ctx.n_ctx // self.n_seq
+        self.chunk = min(chunk or DEFAULT_CHUNK, self.ctx.n_ubatch)
+        self.max_queue = max_queue
+        self.slots = [_Slot(i) for i in range(self.n_seq)]
+        self.queue: Deque[Request] = collections.deque()
+        self.cv = threading.Condition()
+        self.running = True
+        self._rr = 0
+        # metrics
+        self.requests_total = 0
+        self.prompt_tokens_total = 0
+        self.prompt_tokens_evaluated = 0  # less than the total by what cached prefixes saved
+        self.completion_tokens_total = 0
+        self._recent: Deque[tuple] = collections.deque()  # (time, tokens) of recent decode steps
+        self.thread = threading.Thread(target=self._loop, name="stowlm-engine", daemon=True)
+        self.thread.start()
+
+    # -- from any thread ------------------------------------------------------------------------
+    def submit(self, tokens: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None],
+               logprobs: Optional[int] = None) -> Request:
+        tokens = [int(t) for t in tokens]
+        if not tokens:
+            raise ValueError("the prompt is empty (no tokens)")
+        if len(tokens) >= self.slot_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens, but a request's context is {self.slot_ctx} "
+                             f"tokens (n_ctx {self.ctx.n_ctx} / {self.n_seq} slots), with room for at least one "
+                             "generated token")
+        Sampler(params, vocab_size=self.llm.model.n_vocab)  # validate now, in the caller's thread
+        req = Request(tokens, params, on_event, logprobs)
+        with self.cv:
+            if not self.running:
+                raise RuntimeError("the engine is stopped")
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(f"{len(self.queue)} requests are already waiting (queue limit {self.max_queue})")
+            self.queue.append(req)
+            self.requests_total += 1
+            self.cv.notify()
+        return req
+
+    def cancel(self, req: Request) -> None:
+        with self.cv:
+            req.cancel()
+            self.cv.notify()
+
+    def close(self) -> None:
+        with self.cv:
+            self.running = False
+            self.cv.notify()
+        self.thread.join()
+
+    def stats(self) -> Dict[str, float]:
+        with self.cv:
+            now = time.perf_counter()
+            while self._recent and now - self._recent[0][0] > 10.0:
+                self._recent.popleft()
+            recent = sum(n for _, n in self._recent)
+            return {"requests_total": self.requests_total, "prompt_tokens_total": self.prompt_tokens_total,
+                    "completion_tokens_total": self.completion_tokens_total, "queue_length": len(self.queue),
+                    "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
+                    "slots_busy": sum(1 for s in self.slots if s.req), "slots": self.n_seq,
+                    "kv_cells_used": self.ctx._c.n_cells_used, "kv_cells": self.ctx.n_ctx,
+                    "tokens_per_second": recent / 10.0}
+
+    # -- the engine thread ---------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self.cv:
+                while self.running and not self.queue and not any(s.req for s in self.slots):
+                    self.cv.wait()
+                if not self.running:
+                    for s in self.slots:
+                        if s.req:
+                            self._finish(s, "cancelled")
+                    while self.queue:
+                        self.queue.popleft().on_event(Event("done", finish_reason="cancelled"))
+                    return
+                self._admit()
+            for s in self.slots:
+                if s.req and s.req.cancelled:
+                    self._finish(s, "cancelled")
+            try:
+                self._decode_step()
+                self._prompt_step()
+            except Exception as e:  # a failed step ends the requests it touched, not the engine
+                for s in self.slots:
+                    if s.req:
+                        self._finish(s, "error", str(e))
+
+    def _admit(self) -> None:
+        free = [s for s in self.slots if not s.req]
+        while free and self.queue:
+            req = self.queue.popleft()
+            if req.cancelled:
+                req.on_event(Event("done", finish_reason="cancelled", prompt_tokens=len(req.tokens)))
+                continue
+            # the slot whose cache shares the longest prefix (a follow-up turn reuses it)
+            best = max(free, key=lambda s: (_common_prefix(s.cached, req.tokens), -s.index))
+            free.remove(best)
+            keep = min(_common_prefix(best.cached, req.tokens), best.reusable, len(req.tokens) - 1)
+            keep -= keep % self.chunk
+            if keep < len(best.cached):
+                self.ctx.kv_truncate(keep, seq=best.index)
+                del best.cached[keep:]
+            best.req, best.pos, best.pending, best.reusable = req, keep, None, keep
+            best.history = list(req.tokens)
+            best.sampler = Sampler(req.params, vocab_size=self.llm.model.n_vocab)
+            best.stream = TextStream(self.llm.tokenizer, req.params)
+            self.prompt_tokens_total += len(req.tokens)
+
+    def _decode_step(self) -> None:
+        gen = [s for s in self.slots if s.req and s.pending is not None]
+        if not gen:
+            return
+        for b in range(0, len(gen), MAX_DECODE_BATCH):
+            group = gen[b:b + MAX_DECODE_BATCH]
+            logits = self.ctx.eval_batch([s.pending for s in group], [s.index for s in group],
+                                         rows=list(range(len(group))))
+            with self.cv:
+                self._recent.append((time.perf_counter(), len(group)))
+            for s, row in zip(group, logits):
+                s.cached.append(s.pending)
+                s.pending = None
+                self._next_token(s, row)
+
+    def _prompt_step(self) -> None:
+        pre = [s for s in self.slots if s.req and s.pending is None and s.pos < len(s.req.tokens)]
+        if not pre:
+            return
+        s = pre[self._rr % len(pre)]
+        self._rr += 1
+        toks = s.req.tokens[s.pos:(s.pos // self.chunk + 1) * self.chunk]  # up to the next chunk boundary
+        last = s.pos + len(toks) == len(s.req.tokens)
+        logits = self.ctx.eval_batch(toks, [s.index] * len(toks), rows=[len(toks) - 1] if last else [])
+        s.cached += toks
+        s.pos += len(toks)
+        with self.cv:
+            self.prompt_tokens_evaluated += len(toks)
+        if s.pos % self.chunk == 0:
+            s.reusable = s.pos
+        if last:
+            self._next_token(s, logits[0])
+
+    def _next_token(self, s: _Slot, logits: np.ndarray) -> None:
+        req = s.req
+        if req.cancelled:
+            self._finish(s, "cancelled")
+            return
+        tok = s.sampler.sample(logits, s.history)
+        s.history.append(tok)
+        if req.first_token_at is None:
+            req.first_token_at = time.perf_counter()
+        ev = Event("piece", token=tok)
+        if req.logprobs is not None:
+            lp = _log_softmax(logits)
+            ev.logprob = float(lp[tok])
+            if req.logprobs > 0:
+                top = np.argpartition(-lp, req.logprobs - 1)[:req.logprobs]
+                top = top[np.argsort(-lp[top], kind="stable")]
+                ev.top_logprobs = [(int(t), float(lp[t])) for t in top]
+        ev.text = s.stream.feed(tok)
+        req.on_event(ev)
+        with self.cv:
+            self.completion_tokens_total += 1
+        if s.stream.finished:
+            self._finish(s, s.stream.finish_reason)
+        elif len(s.cached) + 1 >= self.slot_ctx:
+            self._finish(s, "length")  # the request's share of the context is full
+        else:
+            s.pending = tok
+
+    def _finish(self, s: _Slot, reason: str, error: Optional[str] = None) -> None:
+        req = s.req
+        tail = s.stream.close() if s.stream is not None and reason in ("stop", "length") else ""
+        if tail:
+            req.on_event(Event("piece", text=tail))
+        req.on_event(Event("done", finish_reason=reason, prompt_tokens=len(req.tokens),
+                           completion_tokens=s.stream.n_tokens if s.stream else 0, error=error))
+        # What the slot evaluated stays in its cache for a later prefix match; nothing is pending.
+        s.req, s.pending, s.sampler, s.stream = None, None, None, None
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max()
+    return x - (m + math.log(float(np.exp(x - m).sum())))

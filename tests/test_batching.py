@@ -1,0 +1,153 @@
+"""Several sequences in one context and the continuous-batching engine on top of it.
+
+Oracles: the same request alone (greedy text and logits must be bit-identical among other
+requests), a one-sequence context (the same numbers up to rounding), and the requests' own
+token counts."""
+import threading
+
+import numpy as np
+import pytest
+
+import stowlm
+from stowlm.batching import Event
+from stowlm.engine import Context, Model
+from stowlm.sampling import SamplingParams
+
+from conftest import get_model
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fib(n):", "The three primary colors are",
+           "In 1492,", "Water boils at"]
+
+
+def _kl(a, b):
+    pa = np.exp(a - a.max()); pa /= pa.sum()
+    pb = np.exp(b - b.max()); pb /= pb.sum()
+    return float((pa * (np.log(pa + 1e-30) - np.log(pb + 1e-30))).sum())
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "smollm2-moe", "qwen3moe-tiny"])
+def test_a_token_gets_the_same_logits_alone_and_among_other_sequences(name):
+    model = Model(str(get_model(name)))
+    ctx = Context(model, n_ctx=2048, n_seq=4, n_ubatch=64)
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(10, 5000, n))) for n in (37, 80, 5, 130)]
+
+    def fill(seqs):
+        ctx.clear()
+        for s in seqs:
+            ctx.eval_batch(prompts[s], [s] * len(prompts[s]))
+
+    fill([0])
+    alone = ctx.eval_batch([42], [0])[0]
+    fill([3, 1, 0, 2])  # other sequences' cells taken first, in another order
+    together = ctx.eval_batch([7, 42, 9, 11], [3, 0, 1, 2], rows=[0, 1, 2, 3])
+    assert np.array_equal(together[1], alone)
+    # and the prompt of a sequence evaluated while the others hold tokens
+    fill([1, 2])
+    ctx.eval_batch(prompts[0], [0] * len(prompts[0]))
+    assert np.array_equal(ctx.eval_batch([42], [0])[0], alone)
+
+    # the same numbers as a context of one sequence, up to rounding (other KV splits)
+    one = Context(model, n_ctx=512, n_ubatch=64)
+    one.eval(prompts[0])
+    ref = one.eval([42])
+    assert _kl(ref, alone) < 2e-3 and int(ref.argmax()) == int(alone.argmax())
+
+
+def test_sequences_are_isolated_truncated_and_bounded():
+    model = Model(str(get_model("smollm2-135m")))
+    ctx = Context(model, n_ctx=1024, n_seq=4)
+    assert ctx.n_ctx == 1024 and ctx.n_seq == 4
+    a, b = [1, 100, 200, 300, 400], [1, 500, 600]
+    ctx.eval_batch(a + b, [0] * 5 + [1] * 3)
+    assert (ctx.n_past_of(0), ctx.n_past_of(1), ctx.n_past_of(2)) == (5, 3, 0)
+    want = ctx.eval_batch([7], [1])[0]
+    # truncating sequence 1 and evaluating again gives the same; sequence 0 is untouched
+    ctx.kv_truncate(3, seq=1)
+    assert np.array_equal(ctx.eval_batch([7], [1])[0], want)
+    assert ctx.n_past_of(0) == 5
+    ctx.clear(0)
+    assert ctx.n_past_of(0) == 0 and ctx.n_past_of(1) == 4
+    # a sequence owns n_ctx / n_seq cells: the 257th token of one is refused, naming the sizes
+    ctx.clear()
+    ctx.eval_batch([5] * 256, [2] * 256)
+    with pytest.raises(ValueError, match=r"257 cells.*sequence 2.*256"):
+        ctx.eval_batch([5], [2])
+    assert ctx.n_past_of(2) == 256  # the failed call changed nothing
+    ctx.eval_batch([5] * 256, [3] * 256)  # the other regions are still free
+    with pytest.raises(ValueError, match="outside"):
+        ctx.eval_batch([5], [4])
+    with pytest.raises(ValueError, match="multiple of n_seq"):
+        Context(model, n_ctx=1000, n_seq=3)
+
+
+@pytest.fixture(scope="module")
+def served():
+    with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=4 * 512, n_seq=4, progress=False) as llm:
+        yield llm
+
+
+def test_generate_batch_equals_one_at_a_time(served):
+    got = served.generate_batch(PROMPTS, max_tokens=24, temperature=0)
+    alone = [served.generate(p, max_tokens=24, temperature=0) for p in PROMPTS]
+    assert [c.text for c in got] == [c.text for c in alone]
+    assert all(c.completion_tokens == 24 and c.finish_reason == "length" for c in got)
+
+
+def test_concurrent_threads_get_their_own_answers(served):
+    want = {p: served.generate(p, max_tokens=16, temperature=0).text for p in PROMPTS[:4]}
+    out = {}
+
+    def run(p):
+        out[p] = "".join(served.generate(p, max_tokens=16, temperature=0, stream=True))
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in PROMPTS[:4] * 2]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert out == want
+
+
+def test_a_follow_up_reuses_the_slot_cache(served):
+    eng = served._engine
+    long_prompt = served.tokenize("Tell me a story. " * 60)  # more than one chunk
+    assert len(long_prompt) > eng.chunk
+    first = served.generate(long_prompt, max_tokens=8, temperature=0)
+    before = eng.stats()["prompt_tokens_evaluated"]
+    follow = long_prompt + first.tokens + served.tokenize(" And then?", add_special=False)
+    again = served.generate(follow, max_tokens=8, temperature=0)
+    evaluated = eng.stats()["prompt_tokens_evaluated"] - before
+    reused = len(long_prompt) - len(long_prompt) % eng.chunk
+    assert evaluated == len(follow) - reused < len(follow)
+    # the reused cache gives the text a fresh slot gives
+    served.generate("unrelated", max_tokens=1)  # (any slot state)
+    for s in eng.slots:
+        s.cached, s.reusable = [], 0
+        served.ctx.clear(s.index)
+    assert served.generate(follow, max_tokens=8, temperature=0).text == again.text
+
+
+def test_engine_errors_cancel_and_queue(served):
+    eng = served._engine
+    with pytest.raises(ValueError, match=r"600 tokens.*512"):
+        served.generate([1] * 600, max_tokens=1)
+    with pytest.raises(ValueError, match="temperature"):
+        served.generate("x", temperature=-1)
+    # a cancelled request ends with finish_reason "cancelled" and frees its slot
+    events = []
+    done = threading.Event()
+
+    def on_event(ev: Event):
+        events.append(ev)
+        if ev.kind == "done":
+            done.set()
+        elif len(events) == 3:
+            eng.cancel(req)
+
+    req = eng.submit(served.tokenize("Count: 1, 2, 3,"), SamplingParams(temperature=0, max_tokens=200), on_event)
+    assert done.wait(60)
+    assert events[-1].finish_reason == "cancelled" and events[-1].completion_tokens < 200
+    assert eng.stats()["slots_busy"] == 0
+    # the engine still serves
+    assert served.generate("The capital of France is", max_tokens=4, temperature=0).completion_tokens == 4
