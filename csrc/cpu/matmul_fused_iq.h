@@ -1,7 +1,7 @@
 // Fused row kernels of the grid i-quants (IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
 // IQ3_S): each 32-value sub-block is decoded in registers into its magnitudes u (the grid
-// values) and a sign operand, and dotted at once with the activations, RT rows x TT tokens
-// per tile, no panel. The weight's signs go onto the activations (sign_epi8), so the byte
+// values) and a sign operand (the decoders of matmul_unpack_simd.h), and dotted at once with
+// the activations, RT rows x TT tokens per tile, no panel. The weight's signs go onto the activations (sign_epi8), so the byte
 // products are unsigned magnitude x signed activation for maddubs, whose int16 pairs stay far
 // below saturation (at most 2 x 62 x 127); madd applies the sub-block's integer scales. The
 // integer sums of a whole 256-block are scaled once by d_w * d_act: Q8_K activations have one
@@ -19,112 +19,6 @@
 
 namespace stowlm::cpu {
 namespace {
-
-// ---- per-format sub-block decoders --------------------------------------------------------
-// sub(b, ib, u, sgn, s0, s1): u = the 32 magnitudes (unsigned bytes), sgn = a byte operand of
-// sign_epi8 whose sign is the weight's (+-1, or the signed value itself), s0/s1 the integer
-// scales of the two 16-value halves. The values and scales are those of quant/iquants.h.
-
-// +-1 bytes of the eight signs of a 7-bit IQ2/IQ3_XXS sign field (iq_signs8), as one word.
-constexpr uint64_t signs_pm1(uint32_t s7) {
-    const uint32_t s = iq_signs8(s7);
-    uint64_t v = 0;
-    for (int k = 0; k < 8; k++) v |= (uint64_t)((s >> k) & 1 ? 0xFF : 0x01) << (8 * k);
-    return v;
-}
-struct SignTable {
-    uint64_t v[128];
-    constexpr SignTable() : v() {
-        for (uint32_t i = 0; i < 128; i++) v[i] = signs_pm1(i);
-    }
-};
-constexpr SignTable kSignsPM1{};
-
-inline __m256i signs_from_fields(uint32_t f0, uint32_t f1, uint32_t f2, uint32_t f3) {
-    return grid64x4(kSignsPM1.v, f0, f1, f2, f3);
-}
-// +-1 bytes from 32 explicit sign bits (IQ2_S, IQ3_S).
-inline __m256i signs_from_bits(uint32_t bits) { return _mm256_or_si256(byte_mask32(bits), _mm256_set1_epi8(1)); }
-
-struct DIQ2_XXS {
-    using B = block_iq2_xxs;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint32_t idx = u32_from_u16(b.qs + 4 * ib), aux = u32_from_u16(b.qs + 4 * ib + 2);
-        u = grid64x4(iq_tables::kIQ2XXS, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24);
-        sgn = signs_from_fields(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
-        s0 = s1 = 2 * (int)(aux >> 28) + 1;
-    }
-};
-struct DIQ2_XS {
-    using B = block_iq2_xs;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint16_t* v = b.qs + 4 * ib;
-        u = grid64x4(iq_tables::kIQ2XS, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
-        sgn = signs_from_fields(v[0] >> 9, v[1] >> 9, v[2] >> 9, v[3] >> 9);
-        s0 = 2 * (b.scales[ib] & 15) + 1, s1 = 2 * (b.scales[ib] >> 4) + 1;
-    }
-};
-struct DIQ2_S {
-    using B = block_iq2_s;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint8_t* qs = b.qs + 4 * ib;
-        const uint32_t h = b.qh[ib];
-        u = grid64x4(iq_tables::kIQ2S, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300), qs[2] | ((h << 4) & 0x300),
-                     qs[3] | ((h << 2) & 0x300));
-        sgn = signs_from_bits(u32_from_bytes(qs + QK_K / 8));
-        s0 = 2 * (b.scales[ib] & 15) + 1, s1 = 2 * (b.scales[ib] >> 4) + 1;
-    }
-};
-struct DIQ3_XXS {
-    using B = block_iq3_xxs;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint8_t* qs = b.qs + 8 * ib;
-        const uint32_t* g = iq_tables::kIQ3XXS;
-        const uint32_t aux = u32_from_bytes(b.qs + QK_K / 4 + 4 * ib);
-        u = _mm256_set_epi32((int)g[qs[7]], (int)g[qs[6]], (int)g[qs[5]], (int)g[qs[4]], (int)g[qs[3]], (int)g[qs[2]],
-                             (int)g[qs[1]], (int)g[qs[0]]);
-        sgn = signs_from_fields(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
-        s0 = s1 = 2 * (int)(aux >> 28) + 1;
-    }
-};
-struct DIQ3_S {
-    using B = block_iq3_s;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint8_t* qs = b.qs + 8 * ib;
-        const uint32_t* g = iq_tables::kIQ3S;
-        const uint32_t h = b.qh[ib];
-        auto e = [&](int k) { return (int)g[qs[k] | ((h << (8 - k)) & 256)]; };
-        u = _mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0));
-        sgn = signs_from_bits(u32_from_bytes(b.signs + 4 * ib));
-        s0 = s1 = 1 + 2 * ((b.scales[ib / 2] >> (4 * (ib % 2))) & 15);
-    }
-};
-// IQ1: the values 8 * grid +- 1 are never 0, so they are their own sign operand.
-struct DIQ1_S {
-    using B = block_iq1_s;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint8_t* qs = b.qs + 4 * ib;
-        const uint32_t h = b.qh[ib];
-        const __m256i g = grid64x4(iq_tables::kIQ1S8, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700),
-                                   qs[2] | ((h << 2) & 0x700), qs[3] | ((h >> 1) & 0x700));
-        sgn = _mm256_add_epi8(g, _mm256_set1_epi8((h & 0x8000u) ? -1 : 1));  // one delta for all 32
-        u = _mm256_abs_epi8(sgn);
-        s0 = s1 = 2 * (int)((h >> 12) & 7) + 1;
-    }
-};
-struct DIQ1_M {
-    using B = block_iq1_m;
-    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
-        const uint8_t* qs = b.qs + 4 * ib;
-        const uint32_t h = (uint32_t)b.qh[2 * ib] | ((uint32_t)b.qh[2 * ib + 1] << 8);  // 4 nibbles
-        const __m256i g = grid64x4(iq_tables::kIQ1S8, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700),
-                                   qs[2] | (h & 0x700), qs[3] | ((h >> 4) & 0x700));
-        sgn = iq1_add_delta(g, ((h >> 3) & 1) | ((h >> 6) & 2) | ((h >> 9) & 4) | ((h >> 12) & 8));
-        u = _mm256_abs_epi8(sgn);
-        const uint32_t w = iq1m_scale_word(&b, ib / 2) >> (6 * (ib % 2));
-        s0 = 2 * (int)(w & 7) + 1, s1 = 2 * (int)((w >> 3) & 7) + 1;
-    }
-};
 
 // ---- the kernel ---------------------------------------------------------------------------
 

@@ -39,18 +39,8 @@ inline __m256i mxfp4_lookup(__m256i idx) {
     const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kMXFP4Values));
     return _mm256_shuffle_epi8(tab, idx);
 }
-// 32 grid values (all positive) negated where the bits of `signs` are set.
-inline __m256i iq_apply_signs(__m256i grid, uint32_t signs) {
-    const __m256i m = byte_mask32(signs);
-    return _mm256_sub_epi8(_mm256_xor_si256(grid, m), m);
-}
 inline __m256i grid64x4(const uint64_t* g, uint32_t i0, uint32_t i1, uint32_t i2, uint32_t i3) {
     return _mm256_set_epi64x((long long)g[i3], (long long)g[i2], (long long)g[i1], (long long)g[i0]);
-}
-// The signs of four groups of 8 from four 7-bit fields of `aux` (IQ2_XXS, IQ3_XXS).
-inline uint32_t iq_signs32(uint32_t aux) {
-    return iq_signs8(aux & 127) | (iq_signs8((aux >> 7) & 127) << 8) | (iq_signs8((aux >> 14) & 127) << 16) |
-           (iq_signs8((aux >> 21) & 127) << 24);
 }
 // IQ1's +-1 delta bytes for each pattern of the four groups of 8 (bit l set: group l subtracts).
 struct alignas(32) IQ1Deltas {
@@ -70,6 +60,127 @@ inline void put_sub(int8_t* q, int16_t* sc, int16_t* mn, int ib, __m256i v, int 
     _mm256_storeu_si256((__m256i*)(q + 32 * ib), v);
     sc[2 * ib] = (int16_t)s0, sc[2 * ib + 1] = (int16_t)s1;
     mn[2 * ib] = mn[2 * ib + 1] = 0;
+}
+
+// ---- grid i-quant sub-block decoders (the panels below and cpu/matmul_fused_iq.h) ----------
+// sub(b, ib, u, sgn, s0, s1): u = the 32 magnitudes (unsigned bytes), sgn = a byte operand of
+// sign_epi8 whose sign is the weight's (+-1, or the signed value itself), s0/s1 the integer
+// scales of the two 16-value halves. The values and scales are those of quant/iquants.h.
+
+// +-1 bytes of the eight signs of a 7-bit IQ2/IQ3_XXS sign field (iq_signs8), as one word.
+constexpr uint64_t signs_pm1(uint32_t s7) {
+    const uint32_t s = iq_signs8(s7);
+    uint64_t v = 0;
+    for (int k = 0; k < 8; k++) v |= (uint64_t)((s >> k) & 1 ? 0xFF : 0x01) << (8 * k);
+    return v;
+}
+struct SignTable {
+    uint64_t v[128];
+    constexpr SignTable() : v() {
+        for (uint32_t i = 0; i < 128; i++) v[i] = signs_pm1(i);
+    }
+};
+constexpr SignTable kSignsPM1{};
+
+inline __m256i signs_from_fields(uint32_t f0, uint32_t f1, uint32_t f2, uint32_t f3) {
+    return grid64x4(kSignsPM1.v, f0, f1, f2, f3);
+}
+// +-1 bytes from 32 explicit sign bits (IQ2_S, IQ3_S).
+inline __m256i signs_from_bits(uint32_t bits) { return _mm256_or_si256(byte_mask32(bits), _mm256_set1_epi8(1)); }
+
+struct DIQ2_XXS {
+    using B = block_iq2_xxs;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint32_t idx = u32_from_u16(b.qs + 4 * ib), aux = u32_from_u16(b.qs + 4 * ib + 2);
+        u = grid64x4(iq_tables::kIQ2XXS, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24);
+        sgn = signs_from_fields(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+        s0 = s1 = 2 * (int)(aux >> 28) + 1;
+    }
+};
+struct DIQ2_XS {
+    using B = block_iq2_xs;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint16_t* v = b.qs + 4 * ib;
+        u = grid64x4(iq_tables::kIQ2XS, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
+        sgn = signs_from_fields(v[0] >> 9, v[1] >> 9, v[2] >> 9, v[3] >> 9);
+        s0 = 2 * (b.scales[ib] & 15) + 1, s1 = 2 * (b.scales[ib] >> 4) + 1;
+    }
+};
+struct DIQ2_S {
+    using B = block_iq2_s;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint8_t* qs = b.qs + 4 * ib;
+        const uint32_t h = b.qh[ib];
+        u = grid64x4(iq_tables::kIQ2S, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300), qs[2] | ((h << 4) & 0x300),
+                     qs[3] | ((h << 2) & 0x300));
+        sgn = signs_from_bits(u32_from_bytes(qs + QK_K / 8));
+        s0 = 2 * (b.scales[ib] & 15) + 1, s1 = 2 * (b.scales[ib] >> 4) + 1;
+    }
+};
+struct DIQ3_XXS {
+    using B = block_iq3_xxs;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint8_t* qs = b.qs + 8 * ib;
+        const uint32_t* g = iq_tables::kIQ3XXS;
+        const uint32_t aux = u32_from_bytes(b.qs + QK_K / 4 + 4 * ib);
+        u = _mm256_set_epi32((int)g[qs[7]], (int)g[qs[6]], (int)g[qs[5]], (int)g[qs[4]], (int)g[qs[3]], (int)g[qs[2]],
+                             (int)g[qs[1]], (int)g[qs[0]]);
+        sgn = signs_from_fields(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+        s0 = s1 = 2 * (int)(aux >> 28) + 1;
+    }
+};
+struct DIQ3_S {
+    using B = block_iq3_s;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint8_t* qs = b.qs + 8 * ib;
+        const uint32_t* g = iq_tables::kIQ3S;
+        const uint32_t h = b.qh[ib];
+        auto e = [&](int k) { return (int)g[qs[k] | ((h << (8 - k)) & 256)]; };
+        u = _mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0));
+        sgn = signs_from_bits(u32_from_bytes(b.signs + 4 * ib));
+        s0 = s1 = 1 + 2 * ((b.scales[ib / 2] >> (4 * (ib % 2))) & 15);
+    }
+};
+// IQ1: the values 8 * grid +- 1 are never 0, so they are their own sign operand.
+struct DIQ1_S {
+    using B = block_iq1_s;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint8_t* qs = b.qs + 4 * ib;
+        const uint32_t h = b.qh[ib];
+        const __m256i g = grid64x4(iq_tables::kIQ1S8, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700),
+                                   qs[2] | ((h << 2) & 0x700), qs[3] | ((h >> 1) & 0x700));
+        sgn = _mm256_add_epi8(g, _mm256_set1_epi8((h & 0x8000u) ? -1 : 1));  // one delta for all 32
+        u = _mm256_abs_epi8(sgn);
+        s0 = s1 = 2 * (int)((h >> 12) & 7) + 1;
+    }
+};
+struct DIQ1_M {
+    using B = block_iq1_m;
+    static void sub(const B& b, int ib, __m256i& u, __m256i& sgn, int& s0, int& s1) {
+        const uint8_t* qs = b.qs + 4 * ib;
+        const uint32_t h = (uint32_t)b.qh[2 * ib] | ((uint32_t)b.qh[2 * ib + 1] << 8);  // 4 nibbles
+        const __m256i g = grid64x4(iq_tables::kIQ1S8, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700),
+                                   qs[2] | (h & 0x700), qs[3] | ((h >> 4) & 0x700));
+        sgn = iq1_add_delta(g, ((h >> 3) & 1) | ((h >> 6) & 2) | ((h >> 9) & 4) | ((h >> 12) & 8));
+        u = _mm256_abs_epi8(sgn);
+        const uint32_t w = iq1m_scale_word(&b, ib / 2) >> (6 * (ib % 2));
+        s0 = 2 * (int)(w & 7) + 1, s1 = 2 * (int)((w >> 3) & 7) + 1;
+    }
+};
+
+// A row of grid i-quant blocks into the panel: the signed values sign(u, sgn).
+template <class D>
+inline void unpack_iq_row(const uint8_t* src, int64_t nsb, int8_t* q, int16_t* sc, int16_t* mn, float* d, float* m) {
+    const typename D::B* b = (const typename D::B*)src;
+    for (int64_t i = 0; i < nsb; i++) {
+        d[i] = iq_scale(&b[i]), m[i] = 0;
+        for (int ib = 0; ib < 8; ib++) {
+            __m256i u, sgn;
+            int s0, s1;
+            D::sub(b[i], ib, u, sgn, s0, s1);
+            put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, _mm256_sign_epi8(u, sgn), s0, s1);
+        }
+    }
 }
 
 // Vector unpack of one row; false when the type has no vector version.
@@ -215,120 +326,14 @@ inline bool unpack_row_simd(QType t, const uint8_t* src, int64_t cols, uint8_t* 
             }
             return true;
         }
-        // The grid i-quants: the integer form of quant/iquants.h (iq_scale, iq_sub), one 32-value
-        // vector per sub-block from 4 (8-value) or 8 (4-value) grid entries and a sign mask.
-        case QType::IQ2_XXS: {
-            const block_iq2_xxs* b = (const block_iq2_xxs*)src;
-            const uint64_t* g = iq_tables::kIQ2XXS;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint32_t idx = u32_from_u16(b[i].qs + 4 * ib), aux = u32_from_u16(b[i].qs + 4 * ib + 2);
-                    const __m256i v = grid64x4(g, idx & 255, (idx >> 8) & 255, (idx >> 16) & 255, idx >> 24);
-                    const int s = 2 * (int)(aux >> 28) + 1;
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(v, iq_signs32(aux)), s, s);
-                }
-            }
-            return true;
-        }
-        case QType::IQ2_XS: {
-            const block_iq2_xs* b = (const block_iq2_xs*)src;
-            const uint64_t* g = iq_tables::kIQ2XS;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint16_t* v = b[i].qs + 4 * ib;
-                    const __m256i gv = grid64x4(g, v[0] & 511, v[1] & 511, v[2] & 511, v[3] & 511);
-                    const uint32_t signs = iq_signs8(v[0] >> 9) | (iq_signs8(v[1] >> 9) << 8) | (iq_signs8(v[2] >> 9) << 16) |
-                                           (iq_signs8(v[3] >> 9) << 24);
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, signs),
-                            2 * (b[i].scales[ib] & 15) + 1, 2 * (b[i].scales[ib] >> 4) + 1);
-                }
-            }
-            return true;
-        }
-        case QType::IQ2_S: {
-            const block_iq2_s* b = (const block_iq2_s*)src;
-            const uint64_t* g = iq_tables::kIQ2S;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint8_t* qs = b[i].qs + 4 * ib;
-                    const uint32_t h = b[i].qh[ib];
-                    const __m256i gv = grid64x4(g, qs[0] | ((h << 8) & 0x300), qs[1] | ((h << 6) & 0x300),
-                                                qs[2] | ((h << 4) & 0x300), qs[3] | ((h << 2) & 0x300));
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, u32_from_bytes(qs + QK_K / 8)),
-                            2 * (b[i].scales[ib] & 15) + 1, 2 * (b[i].scales[ib] >> 4) + 1);
-                }
-            }
-            return true;
-        }
-        case QType::IQ3_XXS: {
-            const block_iq3_xxs* b = (const block_iq3_xxs*)src;
-            const uint32_t* g = iq_tables::kIQ3XXS;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint8_t* qs = b[i].qs + 8 * ib;
-                    const uint32_t aux = u32_from_bytes(b[i].qs + QK_K / 4 + 4 * ib);
-                    const __m256i gv = _mm256_set_epi32((int)g[qs[7]], (int)g[qs[6]], (int)g[qs[5]], (int)g[qs[4]],
-                                                        (int)g[qs[3]], (int)g[qs[2]], (int)g[qs[1]], (int)g[qs[0]]);
-                    const int s = 2 * (int)(aux >> 28) + 1;
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, iq_signs32(aux)), s, s);
-                }
-            }
-            return true;
-        }
-        case QType::IQ3_S: {
-            const block_iq3_s* b = (const block_iq3_s*)src;
-            const uint32_t* g = iq_tables::kIQ3S;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint8_t* qs = b[i].qs + 8 * ib;
-                    const uint32_t h = b[i].qh[ib];
-                    auto e = [&](int k) { return (int)g[qs[k] | ((h << (8 - k)) & 256)]; };
-                    const __m256i gv = _mm256_set_epi32(e(7), e(6), e(5), e(4), e(3), e(2), e(1), e(0));
-                    const int s = 1 + 2 * ((b[i].scales[ib / 2] >> (4 * (ib % 2))) & 15);
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq_apply_signs(gv, u32_from_bytes(b[i].signs + 4 * ib)), s, s);
-                }
-            }
-            return true;
-        }
-        case QType::IQ1_S: {
-            const block_iq1_s* b = (const block_iq1_s*)src;
-            const uint64_t* g = iq_tables::kIQ1S8;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint8_t* qs = b[i].qs + 4 * ib;
-                    const uint32_t h = b[i].qh[ib];
-                    const __m256i gv = grid64x4(g, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 5) & 0x700),
-                                                qs[2] | ((h << 2) & 0x700), qs[3] | ((h >> 1) & 0x700));
-                    const int s = 2 * (int)((h >> 12) & 7) + 1;
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq1_add_delta(gv, (h & 0x8000u) ? 15u : 0u), s, s);
-                }
-            }
-            return true;
-        }
-        case QType::IQ1_M: {
-            const block_iq1_m* b = (const block_iq1_m*)src;
-            const uint64_t* g = iq_tables::kIQ1S8;
-            for (int64_t i = 0; i < nsb; i++) {
-                d[i] = iq_scale(&b[i]), m[i] = 0;
-                for (int ib = 0; ib < 8; ib++) {
-                    const uint8_t* qs = b[i].qs + 4 * ib;
-                    const uint32_t h = (uint32_t)b[i].qh[2 * ib] | ((uint32_t)b[i].qh[2 * ib + 1] << 8);  // 4 nibbles
-                    const __m256i gv = grid64x4(g, qs[0] | ((h << 8) & 0x700), qs[1] | ((h << 4) & 0x700),
-                                                qs[2] | (h & 0x700), qs[3] | ((h >> 4) & 0x700));
-                    const unsigned minus = ((h >> 3) & 1) | ((h >> 6) & 2) | ((h >> 9) & 4) | ((h >> 12) & 8);
-                    const uint32_t w = iq1m_scale_word(&b[i], ib / 2) >> (6 * (ib % 2));
-                    put_sub(q + QK_K * i, sc + 16 * i, mn + 16 * i, ib, iq1_add_delta(gv, minus), 2 * (int)(w & 7) + 1,
-                            2 * (int)((w >> 3) & 7) + 1);
-                }
-            }
-            return true;
-        }
+        // The grid i-quants: the integer form of quant/iquants.h (iq_scale, iq_sub).
+        case QType::IQ2_XXS: return unpack_iq_row<DIQ2_XXS>(src, nsb, q, sc, mn, d, m), true;
+        case QType::IQ2_XS: return unpack_iq_row<DIQ2_XS>(src, nsb, q, sc, mn, d, m), true;
+        case QType::IQ2_S: return unpack_iq_row<DIQ2_S>(src, nsb, q, sc, mn, d, m), true;
+        case QType::IQ3_XXS: return unpack_iq_row<DIQ3_XXS>(src, nsb, q, sc, mn, d, m), true;
+        case QType::IQ3_S: return unpack_iq_row<DIQ3_S>(src, nsb, q, sc, mn, d, m), true;
+        case QType::IQ1_S: return unpack_iq_row<DIQ1_S>(src, nsb, q, sc, mn, d, m), true;
+        case QType::IQ1_M: return unpack_iq_row<DIQ1_M>(src, nsb, q, sc, mn, d, m), true;
         default: return false;
     }
 }

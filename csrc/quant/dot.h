@@ -46,8 +46,9 @@ struct block_q8_a {
 static_assert(sizeof(block_q8_a) == 40, "q8_a layout");
 
 // 256 activations for the 256-element formats: 8-bit values, a scale per 32 (all eight equal
-// with the Q8_K rule of quantize_row_q8_K32; the kernels take them per group), the sums of
-// each 16 values. The scales first so that qs starts 64 bytes in (aligned loads in 64-byte
+// with the Q8_K rule of quantize_row_q8_K32: the K-format kernels take them per group, the
+// grid i-quant kernels (cpu/matmul_fused_iq.h) d[0] for the whole block), the sums of each 16
+// values. The scales first so that qs starts 64 bytes in (aligned loads in 64-byte
 // aligned arrays).
 struct block_q8_K32 {
     float d[8];
