@@ -85,7 +85,8 @@ class BatchEngine:
 
     submit() may be called from any thread; events go to each request's on_event from the engine
     thread. A prompt longer than a slot's share of the context (n_ctx / n_seq) is refused with
-    ValueError naming both lengths; more than max_queue waiting requests raise QueueFull."""
+    ValueError naming both lengths; a request that would wait behind max_queue others while every
+    slot is busy raises QueueFull."""
 
     def __init__(self, llm, chunk: Optional[int] = None, max_queue: int = 64):
         self.llm = llm
@@ -95,6 +96,7 @@ class BatchEngine:
         self.chunk = min(chunk or DEFAULT_CHUNK, self.ctx.n_ubatch)
         self.max_queue = max_queue
         self.slots = [_Slot(i) for i in range(self.n_seq)]
+        self.ctx.clear()  # the slots start empty, whatever the context held
         self.queue: Deque[Request] = collections.deque()
         self.cv = threading.Condition()
         self.running = True
@@ -123,8 +125,10 @@ class BatchEngine:
         with self.cv:
             if not self.running:
                 raise RuntimeError("the engine is stopped")
-            if len(self.queue) >= self.max_queue:
-                raise QueueFull(f"{len(self.queue)} requests are already waiting (queue limit {self.max_queue})")
+            busy = sum(1 for sl in self.slots if sl.req)
+            if busy + len(self.queue) >= self.n_seq + self.max_queue:  # every slot busy and the queue full
+                raise QueueFull(f"all {self.n_seq} slots are busy and {len(self.queue)} requests are waiting "
+                                f"(queue limit {self.max_queue})")
             self.queue.append(req)
             self.requests_total += 1
             self.cv.notify()

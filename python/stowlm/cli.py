@@ -1,4 +1,4 @@
-"""The `stowlm` command line: run, fit, pull, info, bench."""
+"""The `stowlm` command line: run, serve, fit, pull, info, bench."""
 from __future__ import annotations
 
 import argparse
@@ -105,6 +105,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Examples:\n"
                "  stowlm run -p 'The capital of France is' -n 32   # pulls smollm2-135m on first use\n"
                "  stowlm run qwen2.5-coder-0.5b                       # interactive chat\n"
+               "  stowlm serve qwen2.5-coder-0.5b --parallel 4       # OpenAI-compatible API on :8080\n"
                "  stowlm pull gemma3-270m\n"
                "  stowlm info ./model.gguf\n"
                "  stowlm fit qwen2.5-coder-0.5b --devices 'cpu:1[mem=256MiB],cpu:0' --explain",
@@ -139,6 +140,24 @@ def _parser() -> argparse.ArgumentParser:
                         "device allocated")
     f.add_argument("--explain", action="store_true", help="print each decision with its reason")
 
+    sv = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                        description="Serve MODEL at http://HOST:PORT/v1 (chat/completions, completions, models), "
+                                    "/health and /metrics, PARALLEL requests at once (continuous batching); "
+                                    "more wait in a queue. Ctrl-C stops.")
+    sv.add_argument("model", nargs="?", default=DEFAULT_MODEL,
+                    help=f"model name or .gguf path (default {DEFAULT_MODEL})")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
+    sv.add_argument("-np", "--parallel", type=int, default=4,
+                    help="requests served at once; the context is shared equally (default 4)")
+    sv.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (default: "
+                    "$STOWLM_API_KEY if set, else none)")
+    sv.add_argument("--alias", default=None, help="the model name clients use (default: the file name)")
+    sv.add_argument("--max-queue", type=int, default=128, help="waiting requests before 503 (default 128)")
+    sv.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    sv.add_argument("-q", "--quiet", action="store_true", help="no load messages")
+    _add_placement(sv)
+
     pl = sub.add_parser("pull", help="download a model into the cache")
     pl.add_argument("name", nargs="?", help="model name")
     pl.add_argument("--list", action="store_true", help="list the known models")
@@ -168,7 +187,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.print_help()
         return 0
     try:
-        return {"run": _run, "pull": _pull, "info": _info, "bench": _bench, "fit": _fit}[a.command](a)
+        return {"run": _run, "pull": _pull, "info": _info, "bench": _bench, "fit": _fit,
+                "serve": _serve}[a.command](a)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130
@@ -183,8 +203,6 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _run(a: argparse.Namespace) -> int:
-    from .llm import LLM
-
     if a.n_predict is not None and a.n_predict < 0:
         raise ValueError(f"-n must be >= 0, got {a.n_predict}")
     kw = _sampling_kwargs(a)
@@ -192,18 +210,7 @@ def _run(a: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(max_tokens=a.n_predict, **kw)
-    kw_place = _placement_kwargs(a)
-    margin = kw_place.pop("margin")
-    if a.placement:
-        given = [k for k, v in kw_place.items() if v]
-        if given:
-            raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
-        kw_place = {}
-    t0 = time.perf_counter()
-    llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
-              placement=a.placement, fit_margin=margin, fit_ctx=a.fit_ctx, **kw_place)
-    if not a.quiet:
-        print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    llm = _load(a)
     with llm:
         if a.prompt is None:
             return _interactive(llm, a, kw)
@@ -215,6 +222,45 @@ def _run(a: argparse.Namespace) -> int:
             sys.stdout.write(a.prompt)
             it = llm.generate(a.prompt, stream=True, max_tokens=a.n_predict, **kw)
         _stream(it, a.quiet)
+    return 0
+
+
+def _load(a: argparse.Namespace, **extra):
+    """The LLM the device, placement and fit options of run and serve describe."""
+    from .llm import LLM
+
+    kw_place = _placement_kwargs(a)
+    margin = kw_place.pop("margin")
+    if a.placement:
+        given = [k for k, v in kw_place.items() if v]
+        if given:
+            raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
+        kw_place = {}
+    t0 = time.perf_counter()
+    llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
+              placement=a.placement, fit_margin=margin, fit_ctx=a.fit_ctx, **kw_place, **extra)
+    if not a.quiet:
+        print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
+    return llm
+
+
+def _serve(a: argparse.Namespace) -> int:
+    if a.parallel < 1:
+        raise ValueError(f"--parallel must be >= 1, got {a.parallel}")
+    if a.max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0, got {a.max_queue}")
+    if not 0 <= a.port <= 65535:
+        raise ValueError(f"--port must be in [0, 65535], got {a.port}")
+    try:
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise RuntimeError(f"stowlm serve needs starlette and uvicorn ({e}); pip install starlette uvicorn") from None
+    from .server import serve
+
+    llm = _load(a, n_seq=a.parallel)
+    serve(llm, host=a.host, port=a.port, model_id=a.alias, api_key=a.api_key or os.environ.get("STOWLM_API_KEY"),
+          max_queue=a.max_queue)
     return 0
 
 

@@ -63,7 +63,8 @@ class LLM:
         micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
     n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()
         may then be called from several threads, and generate_batch() runs many prompts together;
-        each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells).
+        each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells;
+        n_ctx defaults to n_seq x min(4096, trained)).
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -87,7 +88,7 @@ class LLM:
             if given:
                 raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
             self.placement = placement
-        elif fit or (fit is None and _wants_fit(self.path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe,
+        elif fit or (fit is None and _wants_fit(self.path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq,
                                                 fit_margin)):
             self.placement = fitting.fit(self.path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
                                          layer_split=layer_split, tensor_overrides=tensor_overrides,
@@ -120,15 +121,25 @@ class LLM:
             n_ubatch = n_ubatch or 512
             # Generation needs one row of logits; a few rows keep logits() reasonably batched while
             # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
-            self.ctx = Context(self.model, n_ctx=slot_context(_default_ctx(self.model.n_ctx_train, n_ctx), n_seq),
+            self.ctx = Context(self.model, n_ctx=slot_context(_default_ctx(self.model.n_ctx_train, n_ctx, n_seq), n_seq),
                                n_ubatch=n_ubatch, n_seq=n_seq,
                                kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
         self._engine = None
         if self.ctx.n_seq > 1:
+            self.engine()
+
+    def engine(self, max_queue: Optional[int] = None):
+        """The continuous-batching engine serving this LLM's context (made on first use; from then
+        on generate() and chat() go through it too)."""
+        if self._engine is None:
             from .batching import BatchEngine
 
-            self._engine = BatchEngine(self)
+            self._cached = []
+            self._engine = BatchEngine(self, **({} if max_queue is None else {"max_queue": max_queue}))
+        elif max_queue is not None:
+            self._engine.max_queue = max_queue
+        return self._engine
 
     # -- tokens -----------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True, parse_special: bool = False) -> List[int]:
@@ -189,10 +200,13 @@ class LLM:
     def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs):
         """Answer a conversation rendered with the model's chat template (GGUF
         ``tokenizer.chat_template``). Same sampling options as generate()."""
+        return self.generate(self.chat_tokens(messages), stream=stream, **kwargs)
+
+    def chat_tokens(self, messages: Sequence[Mapping[str, str]]) -> List[int]:
+        """The prompt tokens of a conversation, rendered with the chat template."""
         if self._template is None:
             raise ValueError(self._template_error)
-        tokens = self._template.encode(self.tokenizer, messages, add_generation_prompt=True)
-        return self.generate(tokens, stream=stream, **kwargs)
+        return self._template.encode(self.tokenizer, messages, add_generation_prompt=True)
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -313,19 +327,21 @@ class _Generation:
         self.completion = Completion("".join(text), finish, len(self.prompt), len(out_tokens), out_tokens)
 
 
-def _default_ctx(n_ctx_train: int, n_ctx: Optional[int]) -> int:
-    return min(4096, n_ctx_train) if n_ctx is None else n_ctx
+def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:
+    """n_ctx, or min(4096, trained) for each of n_seq sequences."""
+    return n_seq * min(4096, n_ctx_train) if n_ctx is None else n_ctx
 
 
-def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, margin) -> bool:
+def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin) -> bool:
     """Several devices, an expert spill asked for, or a model that does not fit the one device."""
     specs = parse_devices(devices)
     if len(specs) > 1 or cpu_moe or n_cpu_moe is not None:
         return True
     n_ubatch = n_ubatch or 512
     projector = _core.engine.Projector(os.fspath(path))
-    return not fitting.fits_one_device(projector, specs[0], _default_ctx(projector.n_ctx_train, n_ctx), n_ubatch,
-                                       kv_type or "f16", min(n_ubatch, LOGIT_ROWS), margin)
+    n_ctx = slot_context(_default_ctx(projector.n_ctx_train, n_ctx, n_seq), n_seq)
+    return not fitting.fits_one_device(projector, specs[0], n_ctx, n_ubatch, kv_type or "f16", min(n_ubatch, LOGIT_ROWS),
+                                       margin, n_seq)
 
 
 class _Served:

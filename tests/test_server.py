@@ -1,0 +1,317 @@
+"""`stowlm serve` over HTTP with the official openai client.
+
+The server runs as a subprocess on 127.0.0.1 (a free port). Oracles: the same model in-process
+(an LLM with the server's slots and context gives bit-identical greedy text), the server's own
+answers one at a time against concurrent ones, the tokenizer's counts, and log-probabilities from
+the in-process logits."""
+import concurrent.futures as cf
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+httpx = pytest.importorskip("httpx")
+
+import stowlm  # noqa: E402
+
+from conftest import REPO, get_model  # noqa: E402
+
+KEY = "test-key-123"
+PARALLEL, N_CTX = 4, 4 * 512
+
+
+def _start(*args):
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("STOWLM_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "stowlm", "serve", str(get_model("smollm2-135m")), "--port", "0",
+                             "-q", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.time() + 120
+    lines = []
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if m:
+            # keep draining stderr so the server never blocks on a full pipe
+            rest = []
+            threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True).start()
+            proc.rest_of_stderr = rest
+            return proc, int(m.group(1))
+    proc.kill()
+    raise RuntimeError("the server did not start:\n" + "".join(lines))
+
+
+def _stop(proc):
+    proc.send_signal(signal.SIGINT)  # Ctrl-C
+    try:
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, port = _start("--parallel", str(PARALLEL), "-c", str(N_CTX), "--api-key", KEY)
+    yield port
+    rc = _stop(proc)
+    time.sleep(0.2)
+    err = "".join(getattr(proc, "rest_of_stderr", []))
+    assert rc == 0 and "Traceback" not in err, err  # Ctrl-C stops it cleanly
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def local():
+    """The same model in-process with the server's slots and context: the same numbers."""
+    with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=N_CTX, n_seq=PARALLEL, progress=False) as llm:
+        yield llm
+
+
+MODEL = "smollm2-135m"
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three fruits."}]
+
+
+def test_models_and_health(client, server):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL]
+    r = httpx.get(f"http://127.0.0.1:{server}/health")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+
+
+def test_chat_matches_the_in_process_model_streamed_and_not(client, local):
+    want = local.chat(CHAT, max_tokens=24, temperature=0)
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=24, temperature=0)
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == want.text
+    assert c.finish_reason == want.finish_reason
+    assert r.usage.prompt_tokens == len(local.chat_tokens(CHAT)) == want.prompt_tokens
+    assert r.usage.completion_tokens == want.completion_tokens
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    # streamed: the deltas add up to the same text, the last chunk says why, then usage
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_completion_tokens=24, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == want.text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == [want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == want.completion_tokens
+
+
+def test_completions_match_streamed_and_not(client, local):
+    prompt = "The capital of France is"
+    want = local.generate(prompt, max_tokens=12, temperature=0)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0)
+    assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (len(local.tokenize(prompt)), 12)
+    s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == want.text
+    # token ids as the prompt, and several prompts at once
+    ids = local.tokenize(prompt)
+    r2 = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert r2.choices[0].text == want.text
+    r3 = client.completions.create(model=MODEL, prompt=[prompt, "Once upon a time"], max_tokens=6, temperature=0)
+    assert [c.index for c in r3.choices] == [0, 1] and r3.choices[0].text == want.text[:len(r3.choices[0].text)]
+
+
+def test_stop_strings_end_the_text(client, local):
+    prompt = "Count: 1, 2, 3, 4,"
+    full = local.generate(prompt, max_tokens=16, temperature=0).text
+    assert " 6" in full
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=[" 6", "zzz"])
+    assert r.choices[0].text == full[:full.index(" 6")] and r.choices[0].finish_reason == "stop"
+    s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, temperature=0, stop=" 6", stream=True)
+    assert "".join(ch.choices[0].text for ch in s) == full[:full.index(" 6")]
+
+
+def test_logprobs_are_the_model_log_softmax(client, local):
+    prompt = "The capital of France is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    ids = local.tokenize(prompt)
+    ctx = stowlm.Context(local.model, n_ctx=512)
+    x = ctx.eval(ids).astype(np.float64)
+    ref = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+    best = int(ref.argmax())
+    assert lp.tokens[0] == local.detokenize([best])
+    assert abs(lp.token_logprobs[0] - ref[best]) < 0.02
+    assert len(lp.top_logprobs[0]) == 3 and max(lp.top_logprobs[0].values()) == lp.token_logprobs[0]
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])]
+    c = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = c.choices[0].logprobs.content
+    assert len(content) == c.usage.completion_tokens - (c.choices[0].finish_reason == "stop")
+    for e in content:
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == e.logprob <= 0
+        assert bytes(e.bytes).decode("utf-8") == e.token
+    assert "".join(e.token for e in content) == c.choices[0].message.content
+
+
+def test_seed_penalties_and_bias_are_applied(client, local):
+    kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=7)
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text  # same seed, same text
+    greedy = local.generate("My favourite animal is", max_tokens=1, temperature=0)
+    ban = {str(greedy.tokens[0]): -100}
+    r = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=1, temperature=0,
+                                  logit_bias=ban)
+    assert r.choices[0].text != greedy.text
+    pen = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3, 4,", max_tokens=16, temperature=0,
+                                    frequency_penalty=2.0, presence_penalty=2.0)
+    want = local.generate("Count: 1, 2, 3, 4,", max_tokens=16, temperature=0, frequency_penalty=2.0,
+                          presence_penalty=2.0)
+    assert pen.choices[0].text == want.text
+
+
+def test_concurrent_requests_give_the_same_greedy_text(client):
+    prompts = ["The capital of France is", "Once upon a time", "def fib(n):", "The three primary colors are",
+               "In 1492,", "Water boils at", "My name is", "The best way to learn"]
+
+    def ask(p):
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=20, temperature=0).choices[0].text
+
+    alone = [ask(p) for p in prompts]
+    with cf.ThreadPoolExecutor(8) as ex:
+        together = list(ex.map(ask, prompts + prompts[::-1]))
+    assert together == alone + alone[::-1]
+
+
+def test_errors_have_openai_shapes(client, server):
+    bad_key = openai.OpenAI(base_url=f"http://127.0.0.1:{server}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad_key.models.list()
+    r = httpx.post(f"http://127.0.0.1:{server}/v1/completions", json={"prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
+    assert e.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="hello " * 700, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and "512" in e.value.message and "701" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt="x", temperature="hot")
+    assert e.value.body["param"] == "temperature"
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(f"http://127.0.0.1:{server}/v1/chat/completions", content=b"{not json", headers=h)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.get(f"http://127.0.0.1:{server}/v1/nothing", headers=h)
+    assert r.status_code == 404 and "error" in r.json()
+    r = httpx.get(f"http://127.0.0.1:{server}/v1/chat/completions", headers=h)
+    assert r.status_code == 405
+
+
+def _malformed(rng: random.Random) -> bytes:
+    good = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+    junk = [None, True, -1, 0, 2 ** 70, 1e308, -3.5, "x", "", [], [None], {}, {"a": 1}, [1, "a"], [[1, 2], "b"],
+            [-5], [10 ** 9], "\u0000", {"role": "user"}]
+    fields = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stop", "seed",
+              "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "stream",
+              "stream_options", "model", "echo"]
+    kind = rng.randrange(6)
+    if kind == 0:  # not JSON at all
+        return bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+    if kind == 1:  # JSON, not an object
+        return json.dumps(rng.choice([[1, 2], "text", 3, None, True])).encode()
+    if kind == 2:  # truncated JSON
+        s = json.dumps(good)
+        return s[:rng.randrange(1, len(s) - 1)].encode()
+    body = dict(good)
+    for _ in range(rng.randrange(1, 4)):
+        body[rng.choice(fields)] = rng.choice(junk)
+    if kind == 3:
+        body["max_tokens"] = rng.choice(["10", 0, -4, 2.5, [1], True])
+    if kind == 4:
+        body["messages"] = rng.choice([[], "hi", [{"role": "wizard", "content": "x"}], [{"content": "x"}],
+                                       [{"role": "user", "content": [{"type": "image_url"}]}], [1]])
+        body["prompt"] = rng.choice([[], [-1], "", [[], []], 5])
+    if kind == 5:
+        body["logit_bias"] = rng.choice([{"abc": 1}, {"1": 500}, {"99999999": 1}, [1], {"1": "x"}])
+    return json.dumps(body).encode()
+
+
+def test_malformed_bodies_get_4xx_and_the_server_keeps_serving(client, server):
+    rng = random.Random(1234)
+    h = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+    statuses = []
+    with httpx.Client(timeout=60) as c:
+        for i in range(200):
+            path = "/v1/chat/completions" if i % 2 else "/v1/completions"
+            body = _malformed(rng)
+            r = c.post(f"http://127.0.0.1:{server}{path}", content=body, headers=h)
+            if r.status_code == 200:  # junk that happened to be valid: it must really have answered
+                assert "choices" in r.json(), body
+                continue
+            statuses.append(r.status_code)
+            assert 400 <= r.status_code < 500, (body, r.status_code, r.text)
+            assert isinstance(r.json()["error"]["message"], str)
+    assert len(statuses) >= 150
+    assert client.completions.create(model=MODEL, prompt="Hello", max_tokens=2, temperature=0).usage.completion_tokens == 2
+
+
+def _metric(server, name):
+    text = httpx.get(f"http://127.0.0.1:{server}/metrics", headers={"Authorization": f"Bearer {KEY}"}).text
+    m = re.search(rf"^stowlm_{name} (\S+)$", text, re.M)
+    return float(m.group(1))
+
+
+def test_metrics_and_a_disconnect_frees_the_slot(client, server):
+    before = _metric(server, "completion_tokens_total")
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=3, temperature=0)
+    assert _metric(server, "completion_tokens_total") == before + 3
+    assert _metric(server, "slots") == PARALLEL and _metric(server, "queue_length") == 0
+    # a stream left after two chunks: its slot is free again at once
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.Client(timeout=60) as c:
+        with c.stream("POST", f"http://127.0.0.1:{server}/v1/completions", headers=h,
+                      json={"prompt": "Once upon a time", "max_tokens": 400, "stream": True, "temperature": 0}) as r:
+            got = 0
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    got += 1
+                    if got == 2:
+                        assert _metric(server, "slots_busy") == 1
+                        break
+    deadline = time.time() + 10
+    while _metric(server, "slots_busy") != 0 and time.time() < deadline:
+        time.sleep(0.1)
+    assert _metric(server, "slots_busy") == 0
+    assert _metric(server, "completion_tokens_total") < before + 3 + 400
+
+
+def test_a_full_queue_answers_503():
+    proc, port = _start("--parallel", "1", "--max-queue", "0", "-c", "512")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        s = c.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=300, temperature=0, stream=True)
+        next(iter(s))  # the only slot is busy
+        with pytest.raises(openai.APIStatusError) as e:
+            c.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        assert e.value.status_code == 503 and e.value.body["code"] == "server_busy"
+        s.close()
+        deadline = time.time() + 10
+        while True:  # once the stream is gone the server answers again
+            try:
+                assert c.completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage.completion_tokens == 1
+                break
+            except openai.APIStatusError:
+                assert time.time() < deadline
+                time.sleep(0.1)
+    finally:
+        assert _stop(proc) == 0
