@@ -225,7 +225,8 @@ def test_batch_result_independent_of_position(isa, restore_isa):
 # (Q8_0 with Q4_K, MXFP4 with IQ2_XXS: the one-at-a-time fallback).
 MULTI_GROUPS = [[("Q4_1", 131), ("Q4_1", 33), ("Q4_1", 7)], [("Q4_K", 33), ("Q6_K", 131)],
                 [("Q8_0", 33), ("Q4_K", 7)], [("Q5_0", 9), ("Q8_0", 33), ("Q5_0", 1), ("Q4_0", 131)],
-                [("IQ2_XXS", 33), ("IQ3_S", 131), ("IQ1_M", 7)], [("MXFP4", 33), ("IQ2_XXS", 7)]]
+                [("IQ2_XXS", 33), ("IQ3_S", 131), ("IQ1_M", 7)], [("IQ2_XS", 9), ("IQ2_S", 33), ("IQ3_XXS", 131), ("IQ1_S", 7)],
+                [("MXFP4", 33), ("IQ2_XXS", 7)]]
 
 
 @pytest.mark.parametrize("isa", ISAS)
