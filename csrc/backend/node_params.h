@@ -31,6 +31,7 @@ inline cpu::AttnParams attn_params(const Tensor& n) {
     p.q_seq = n.src[8] ? (const int32_t*)n.src[8]->data : nullptr;
     p.kv_seq = n.src[9] ? (const int32_t*)n.src[9]->data : nullptr;
     p.split_cells = n.iparams[1];
+    p.seq_cells = n.iparams[2];
     return p;
 }
 

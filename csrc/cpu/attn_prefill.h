@@ -25,6 +25,7 @@ struct PrefillArgs {
     const float* sinks;  // per query head, or null
     const int32_t* q_seq;   // sequence per query token, or null (one sequence)
     const int32_t* kv_seq;  // sequence per cell
+    int64_t seq_cells = 0;  // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells)
     float* out;
     int64_t ld_out;
 };

@@ -113,7 +113,16 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
     const unsigned char* vb0 = a.v + g * a.rb_v;
     const __m512i cell_off = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                                 _mm512_set1_epi32((int)a.k_cell_bytes));
-    for (int64_t jb = 0; jb < a.n_kv; jb += BK) {
+    // with sequence regions, the cells the tile's tokens can see lie in [lo, hi)
+    int64_t lo = 0, hi = a.n_kv;
+    if (a.q_seq && a.seq_cells > 0) {
+        lo = INT64_MAX, hi = 0;
+        for (int t = 0; t < nt; t++) {
+            lo = std::min<int64_t>(lo, (int64_t)a.q_seq[t0 + t] * a.seq_cells);
+            hi = std::max<int64_t>(hi, ((int64_t)a.q_seq[t0 + t] + 1) * a.seq_cells);
+        }
+    }
+    for (int64_t jb = lo / BK * BK; jb < std::min(hi, a.n_kv); jb += BK) {
         const int nb = (int)std::min<int64_t>(BK, a.n_kv - jb);
         // visibility per token: kp >= 0, causal kp <= qp, window qp - kp < window
         uint64_t any = 0;

@@ -45,6 +45,9 @@ struct AttnParams {
     // > 0: the cells are cut into splits of this many, merged in order, whatever the batch, so a
     // query's result does not depend on the others (a context serving several sequences).
     int32_t split_cells = 0;
+    // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells) (KVCache regions), so
+    // the kernels skip the KV blocks of other sequences without looking at them.
+    int32_t seq_cells = 0;
 };
 
 // Where the keys and values of the visible cells are: cells of kv_type (F16 or Q8_0), cell j

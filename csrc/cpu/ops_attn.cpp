@@ -122,7 +122,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         a.k_cell_bytes = kv.k_cell_bytes, a.v_cell_bytes = kv.v_cell_bytes, a.rb_k = rb_k, a.rb_v = rb_v;
         a.n_kv = n_kv, a.q_pos = q_pos, a.kv_pos = kv_pos;
         a.scale = p.scale, a.softcap = p.softcap, a.window = p.window, a.causal = p.causal, a.sinks = p.sinks;
-        a.q_seq = p.q_seq, a.kv_seq = p.kv_seq;
+        a.q_seq = p.q_seq, a.kv_seq = p.kv_seq, a.seq_cells = p.q_seq ? p.seq_cells : 0;
         a.out = out, a.ld_out = ld_out;
         const int64_t tq = kPrefillRows / n_rep, n_ptiles = cdiv(n_tok, tq);
         // the last tiles first: under a causal mask they see the most cells
@@ -174,9 +174,17 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
 
         const unsigned char* kbase = (const unsigned char*)kv.k + g * rb_k;
         const unsigned char* vbase = (const unsigned char*)kv.v + g * rb_v;
+        // with sequence regions, each token's cells are [lo, hi): other blocks are skipped unseen
+        int64_t lo[kTokTile], hi[kTokTile];
+        for (int64_t t = t0; t < t1; t++) {
+            const int64_t r = p.q_seq ? p.seq_cells : 0;
+            lo[t - t0] = r ? (int64_t)p.q_seq[t] * r : 0;
+            hi[t - t0] = r ? lo[t - t0] + r : n_kv;
+        }
         for (int64_t jb = j_begin; jb < j_end; jb += kKvBlock) {
             const int64_t je = std::min(j_end, jb + kKvBlock);
             for (int64_t t = t0; t < t1; t++) {
+                if (jb >= hi[t - t0] || je <= lo[t - t0]) continue;
                 const int32_t qp = q_pos[t];
                 int nv = 0;
                 for (int64_t j = jb; j < je; j++) {

@@ -81,6 +81,7 @@ struct AttnMask {
     Tensor* q_seq = nullptr;
     Tensor* kv_seq = nullptr;
     int32_t split_cells = 0;
+    int32_t seq_cells = 0;  // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells)
 };
 Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& mask, Tensor* k_stored,
                    Tensor* v_stored, float scale, float softcap, int32_t window, Tensor* sinks = nullptr);
