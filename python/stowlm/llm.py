@@ -191,8 +191,15 @@ class LLM:
         sampling options as generate() for all. Greedy text is the same as one at a time."""
         if self._engine is None:
             return [self.generate(p, **kwargs) for p in prompts]
-        runs = [self.generate(p, stream=True, **kwargs) for p in prompts]
-        for r in runs:
+        cap = self._engine.n_seq + self._engine.max_queue  # never more in flight than the queue takes
+        runs, done = [], 0
+        for p in prompts:
+            if len(runs) - done >= cap:
+                for _ in runs[done]:
+                    pass
+                done += 1
+            runs.append(self.generate(p, stream=True, **kwargs))
+        for r in runs[done:]:
             for _ in r:
                 pass
         return [r.completion for r in runs]

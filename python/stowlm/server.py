@@ -17,6 +17,7 @@ import math
 import os
 import socket
 import sys
+import threading
 import time
 import uuid
 from typing import Any, Dict, List, Mapping, Optional, Tuple
@@ -202,21 +203,42 @@ class _Metrics:
         self.http[key] = self.http.get(key, 0) + 1
 
 
+class _Mailbox:
+    """Events from the engine thread to the event loop: appended under a lock, delivered by one
+    callback per batch (a decode step's events wake the loop once, not once per request)."""
+
+    def __init__(self, loop):
+        self.loop = loop
+        self.lock = threading.Lock()
+        self.items: List[tuple] = []
+
+    def post(self, q: asyncio.Queue, ev: Event) -> None:
+        with self.lock:
+            self.items.append((q, ev))
+            if len(self.items) > 1:
+                return  # a delivery is already scheduled
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is waiting
+            pass
+
+    def _deliver(self) -> None:
+        with self.lock:
+            items, self.items = self.items, []
+        for q, ev in items:
+            q.put_nowait(ev)
+
+
 class _Run:
     """One submitted request: its events, moved from the engine thread onto the event loop."""
 
-    def __init__(self, engine, loop, tokens: List[int], params: SamplingParams, logprobs: Optional[int]):
+    def __init__(self, engine, mailbox: _Mailbox, tokens: List[int], params: SamplingParams,
+                 logprobs: Optional[int]):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
         self.engine = engine
-
-        def post(ev: Event, loop=loop, q=self.queue):
-            try:
-                loop.call_soon_threadsafe(q.put_nowait, ev)
-            except RuntimeError:  # the loop is gone (shutdown): nobody is waiting
-                pass
-
-        self.req = engine.submit(tokens, params, post, logprobs)
+        q = self.queue
+        self.req = engine.submit(tokens, params, lambda ev: mailbox.post(q, ev), logprobs)
 
     async def next(self) -> Event:
         ev = await self.queue.get()
@@ -284,9 +306,18 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
                                 f"{len(tokens)} tokens (and at least one must be generated).",
                            param="messages", code="context_length_exceeded")
 
+    boxes: Dict[int, _Mailbox] = {}
+
+    def mailbox() -> _Mailbox:
+        loop = asyncio.get_running_loop()
+        box = boxes.get(id(loop))
+        if box is None or box.loop is not loop:
+            box = boxes[id(loop)] = _Mailbox(loop)
+        return box
+
     def submit(tokens: List[int], params: SamplingParams, logprobs: Optional[int]) -> _Run:
         try:
-            return _Run(engine, asyncio.get_running_loop(), tokens, params, logprobs)
+            return _Run(engine, mailbox(), tokens, params, logprobs)
         except QueueFull as e:
             raise APIError(503, f"The server is busy: {e}. Retry later.", type_="server_error",
                            code="server_busy") from None
@@ -583,6 +614,9 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8080, model_id: Optional[str
     import uvicorn
 
     app = make_app(llm, model_id=model_id, api_key=api_key, max_queue=max_queue)
+    # The engine thread takes the GIL back after each forward pass: a short switch interval keeps it
+    # from waiting out the event loop's 5 ms default slice.
+    sys.setswitchinterval(float(os.environ.get("STOWLM_SWITCH_INTERVAL", "0.0005")))
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
