@@ -13,7 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 SHARED = Path(os.environ.get("STOWLM_SHARED", REPO.parent / "shared"))
 FIXTURES = SHARED / "fixtures"
 DENSE_MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
-MOE_MODELS = ["smollm2-moe", "qwen3moe-tiny"]
+ARCH_MODELS = ["gptoss-tiny", "deepseek2-tiny", "glm4moe-tiny"]  # the big-MoE architectures in small
+MOE_MODELS = ["smollm2-moe", "qwen3moe-tiny"] + ARCH_MODELS
 # Test models the shared tools write (deterministic: ../shared/models.md lists their sha256). A
 # cached file of an older version of a tool is made again.
 GENERATED = {

@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 
 import stowlm
-from conftest import load_fixture
+from conftest import ARCH_MODELS, load_fixture
 from float_reference import float_model
 from stowlm.engine import plan
 from test_models import TIE, compare, tie_band
 
-ARCH_MODELS = ["gptoss-tiny", "deepseek2-tiny", "glm4moe-tiny"]
 N_CTX = 256
 GREEDY_MIN = 16
 EXPERTS = r"blk\.[0-9]+\.ffn_.*_exps=cpu:1"
