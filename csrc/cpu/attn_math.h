@@ -23,8 +23,10 @@ HOST_DEVICE float rope_theta(int pos, int i, int n_rot, float freq_base, float f
 // YaRN (llama.cpp's ggml rope_yarn): the dims between corr_lo and corr_hi blend interpolated
 // (theta * freq_scale) and extrapolated angles, and cos/sin are scaled by mscale, times
 // 1 + 0.1 ln(1/freq_scale) when ext_factor != 0. i is the pair index (ggml's i0 / 2).
-HOST_DEVICE void rope_yarn(float theta_extrap, float freq_scale, float corr_lo, float corr_hi, int i, float ext_factor,
-                           float mscale, float* cos_out, float* sin_out) {
+// rope_yarn_angle gives the blended angle and the cos/sin magnitude; rope_yarn their cos and sin
+// (the CUDA kernel reduces the angle itself before its fast sincos, then scales by *mscale_out).
+HOST_DEVICE void rope_yarn_angle(float theta_extrap, float freq_scale, float corr_lo, float corr_hi, int i,
+                                 float ext_factor, float mscale, float* theta_out, float* mscale_out) {
     const float theta_interp = freq_scale * theta_extrap;
     float theta = theta_interp;
     if (ext_factor != 0.0f) {
@@ -33,8 +35,36 @@ HOST_DEVICE void rope_yarn(float theta_extrap, float freq_scale, float corr_lo, 
         theta = theta_interp * (1.0f - ramp_mix) + theta_extrap * ramp_mix;
         mscale *= 1.0f + 0.1f * logf(1.0f / freq_scale);
     }
-    *cos_out = cosf(theta) * mscale;
-    *sin_out = sinf(theta) * mscale;
+    *theta_out = theta;
+    *mscale_out = mscale;
+}
+HOST_DEVICE void rope_yarn(float theta_extrap, float freq_scale, float corr_lo, float corr_hi, int i, float ext_factor,
+                           float mscale, float* cos_out, float* sin_out) {
+    float theta, m;
+    rope_yarn_angle(theta_extrap, freq_scale, corr_lo, corr_hi, i, ext_factor, mscale, &theta, &m);
+    *cos_out = cosf(theta) * m;
+    *sin_out = sinf(theta) * m;
+}
+// Whether RoPE parameters ask for YaRN (otherwise plain RoPE): the CPU table's rule.
+HOST_DEVICE bool rope_is_yarn(float ext_factor, float attn_factor) { return ext_factor != 0.0f || attn_factor != 1.0f; }
+
+// The angle of pair i at position pos and the magnitude of its cos/sin, as the CUDA rope kernel
+// takes them: rope_theta (magnitude 1), or with yarn the CPU table's rope_yarn_angle of
+// pos * rope_inv_freq (corr_lo / corr_hi from rope_yarn_corr_dims).
+struct RopeAngleParams {
+    int n_rot = 0;
+    float freq_base = 10000, freq_scale = 1;
+    bool yarn = false;
+    float ext_factor = 0, attn_factor = 1, corr_lo = 0, corr_hi = 0;
+};
+HOST_DEVICE void rope_pair_angle(int pos, int i, const RopeAngleParams& p, float* theta, float* mscale) {
+    if (p.yarn) {
+        rope_yarn_angle((float)pos * rope_inv_freq(i, p.n_rot, p.freq_base), p.freq_scale, p.corr_lo, p.corr_hi, i,
+                        p.ext_factor, p.attn_factor, theta, mscale);
+    } else {
+        *theta = rope_theta(pos, i, p.n_rot, p.freq_base, p.freq_scale);
+        *mscale = 1.0f;
+    }
 }
 
 // The first and last dims YaRN corrects (ggml_rope_yarn_corr_dims): where a pair's wavelength
@@ -89,6 +119,33 @@ HOST_DEVICE float attn_sink(float& m, float& l, float sink) {
     const float f = online_softmax_rescale(m, l, sink);
     l += expf(sink - m);
     return f;
+}
+
+// Split attention state (m, l, acc) folded in order, as the CUDA kernels merge fixed KV splits:
+// the state by online_softmax_merge, each accumulator by one explicit fused multiply-add, so a
+// kernel that folds the splits in one block and one that folds the same partials after a
+// second launch get the same bits (no contraction left to the compiler).
+HOST_DEVICE float attn_fold_acc(float acc, float fa, float part, float fb) { return fmaf(acc, fa, part * fb); }
+
+// The factor a query's accumulated values are multiplied by at the end: the sink (when
+// has_sink) joins the denominator, then 1 / l, or 0 when nothing (not even a sink) was seen.
+HOST_DEVICE float attn_out_scale(float m, float l, bool has_sink, float sink) {
+    float f = 1.0f;
+    if (has_sink) f = attn_sink(m, l, sink);
+    return l > 0.0f ? f * (1.0f / l) : 0.0f;
+}
+
+// The KV cells [*lo, *hi) query sequence q_seq may see when each sequence owns a region of
+// seq_cells cells (seq_cells 0: all n_kv); clipped to n_kv.
+HOST_DEVICE void attn_seq_region(int32_t q_seq, int32_t seq_cells, int64_t n_kv, int64_t* lo, int64_t* hi) {
+    if (seq_cells > 0) {
+        const int64_t a = (int64_t)q_seq * seq_cells, b = a + seq_cells;
+        *lo = a < n_kv ? a : n_kv;
+        *hi = b < n_kv ? b : n_kv;
+    } else {
+        *lo = 0;
+        *hi = n_kv;
+    }
 }
 
 HOST_DEVICE float apply_softcap(float x, float cap) { return cap * tanhf(x / cap); }
