@@ -14,6 +14,7 @@
 #include <mutex>
 #include <string>
 
+#include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "moe_router.h"
 #include "quant/types.h"
@@ -108,11 +109,18 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
 void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterParams& p, int32_t* ids,
                  float* weights, Stream s);
 
-// The graph's TOP_K and MOE_WEIGHTS ops (cpu/moe.h semantics) through the HOST_DEVICE
-// router_top_ids / moe_gate_weights of moe_router.h, one thread per row.
-void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, Stream s);
+// The graph's TOP_K and MOE_WEIGHTS ops (cpu/moe.h semantics, bias and sinks as device
+// pointers) through the HOST_DEVICE expert_select / moe_gate_weights_any of moe_select.h, one
+// thread per row (plain selection) or one warp (scores in shared memory). Expert groups: at most
+// kMaxExpertGroups; gated, biased or grouped scores: at most kTopKMaxScored experts.
+constexpr int64_t kTopKMaxScored = 8192;
+void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream s);
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
-                 bool sigmoid_gate, bool normalize, float scale, float* w, Stream s);
+                 cpu::Gating gating, bool normalize, float scale, float* w, Stream s);
+// As cpu::add_id (in place): x[(t*k + j) * d + c] += bias[ids[t*k + j] * d + c]; the ids are on
+// the device, so an id outside [0, n_expert) cannot be reported: that slot is left as it is.
+void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,
+            Stream s);
 
 size_t moe_scratch_bytes(const DeviceWeight& expert0, int n_expert, int64_t n_act_rows, int64_t n_slots);
 // Expert products for n_tok tokens routed to k experts each (ids [n_tok][k], every id in
@@ -127,27 +135,45 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
 
 // ---- attention (flash_attn.cu) ----------------------------------------------------------
 
-// Largest head_dim the attention kernel takes.
-constexpr int kFlashAttnMaxHeadDim = 256;
+// Largest K and V head widths the attention kernel takes (multi-head latent attention's
+// absorbed 512 + 64 keys and 512 values included).
+constexpr int kFlashAttnMaxHeadDimK = 576;
+constexpr int kFlashAttnMaxHeadDimV = 512;
 // Scratch for the split-KV partials (0 when n_split is 1): per query row and head, n_split
-// partials of (m, l, acc[head_dim]).
-inline size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t head_dim, int n_split) {
-    return n_split > 1 ? (size_t)(n_tok * n_head) * (size_t)n_split * (size_t)(head_dim + 2) * sizeof(float) : 0;
+// partials of (m, l, acc[hd_v]).
+inline size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_split) {
+    return n_split > 1 ? (size_t)(n_tok * n_head) * (size_t)n_split * (size_t)(hd_v + 2) * sizeof(float) : 0;
 }
-// How many KV splits the launcher picks for this shape on a device with sm_count SMs: enough
-// blocks to fill the device twice, but no split under 256 cells. (Host arithmetic, inline so the
-// engine's emulated-device test plans exactly as the GPU build does.)
-inline int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count) {
+// Fixed splits (AttnParams::split_cells > 0, contexts of several sequences): the splits of n_kv
+// cells, every one starting at a multiple of split_cells.
+inline int64_t flash_attn_fixed_splits(int64_t n_kv, int32_t split_cells) {
+    return std::max<int64_t>(1, (n_kv + split_cells - 1) / split_cells);
+}
+// How many KV splits the launcher runs in blocks of their own for this shape on a device with
+// sm_count SMs. Free splits (split_cells 0): enough blocks to fill the device twice, but no split
+// under 256 cells. Fixed splits: all of them when the (token, head) blocks alone leave the device
+// idle, else 1 (each block folds the fixed splits in order itself: the same bits). (Host
+// arithmetic, inline so the engine's emulated-device test plans exactly as the GPU build does.)
+inline int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, int sm_count, int32_t split_cells = 0) {
     const int64_t blocks = n_tok * n_head;
+    if (split_cells > 0) {
+        const int64_t nf = flash_attn_fixed_splits(n_kv, split_cells);
+        return blocks > 0 && blocks < 2 * (int64_t)sm_count && nf <= 65535 ? (int)nf : 1;
+    }
     if (blocks <= 0 || n_kv < 512 || blocks >= 2 * (int64_t)sm_count) return 1;
     int64_t n = (2 * (int64_t)sm_count + blocks - 1) / blocks;
     n = std::min<int64_t>(n, n_kv / 256);
     return (int)std::max<int64_t>(1, std::min<int64_t>(n, 64));
 }
-// As cpu::flash_attn with F16 K/V; n_split > 1 runs the split-KV variant (each split a
-// partial (m, l, acc), combined by a second kernel) and needs scratch.
-void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
-                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+// As cpu::flash_attn (F16 or Q8_0 cells; K and V of their own widths and strides; sinks, q_seq,
+// kv_seq device pointers). Free splits (p.split_cells 0): n_split > 1 cuts the cells into n_split
+// equal ranges, one block each writing a partial (m, l, acc) that a second kernel merges in
+// order. Fixed splits (p.split_cells > 0): the cells are cut at multiples of split_cells whatever
+// the batch; n_split > 1 (it must then be flash_attn_fixed_splits) runs each in a block of its
+// own, n_split 1 folds them in order in one block per (token, head): the same bits either way, so
+// a query's result depends on its own cells only. With p.seq_cells > 0 a query reads only its
+// sequence's region. Scratch: flash_attn_scratch_bytes(n_tok, n_head, hd_v, n_split).
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
                 int n_split, void* scratch, Stream s);
 
@@ -158,8 +184,16 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
               const int32_t* ids_host, int64_t n_ids, float* out, int64_t ld_out, Stream s);
 void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
               int64_t ldy, Stream s);
+// Plain RoPE or YaRN (p.ext_factor / p.attn_factor, attn_math.h rope_yarn_angle).
 void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
           const cpu::RopeParams& p, Stream s);
+// As cpu::cont: a strided F32 tensor (rows contiguous, byte strides nb) into a contiguous one.
+void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, Stream s);
+// As cpu::concat: each out row is a's row then b's row.
+void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const float* b, int64_t b_ne0,
+            const size_t b_nb[4], float* out, Stream s);
+// As cpu::swiglu_oai over n contiguous elements (attn_math.h swiglu_oai).
+void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream s);
 // y[r, :] = softmax(x[r, :] * scale)
 void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float scale, float* y, int64_t ldy, Stream s);
 void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,

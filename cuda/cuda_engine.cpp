@@ -17,6 +17,7 @@
 #include "cpu/moe.h"
 #include "cuda_backend.h"
 #include "error.h"
+#include "moe_select.h"
 
 namespace stowlm {
 
@@ -35,7 +36,9 @@ bool is_kernel_qtype(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
         case QType::IQ4_NL: case QType::Q2_K: case QType::Q3_K: case QType::Q4_K: case QType::Q5_K:
-        case QType::Q6_K: case QType::Q8_K: case QType::IQ4_XS:
+        case QType::Q6_K: case QType::Q8_K: case QType::IQ4_XS: case QType::MXFP4: case QType::IQ1_S:
+        case QType::IQ1_M: case QType::IQ2_XXS: case QType::IQ2_XS: case QType::IQ2_S: case QType::IQ3_XXS:
+        case QType::IQ3_S:
             return true;
         default:
             return false;
@@ -140,11 +143,13 @@ public:
             }
             case Op::FLASH_ATTN: {
                 // The plan is made on the largest graph, but a smaller one (decoding) may split
-                // the KV range more: the launcher's choice keeps n_tok * n_head * n_split below
-                // 4 * sm_count whenever it splits (it aims at two blocks per SM), so that bounds
-                // the partials of every shape this node takes.
-                const int64_t hd = a->ne[0];
-                const size_t any_shape = (size_t)4 * dev_->sm_count() * (size_t)(hd + 2) * sizeof(float);
+                // the KV range more. Free splits: the launcher's choice keeps n_tok * n_head *
+                // n_split below 4 * sm_count whenever it splits (it aims at two blocks per SM).
+                // Fixed splits: it runs them in blocks of their own only below 2 * sm_count
+                // (token, head) blocks, and no graph has more cells than the planned one.
+                const int64_t hd_v = kv_view(n).hd_v;
+                const int64_t per_block = n.iparams[1] > 0 ? 2 * cu::flash_attn_fixed_splits(n.src[1]->ne[1], n.iparams[1]) : 4;
+                const size_t any_shape = (size_t)per_block * dev_->sm_count() * (size_t)(hd_v + 2) * sizeof(float);
                 return std::max(any_shape, attn_scratch(n));
             }
             default:
@@ -196,11 +201,11 @@ private:
 
     int attn_splits(const Tensor& n) const {
         const Tensor* q = n.src[0];
-        return cu::flash_attn_auto_splits(q->ne[2], q->ne[1], n.src[1]->ne[1], dev_->sm_count());
+        return cu::flash_attn_auto_splits(q->ne[2], q->ne[1], n.src[1]->ne[1], dev_->sm_count(), n.iparams[1]);
     }
     size_t attn_scratch(const Tensor& n) const {
         const Tensor* q = n.src[0];
-        return cu::flash_attn_scratch_bytes(q->ne[2], q->ne[1], q->ne[0], attn_splits(n));
+        return cu::flash_attn_scratch_bytes(q->ne[2], q->ne[1], kv_view(n).hd_v, attn_splits(n));
     }
 
     // Empty when the kernels take node n, else why not.
@@ -226,32 +231,26 @@ private:
                 if (cache->type != QType::F16 && cache->type != QType::Q8_0)
                     return std::string("the KV cache type ") + qtype_name(cache->type) +
                            " has no CUDA kernel (use kv_type f16 or q8_0)";
-                if (n.op == Op::FLASH_ATTN && a->ne[0] > cu::kFlashAttnMaxHeadDim)
-                    return "head_dim " + std::to_string(a->ne[0]) + " exceeds the CUDA kernel's " +
-                           std::to_string(cu::kFlashAttnMaxHeadDim);
-                if (n.op == Op::FLASH_ATTN && (n.src[7] || n.src[2]->ne[0] != n.src[1]->ne[0] ||
-                                               n.src[2]->nb[1] != n.src[1]->nb[1]))
-                    return "attention sinks and a V that differs from K in width or layout have no CUDA kernel yet";
-                if (n.op == Op::FLASH_ATTN && n.src[8])
-                    return "attention over several sequences (n_seq > 1) has no CUDA kernel yet";
+                if (n.op == Op::FLASH_ATTN) {
+                    const cpu::KvView kv = kv_view(n);
+                    if (kv.hd_k > cu::kFlashAttnMaxHeadDimK || kv.hd_v > cu::kFlashAttnMaxHeadDimV)
+                        return "head widths " + std::to_string(kv.hd_k) + " (K) / " + std::to_string(kv.hd_v) +
+                               " (V) exceed the CUDA kernel's " + std::to_string(cu::kFlashAttnMaxHeadDimK) + " / " +
+                               std::to_string(cu::kFlashAttnMaxHeadDimV);
+                }
                 return "";
             }
-            case Op::ROPE:
-                if (n.fparams[2] != 0.0f || n.fparams[3] != 1.0f) return "YaRN RoPE has no CUDA kernel yet";
+            case Op::TOP_K: {
+                const int64_t groups = n.iparams[2];
+                if (groups > kMaxExpertGroups)
+                    return std::to_string(groups) + " expert groups exceed the CUDA kernel's " +
+                           std::to_string(kMaxExpertGroups);
+                const bool plain = !n.src[1] && groups <= 1 && n.iparams[1] != (int32_t)cpu::Gating::Sigmoid;
+                if (!plain && a->ne[0] > cu::kTopKMaxScored)
+                    return std::to_string(a->ne[0]) + " experts with gated, biased or grouped scores exceed the CUDA "
+                           "kernel's " + std::to_string(cu::kTopKMaxScored);
                 return "";
-            case Op::TOP_K:
-                if (n.src[1] || n.iparams[1] == (int32_t)cpu::Gating::Sigmoid || n.iparams[2] > 1)
-                    return "expert selection with a bias, sigmoid scores or groups has no CUDA kernel yet";
-                return "";
-            case Op::MOE_WEIGHTS:
-                if (n.iparams[0] == (int32_t)cpu::Gating::SoftmaxSelected)
-                    return "a softmax over the picked experts has no CUDA kernel yet";
-                return "";
-            case Op::CONT:
-            case Op::CONCAT:
-            case Op::SWIGLU_OAI:
-            case Op::ADD_ID:
-                return std::string(op_name(n.op)) + " has no CUDA kernel yet";
+            }
             default:
                 return "";
         }
@@ -270,10 +269,18 @@ private:
         Tensor* b = n->src[1];
         switch (n->op) {
             case Op::CONT:
+                cu::cont(f32(a), a->ne, a->nb, f32(n), s);
+                return;
             case Op::CONCAT:
+                cu::concat(f32(a), a->ne, a->nb, f32(b), b->ne[0], b->nb, f32(n), s);
+                return;
             case Op::SWIGLU_OAI:
+                cu::swiglu_oai(f32(a), f32(b), n->n_elements(), n->fparams[0], n->fparams[1], f32(n), s);
+                return;
             case Op::ADD_ID:
-                throw Unsupported(name_ + ": " + op_name(n->op) + " has no CUDA kernel yet");
+                prepare_in_place(n);
+                cu::add_id(f32(n), f32(b), b->ne[1], i32(n->src[2]), n->ne[2], n->ne[1], n->ne[0], s);
+                return;
             case Op::NONE:
             case Op::VIEW:
             case Op::COPY:  // done by the context's copy step before the split runs
@@ -327,15 +334,14 @@ private:
                 return;
             }
             case Op::FLASH_ATTN: {
-                Tensor *k = n->src[1], *v = n->src[2];
+                const cpu::KvView kv = kv_view(*n);
                 const cpu::AttnParams p = attn_params(*n);
-                const int64_t hd = a->ne[0];
-                // Split the KV range when the scratch the plan reserved holds the partials.
+                // Split the KV range when the scratch the plan reserved holds the partials (with
+                // fixed splits, not splitting gives the same bits).
                 int n_split = attn_splits(*n);
                 if (n_split > 1 && (!scratch || attn_scratch(*n) > scratch_bytes)) n_split = 1;
-                cu::flash_attn(f32(a), a->ne[2], a->ne[1], hd * a->ne[1], k->data, v->data, k->type, k->ne[1],
-                               k->ne[0] / hd, k->nb[1], hd, i32(n->src[3]), i32(n->src[4]), p, f32(n), n->ne[0],
-                               n_split, n_split > 1 ? scratch : nullptr, s);
+                cu::flash_attn(f32(a), a->ne[2], a->ne[1], a->ne[0] * a->ne[1], kv, i32(n->src[3]), i32(n->src[4]), p,
+                               f32(n), n->ne[0], n_split, n_split > 1 ? scratch : nullptr, s);
                 return;
             }
             case Op::SWIGLU:
@@ -347,12 +353,11 @@ private:
                 });
                 return;
             case Op::TOP_K:
-                cu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], n->ne[0], (int32_t*)n->data, s);
+                cu::top_k(f32(a), a->n_rows(), a->ne[0], a->ne[0], top_k_params(*n), (int32_t*)n->data, s);
                 return;
             case Op::MOE_WEIGHTS:
-                cu::moe_weights(f32(a), a->n_rows(), a->ne[0], i32(b), b->ne[0],
-                                (cpu::Gating)n->iparams[0] == cpu::Gating::Sigmoid, n->iparams[1] != 0, n->fparams[0],
-                                f32(n), s);
+                cu::moe_weights(f32(a), a->n_rows(), a->ne[0], i32(b), b->ne[0], (cpu::Gating)n->iparams[0],
+                                n->iparams[1] != 0, n->fparams[0], f32(n), s);
                 return;
             case Op::MUL_MAT_ID: {
                 Tensor* ids = n->src[2];

@@ -8,6 +8,7 @@
 #include "quant/iquants.h"
 #include "quant/kquants.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 #include "quant/quantize_block.h"
 
 namespace stowlm::cuda {
@@ -84,23 +85,67 @@ __global__ void __launch_bounds__(256) softmax_kernel(const float* __restrict__ 
 // ---- rope: one thread per rotated pair ------------------------------------------------------
 
 __global__ void __launch_bounds__(256) rope_kernel(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
-                                                   int64_t ld_tok, const int32_t* __restrict__ pos, int n_rot,
-                                                   float base, float fscale, bool neox) {
-    const int64_t half = n_rot / 2;
+                                                   int64_t ld_tok, const int32_t* __restrict__ pos, bool neox,
+                                                   RopeAngleParams a) {
+    const int64_t half = a.n_rot / 2;
     const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= n_tok * n_head * half) return;
     const int64_t i = k % half, th = k / half, h = th % n_head, t = th / n_head;
+    float angle, mscale;
+    rope_pair_angle(pos[t], (int)i, a, &angle, &mscale);
     // sincosf's huge-argument path needs a local-memory table; reduce to [-pi, pi] in double
     // (exact enough for any position) and use the fast intrinsic, accurate there to ~1e-6.
-    const double theta = (double)rope_theta(pos[t], (int)i, n_rot, base, fscale);
+    const double theta = (double)angle;
     const float r = (float)(theta - rint(theta * 0.15915494309189535) * 6.283185307179586);
     float sn, cs;
     __sincosf(r, &sn, &cs);
+    sn *= mscale, cs *= mscale;
     float* xh = x + t * ld_tok + h * head_dim;
     const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
     const float x0 = xh[i0], x1 = xh[i1];
     xh[i0] = x0 * cs - x1 * sn;
     xh[i1] = x0 * sn + x1 * cs;
+}
+
+// ---- strided copies: row r of a [ne0, ne1, ne2, ne3] tensor at byte offset i1*nb1 + i2*nb2 + i3*nb3 --
+
+struct Strides {
+    int64_t ne1, ne2;
+    size_t nb1, nb2, nb3;
+};
+__device__ __forceinline__ const float* strided_row(const float* base, const Strides& s, int64_t r) {
+    const int64_t i1 = r % s.ne1, i2 = r / s.ne1 % s.ne2, i3 = r / (s.ne1 * s.ne2);
+    return (const float*)((const char*)base + i1 * s.nb1 + i2 * s.nb2 + i3 * s.nb3);
+}
+
+// Rows in blockIdx.y steps (any count), elements in blockIdx.x * blockDim.x steps.
+__global__ void __launch_bounds__(256) cont_kernel(const float* x, Strides sx, int64_t rows, int64_t ne0, float* out) {
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float* xr = strided_row(x, sx, r);
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ne0; i += (int64_t)gridDim.x * blockDim.x)
+            out[r * ne0 + i] = xr[i];
+    }
+}
+
+__global__ void __launch_bounds__(256) concat_kernel(const float* a, Strides sa, int64_t a0, const float* b, Strides sb,
+                                                     int64_t b0, int64_t rows, float* out) {
+    const int64_t w = a0 + b0;
+    for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
+        const float* ar = strided_row(a, sa, r);
+        const float* br = strided_row(b, sb, r);
+        for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < w; i += (int64_t)gridDim.x * blockDim.x)
+            out[r * w + i] = i < a0 ? ar[i] : br[i - a0];
+    }
+}
+
+__global__ void __launch_bounds__(256) swiglu_oai_kernel(const float* g, const float* u, int64_t n, float alpha,
+                                                         float limit, float* out) {
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
+        out[i] = stowlm::swiglu_oai(g[i], u[i], alpha, limit);
+}
+
+dim3 strided_grid(int64_t rows, int64_t width) {
+    return dim3((unsigned)std::min<int64_t>(ceil_div(width, 256), 64), (unsigned)std::min<int64_t>(rows, 65535));
 }
 
 // ---- elementwise over n rows of dim ----------------------------------------------------------
@@ -212,6 +257,14 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
         STOWLM_CASE(Q6_K, block_q6_K, QK_K, dequantize_block_q6_K)
         STOWLM_CASE(Q8_K, block_q8_K, QK_K, dequantize_block_q8_K)
         STOWLM_CASE(IQ4_XS, block_iq4_xs, QK_K, dequantize_block_iq4_xs)
+        STOWLM_CASE(MXFP4, block_mxfp4, QK, dequantize_block_mxfp4)
+        STOWLM_CASE(IQ2_XXS, block_iq2_xxs, QK_K, dequantize_block_iq2_xxs)
+        STOWLM_CASE(IQ2_XS, block_iq2_xs, QK_K, dequantize_block_iq2_xs)
+        STOWLM_CASE(IQ2_S, block_iq2_s, QK_K, dequantize_block_iq2_s)
+        STOWLM_CASE(IQ3_XXS, block_iq3_xxs, QK_K, dequantize_block_iq3_xxs)
+        STOWLM_CASE(IQ3_S, block_iq3_s, QK_K, dequantize_block_iq3_s)
+        STOWLM_CASE(IQ1_S, block_iq1_s, QK_K, dequantize_block_iq1_s)
+        STOWLM_CASE(IQ1_M, block_iq1_m, QK_K, dequantize_block_iq1_m)
 #undef STOWLM_CASE
         default: throw InvalidInput(std::string("get_rows: type ") + qtype_name(type) + " cannot be decoded");
     }
@@ -241,9 +294,43 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
                            std::to_string(head_dim));
     const int64_t n = n_tok * n_head * (p.n_rot / 2);
     if (n == 0) return;
-    rope_kernel<<<ceil_div(n, 256), 256, 0, (cudaStream_t)s>>>(x, n_tok, n_head, head_dim, ld_tok, pos, p.n_rot,
-                                                                p.freq_base, p.freq_scale, p.neox);
+    RopeAngleParams a;
+    a.n_rot = p.n_rot, a.freq_base = p.freq_base, a.freq_scale = p.freq_scale;
+    a.yarn = rope_is_yarn(p.ext_factor, p.attn_factor), a.ext_factor = p.ext_factor, a.attn_factor = p.attn_factor;
+    // the corrected dims once, on the host, as the CPU's table does
+    if (a.yarn) rope_yarn_corr_dims(p.n_rot, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow, &a.corr_lo, &a.corr_hi);
+    rope_kernel<<<ceil_div(n, 256), 256, 0, (cudaStream_t)s>>>(x, n_tok, n_head, head_dim, ld_tok, pos, p.neox, a);
     check_launch("rope_kernel");
+}
+
+void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, Stream s) {
+    const int64_t rows = ne[1] * ne[2] * ne[3];
+    if (ne[0] < 0 || rows < 0) throw InvalidInput("cont: negative size");
+    if (nb[0] != sizeof(float)) throw InvalidInput("cont: rows must be contiguous (nb[0] = 4)");
+    if (rows == 0 || ne[0] == 0) return;
+    cont_kernel<<<strided_grid(rows, ne[0]), 256, 0, (cudaStream_t)s>>>(x, Strides{ne[1], ne[2], nb[1], nb[2], nb[3]},
+                                                                       rows, ne[0], out);
+    check_launch("cont_kernel");
+}
+
+void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const float* b, int64_t b_ne0,
+            const size_t b_nb[4], float* out, Stream s) {
+    const int64_t rows = a_ne[1] * a_ne[2] * a_ne[3];
+    if (a_ne[0] < 0 || b_ne0 < 0 || rows < 0) throw InvalidInput("concat: negative size");
+    if (a_nb[0] != sizeof(float) || b_nb[0] != sizeof(float)) throw InvalidInput("concat: rows must be contiguous");
+    if (rows == 0 || a_ne[0] + b_ne0 == 0) return;
+    concat_kernel<<<strided_grid(rows, a_ne[0] + b_ne0), 256, 0, (cudaStream_t)s>>>(
+        a, Strides{a_ne[1], a_ne[2], a_nb[1], a_nb[2], a_nb[3]}, a_ne[0], b, Strides{a_ne[1], a_ne[2], b_nb[1], b_nb[2], b_nb[3]},
+        b_ne0, rows, out);
+    check_launch("concat_kernel");
+}
+
+void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream s) {
+    if (n < 0) throw InvalidInput("swiglu_oai: negative size");
+    if (n == 0) return;
+    swiglu_oai_kernel<<<(unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s>>>(
+        gate, up, n, alpha, limit, out);
+    check_launch("swiglu_oai_kernel");
 }
 
 void swiglu(const float* gate, int64_t ld_gate, const float* up, int64_t ld_up, int64_t n, int64_t dim, float* out,

@@ -1,9 +1,17 @@
 // Flash attention over F16 or Q8_0 KV cells, same semantics as cpu::flash_attn: cells visible by
-// their positions (attn_visibility.h), optional softcap, GQA, online softmax (attn_math.h).
-// One block of 4 warps per (query token, head) and KV split; each warp walks every 4th cell
-// of the split with its own (m, l, acc), lanes holding head_dim/32 elements each; the warps'
-// states are merged in shared memory. With n_split > 1 (decoding long contexts) each split
-// writes its unnormalized (m, l, acc) and a second kernel merges the splits in order.
+// their positions (attn_visibility.h) and, with several sequences, by their sequence; optional
+// softcap, sinks, GQA; K and V of their own widths and cell strides (V may be a view into K, as
+// multi-head latent attention stores it); online softmax (attn_math.h).
+//
+// One block of 4 warps per (query token, head). The cells are cut into splits; within a split
+// each warp walks every 4th cell (counted from the split's first cell) with its own (m, l, acc),
+// lanes holding the head's elements lane, lane + 32, ...; the warps' states are merged in
+// shared memory into the split's (m, l, acc). A block either folds every split in order itself
+// or, when there are too few blocks to fill the device (decoding), runs one split and writes its
+// state, and a second kernel folds the states in the same order with the same arithmetic
+// (explicit fused multiply-adds): so with fixed split boundaries (several sequences) a query's
+// result is the same bits whatever the batch and whichever way the launcher chose. A query of a
+// sequence that owns a region of cells skips the cells outside it without reading them.
 #include "attn_visibility.h"
 #include "cpu/attn_math.h"
 #include "cuda_backend.h"
@@ -11,9 +19,10 @@
 
 namespace stowlm::cuda {
 
+namespace {
+
 constexpr int kFaWarps = 4;
-constexpr int kFaMaxDim = kFlashAttnMaxHeadDim;
-constexpr int kFaPerLane = kFaMaxDim / 32;
+constexpr int kFaThreads = kFaWarps * 32;
 
 struct FaArgs {
     const float* q;
@@ -21,18 +30,24 @@ struct FaArgs {
     const uint8_t* k;
     const uint8_t* v;
     int64_t n_kv, n_head_kv;
-    size_t cell_bytes;
-    size_t head_bytes;  // row_bytes(kv_type, head_dim)
-    int head_dim;
+    size_t k_cell_bytes, v_cell_bytes;
+    size_t k_head_bytes, v_head_bytes;  // row_bytes(kv_type, hd_k / hd_v)
+    int hd_k, hd_v;
     const int32_t* q_pos;
     const int32_t* kv_pos;
+    const float* sinks;     // [n_head] or null
+    const int32_t* q_seq;   // [n_tok] or null
+    const int32_t* kv_seq;  // [n_kv] (with q_seq)
+    int32_t seq_cells;      // > 0: sequence s owns cells [s * seq_cells, (s + 1) * seq_cells)
     float scale, softcap;
     int32_t window;
     bool causal;
     float* out;
     int64_t ld_out;
-    int n_split;
-    float* partial;  // [n_tok * n_head][n_split][head_dim + 2]: m, l, acc
+    int64_t split_len;  // cells per split
+    int64_t n_splits;   // splits of the n_kv cells
+    bool per_block;     // blockIdx.y is the split, its state goes to `partial`; else a block folds all
+    float* partial;     // [n_tok * n_head][n_splits][hd_v + 2]: m, l, acc
 };
 
 // Element d of a K or V head row. Q8_0: element lane + 32*i is value `lane` of block i.
@@ -46,135 +61,194 @@ __device__ __forceinline__ float kv_value(const uint8_t* row, int d) {
     }
 }
 
-template <QType KV>
-__global__ void __launch_bounds__(kFaWarps * 32, 1) flash_attn_kernel(FaArgs a) {
+// PK / PV: K / V elements per lane (head widths up to 32 * PK and 32 * PV).
+template <QType KV, int PK, int PV>
+__global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
+    constexpr int kDV = PV * 32;
+    constexpr int kPT = (kDV + kFaThreads - 1) / kFaThreads;  // folded outputs per thread
     __shared__ float sm_m[kFaWarps], sm_l[kFaWarps];
-    __shared__ float sm_acc[kFaWarps][kFaMaxDim];
+    __shared__ float sm_acc[kFaWarps][kDV];
     const int64_t qi = blockIdx.x;  // t * n_head + h
     const int64_t t = qi / a.n_head, h = qi % a.n_head;
     const int64_t kvh = h / (a.n_head / a.n_head_kv);
-    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, D = a.head_dim;
-    const int64_t chunk = (a.n_kv + a.n_split - 1) / a.n_split;
-    const int64_t j0 = (int64_t)blockIdx.y * chunk, j1 = min(a.n_kv, j0 + chunk);
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
     const int32_t qp = a.q_pos[t];
+    const int32_t qs = a.q_seq ? a.q_seq[t] : 0;
+    int64_t lo, hi;
+    attn_seq_region(qs, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi);
 
-    float qv[kFaPerLane], acc[kFaPerLane];
-    const float* qrow = a.q + t * a.ld_q + h * D;
+    float qv[PK];
+    const float* qrow = a.q + t * a.ld_q + h * a.hd_k;
 #pragma unroll
-    for (int i = 0; i < kFaPerLane; i++) {
+    for (int i = 0; i < PK; i++) {
         const int d = lane + 32 * i;
-        qv[i] = d < D ? qrow[d] : 0.0f;
-        acc[i] = 0.0f;
+        qv[i] = d < a.hd_k ? qrow[d] : 0.0f;
     }
-    float m = -INFINITY, l = 0.0f;
-    const size_t head_off = (size_t)kvh * a.head_bytes;
-    for (int64_t j = j0 + warp; j < j1; j += kFaWarps) {
-        if (!kv_visible(qp, a.kv_pos[j], a.causal, a.window)) continue;  // uniform over the warp
-        const uint8_t* kr = a.k + (size_t)j * a.cell_bytes + head_off;
-        float s = 0.0f;
-#pragma unroll
-        for (int i = 0; i < kFaPerLane; i++) {
-            const int d = lane + 32 * i;
-            if (d < D) s += qv[i] * kv_value<KV>(kr, d);
-        }
-        // lane 0's sum for everyone, so every lane updates (m, l) identically
-        s = __shfl_sync(0xffffffffu, warp_sum(s), 0) * a.scale;
-        if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
-        float f;
-        const float p = online_softmax_update(m, l, s, &f);
-        const uint8_t* vr = a.v + (size_t)j * a.cell_bytes + head_off;
-#pragma unroll
-        for (int i = 0; i < kFaPerLane; i++) {
-            const int d = lane + 32 * i;
-            if (d < D) acc[i] = acc[i] * f + p * kv_value<KV>(vr, d);
-        }
-    }
-    if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
-#pragma unroll
-    for (int i = 0; i < kFaPerLane; i++)
-        if (lane + 32 * i < D) sm_acc[warp][lane + 32 * i] = acc[i];
-    __syncthreads();
+    const uint8_t* kbase = a.k + (size_t)kvh * a.k_head_bytes;
+    const uint8_t* vbase = a.v + (size_t)kvh * a.v_head_bytes;
 
-    float M = -INFINITY, L = 0.0f, fs[kFaWarps];
+    float M = -INFINITY, L = 0.0f, A[kPT];
 #pragma unroll
-    for (int w = 0; w < kFaWarps; w++) {
-        float fa, fb;
-        online_softmax_merge(M, L, sm_m[w], sm_l[w], &fa, &fb);
-        for (int u = 0; u < w; u++) fs[u] *= fa;
-        fs[w] = fb;
+    for (int i = 0; i < kPT; i++) A[i] = 0.0f;
+    const int64_t s_begin = a.per_block ? (int64_t)blockIdx.y : 0;
+    const int64_t s_end = a.per_block ? s_begin + 1 : a.n_splits;
+    for (int64_t sp = s_begin; sp < s_end; sp++) {
+        const int64_t j0 = sp * a.split_len;
+        const int64_t jb = max(j0, lo), je = min(min(a.n_kv, j0 + a.split_len), hi);
+        // A split holding none of the query's cells folds as a no-op: skip it (uniform per block).
+        if (!a.per_block && jb >= je) continue;
+
+        float m = -INFINITY, l = 0.0f, acc[PV];
+#pragma unroll
+        for (int i = 0; i < PV; i++) acc[i] = 0.0f;
+        int64_t j = j0 + warp;  // this warp's cells: j0 + warp + 4i, from the first one >= jb
+        if (j < jb) j += (jb - j + kFaWarps - 1) / kFaWarps * kFaWarps;
+        for (; j < je; j += kFaWarps) {
+            // uniform over the warp
+            if (!kv_visible(qp, a.kv_pos[j], a.causal, a.window) || (a.q_seq && a.kv_seq[j] != qs)) continue;
+            const uint8_t* kr = kbase + (size_t)j * a.k_cell_bytes;
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PK; i++) {
+                const int d = lane + 32 * i;
+                if (d < a.hd_k) s = fmaf(qv[i], kv_value<KV>(kr, d), s);
+            }
+            // lane 0's sum for everyone, so every lane updates (m, l) identically
+            s = __shfl_sync(0xffffffffu, warp_sum(s), 0) * a.scale;
+            if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
+            float f;
+            const float p = online_softmax_update(m, l, s, &f);
+            const uint8_t* vr = vbase + (size_t)j * a.v_cell_bytes;
+#pragma unroll
+            for (int i = 0; i < PV; i++) {
+                const int d = lane + 32 * i;
+                if (d < a.hd_v) acc[i] = fmaf(p, kv_value<KV>(vr, d), acc[i] * f);
+            }
+        }
+        __syncthreads();  // the previous split's shared state has been read
+        if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;
+#pragma unroll
+        for (int i = 0; i < PV; i++)
+            if (lane + 32 * i < a.hd_v) sm_acc[warp][lane + 32 * i] = acc[i];
+        __syncthreads();
+
+        // the split's state: the warps' merged in order
+        float ms = -INFINITY, ls = 0.0f, fs[kFaWarps];
+#pragma unroll
+        for (int w = 0; w < kFaWarps; w++) {
+            float fa, fb;
+            online_softmax_merge(ms, ls, sm_m[w], sm_l[w], &fa, &fb);
+            for (int u = 0; u < w; u++) fs[u] *= fa;
+            fs[w] = fb;
+        }
+        float fa = 0.0f, fb = 0.0f;
+        float* part = a.per_block ? a.partial + ((size_t)qi * a.n_splits + sp) * (size_t)(a.hd_v + 2) : nullptr;
+        if (a.per_block) {
+            if (threadIdx.x == 0) part[0] = ms, part[1] = ls;
+        } else {
+            online_softmax_merge(M, L, ms, ls, &fa, &fb);
+        }
+#pragma unroll
+        for (int i = 0; i < kPT; i++) {
+            const int d = threadIdx.x + kFaThreads * i;
+            if (d >= a.hd_v) break;
+            float r = 0.0f;
+#pragma unroll
+            for (int w = 0; w < kFaWarps; w++) r = fmaf(fs[w], sm_acc[w][d], r);
+            if (a.per_block) part[2 + d] = r;
+            else A[i] = attn_fold_acc(A[i], fa, r, fb);
+        }
     }
-    if (a.n_split == 1) {
-        float* o = a.out + t * a.ld_out + h * D;
-        const float inv = L > 0.0f ? 1.0f / L : 0.0f;
-        for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            float r = 0.0f;
+    if (a.per_block) return;
+    const float sc = attn_out_scale(M, L, a.sinks != nullptr, a.sinks ? a.sinks[h] : 0.0f);
+    float* o = a.out + t * a.ld_out + h * a.hd_v;
 #pragma unroll
-            for (int w = 0; w < kFaWarps; w++) r += fs[w] * sm_acc[w][d];
-            o[d] = r * inv;
-        }
-    } else {
-        float* part = a.partial + ((size_t)qi * a.n_split + blockIdx.y) * (size_t)(D + 2);
-        if (threadIdx.x == 0) part[0] = M, part[1] = L;
-        for (int d = threadIdx.x; d < D; d += blockDim.x) {
-            float r = 0.0f;
-#pragma unroll
-            for (int w = 0; w < kFaWarps; w++) r += fs[w] * sm_acc[w][d];
-            part[2 + d] = r;
-        }
+    for (int i = 0; i < kPT; i++) {
+        const int d = threadIdx.x + kFaThreads * i;
+        if (d < a.hd_v) o[d] = A[i] * sc;
     }
 }
 
-// Merges the n_split partials of one (token, head) in split order.
-__global__ void __launch_bounds__(128) flash_attn_combine_kernel(const float* __restrict__ partial, int n_split,
-                                                                 int64_t n_head, int head_dim, float* __restrict__ out,
-                                                                 int64_t ld_out) {
+// Folds the n_splits states of one (token, head) in split order, as flash_attn_kernel folds them.
+__global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const float* __restrict__ partial,
+                                                                        int64_t n_splits, int64_t n_head, int hd_v,
+                                                                        const float* __restrict__ sinks,
+                                                                        float* __restrict__ out, int64_t ld_out) {
     const int64_t qi = blockIdx.x, t = qi / n_head, h = qi % n_head;
-    const float* base = partial + (size_t)qi * n_split * (size_t)(head_dim + 2);
-    float* o = out + t * ld_out + h * head_dim;
-    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    const float* base = partial + (size_t)qi * n_splits * (size_t)(hd_v + 2);
+    float* o = out + t * ld_out + h * hd_v;
+    for (int d = threadIdx.x; d < hd_v; d += blockDim.x) {
         float M = -INFINITY, L = 0.0f, A = 0.0f;
-        for (int s = 0; s < n_split; s++) {
-            const float* p = base + (size_t)s * (head_dim + 2);
+        for (int64_t s = 0; s < n_splits; s++) {
+            const float* p = base + (size_t)s * (hd_v + 2);
             float fa, fb;
             online_softmax_merge(M, L, p[0], p[1], &fa, &fb);
-            A = A * fa + p[2 + d] * fb;
+            A = attn_fold_acc(A, fa, p[2 + d], fb);
         }
-        o[d] = L > 0.0f ? A / L : 0.0f;
+        o[d] = A * attn_out_scale(M, L, sinks != nullptr, sinks ? sinks[h] : 0.0f);
     }
 }
 
-void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
-                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+template <QType KV>
+void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
+    if (a.hd_k <= 256 && a.hd_v <= 256)
+        flash_attn_kernel<KV, 8, 8><<<grid, kFaThreads, 0, s>>>(a);
+    else
+        flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32><<<grid, kFaThreads, 0, s>>>(a);
+}
+
+}  // namespace
+
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
                 int n_split, void* scratch, Stream s) {
+    const QType kv_type = kv.type;
     if (kv_type != QType::F16 && kv_type != QType::Q8_0)
         throw InvalidInput(std::string("cuda flash_attn: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
-    if (head_dim <= 0 || head_dim > kFaMaxDim)
-        throw InvalidInput("cuda flash_attn: head_dim " + std::to_string(head_dim) + " outside 1.." + std::to_string(kFaMaxDim));
-    if (n_head_kv <= 0 || n_head % n_head_kv)
+    if (kv.hd_k <= 0 || kv.hd_k > kFlashAttnMaxHeadDimK || kv.hd_v <= 0 || kv.hd_v > kFlashAttnMaxHeadDimV)
+        throw InvalidInput("cuda flash_attn: head widths " + std::to_string(kv.hd_k) + " (K) / " + std::to_string(kv.hd_v) +
+                           " (V) outside 1.." + std::to_string(kFlashAttnMaxHeadDimK) + " / 1.." +
+                           std::to_string(kFlashAttnMaxHeadDimV));
+    if (kv.n_head_kv <= 0 || n_head % kv.n_head_kv)
         throw InvalidInput("cuda flash_attn: n_head " + std::to_string(n_head) + " is not a multiple of n_head_kv " +
-                           std::to_string(n_head_kv));
-    const size_t head_bytes = row_bytes(kv_type, head_dim);  // throws for Q8_0 with head_dim % 32
-    if (kv_cell_bytes < (size_t)n_head_kv * head_bytes)
-        throw InvalidInput("cuda flash_attn: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
-                           std::to_string((size_t)n_head_kv * head_bytes));
+                           std::to_string(kv.n_head_kv));
+    // throw for a Q8_0 head width not a multiple of 32
+    const size_t rb_k = row_bytes(kv_type, kv.hd_k), rb_v = row_bytes(kv_type, kv.hd_v);
+    if (kv.k_cell_bytes < (size_t)kv.n_head_kv * rb_k || kv.v_cell_bytes < (size_t)kv.n_head_kv * rb_v)
+        throw InvalidInput("cuda flash_attn: a KV cell stride is smaller than n_head_kv * row bytes");
     if (p.window < 0) throw InvalidInput("cuda flash_attn: window must be >= 0");
-    if (n_split < 1 || n_split > 1024) throw InvalidInput("cuda flash_attn: n_split must be in 1..1024");
-    if (ld_q < n_head * head_dim || ld_out < n_head * head_dim) throw InvalidInput("cuda flash_attn: ld_q/ld_out < n_head*head_dim");
-    if (n_split > 1 && scratch == nullptr) throw InvalidInput("cuda flash_attn: n_split > 1 needs scratch");
+    if (!p.q_seq != !p.kv_seq) throw InvalidInput("cuda flash_attn: q_seq and kv_seq go together");
+    if (p.split_cells < 0 || p.seq_cells < 0) throw InvalidInput("cuda flash_attn: split_cells / seq_cells must be >= 0");
+    if (n_split < 1 || n_split > 65535) throw InvalidInput("cuda flash_attn: n_split must be in 1..65535");
+    if (ld_q < n_head * kv.hd_k || ld_out < n_head * kv.hd_v)
+        throw InvalidInput("cuda flash_attn: ld_q / ld_out smaller than n_head * head width");
+    const int64_t n_kv = std::max<int64_t>(kv.n_kv, 0);
+    int64_t split_len, n_splits;
+    if (p.split_cells > 0) {
+        split_len = p.split_cells;
+        n_splits = flash_attn_fixed_splits(n_kv, p.split_cells);
+        if (n_split > 1 && n_split != n_splits)
+            throw InvalidInput("cuda flash_attn: with fixed splits n_split must be 1 or their count " +
+                               std::to_string(n_splits));
+    } else {
+        split_len = (std::max<int64_t>(n_kv, 1) + n_split - 1) / n_split;
+        n_splits = std::max<int64_t>(1, (n_kv + split_len - 1) / split_len);
+    }
+    const bool per_block = n_split > 1;
+    if (per_block && scratch == nullptr) throw InvalidInput("cuda flash_attn: n_split > 1 needs scratch");
     if (n_tok == 0 || n_head == 0) return;
-    FaArgs a{q, n_tok, n_head, ld_q, (const uint8_t*)k, (const uint8_t*)v, n_kv, n_head_kv, kv_cell_bytes,
-             head_bytes, (int)head_dim, q_pos, kv_pos, p.scale, p.softcap, p.window, p.causal, out, ld_out, n_split,
-             (float*)scratch};
-    const dim3 grid((unsigned)(n_tok * n_head), (unsigned)n_split);
-    if (kv_type == QType::F16)
-        flash_attn_kernel<QType::F16><<<grid, kFaWarps * 32, 0, (cudaStream_t)s>>>(a);
-    else
-        flash_attn_kernel<QType::Q8_0><<<grid, kFaWarps * 32, 0, (cudaStream_t)s>>>(a);
+    FaArgs a{q, n_tok, n_head, ld_q, (const uint8_t*)kv.k, (const uint8_t*)kv.v, n_kv, kv.n_head_kv,
+             kv.k_cell_bytes, kv.v_cell_bytes, rb_k, rb_v, (int)kv.hd_k, (int)kv.hd_v, q_pos, kv_pos, p.sinks,
+             p.q_seq, p.kv_seq, p.seq_cells, p.scale, p.softcap, p.window, p.causal, out, ld_out, split_len,
+             n_splits, per_block, (float*)scratch};
+    const dim3 grid((unsigned)(n_tok * n_head), per_block ? (unsigned)n_splits : 1u);
+    const cudaStream_t st = (cudaStream_t)s;
+    if (kv_type == QType::F16) launch<QType::F16>(a, grid, st);
+    else launch<QType::Q8_0>(a, grid, st);
     check_launch("flash_attn_kernel");
-    if (n_split > 1) {
-        flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), 128, 0, (cudaStream_t)s>>>(
-            (const float*)scratch, n_split, n_head, (int)head_dim, out, ld_out);
+    if (per_block) {
+        flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), kFaThreads, 0, st>>>(
+            (const float*)scratch, n_splits, n_head, (int)kv.hd_v, p.sinks, out, ld_out);
         check_launch("flash_attn_combine_kernel");
     }
 }

@@ -1,10 +1,13 @@
 // Mixture-of-experts on the device: the router's top-k (the HOST_DEVICE moe_router.h, one
-// thread per token; also split into the graph's TOP_K and MOE_WEIGHTS ops), a counting sort of the (token, expert) slots by expert, and the expert
+// thread per token; also split into the graph's TOP_K and MOE_WEIGHTS ops, moe_select.h, with
+// router biases, sigmoid gates, expert groups and a softmax over the picked), the experts'
+// biases (ADD_ID), a counting sort of the (token, expert) slots by expert, and the expert
 // products as ONE grouped launch of the vector kernels (mmvq.cu) with blockIdx.y = expert, each
 // expert's block walking only the slots routed to it.
 #include "cuda_backend.h"
 #include "cuda_common.cuh"
 #include "moe_router.h"
+#include "moe_select.h"
 
 namespace stowlm::cuda {
 
@@ -17,19 +20,47 @@ __global__ void __launch_bounds__(128) router_kernel(const float* __restrict__ l
     router_topk(logits + t * n_expert, n_expert, p, ids + t * p.k, w + t * p.k);
 }
 
-__global__ void __launch_bounds__(128) top_k_kernel(const float* __restrict__ x, int64_t n_rows, int n, int64_t ldx,
-                                                    int k, int32_t* ids) {
+static_assert(kGateSoftmax == (int)cpu::Gating::Softmax && kGateSigmoid == (int)cpu::Gating::Sigmoid &&
+                  kGateSoftmaxSelected == (int)cpu::Gating::SoftmaxSelected,
+              "moe_select.h's gating values differ from cpu::Gating");
+
+// The plain selection (raw logits): one thread per row.
+__global__ void __launch_bounds__(128) top_k_kernel(const float* __restrict__ x, int64_t n_rows, int64_t ldx,
+                                                    ExpertSelect p, int32_t* ids) {
     const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= n_rows) return;
-    router_top_ids(x + r * ldx, n, k, ids + r * k);
+    router_top_ids(x + r * ldx, p.n, p.k, ids + r * p.k);
+}
+
+// Gated / biased / grouped selection: one warp per row; the lanes write the scores to shared
+// memory, lane 0 picks.
+__global__ void __launch_bounds__(32) top_k_scored_kernel(const float* __restrict__ x, int64_t ldx, ExpertSelect p,
+                                                          int32_t* ids) {
+    extern __shared__ float score[];
+    const int64_t r = blockIdx.x;
+    const float* xr = x + r * ldx;
+    for (int e = threadIdx.x; e < p.n; e += 32) score[e] = expert_score(xr, p, e);
+    __syncwarp();
+    if (threadIdx.x == 0) expert_select_scored(score, p, ids + r * p.k);
 }
 
 __global__ void __launch_bounds__(128) moe_weights_kernel(const float* __restrict__ logits, int64_t n_tok, int n_expert,
-                                                          const int32_t* __restrict__ ids, int k, bool sigmoid_gate,
+                                                          const int32_t* __restrict__ ids, int k, int gating,
                                                           bool normalize, float scale, float* w) {
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n_tok) return;
-    moe_gate_weights(logits + t * n_expert, n_expert, ids + t * k, k, sigmoid_gate, normalize, scale, w + t * k);
+    moe_gate_weights_any(logits + t * n_expert, n_expert, ids + t * k, k, gating, normalize, scale, w + t * k);
+}
+
+// Slot i (blockIdx.y steps) of x [n_slots][d] gets its expert's bias row.
+__global__ void __launch_bounds__(256) add_id_kernel(float* x, const float* __restrict__ bias, int64_t n_expert,
+                                                     const int32_t* __restrict__ ids, int64_t n_slots, int64_t d) {
+    for (int64_t r = blockIdx.y; r < n_slots; r += gridDim.y) {
+        const int32_t e = ids[r];
+        if (e < 0 || e >= n_expert) continue;
+        for (int64_t c = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; c < d; c += (int64_t)gridDim.x * blockDim.x)
+            x[r * d + c] += bias[e * d + c];
+    }
 }
 
 __global__ void __launch_bounds__(256) moe_count_kernel(const int32_t* __restrict__ ids, int64_t n_slots, int n_expert,
@@ -105,24 +136,53 @@ void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterP
     check_launch("router_kernel");
 }
 
-void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, Stream s) {
+void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream s) {
     if (n <= 0 || n > (1 << 20)) throw InvalidInput("cuda top_k: row length " + std::to_string(n) + " outside 1..2^20");
-    if (k < 1 || k > n) throw InvalidInput("cuda top_k: k=" + std::to_string(k) + " outside 1..n");
+    if (p.k < 1 || p.k > n) throw InvalidInput("cuda top_k: k=" + std::to_string(p.k) + " outside 1..n");
     if (ldx < n) throw InvalidInput("cuda top_k: ldx < n");
+    const bool grouped = p.n_groups > 1;
+    if (grouped && (n % p.n_groups || p.n_group_used < 1 || p.n_group_used > p.n_groups ||
+                    p.k > n / p.n_groups * p.n_group_used))
+        throw InvalidInput("cuda top_k: the groups must divide the experts and the kept groups hold at least k");
+    if (grouped && p.n_groups > kMaxExpertGroups)
+        throw InvalidInput("cuda top_k: " + std::to_string(p.n_groups) + " expert groups, the kernel takes at most " +
+                           std::to_string(kMaxExpertGroups));
     if (n_rows <= 0) return;
-    top_k_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, (int)n, ldx, (int)k, ids);
-    check_launch("top_k_kernel");
+    ExpertSelect e;
+    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    e.n_groups = grouped ? (int)p.n_groups : 0, e.n_group_used = grouped ? (int)p.n_group_used : 0;
+    if (expert_select_plain(e)) {
+        top_k_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids);
+        check_launch("top_k_kernel");
+        return;
+    }
+    if (n > kTopKMaxScored)
+        throw InvalidInput("cuda top_k: " + std::to_string(n) + " experts with gated, biased or grouped scores, the "
+                           "kernel takes at most " + std::to_string(kTopKMaxScored));
+    if (n_rows > 0x7fffffff) throw InvalidInput("cuda top_k: too many rows");
+    top_k_scored_kernel<<<(unsigned)n_rows, 32, (size_t)n * sizeof(float), (cudaStream_t)s>>>(x, ldx, e, ids);
+    check_launch("top_k_scored_kernel");
 }
 
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
-                 bool sigmoid_gate, bool normalize, float scale, float* w, Stream s) {
+                 cpu::Gating gating, bool normalize, float scale, float* w, Stream s) {
     if (n_expert <= 0 || n_expert > (1 << 20))
         throw InvalidInput("cuda moe_weights: n_expert " + std::to_string(n_expert) + " outside 1..2^20");
     if (k < 1 || k > n_expert) throw InvalidInput("cuda moe_weights: k=" + std::to_string(k) + " outside 1..n_expert");
     if (n_tok <= 0) return;
     moe_weights_kernel<<<ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s>>>(logits, n_tok, (int)n_expert, ids, (int)k,
-                                                                          sigmoid_gate, normalize, scale, w);
+                                                                          (int)gating, normalize, scale, w);
     check_launch("moe_weights_kernel");
+}
+
+void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,
+            Stream s) {
+    if (n_tok < 0 || k < 0 || d < 0) throw InvalidInput("cuda add_id: negative size");
+    const int64_t n_slots = n_tok * k;
+    if (n_slots == 0 || d == 0) return;
+    const dim3 grid((unsigned)std::min<int64_t>(ceil_div(d, 256), 64), (unsigned)std::min<int64_t>(n_slots, 65535));
+    add_id_kernel<<<grid, 256, 0, (cudaStream_t)s>>>(x, bias, n_expert, ids, n_slots, d);
+    check_launch("add_id_kernel");
 }
 
 size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {

@@ -3,11 +3,13 @@
 // per device. Only built with CUDA; every call raises RuntimeError when no device is present.
 #ifdef STOWLM_HAVE_CUDA
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -145,26 +147,70 @@ Buf upload_kv(cu::CudaDevice& d, const AnyArr& a, QType kv_type, int64_t n_kv, i
     return cells;
 }
 
+// Optional int32 / float32 arrays on the device (or nothing).
+template <typename T>
+std::unique_ptr<Buf> upload_opt(cu::CudaDevice& d, const std::optional<In<T>>& a, size_t len, const char* name) {
+    if (!a) return nullptr;
+    if (a->size() != len) throw InvalidInput(std::string("flash_attn: ") + name + " has the wrong length");
+    return std::make_unique<Buf>(d, a->data(), a->size() * sizeof(T));
+}
+
 Out<float> flash_attn(In<float> q, AnyArr k, AnyArr v, In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap,
-                      int window, bool causal, int n_split, const std::string& kv_type_name, int dev_index) {
+                      int window, bool causal, int n_split, const std::string& kv_type_name,
+                      std::optional<In<float>> sinks, std::optional<In<int32_t>> q_seq,
+                      std::optional<In<int32_t>> kv_seq, int split_cells, int seq_cells, int dev_index) {
     const QType kv_type = kv_type_of(kv_type_name);
     if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3) throw InvalidInput("flash_attn: q, k, v must be 3-D");
     const int64_t n_tok = q.shape(0), n_head = q.shape(1), hd = q.shape(2), n_kv = k.shape(0), n_head_kv = k.shape(1);
-    for (size_t i = 0; i < 3; i++)
-        if (v.shape(i) != k.shape(i)) throw InvalidInput("flash_attn: v shape != k shape");
+    const int64_t hd_v = v.shape(2);
+    for (size_t i = 0; i < 2; i++)
+        if (v.shape(i) != k.shape(i)) throw InvalidInput("flash_attn: v cells / heads != k's");
     if ((int64_t)k.shape(2) != hd) throw InvalidInput("flash_attn: k head_dim != q head_dim");
     if ((int64_t)q_pos.size() != n_tok || (int64_t)kv_pos.size() != n_kv) throw InvalidInput("flash_attn: positions length");
+    if (!q_seq != !kv_seq) throw InvalidInput("flash_attn: q_seq and kv_seq go together");
     cu::CudaDevice& d = device(dev_index);
-    if (n_split <= 0) n_split = cu::flash_attn_auto_splits(n_tok, n_head, n_kv, d.sm_count());
-    Buf kb = upload_kv(d, k, kv_type, n_kv, n_head_kv, hd, "k"), vb = upload_kv(d, v, kv_type, n_kv, n_head_kv, hd, "v");
+    if (n_split <= 0) n_split = cu::flash_attn_auto_splits(n_tok, n_head, n_kv, d.sm_count(), split_cells);
+    Buf kb = upload_kv(d, k, kv_type, n_kv, n_head_kv, hd, "k"), vb = upload_kv(d, v, kv_type, n_kv, n_head_kv, hd_v, "v");
     Buf qb(d, q.data(), q.size() * 4), qpb(d, q_pos.data(), q_pos.size() * 4), kpb(d, kv_pos.data(), kv_pos.size() * 4),
-        ob(d, (size_t)(n_tok * n_head * hd) * 4), sb(d, cu::flash_attn_scratch_bytes(n_tok, n_head, hd, n_split));
+        ob(d, (size_t)(n_tok * n_head * hd_v) * 4), sb(d, cu::flash_attn_scratch_bytes(n_tok, n_head, hd_v, n_split));
+    auto snb = upload_opt(d, sinks, (size_t)n_head, "sinks");
+    auto qsb = upload_opt(d, q_seq, (size_t)n_tok, "q_seq");
+    auto ksb = upload_opt(d, kv_seq, (size_t)n_kv, "kv_seq");
     stowlm::cpu::AttnParams p;
     p.scale = scale, p.softcap = softcap, p.window = window, p.causal = causal;
-    cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kb.p, vb.p, kv_type, n_kv, n_head_kv,
-                   (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd), hd, qpb.as<int32_t>(), kpb.as<int32_t>(), p,
-                   ob.as<float>(), n_head * hd, n_split, sb.p, d.compute_stream());
-    return download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd});
+    p.sinks = snb ? snb->as<float>() : nullptr;
+    p.q_seq = qsb ? qsb->as<int32_t>() : nullptr;
+    p.kv_seq = ksb ? ksb->as<int32_t>() : nullptr;
+    p.split_cells = split_cells, p.seq_cells = seq_cells;
+    stowlm::cpu::KvView kv;
+    kv.k = kb.p, kv.v = vb.p, kv.type = kv_type, kv.n_kv = n_kv, kv.n_head_kv = n_head_kv;
+    kv.k_cell_bytes = (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd);
+    kv.v_cell_bytes = (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd_v);
+    kv.hd_k = hd, kv.hd_v = hd_v;
+    cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kv, qpb.as<int32_t>(), kpb.as<int32_t>(), p,
+                   ob.as<float>(), n_head * hd_v, n_split, sb.p, d.compute_stream());
+    return download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd_v});
+}
+
+// Multi-head latent attention's layout: V is the first hd_v values of each K cell (one KV head,
+// F16 cells of hd_k), read through a view with K's cell stride.
+Out<float> flash_attn_v_in_k(In<float> q, In<uint16_t> k, int64_t hd_v, In<int32_t> q_pos, In<int32_t> kv_pos,
+                             float scale, int n_split, int dev_index) {
+    if (q.ndim() != 3 || k.ndim() != 2) throw InvalidInput("flash_attn_v_in_k: q (n_tok, n_head, hd_k), k (n_kv, hd_k)");
+    const int64_t n_tok = q.shape(0), n_head = q.shape(1), hd = q.shape(2), n_kv = k.shape(0);
+    if ((int64_t)k.shape(1) != hd || hd_v <= 0 || hd_v > hd) throw InvalidInput("flash_attn_v_in_k: widths");
+    cu::CudaDevice& d = device(dev_index);
+    Buf kb(d, k.data(), k.size() * 2), qb(d, q.data(), q.size() * 4), qpb(d, q_pos.data(), q_pos.size() * 4),
+        kpb(d, kv_pos.data(), kv_pos.size() * 4), ob(d, (size_t)(n_tok * n_head * hd_v) * 4),
+        sb(d, cu::flash_attn_scratch_bytes(n_tok, n_head, hd_v, n_split));
+    stowlm::cpu::AttnParams p;
+    p.scale = scale;
+    stowlm::cpu::KvView kv;
+    kv.k = kv.v = kb.p, kv.type = QType::F16, kv.n_kv = n_kv, kv.n_head_kv = 1;
+    kv.k_cell_bytes = kv.v_cell_bytes = (size_t)hd * 2, kv.hd_k = hd, kv.hd_v = hd_v;
+    cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kv, qpb.as<int32_t>(), kpb.as<int32_t>(), p,
+                   ob.as<float>(), n_head * hd_v, n_split, sb.p, d.compute_stream());
+    return download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd_v});
 }
 
 Out<float> get_rows(In<uint8_t> raw, uint32_t qtype, In<int32_t> ids, int64_t n_cols, int dev_index) {
@@ -212,8 +258,13 @@ STOWLM_BIND(cuda_ops) {
            "block_q8_1 bytes (n, cols/32*48) as the device quantizer writes them");
     co.def("flash_attn", &flash_attn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"),
            nb::arg("scale"), nb::arg("softcap") = 0.0f, nb::arg("window") = 0, nb::arg("causal") = true,
-           nb::arg("n_split") = 1, nb::arg("kv_type") = "F16", nb::arg("device") = 0,
-           "k, v (n_kv, n_head_kv, head_dim): float16 bits as uint16, or float32 stored into kv_type cells on the device");
+           nb::arg("n_split") = 1, nb::arg("kv_type") = "F16", nb::arg("sinks").none() = nb::none(),
+           nb::arg("q_seq").none() = nb::none(), nb::arg("kv_seq").none() = nb::none(), nb::arg("split_cells") = 0,
+           nb::arg("seq_cells") = 0, nb::arg("device") = 0,
+           "k (n_kv, n_head_kv, hd_k), v (n_kv, n_head_kv, hd_v): float16 bits as uint16, or float32 stored into "
+           "kv_type cells on the device; n_split <= 0: the launcher's choice");
+    co.def("flash_attn_v_in_k", &flash_attn_v_in_k, nb::arg("q"), nb::arg("k"), nb::arg("hd_v"), nb::arg("q_pos"),
+           nb::arg("kv_pos"), nb::arg("scale"), nb::arg("n_split") = 1, nb::arg("device") = 0);
     co.def("get_rows", &get_rows, nb::arg("raw"), nb::arg("qtype"), nb::arg("ids"), nb::arg("n_cols"), nb::arg("device") = 0);
     co.def("moe_matmul", &moe, nb::arg("w"), nb::arg("qtype"), nb::arg("n_expert"), nb::arg("rows"), nb::arg("cols"),
            nb::arg("x"), nb::arg("ids"), nb::arg("per_slot_input") = false, nb::arg("device") = 0);
@@ -227,17 +278,21 @@ STOWLM_BIND(cuda_ops) {
         return download<float>(d, yb, shape_of(x));
     }, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("device") = 0);
 
-    co.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox, int di) {
+    co.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox, float ext_factor,
+                      float attn_factor, float beta_fast, float beta_slow, int n_ctx_orig, int di) {
         if (x.ndim() != 3 || (size_t)pos.size() != x.shape(0)) throw InvalidInput("rope: x (n_tok, n_head, head_dim), pos (n_tok,)");
         cu::CudaDevice& d = device(di);
         const int64_t n_tok = x.shape(0), n_head = x.shape(1), hd = x.shape(2);
         Buf xb(d, x.data(), x.size() * 4), pb(d, pos.data(), pos.size() * 4);
         stowlm::cpu::RopeParams p;
         p.n_rot = n_rot, p.freq_base = base, p.freq_scale = scale, p.neox = neox;
+        p.ext_factor = ext_factor, p.attn_factor = attn_factor, p.beta_fast = beta_fast, p.beta_slow = beta_slow;
+        p.n_ctx_orig = n_ctx_orig;
         cu::rope(xb.as<float>(), n_tok, n_head, hd, n_head * hd, pb.as<int32_t>(), p, d.compute_stream());
         return download<float>(d, xb, shape_of(x));
     }, nb::arg("x"), nb::arg("pos"), nb::arg("n_rot"), nb::arg("base") = 10000.0f, nb::arg("scale") = 1.0f,
-       nb::arg("neox") = false, nb::arg("device") = 0);
+       nb::arg("neox") = false, nb::arg("ext_factor") = 0.0f, nb::arg("attn_factor") = 1.0f,
+       nb::arg("beta_fast") = 32.0f, nb::arg("beta_slow") = 1.0f, nb::arg("n_ctx_orig") = 0, nb::arg("device") = 0);
 
     co.def("softmax", [](In<float> x, float scale, int di) {
         auto [n, dim] = rows_dim(x);
@@ -320,12 +375,87 @@ STOWLM_BIND(cuda_ops) {
         cu::CudaDevice& d = device(di);
         const int64_t n = logits.shape(0), ne = logits.shape(1);
         Buf lb(d, logits.data(), logits.size() * 4), ib(d, (size_t)(n * k) * 4), wb(d, (size_t)(n * k) * 4);
-        cu::top_k(lb.as<float>(), n, ne, ne, k, ib.as<int32_t>(), d.compute_stream());
-        cu::moe_weights(lb.as<float>(), n, ne, ib.as<int32_t>(), k, sigmoid_gate, normalize, scale, wb.as<float>(),
-                        d.compute_stream());
+        stowlm::cpu::TopKParams tp;
+        tp.k = k;
+        cu::top_k(lb.as<float>(), n, ne, ne, tp, ib.as<int32_t>(), d.compute_stream());
+        cu::moe_weights(lb.as<float>(), n, ne, ib.as<int32_t>(), k,
+                        sigmoid_gate ? stowlm::cpu::Gating::Sigmoid : stowlm::cpu::Gating::Softmax, normalize, scale,
+                        wb.as<float>(), d.compute_stream());
         return nb::make_tuple(download<int32_t>(d, ib, {(size_t)n, (size_t)k}), download<float>(d, wb, {(size_t)n, (size_t)k}));
     }, nb::arg("logits"), nb::arg("k"), nb::arg("sigmoid_gate") = false, nb::arg("normalize") = false,
        nb::arg("scale") = 0.0f, nb::arg("device") = 0);
+
+    // The same signatures as stowlm._core.ops.top_k / moe_weights / add_id / swiglu_oai.
+    co.def("top_k", [](In<float> x, int k, int gating, std::optional<In<float>> bias, int n_groups, int n_group_used,
+                       int di) {
+        auto [n, dim] = rows_dim(x);
+        if (bias && (int64_t)bias->size() != dim) throw InvalidInput("top_k: bias length != row length");
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 4), ib(d, (size_t)(n * k) * 4);
+        std::unique_ptr<Buf> bb = bias ? std::make_unique<Buf>(d, bias->data(), bias->size() * 4) : nullptr;
+        stowlm::cpu::TopKParams p;
+        p.k = k, p.gating = (stowlm::cpu::Gating)gating, p.bias = bb ? bb->as<float>() : nullptr;
+        p.n_groups = n_groups, p.n_group_used = n_group_used;
+        cu::top_k(xb.as<float>(), n, dim, dim, p, ib.as<int32_t>(), d.compute_stream());
+        return download<int32_t>(d, ib, {(size_t)n, (size_t)k});
+    }, nb::arg("x"), nb::arg("k"), nb::arg("gating") = 0, nb::arg("bias").none() = nb::none(), nb::arg("n_groups") = 0,
+       nb::arg("n_group_used") = 0, nb::arg("device") = 0);
+    co.def("moe_weights", [](In<float> logits, In<int32_t> ids, int gating, bool normalize, float scale, int di) {
+        auto [n, ne] = rows_dim(logits);
+        if (ids.ndim() != 2 || (int64_t)ids.shape(0) != n) throw InvalidInput("moe_weights: ids must be (n_tok, k)");
+        const int64_t k = ids.shape(1);
+        cu::CudaDevice& d = device(di);
+        Buf lb(d, logits.data(), logits.size() * 4), ib(d, ids.data(), ids.size() * 4), wb(d, (size_t)(n * k) * 4);
+        cu::moe_weights(lb.as<float>(), n, ne, ib.as<int32_t>(), k, (stowlm::cpu::Gating)gating, normalize, scale,
+                        wb.as<float>(), d.compute_stream());
+        return download<float>(d, wb, {(size_t)n, (size_t)k});
+    }, nb::arg("logits"), nb::arg("ids"), nb::arg("gating") = 0, nb::arg("normalize") = false, nb::arg("scale") = 0.0f,
+       nb::arg("device") = 0);
+    co.def("add_id", [](In<float> x, In<float> bias, In<int32_t> ids, int di) {
+        if (x.ndim() != 3 || bias.ndim() != 2 || ids.ndim() != 2 || bias.shape(1) != x.shape(2) ||
+            ids.shape(0) != x.shape(0) || ids.shape(1) != x.shape(1))
+            throw InvalidInput("add_id: x (n_tok, k, d), bias (n_expert, d), ids (n_tok, k)");
+        cu::CudaDevice& d = device(di);
+        Buf xb(d, x.data(), x.size() * 4), bb(d, bias.data(), bias.size() * 4), ib(d, ids.data(), ids.size() * 4);
+        cu::add_id(xb.as<float>(), bb.as<float>(), bias.shape(0), ib.as<int32_t>(), x.shape(0), x.shape(1), x.shape(2),
+                   d.compute_stream());
+        return download<float>(d, xb, shape_of(x));
+    }, nb::arg("x"), nb::arg("bias"), nb::arg("ids"), nb::arg("device") = 0);
+    co.def("swiglu_oai", [](In<float> g, In<float> u, float alpha, float limit, int di) {
+        if (g.size() != u.size()) throw InvalidInput("swiglu_oai: gate and up differ in size");
+        cu::CudaDevice& d = device(di);
+        Buf gb(d, g.data(), g.size() * 4), ub(d, u.data(), u.size() * 4), ob(d, g.size() * 4);
+        cu::swiglu_oai(gb.as<float>(), ub.as<float>(), g.size(), alpha, limit, ob.as<float>(), d.compute_stream());
+        return download<float>(d, ob, shape_of(g));
+    }, nb::arg("gate"), nb::arg("up"), nb::arg("alpha") = 1.702f, nb::arg("limit") = 7.0f, nb::arg("device") = 0);
+
+    // cont / concat of column ranges: x (rows, width) viewed as columns [first, first + n) of each
+    // row (the views deepseek2 takes of its projections), copied contiguous on the device.
+    co.def("cont_cols", [](In<float> x, int64_t first, int64_t n, int di) {
+        if (x.ndim() != 2 || first < 0 || n <= 0 || first + n > (int64_t)x.shape(1)) throw InvalidInput("cont_cols: x (rows, width), columns in range");
+        cu::CudaDevice& d = device(di);
+        const int64_t rows = x.shape(0), w = x.shape(1);
+        Buf xb(d, x.data(), x.size() * 4), ob(d, (size_t)(rows * n) * 4);
+        const int64_t ne[4] = {n, rows, 1, 1};
+        const size_t nbs[4] = {4, (size_t)w * 4, (size_t)(w * rows) * 4, (size_t)(w * rows) * 4};
+        cu::cont(xb.as<float>() + first, ne, nbs, ob.as<float>(), d.compute_stream());
+        return download<float>(d, ob, {(size_t)rows, (size_t)n});
+    }, nb::arg("x"), nb::arg("first"), nb::arg("n"), nb::arg("device") = 0);
+    co.def("concat_cols", [](In<float> a, int64_t a_first, int64_t a_n, In<float> b, int64_t b_first, int64_t b_n, int di) {
+        if (a.ndim() != 2 || b.ndim() != 2 || a.shape(0) != b.shape(0) || a_first < 0 || b_first < 0 ||
+            a_first + a_n > (int64_t)a.shape(1) || b_first + b_n > (int64_t)b.shape(1))
+            throw InvalidInput("concat_cols: a, b (rows, width), columns in range");
+        cu::CudaDevice& d = device(di);
+        const int64_t rows = a.shape(0), wa = a.shape(1), wb = b.shape(1);
+        Buf ab(d, a.data(), a.size() * 4), bb(d, b.data(), b.size() * 4), ob(d, (size_t)(rows * (a_n + b_n)) * 4);
+        const int64_t ne[4] = {a_n, rows, 1, 1};
+        const size_t anb[4] = {4, (size_t)wa * 4, (size_t)(wa * rows) * 4, (size_t)(wa * rows) * 4};
+        const size_t bnb[4] = {4, (size_t)wb * 4, (size_t)(wb * rows) * 4, (size_t)(wb * rows) * 4};
+        cu::concat(ab.as<float>() + a_first, ne, anb, bb.as<float>() + b_first, b_n, bnb, ob.as<float>(),
+                   d.compute_stream());
+        return download<float>(d, ob, {(size_t)rows, (size_t)(a_n + b_n)});
+    }, nb::arg("a"), nb::arg("a_first"), nb::arg("a_n"), nb::arg("b"), nb::arg("b_first"), nb::arg("b_n"),
+       nb::arg("device") = 0);
 
     // Allocation accounting: memory_used after allocating each size, then after freeing all.
     co.def("alloc_accounting", [](std::vector<size_t> sizes, int di) {

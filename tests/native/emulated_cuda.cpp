@@ -3,7 +3,9 @@
 // allocations (filled with a NaN pattern, as cudaMalloc leaves garbage); every launcher aborts
 // unless each pointer it gets lies inside a live device allocation (so a host pointer, e.g. a
 // graph input the engine forgot to upload or a weight it did not copy, is caught), enforces the
-// real launchers' 65535-row limits, then runs the CPU op the launcher mirrors. The kernels
+// real launchers' 65535-row limits and argument rules (fixed attention splits: n_split 1 or
+// their count), then runs the CPU op the launcher mirrors, or the launcher's own HOST_DEVICE code
+// where it has one (expert selection and gates: moe_router.h, cuda/moe_select.h). The kernels
 // themselves are checked by tests/test_cuda_ops.py on a GPU; this checks the engine's plumbing.
 #include <cstdio>
 #include <cstdlib>
@@ -20,11 +22,13 @@
 #include "cuda_backend.h"
 #include "error.h"
 #include "moe_router.h"
+#include "moe_select.h"
 #include "quant/dot_q8_1.h"
 
 namespace stowlm::cuda {
 
-int g_split_calls = 0;  // flash_attn calls with n_split > 1
+int g_split_calls = 0;        // flash_attn calls with n_split > 1
+int g_fixed_split_calls = 0;  // of which with fixed splits (several sequences)
 
 namespace {
 
@@ -170,20 +174,35 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
 
 void router_topk(const float*, int64_t, int, const RouterParams&, int32_t*, float*, Stream) { unused("router_topk"); }
 
-void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, int64_t k, int32_t* ids, Stream) {
+void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream) {
     dev_ptr(x, span(n_rows, ldx, n), "top_k x");
-    dev_ptr(ids, span(n_rows, k, k), "top_k ids");
-    for (int64_t r = 0; r < n_rows; r++) router_top_ids(x + r * ldx, (int)n, (int)k, ids + r * k);
+    dev_ptr(ids, span(n_rows, p.k, p.k), "top_k ids");
+    if (p.bias) dev_ptr(p.bias, span(1, n, n), "top_k bias");
+    if (p.n_groups > kMaxExpertGroups) throw InvalidInput("top_k: more expert groups than the kernel takes");
+    ExpertSelect e;
+    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
+    if (!expert_select_plain(e) && n > kTopKMaxScored) throw InvalidInput("top_k: more experts than the kernel scores");
+    std::vector<float> score((size_t)n);  // the kernel's shared-memory row
+    for (int64_t r = 0; r < n_rows; r++) expert_select(x + r * ldx, e, score.data(), ids + r * p.k);
 }
 
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
-                 bool sigmoid_gate, bool normalize, float scale, float* w, Stream) {
+                 cpu::Gating gating, bool normalize, float scale, float* w, Stream) {
     dev_ptr(logits, span(n_tok, n_expert, n_expert), "moe_weights logits");
     dev_ptr(ids, span(n_tok, k, k), "moe_weights ids");
     dev_ptr(w, span(n_tok, k, k), "moe_weights w");
     for (int64_t t = 0; t < n_tok; t++)
-        moe_gate_weights(logits + t * n_expert, (int)n_expert, ids + t * k, (int)k, sigmoid_gate, normalize, scale,
-                         w + t * k);
+        moe_gate_weights_any(logits + t * n_expert, (int)n_expert, ids + t * k, (int)k, (int)gating, normalize, scale,
+                             w + t * k);
+}
+
+void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,
+            Stream) {
+    dev_ptr(x, span(n_tok * k, d, d), "add_id x");
+    dev_ptr(bias, span(n_expert, d, d), "add_id bias");
+    dev_ptr(ids, span(n_tok * k, 1, 1), "add_id ids");
+    cpu::add_id(x, bias, n_expert, ids, n_tok, k, d, pool());
 }
 
 size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {
@@ -220,23 +239,29 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
         }
 }
 
-void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const void* k, const void* v,
-                QType kv_type, int64_t n_kv, int64_t n_head_kv, size_t kv_cell_bytes, int64_t head_dim,
+void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
                 int n_split, void* scratch, Stream) {
-    dev_ptr(q, span(n_tok, ld_q, n_head * head_dim), "flash_attn q");
-    dev_ptr(k, n_kv * kv_cell_bytes, "flash_attn k");
-    dev_ptr(v, n_kv * kv_cell_bytes, "flash_attn v");
-    dev_ptr(q_pos, span(n_tok, 1, 1), "flash_attn q_pos");
-    dev_ptr(kv_pos, span(n_kv, 1, 1), "flash_attn kv_pos");
-    dev_ptr(out, span(n_tok, ld_out, n_head * head_dim), "flash_attn out");
-    if (n_split > 1) {
-        dev_ptr(scratch, flash_attn_scratch_bytes(n_tok, n_head, head_dim, n_split), "flash_attn scratch");
-        g_split_calls++;
+    if (kv.hd_k > kFlashAttnMaxHeadDimK || kv.hd_v > kFlashAttnMaxHeadDimV)
+        throw InvalidInput("flash_attn: head widths beyond the kernel's");
+    dev_ptr(q, span(n_tok, ld_q, n_head * kv.hd_k), "flash_attn q");
+    if (kv.n_kv > 0) {  // V may be a narrower view into K's cells (multi-head latent attention)
+        dev_ptr(kv.k, (kv.n_kv - 1) * kv.k_cell_bytes + kv.n_head_kv * row_bytes(kv.type, kv.hd_k), "flash_attn k");
+        dev_ptr(kv.v, (kv.n_kv - 1) * kv.v_cell_bytes + kv.n_head_kv * row_bytes(kv.type, kv.hd_v), "flash_attn v");
     }
-    cpu::KvView kv;
-    kv.k = k, kv.v = v, kv.type = kv_type, kv.n_kv = n_kv, kv.n_head_kv = n_head_kv;
-    kv.k_cell_bytes = kv.v_cell_bytes = kv_cell_bytes, kv.hd_k = kv.hd_v = head_dim;
+    dev_ptr(q_pos, span(n_tok, 1, 1), "flash_attn q_pos");
+    dev_ptr(kv_pos, span(kv.n_kv, 1, 1), "flash_attn kv_pos");
+    if (p.sinks) dev_ptr(p.sinks, span(1, n_head, n_head), "flash_attn sinks");
+    if (p.q_seq) dev_ptr(p.q_seq, span(n_tok, 1, 1), "flash_attn q_seq");
+    if (p.kv_seq) dev_ptr(p.kv_seq, span(kv.n_kv, 1, 1), "flash_attn kv_seq");
+    dev_ptr(out, span(n_tok, ld_out, n_head * kv.hd_v), "flash_attn out");
+    if (n_split > 1) {
+        if (p.split_cells > 0 && n_split != flash_attn_fixed_splits(kv.n_kv, p.split_cells))
+            throw InvalidInput("flash_attn: with fixed splits n_split must be 1 or their count");
+        dev_ptr(scratch, flash_attn_scratch_bytes(n_tok, n_head, kv.hd_v, n_split), "flash_attn scratch");
+        g_split_calls++;
+        if (p.split_cells > 0) g_fixed_split_calls++;
+    }
     cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool());
 }
 
@@ -269,6 +294,31 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
 }
 
 void softmax(const float*, int64_t, int64_t, int64_t, float, float*, int64_t, Stream) { unused("softmax"); }
+
+// Bytes a strided F32 tensor spans from its first element.
+static size_t strided_span(const int64_t ne[4], const size_t nb[4]) {
+    if (ne[0] <= 0 || ne[1] <= 0 || ne[2] <= 0 || ne[3] <= 0) return 0;
+    return (size_t)(ne[1] - 1) * nb[1] + (size_t)(ne[2] - 1) * nb[2] + (size_t)(ne[3] - 1) * nb[3] + (size_t)ne[0] * 4;
+}
+void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, Stream) {
+    dev_ptr(x, strided_span(ne, nb), "cont x");
+    dev_ptr(out, (size_t)(ne[0] * ne[1] * ne[2] * ne[3]) * 4, "cont out");
+    cpu::cont(x, ne, nb, out, pool());
+}
+void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const float* b, int64_t b_ne0,
+            const size_t b_nb[4], float* out, Stream) {
+    const int64_t b_ne[4] = {b_ne0, a_ne[1], a_ne[2], a_ne[3]};
+    dev_ptr(a, strided_span(a_ne, a_nb), "concat a");
+    dev_ptr(b, strided_span(b_ne, b_nb), "concat b");
+    dev_ptr(out, (size_t)((a_ne[0] + b_ne0) * a_ne[1] * a_ne[2] * a_ne[3]) * 4, "concat out");
+    cpu::concat(a, a_ne, a_nb, b, b_ne0, b_nb, out, pool());
+}
+void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream) {
+    dev_ptr(gate, span(n, 1, 1), "swiglu_oai gate");
+    dev_ptr(up, span(n, 1, 1), "swiglu_oai up");
+    dev_ptr(out, span(n, 1, 1), "swiglu_oai out");
+    cpu::swiglu_oai(gate, up, n, alpha, limit, out, pool());
+}
 
 using CpuBinary = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
                            ThreadPool&);
