@@ -212,3 +212,134 @@ def test_top_k_and_moe_weights_match_numpy(sigmoid, normalize, scale):
         if scale not in (0.0, 1.0):
             ww = ww * scale
         np.testing.assert_allclose(w, ww, rtol=2e-5, atol=1e-30)
+
+
+# ---- the ops of gpt-oss, deepseek2 and glm4moe, several sequences ------------------------------
+
+@pytest.mark.parametrize("n_rot,base,factor,attn,n_ctx_orig", [
+    (64, 150000.0, 32.0, 1.0, 4096),    # gpt-oss
+    (32, 10000.0, 40.0, 0.7305, 4096),  # deepseek2's rope dims
+    (64, 1e6, 4.0, 1.2, 8192),
+])
+def test_rope_angles_of_the_cuda_kernel_match_yarn(n_rot, base, factor, attn, n_ctx_orig):
+    """The rope kernel's angle and cos/sin magnitude per pair (rope_pair_angle with the launcher's
+    YaRN set-up) against ggml's rope_yarn in float64; plain RoPE keeps rope_theta and magnitude 1."""
+    pos = np.array([0, 1, 17, 500, 2100, 4095, 30000], np.int32)
+    th, ms = cm.rope_angles(pos, n_rot, base, 1 / factor, 1.0, attn, 32.0, 1.0, n_ctx_orig)
+    half = n_rot // 2
+
+    def corr(n_turns):
+        return n_rot * np.log(n_ctx_orig / (n_turns * 2 * np.pi)) / (2 * np.log(base))
+    lo, hi = max(0.0, np.floor(corr(32.0))), min(n_rot - 1.0, np.ceil(corr(1.0)))
+    i = np.arange(half)
+    extrap = pos[:, None].astype(np.float64) * base ** (-2.0 * i / n_rot)
+    ramp = 1 - np.clip((i - lo) / max(0.001, hi - lo), 0, 1)
+    theta = extrap / factor * (1 - ramp) + extrap * ramp
+    m = attn * (1 + 0.1 * np.log(factor))
+    np.testing.assert_allclose(ms, np.full_like(theta, m), rtol=1e-6)
+    # float angles lose ~6e-8 x the angle; compare what the kernel uses: cos and sin
+    np.testing.assert_allclose(np.cos(th.astype(np.float64)), np.cos(theta), atol=3e-4 + 1e-7 * np.abs(theta).max())
+    np.testing.assert_allclose(np.sin(th.astype(np.float64)), np.sin(theta), atol=3e-4 + 1e-7 * np.abs(theta).max())
+    th, ms = cm.rope_angles(pos, n_rot, base, 0.5)
+    assert np.all(ms == 1)
+    for t in range(len(pos)):
+        for j in (0, half // 2, half - 1):
+            assert th[t, j] == cm.rope_theta(int(pos[t]), j, n_rot, base, 0.5)
+
+
+def attend_ref(s, v, sink=None):
+    s64 = s.astype(np.float64)
+    vis = s64 != -np.inf
+    if not vis.any() and sink is None:
+        return np.zeros(v.shape[1])
+    m = max(s64[vis].max() if vis.any() else -np.inf, -np.inf if sink is None else sink)
+    p = np.where(vis, np.exp(s64 - m), 0.0)
+    den = p.sum() + (0.0 if sink is None else np.exp(sink - m))
+    return p @ v.astype(np.float64) / den
+
+
+@pytest.mark.parametrize("split_len", [3, 8, 64, 1000])
+@pytest.mark.parametrize("sink", [None, 1.5, -20.0])
+def test_attention_splits_fold_to_softmax(split_len, sink):
+    """The attention kernel's arithmetic (4 interleaved warps per split, the splits folded in order,
+    the sink in the denominator) is the softmax; folding as the splits come and folding stored
+    partials (the blocks-per-split launch and its combine kernel) give the same bits."""
+    rng = np.random.default_rng(20)
+    n, dim = 200, 40
+    s = (rng.standard_normal(n) * 6).astype(np.float32)
+    s[rng.integers(0, n, 30)] = -np.inf
+    v = rng.standard_normal((n, dim)).astype(np.float32)
+    for lo, hi in [(0, n), (64, 128), (13, 14), (50, 50)]:
+        one = cm.attend_splits(s, v, split_len, lo, hi, sink)
+        both = cm.attend_splits(s, v, split_len, lo, hi, sink, stored_partials=True)
+        np.testing.assert_array_equal(one, both)
+        win = np.full(n, -np.inf, np.float32)
+        win[lo:hi] = s[lo:hi]
+        np.testing.assert_allclose(one, attend_ref(win, v, sink), rtol=3e-5, atol=3e-6)
+
+
+def test_attention_of_a_sequence_does_not_depend_on_the_others():
+    """A query of the sequence owning cells [lo, hi) gets the same bits whatever the other regions
+    hold and however many cells the batch spans, as the fixed splits start at multiples of the
+    split length: the CUDA kernel's batch independence on several sequences."""
+    rng = np.random.default_rng(21)
+    seq_cells, split, dim = 256, 128, 32
+    region = (rng.standard_normal(seq_cells) * 4).astype(np.float32)
+    region[150:] = -np.inf  # cells the sequence has not filled yet
+    vals = rng.standard_normal((seq_cells, dim)).astype(np.float32)
+    outs = []
+    for n_regions, r in [(1, 0), (4, 2), (3, 2), (4, 1)]:
+        s = (rng.standard_normal(n_regions * seq_cells) * 4).astype(np.float32)  # other sequences' cells
+        v = rng.standard_normal((n_regions * seq_cells, dim)).astype(np.float32)
+        lo, hi = cm.attn_seq_region(r, seq_cells, len(s))
+        assert (lo, hi) == (r * seq_cells, (r + 1) * seq_cells)
+        s[lo:hi], v[lo:hi] = region, vals
+        for stored in (False, True):
+            outs.append(cm.attend_splits(s, v, split, lo, hi, 0.5, stored_partials=stored))
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+    assert cm.attn_seq_region(3, 256, 900) == (768, 900)  # the last region cut by the span
+    assert cm.attn_seq_region(5, 0, 900) == (0, 900)      # no regions: every cell
+
+
+SELECT_CASES = [(0, False, (0, 0), 16, 6), (1, True, (0, 0), 16, 6), (1, True, (4, 3), 16, 6),
+                (2, False, (0, 0), 32, 4), (0, True, (4, 2), 16, 6), (1, True, (8, 4), 256, 8),
+                (1, False, (0, 0), 128, 4), (1, True, (1, 1), 64, 8)]
+
+
+@pytest.mark.parametrize("gating,use_bias,groups,n,k", SELECT_CASES)
+def test_expert_selection_matches_the_cpu_op(gating, use_bias, groups, n, k):
+    """The CUDA TOP_K's selection (moe_select.h: gated score + bias, the best groups by their two
+    best scores, ties to the lower id) gives cpu::top_k's ids."""
+    rng = np.random.default_rng(22 + n + gating)
+    x = (rng.standard_normal((60, n)) * 3).astype(np.float32)
+    x[:, 5] = x[:, 9]  # ties
+    x[7] = 0.0         # a row of ties
+    bias = (rng.standard_normal(n) * 0.5).astype(np.float32) if use_bias else None
+    got = cm.expert_select(x, k, gating, bias, *groups)
+    np.testing.assert_array_equal(got, _core.ops.top_k(x, k, gating, bias, *groups))
+
+
+@pytest.mark.parametrize("gating", [0, 1, 2])
+@pytest.mark.parametrize("normalize,scale", [(False, 0.0), (True, 2.5)])
+def test_gate_weights_match_the_cpu_op(gating, normalize, scale):
+    """The CUDA MOE_WEIGHTS (moe_gate_weights_any: softmax over all, a sigmoid each, a softmax over
+    the picked) gives cpu::moe_weights' weights."""
+    rng = np.random.default_rng(23)
+    logits = (rng.standard_normal((40, 32)) * 3).astype(np.float32)
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :4].astype(np.int32)
+    ids[3] = [7, 2, 30, 0]  # any order
+    got = cm.gate_weights(logits, ids, gating, normalize, scale)
+    want = _core.ops.moe_weights(logits, ids, gating, normalize, scale)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-30)
+    if gating == 2 and not normalize:
+        picked = np.take_along_axis(logits.astype(np.float64), ids, 1)
+        ref = np.exp(picked - picked.max(1, keepdims=True))
+        np.testing.assert_allclose(got, ref / ref.sum(1, keepdims=True), rtol=1e-6)
+
+
+def test_expert_selection_rejects_bad_groups():
+    with pytest.raises(ValueError, match="groups"):
+        cm.expert_select(np.zeros((1, 16), np.float32), 6, 1, None, 5, 2)
+    with pytest.raises(ValueError, match="groups"):
+        cm.expert_select(np.zeros((1, 16), np.float32), 6, 1, None, 4, 1)

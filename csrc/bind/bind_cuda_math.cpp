@@ -1,10 +1,12 @@
 // stowlm._core.cuda_math: the HOST_DEVICE arithmetic the CUDA kernels run (quant/dot_q8_1.h,
-// cpu/attn_math.h, attn_visibility.h, moe_router.h), compiled for the host so the CPU tests
-// check the same functions without a GPU.
+// cpu/attn_math.h, attn_visibility.h, moe_router.h, cuda/moe_select.h), compiled for the host so
+// the CPU tests check the same functions without a GPU.
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -15,6 +17,8 @@
 #include "moe_router.h"
 #include "quant/dot_q8_1.h"
 #include "quant/types.h"
+// cuda/ is not on the include path of a build without CUDA; the header needs only csrc/.
+#include "../../cuda/moe_select.h"
 
 namespace nb = nanobind;
 using stowlm::InvalidInput;
@@ -135,6 +139,127 @@ nb::tuple online_softmax_attend(F1 scores, F2 values, int64_t chunk) {
     return nb::make_tuple(make_out<float, 1>(std::move(acc), {dim}), M, L);
 }
 
+// The CUDA attention kernel's arithmetic (cuda/flash_attn.cu) for one query over n cells with
+// scores s[j] (-inf: not visible) and values v[j, :]: the cells cut at multiples of split_len;
+// within split [j0, j1), restricted to [lo, hi), warp w of 4 takes cells j0 + w + 4i with its own
+// online state, the warps' states merged in order; the splits' states folded in order by
+// attn_fold_acc, either as they come, skipping the splits outside [lo, hi) (one block folding
+// them; stored_partials false) or every split's state stored first and folded afterwards (blocks
+// of their own and the combine kernel); then attn_out_scale with the optional sink.
+Out<float, 1> attend_splits(F1 scores, F2 values, int64_t split_len, int64_t lo, int64_t hi, std::optional<float> sink,
+                            bool stored_partials) {
+    constexpr int W = 4;
+    const int64_t n = (int64_t)scores.shape(0), dim = (int64_t)values.shape(1);
+    if ((int64_t)values.shape(0) != n) throw InvalidInput("attend_splits: values rows != scores length");
+    if (split_len <= 0 || lo < 0 || hi > n || lo > hi) throw InvalidInput("attend_splits: split_len > 0, 0 <= lo <= hi <= n");
+    const int64_t n_splits = std::max<int64_t>(1, (n + split_len - 1) / split_len);
+    std::vector<float> part((size_t)(n_splits * (dim + 2)));
+    float M = -INFINITY, L = 0.0f;
+    std::vector<float> A((size_t)dim, 0.0f);
+    for (int64_t sp = 0; sp < n_splits; sp++) {
+        const int64_t j0 = sp * split_len, jb = std::max(j0, lo), je = std::min(std::min(n, j0 + split_len), hi);
+        if (!stored_partials && jb >= je) continue;
+        float wm[W], wl[W];
+        std::vector<float> wacc((size_t)(W * dim), 0.0f);
+        for (int w = 0; w < W; w++) {
+            float m = -INFINITY, l = 0.0f;
+            int64_t j = j0 + w;
+            if (j < jb) j += (jb - j + W - 1) / W * W;
+            for (; j < je; j += W) {
+                const float sc = scores.data()[j];
+                if (sc == -INFINITY) continue;  // a cell the query does not see
+                float f;
+                const float p = stowlm::online_softmax_update(m, l, sc, &f);
+                for (int64_t d = 0; d < dim; d++)
+                    wacc[w * dim + d] = fmaf(p, values.data()[j * dim + d], wacc[w * dim + d] * f);
+            }
+            wm[w] = m, wl[w] = l;
+        }
+        float ms = -INFINITY, ls = 0.0f, fs[W];
+        for (int w = 0; w < W; w++) {
+            float fa, fb;
+            stowlm::online_softmax_merge(ms, ls, wm[w], wl[w], &fa, &fb);
+            for (int u = 0; u < w; u++) fs[u] *= fa;
+            fs[w] = fb;
+        }
+        float fa = 0.0f, fb = 0.0f;
+        float* ps = &part[sp * (dim + 2)];
+        if (stored_partials) ps[0] = ms, ps[1] = ls;
+        else stowlm::online_softmax_merge(M, L, ms, ls, &fa, &fb);
+        for (int64_t d = 0; d < dim; d++) {
+            float r = 0.0f;
+            for (int w = 0; w < W; w++) r = fmaf(fs[w], wacc[w * dim + d], r);
+            if (stored_partials) ps[2 + d] = r;
+            else A[d] = stowlm::attn_fold_acc(A[d], fa, r, fb);
+        }
+    }
+    std::vector<float> out((size_t)dim);
+    for (int64_t d = 0; d < dim; d++) {
+        float m = M, l = L, a = A[d];
+        if (stored_partials) {  // the combine kernel
+            m = -INFINITY, l = 0.0f, a = 0.0f;
+            for (int64_t sp = 0; sp < n_splits; sp++) {
+                const float* ps = &part[sp * (dim + 2)];
+                float fa, fb;
+                stowlm::online_softmax_merge(m, l, ps[0], ps[1], &fa, &fb);
+                a = stowlm::attn_fold_acc(a, fa, ps[2 + d], fb);
+            }
+        }
+        out[d] = a * stowlm::attn_out_scale(m, l, sink.has_value(), sink.value_or(0.0f));
+    }
+    return make_out<float, 1>(std::move(out), {(size_t)dim});
+}
+
+// The CUDA rope kernel's angles and cos/sin magnitudes, (n_pos, n_rot/2) each: rope_pair_angle
+// with the launcher's YaRN set-up (rope_is_yarn, rope_yarn_corr_dims on the host).
+nb::tuple rope_angles(nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> pos, int n_rot, float base,
+                      float scale, float ext_factor, float attn_factor, float beta_fast, float beta_slow,
+                      int n_ctx_orig) {
+    if (n_rot <= 0 || n_rot % 2) throw InvalidInput("rope_angles: n_rot must be even and > 0");
+    stowlm::RopeAngleParams a;
+    a.n_rot = n_rot, a.freq_base = base, a.freq_scale = scale;
+    a.yarn = stowlm::rope_is_yarn(ext_factor, attn_factor), a.ext_factor = ext_factor, a.attn_factor = attn_factor;
+    if (a.yarn) stowlm::rope_yarn_corr_dims(n_rot, n_ctx_orig, base, beta_fast, beta_slow, &a.corr_lo, &a.corr_hi);
+    const size_t n = pos.shape(0), half = (size_t)n_rot / 2;
+    std::vector<float> th(n * half), ms(n * half);
+    for (size_t t = 0; t < n; t++)
+        for (size_t i = 0; i < half; i++) stowlm::rope_pair_angle(pos.data()[t], (int)i, a, &th[t * half + i], &ms[t * half + i]);
+    return nb::make_tuple(make_out<float, 2>(std::move(th), {n, half}), make_out<float, 2>(std::move(ms), {n, half}));
+}
+
+// The TOP_K op of the CUDA backend (moe_select.h expert_select), rows of x: ids (n_tok, k).
+Out<int, 2> expert_select(F2 x, int k, int gating, std::optional<F1> bias, int n_groups, int n_group_used) {
+    const size_t n_tok = x.shape(0);
+    const int n = (int)x.shape(1);
+    if (k <= 0 || k > n) throw InvalidInput("expert_select: k=" + std::to_string(k) + " outside 1..n_expert");
+    if (bias && (int)bias->shape(0) != n) throw InvalidInput("expert_select: bias length != n_expert");
+    if (n_groups > 1 && (n % n_groups || n_groups > stowlm::kMaxExpertGroups || n_group_used < 1 ||
+                         n_group_used > n_groups || k > n / n_groups * n_group_used))
+        throw InvalidInput("expert_select: the groups must divide the experts and the kept groups hold at least k");
+    stowlm::ExpertSelect p;
+    p.n = n, p.k = k, p.gating = gating, p.bias = bias ? bias->data() : nullptr;
+    p.n_groups = n_groups > 1 ? n_groups : 0, p.n_group_used = n_groups > 1 ? n_group_used : 0;
+    std::vector<int> ids(n_tok * k);
+    std::vector<float> score((size_t)n);
+    for (size_t t = 0; t < n_tok; t++) stowlm::expert_select(x.data() + t * n, p, score.data(), &ids[t * k]);
+    return make_out<int, 2>(std::move(ids), {n_tok, (size_t)k});
+}
+
+// The MOE_WEIGHTS op of the CUDA backend (moe_select.h moe_gate_weights_any): w (n_tok, k).
+Out<float, 2> gate_weights(F2 logits, nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> ids,
+                           int gating, bool normalize, float scale) {
+    const size_t n_tok = logits.shape(0), k = ids.shape(1);
+    const int n = (int)logits.shape(1);
+    if (ids.shape(0) != n_tok || k == 0 || (int)k > n) throw InvalidInput("gate_weights: ids must be (n_tok, k), k <= n");
+    for (size_t i = 0; i < ids.size(); i++)
+        if (ids.data()[i] < 0 || ids.data()[i] >= n) throw InvalidInput("gate_weights: expert id out of range");
+    std::vector<float> w(n_tok * k);
+    for (size_t t = 0; t < n_tok; t++)
+        stowlm::moe_gate_weights_any(logits.data() + t * n, n, ids.data() + t * k, (int)k, gating, normalize, scale,
+                                     &w[t * k]);
+    return make_out<float, 2>(std::move(w), {n_tok, k});
+}
+
 nb::tuple router_topk(F1 logits, int k, bool softmax_all, bool normalize) {
     const int n = (int)logits.shape(0);
     if (n <= 0 || n > 256) throw InvalidInput("router_topk: expert count " + std::to_string(n) + " outside 1..256");
@@ -179,6 +304,20 @@ STOWLM_BIND(cuda_math) {
     });
     cm.def("router_topk", &router_topk, nb::arg("logits"), nb::arg("k"), nb::arg("softmax_all") = true,
            nb::arg("normalize") = false);
+    cm.def("attend_splits", &attend_splits, nb::arg("scores"), nb::arg("values"), nb::arg("split_len"), nb::arg("lo"),
+           nb::arg("hi"), nb::arg("sink").none() = nb::none(), nb::arg("stored_partials") = false);
+    cm.def("attn_seq_region", [](int32_t q_seq, int32_t seq_cells, int64_t n_kv) {
+        int64_t lo, hi;
+        stowlm::attn_seq_region(q_seq, seq_cells, n_kv, &lo, &hi);
+        return nb::make_tuple(lo, hi);
+    });
+    cm.def("rope_angles", &rope_angles, nb::arg("pos"), nb::arg("n_rot"), nb::arg("base") = 10000.0f,
+           nb::arg("scale") = 1.0f, nb::arg("ext_factor") = 0.0f, nb::arg("attn_factor") = 1.0f,
+           nb::arg("beta_fast") = 32.0f, nb::arg("beta_slow") = 1.0f, nb::arg("n_ctx_orig") = 0);
+    cm.def("expert_select", &expert_select, nb::arg("x"), nb::arg("k"), nb::arg("gating") = 0,
+           nb::arg("bias").none() = nb::none(), nb::arg("n_groups") = 0, nb::arg("n_group_used") = 0);
+    cm.def("gate_weights", &gate_weights, nb::arg("logits"), nb::arg("ids"), nb::arg("gating") = 0,
+           nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
     cm.def("top_k_moe_weights", &top_k_moe_weights, nb::arg("logits"), nb::arg("k"), nb::arg("sigmoid_gate") = false,
            nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
 }
