@@ -2,7 +2,9 @@
 cuda/cuda_engine.cpp against an emulated device (host memory; each launcher checks that every
 pointer it gets is device memory, then runs the CPU kernel it mirrors) and compares dense and MoE
 models on cuda:0, cpu:0 + cuda:0 splits, two CUDA devices and experts on the other device with the
-CPU backend's logits, plus exact memory accounting and the split-KV decode path. It links the core
+CPU backend's logits, plus exact memory accounting and the split-KV decode path; gpt-oss, deepseek2
+and glm4moe with every node on cuda:0; contexts of four sequences (fixed KV splits, sequence
+masks) against the CPU's. It links the core
 library of a CUDA-enabled build (whose make_backend creates the CUDA backend); skipped, with the
 reason, where there is none (set STOWLM_CUDA_BUILD_DIR to point at one)."""
 import os
@@ -13,7 +15,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen3moe-tiny", "smollm2-moe"]
+MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "qwen3moe-tiny", "smollm2-moe", "gptoss-tiny",
+          "deepseek2-tiny", "glm4moe-tiny"]
 
 
 def cuda_build_dir():

@@ -3,7 +3,9 @@
 // on two CUDA devices and with the MoE experts on the other device must give the CPU backend's
 // logits (the emulation runs the same CPU kernels, so any difference is plumbing: a wrong
 // tensor, stride, chunk, copy or upload), every device must have allocated exactly what the
-// planner projected, and the decode path must use split-KV attention with its scratch.
+// planner projected, and the decode path must use split-KV attention with its scratch. Also the
+// ops of gpt-oss, deepseek2 and glm4moe, and contexts of several sequences (eval_batch), against
+// the CPU backend's.
 // Built and run by tests/test_cuda_engine_emulated.py: argv[1] is the models directory.
 #include <cmath>
 #include <cstdio>
@@ -16,6 +18,7 @@
 using namespace stowlm;
 namespace stowlm::cuda {
 extern int g_split_calls;
+extern int g_fixed_split_calls;
 }
 
 namespace {
@@ -101,6 +104,60 @@ void check(const std::string& model_dir, const std::string& name, Run r, const s
     if (!ok) failures++;
 }
 
+// A context of n_seq sequences: prompts of different lengths for every sequence in one batch,
+// then decode steps of one token per sequence, and steps where only some sequences decode (the
+// batch changes around them); the logits of every sequence's last token each time, and every
+// row of the batch in the decode steps.
+std::vector<float> run_seqs(const std::string& path, Run& r, int n_seq, int64_t n_ctx, int64_t n_ubatch) {
+    auto m = Model::load(path, r.devices, r.split, true, r.overrides);
+    ContextParams p;
+    p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies, p.n_seq = n_seq;
+    Context c(*m, p);
+    const std::string why = c.check_plan_sound();
+    if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
+    std::vector<int32_t> tokens, seqs, out;
+    for (int sq = 0; sq < n_seq; sq++) {
+        const int n = 20 + 9 * sq;
+        for (int i = 0; i < n; i++) tokens.push_back(1 + (i * 7919 + sq * 104729) % 2000), seqs.push_back(sq);
+        out.push_back((int32_t)tokens.size() - 1);
+    }
+    std::vector<float> all = c.eval_batch(tokens, seqs, {}, out);
+    for (int step = 0; step < 6; step++) {
+        tokens.clear(), seqs.clear(), out.clear();
+        for (int sq = 0; sq < n_seq; sq++) {
+            if (step >= 3 && (sq + step) % 2) continue;  // only some sequences decode
+            tokens.push_back(1 + (step * 31 + sq * 17) % 2000), seqs.push_back(sq);
+            out.push_back((int32_t)tokens.size() - 1);
+        }
+        const std::vector<float> l = c.eval_batch(tokens, seqs, {}, out);
+        all.insert(all.end(), l.begin(), l.end());
+    }
+    const auto rep = c.memory_report();
+    for (size_t i = 0; i < rep.size(); i++)
+        if (m->backends()[i]->memory_used() != rep[i].total) {
+            printf("FAIL accounting on %s: allocated %zu, planned %zu\n", rep[i].name.c_str(),
+                   m->backends()[i]->memory_used(), rep[i].total);
+            failures++;
+        }
+    return all;
+}
+
+void check_seqs(const std::string& model_dir, const std::string& name, Run r, const std::string& what, int n_seq,
+                int64_t n_ctx, int64_t n_ubatch = 32) {
+    const std::string path = model_dir + "/" + name + ".gguf";
+    Run ref_run;
+    ref_run.devices = {spec("cpu", 0)};
+    ref_run.kv = r.kv;
+    const std::vector<float> ref = run_seqs(path, ref_run, n_seq, n_ctx, n_ubatch);
+    const std::vector<float> got = run_seqs(path, r, n_seq, n_ctx, n_ubatch);
+    double maxd = 0;
+    for (size_t i = 0; i < ref.size() && i < got.size(); i++)
+        maxd = std::max(maxd, (double)std::fabs(ref[i] - got[i]));
+    const bool ok = got.size() == ref.size() && maxd <= 1e-3;
+    printf("%s %-22s %-56s max|logit diff| %.3g\n", ok ? "ok  " : "FAIL", name.c_str(), what.c_str(), maxd);
+    if (!ok) failures++;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -133,6 +190,26 @@ int main(int argc, char** argv) {
             check(dir, name, {{spec("cpu", 0), spec("cuda", 0)}, {n_layer, 0}, experts_on_1},
                   "layers on cpu:0, experts on cuda:0");
         }
+        // gpt-oss (YaRN, sinks, sliding window, router bias, softmax over the picked, expert biases,
+        // clamped SwiGLU, MXFP4 experts), deepseek2 (multi-head latent attention: cont, concat, V
+        // a narrower view of K's cells; sigmoid gates with a bias within expert groups; i-quant
+        // experts) and glm4moe (sigmoid gates with a bias), every node on the device.
+        for (const char* name : {"gptoss-tiny", "deepseek2-tiny", "glm4moe-tiny"}) {
+            check(dir, name, cuda0, "cuda:0");
+            check(dir, name, q8, "cuda:0, q8_0 KV");
+        }
+        check(dir, "deepseek2-tiny", {{spec("cpu", 0), spec("cuda", 0)}, {1, 2}, {}}, "cpu:0 + cuda:0 [1, 2]");
+        check(dir, "gptoss-tiny", cuda0, "cuda:0, 300 tokens then decode (split KV, sinks)", 300, 4, 640, 128);
+        // Several sequences: attention masked by sequence in fixed splits over each sequence's
+        // region (the decode steps run the splits in blocks of their own).
+        const int fixed_before = cuda::g_fixed_split_calls;
+        for (const char* name : {"smollm2-135m", "gptoss-tiny", "deepseek2-tiny", "glm4moe-tiny"})
+            check_seqs(dir, name, cuda0, "cuda:0, 4 sequences", 4, 1024);
+        check_seqs(dir, "gptoss-tiny", q8, "cuda:0, 4 sequences, q8_0 KV", 4, 1024);
+        check_seqs(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}},
+                   "cpu:0 + cuda:0 [15, 15], 4 sequences", 4, 1024);
+        if (cuda::g_fixed_split_calls == fixed_before)
+            printf("FAIL the decode steps of several sequences never ran fixed splits in blocks\n"), failures++;
         // A node pinned to the device by its KV cache that no kernel takes: a clear error when the
         // context is made, naming the device and the reason.
         try {
