@@ -1,20 +1,27 @@
 """Whole models on a CUDA device through the engine (cuda/cuda_engine.cpp): dense and MoE logits
 against llama.cpp's recorded fixtures, decoding against the CPU engine, a model split between
-cpu:0 and cuda:0, and exact memory accounting. GPU cases skip, printing why, where stowlm was
-built without CUDA or no device is present (STOWLM_REQUIRE_GPU=1 makes that a failure); the
-errors a CUDA device list gives without a GPU are checked everywhere."""
+cpu:0 and cuda:0, and exact memory accounting; gpt-oss, deepseek2 and glm4moe, and contexts of
+several sequences (the same bits for a token alone or among others). GPU cases skip, printing
+why, where stowlm was built without CUDA or no device is present (STOWLM_REQUIRE_GPU=1 makes that
+a failure); the errors a CUDA device list gives without a GPU are checked everywhere."""
 import numpy as np
 import pytest
 
 import stowlm
-from conftest import cuda_skip_reason, load_fixture, require_devices
+from conftest import ARCH_MODELS, cuda_skip_reason, load_fixture, require_devices
 from stowlm.engine import plan
-from test_models import TIE, assert_same_distributions, compare, tie_band
+from test_models import TIE, assert_same_distributions, compare, log_softmax, tie_band
 from test_moe import figures, logit_records
 
 CUDA = "cuda:0"
 CPU = "cpu:0[threads=1]"
 DENSE = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
+
+
+def _kl(a, b):
+    """KL(P_a || P_b) of two logit rows."""
+    la, lb = log_softmax(a), log_softmax(b)
+    return float(np.sum(np.exp(la) * (la - lb)))
 
 
 def assert_exact_accounting(ctx):
@@ -104,6 +111,75 @@ def test_qwen3moe_matches_llama_cpp_on_cuda(model_path):
     kl, top1, _ = figures(model, logit_records("qwen3moe-tiny"))
     print(f"\nqwen3moe-tiny on {CUDA}: mean KL {kl:.5f}, top-1 {top1:.1%}")
     assert kl < 0.01 and top1 >= 0.95
+
+
+@pytest.mark.parametrize("name", ARCH_MODELS)
+def test_arch_models_match_llama_cpp_on_cuda(model_path, name):
+    """test_arch_models' criteria on cuda:0 (mean KL < 0.01, top-1 >= 95% counting llama.cpp's
+    near-ties), every node on the device: YaRN rope, sinks and the sliding window (gpt-oss), MLA's
+    cont/concat and V read from the K cells (deepseek2), gated biased grouped routing, a softmax
+    over the picked, expert biases, the clamped SwiGLU, MXFP4 and i-quant experts; then decoding
+    follows the CPU engine."""
+    require_devices(CUDA)
+    path = model_path(name)
+    model = stowlm.Model(path, devices=[CUDA])
+    ctx = stowlm.Context(model, n_ctx=256, n_ubatch=64)
+    assert ctx._c.check_plan() == ""
+    gaps, kls = [], []
+    for r in (r for r in load_fixture(name) if r["kind"] == "logits"):
+        ctx.clear()
+        g, k, _ = compare(ctx.eval(r["ids"], logits="all"), r["positions"])
+        gaps += g
+        kls += k
+    gaps = np.array(gaps)
+    near, kl = float(np.mean(gaps < TIE)), float(np.mean(kls))
+    print(f"\n{name} on {CUDA}: {len(gaps)} positions, top-1 {100 * near:.1f}% counting near-ties, mean KL {kl:.5f}")
+    assert len(gaps) >= 60 and near >= 0.95 and kl < 0.01
+    assert_exact_accounting(ctx)
+    ids = next(r for r in load_fixture(name) if r["kind"] == "logits")["ids"]
+    rows = {}
+    for dev in (CPU, CUDA):  # the same tokens on both
+        c = stowlm.Context(stowlm.Model(path, devices=[dev]), n_ctx=256, n_ubatch=64)
+        out = [c.eval(ids, logits="last")] + [c.eval([t]) for t in ids[:10]]
+        rows[dev] = np.stack(out)
+    kl = [_kl(a, b) for a, b in zip(rows[CPU], rows[CUDA])]
+    print(f"{name} decode, cuda:0 vs cpu: mean KL {np.mean(kl):.2e}, max {np.max(kl):.2e}")
+    assert np.mean(kl) < 5e-3 and np.max(kl) < 5e-2
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gptoss-tiny", "deepseek2-tiny"])
+def test_a_token_gets_the_same_logits_alone_and_among_other_sequences_on_cuda(model_path, name):
+    """test_batching's check on cuda:0: four sequences in one context; the attention kernel's fixed
+    KV splits (in blocks of their own for a few tokens, folded in one block otherwise: the same
+    bits) and the vector products of a decode batch give a token the same logits alone or among
+    the others; and the CPU engine's numbers up to rounding."""
+    require_devices(CUDA)
+    path = model_path(name)
+    rng = np.random.default_rng(1)
+    prompts = [list(map(int, rng.integers(10, 5000, n))) for n in (37, 80, 5, 130)]
+    results = {}
+    for dev in (CUDA, CPU):
+        ctx = stowlm.Context(stowlm.Model(path, devices=[dev]), n_ctx=2048, n_seq=4, n_ubatch=64)
+
+        def fill(seqs):
+            ctx.clear()
+            for s in seqs:
+                ctx.eval_batch(prompts[s], [s] * len(prompts[s]))
+
+        fill([0])
+        alone = ctx.eval_batch([42], [0])[0]
+        fill([3, 1, 0, 2])
+        together = ctx.eval_batch([7, 42, 9, 11], [3, 0, 1, 2], rows=[0, 1, 2, 3])
+        if dev == CUDA:
+            np.testing.assert_array_equal(together[1], alone)
+            fill([1, 2])
+            ctx.eval_batch(prompts[0], [0] * len(prompts[0]))
+            np.testing.assert_array_equal(ctx.eval_batch([42], [0])[0], alone)
+            assert_exact_accounting(ctx)
+        results[dev] = together
+    kl = [_kl(a, b) for a, b in zip(results[CPU], results[CUDA])]
+    print(f"\n{name}, 4 sequences, cuda:0 vs cpu: KL {['%.1e' % x for x in kl]}")
+    assert max(kl) < 5e-3
 
 
 @pytest.mark.parametrize("name,devices,split,overrides", [

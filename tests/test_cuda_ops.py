@@ -11,6 +11,7 @@ from test_matmul import set_scales
 
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize  # noqa: E402
+from test_ops import select_ref, sink_attn_ref, yarn_ref  # noqa: E402  (the CPU op tests' numpy oracles)
 
 T = gguf.GGMLQuantizationType
 DEVICES = ["cpu", "cuda:0"]
@@ -186,7 +187,8 @@ def test_flash_attn_q8_0_cache(dev, n_split):
 # ---- elementwise --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q4_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K",
-                                  "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"])
+                                  "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "MXFP4", "IQ2_XXS", "IQ2_XS", "IQ2_S",
+                                  "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M"])
 def test_get_rows(dev, name):
     rng = np.random.default_rng(9)
     raw, w = random_weights(name, 20, 512, rng)
@@ -329,6 +331,190 @@ def test_moe_matmul(dev, name, per_slot_input):
         for j in range(k):
             xr = x[t * k + j] if per_slot_input else x[t]
             check_matmul(y[t, j][None], ws[ids[t, j]], xr[None], name != "F16")
+
+
+# ---- the ops of gpt-oss, deepseek2 and glm4moe; several sequences ----------------------------
+
+@pytest.mark.parametrize("neox,hd,n_rot,base,factor,attn,n_ctx_orig", [
+    (True, 64, 64, 150000.0, 32.0, 1.0, 4096),    # gpt-oss
+    (False, 32, 32, 10000.0, 40.0, 0.7305, 4096),  # deepseek2's rope dims
+    (True, 128, 64, 1e6, 4.0, 1.2, 8192),
+])
+def test_rope_yarn(dev, neox, hd, n_rot, base, factor, attn, n_ctx_orig):
+    rng = np.random.default_rng(n_rot)
+    x = rng.standard_normal((6, 3, hd)).astype(np.float32)
+    pos = np.array([0, 1, 17, 500, 2100, 4095], np.int32)
+    got = run(dev, "rope", x, pos, n_rot, base, 1 / factor, neox, ext_factor=1.0, attn_factor=attn,
+              n_ctx_orig=n_ctx_orig)
+    ref = yarn_ref(x, pos, n_rot, base, 1 / factor, neox, 1.0, attn, 32.0, 1.0, n_ctx_orig)
+    np.testing.assert_allclose(got, ref, rtol=2e-4, atol=2e-4)
+
+
+@pytest.mark.parametrize("n_tok,n_kv,window,n_split", [(1, 300, 0, 1), (1, 700, 0, 4), (5, 40, 8, 1), (40, 64, 0, 2)])
+def test_flash_attn_sinks_and_a_v_narrower_than_k(dev, n_tok, n_kv, window, n_split):
+    """Sinks (gpt-oss) and a value head narrower than the key head (deepseek2's absorbed MLA: keys
+    of 160, values of 128), in one pass and over split KV ranges."""
+    rng = np.random.default_rng(n_tok + n_kv)
+    for hd_k, hd_v, n_head, n_head_kv in [(64, 64, 8, 2), (160, 128, 8, 1)]:
+        q = rng.standard_normal((n_tok, n_head, hd_k)).astype(np.float32)
+        k = rng.standard_normal((n_kv, n_head_kv, hd_k)).astype(np.float32)
+        v = rng.standard_normal((n_kv, n_head_kv, hd_v)).astype(np.float32)
+        kv_pos = np.arange(n_kv, dtype=np.int32)
+        q_pos = np.arange(n_kv - n_tok, n_kv, dtype=np.int32)
+        sinks = (rng.standard_normal(n_head) * 2).astype(np.float32)
+        scale = 1 / np.sqrt(hd_k)
+        kw = {} if dev == "cpu" else {"n_split": n_split}
+        got = run(dev, "flash_attn", q, k, v, q_pos, kv_pos, scale, window=window, sinks=sinks, **kw)
+        np.testing.assert_allclose(got, sink_attn_ref(q, k, v, q_pos, kv_pos, scale, window, sinks), rtol=2e-3,
+                                   atol=2e-3)
+
+
+@pytest.mark.parametrize("hd_k,hd_v,n_split", [(576, 512, 1), (576, 512, 3), (160, 128, 2)])
+def test_flash_attn_values_read_from_the_key_cells(dev, hd_k, hd_v, n_split):
+    """Multi-head latent attention's cache: V is the first hd_v values of each K cell (a view with
+    K's cell stride), up to DeepSeek's 576-wide keys and 512-wide values."""
+    cuda_only(dev)
+    rng = np.random.default_rng(hd_k + n_split)
+    n_tok, n_head, n_kv = 3, 16, 600
+    q = rng.standard_normal((n_tok, n_head, hd_k)).astype(np.float32)
+    k = rng.standard_normal((n_kv, hd_k)).astype(np.float16)
+    kv_pos = np.arange(n_kv, dtype=np.int32)
+    kv_pos[[5, 77]] = -1
+    q_pos = np.array([10, 400, 599], np.int32)
+    scale = 1 / np.sqrt(hd_k)
+    got = _core.cuda_ops.flash_attn_v_in_k(q, k.view(np.uint16), hd_v, q_pos, kv_pos, scale, n_split=n_split)
+    ref = sink_attn_ref(q, k[:, None, :].astype(np.float32), k[:, None, :hd_v].astype(np.float32), q_pos, kv_pos,
+                        scale, 0, np.full(n_head, -np.inf))
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=2e-3)
+
+
+def seq_attn_ref(q, k, v, q_pos, kv_pos, q_seq, kv_seq, scale, sinks):
+    """Causal attention in float64 over the cells of each query's own sequence, with sinks."""
+    n_tok, n_head, _ = q.shape
+    n_rep = n_head // k.shape[1]
+    out = np.zeros((n_tok, n_head, v.shape[2]))
+    for t in range(n_tok):
+        vis = (kv_pos >= 0) & (kv_pos <= q_pos[t]) & (kv_seq == q_seq[t])
+        for h in range(n_head):
+            sc = k[vis, h // n_rep].astype(np.float64) @ q[t, h].astype(np.float64) * scale
+            m = max(sc.max(initial=-np.inf), sinks[h])
+            p = np.exp(sc - m)
+            out[t, h] = p @ v[vis, h // n_rep].astype(np.float64) / (p.sum() + np.exp(sinks[h] - m))
+    return out
+
+
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+def test_flash_attn_of_several_sequences_is_batch_independent(dev, kv_type):
+    """Four sequences owning 256 cells each, fixed splits of 128: each query sees only its own
+    sequence's cells, and its result is the same bits alone or with the others, whether the
+    launcher runs the splits in blocks of their own or folds them in one block, and whatever the
+    batch spans (the last sequence's region left out of a shorter cell range)."""
+    cuda_only(dev)
+    rng = np.random.default_rng(24)
+    n_seq, seq_cells, split, n_head, n_head_kv, hd = 4, 256, 128, 8, 2, 64
+    n_kv = n_seq * seq_cells
+    fill = [37, 200, 5, 130]
+    kv_seq = np.repeat(np.arange(n_seq, dtype=np.int32), seq_cells)
+    kv_pos = np.full(n_kv, -1, np.int32)
+    for s_, n in enumerate(fill):
+        kv_pos[s_ * seq_cells:s_ * seq_cells + n] = np.arange(n)
+    kv_seq[kv_pos < 0] = -1
+    k = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+    v = rng.standard_normal((n_kv, n_head_kv, hd)).astype(np.float32)
+    # values the cells hold exactly
+    if kv_type == "Q8_0":
+        rt = lambda a: dequantize(gguf.quants.quantize(a.reshape(-1, hd), T.Q8_0), T.Q8_0).reshape(a.shape)
+    else:
+        rt = lambda a: a.astype(np.float16)
+    k, v = rt(k).astype(np.float32), rt(v).astype(np.float32)
+    sinks = (rng.standard_normal(n_head) * 2).astype(np.float32)
+    q_seq = np.array([3, 0, 1, 2], np.int32)
+    q_pos = np.array([fill[s_] - 1 for s_ in q_seq], np.int32)
+    q = rng.standard_normal((4, n_head, hd)).astype(np.float32)
+    scale = 1 / np.sqrt(hd)
+    kw = dict(kv_type=kv_type, sinks=sinks, split_cells=split, seq_cells=seq_cells)
+
+    def attend(idx, n_cells=n_kv, n_split=0):
+        return run(dev, "flash_attn", q[idx], k[:n_cells], v[:n_cells], q_pos[idx], kv_pos[:n_cells], scale,
+                   q_seq=q_seq[idx], kv_seq=kv_seq[:n_cells], n_split=n_split, **kw)
+
+    together = attend(np.arange(4))
+    np.testing.assert_allclose(together, seq_attn_ref(q, k, v, q_pos, kv_pos, q_seq, kv_seq, scale, sinks),
+                               rtol=2e-3, atol=2e-3)
+    np.testing.assert_array_equal(attend(np.arange(4), n_split=1), together)
+    np.testing.assert_array_equal(attend(np.arange(4), n_split=n_kv // split), together)
+    for i in range(4):
+        np.testing.assert_array_equal(attend(np.array([i]))[0], together[i])
+        if q_seq[i] < 3:
+            np.testing.assert_array_equal(attend(np.array([i]), n_cells=3 * seq_cells)[0], together[i])
+
+
+@pytest.mark.parametrize("gating,use_bias,groups", [(0, False, (0, 0)), (1, True, (0, 0)), (1, True, (4, 3)),
+                                                    (2, False, (0, 0)), (0, True, (4, 2))])
+def test_expert_selection(dev, gating, use_bias, groups):
+    rng = np.random.default_rng(gating * 7 + groups[0])
+    x = (rng.standard_normal((300, 16)) * 3).astype(np.float32)
+    bias = (rng.standard_normal(16) * 0.5).astype(np.float32) if use_bias else None
+    got = run(dev, "top_k", x, 6, gating, bias, *groups)
+    np.testing.assert_array_equal(got, select_ref(x, 6, gating, bias, *groups))
+
+
+def test_expert_selection_of_deepseek_v3_shape(dev):
+    """256 experts in 8 groups, 4 kept, 8 picked by sigmoid score + bias (DeepSeek-V3, Kimi-K2)."""
+    rng = np.random.default_rng(25)
+    x = (rng.standard_normal((70, 256)) * 2).astype(np.float32)
+    bias = (rng.standard_normal(256) * 0.1).astype(np.float32)
+    got = run(dev, "top_k", x, 8, 1, bias, 8, 4)
+    np.testing.assert_array_equal(got, select_ref(x, 8, 1, bias, 8, 4))
+
+
+@pytest.mark.parametrize("gating", [0, 1, 2])
+@pytest.mark.parametrize("normalize,scale", [(False, 0.0), (True, 2.5)])
+def test_moe_weights_every_gating(dev, gating, normalize, scale):
+    rng = np.random.default_rng(26)
+    logits = (rng.standard_normal((50, 32)) * 2).astype(np.float32)
+    ids = np.argsort(-logits, axis=1, kind="stable")[:, :4].astype(np.int32)
+    w = run(dev, "moe_weights", logits, ids, gating, normalize, scale)
+    l64 = logits.astype(np.float64)
+    picked = np.take_along_axis(l64, ids, 1)
+    if gating == 0:
+        e = np.exp(l64 - l64.max(1, keepdims=True))
+        ref = np.take_along_axis(e / e.sum(1, keepdims=True), ids, 1)
+    elif gating == 1:
+        ref = 1 / (1 + np.exp(-picked))
+    else:
+        e = np.exp(picked - picked.max(1, keepdims=True))
+        ref = e / e.sum(1, keepdims=True)
+    if normalize:
+        ref = ref / np.maximum(ref.sum(1, keepdims=True), 2.0**-14)
+    if scale not in (0.0, 1.0):
+        ref = ref * scale
+    np.testing.assert_allclose(w, ref, rtol=2e-5)
+
+
+def test_add_id_and_swiglu_oai(dev):
+    rng = np.random.default_rng(27)
+    x = rng.standard_normal((9, 4, 24)).astype(np.float32)
+    bias = rng.standard_normal((32, 24)).astype(np.float32)
+    ids = rng.integers(0, 32, (9, 4)).astype(np.int32)
+    np.testing.assert_allclose(run(dev, "add_id", x, bias, ids), x + bias[ids], rtol=1e-6)
+    g = np.linspace(-12, 12, 4001, dtype=np.float32)
+    u = np.linspace(9, -9, 4001, dtype=np.float32)
+    gc, uc = np.minimum(g, 7.0).astype(np.float64), np.clip(u, -7.0, 7.0).astype(np.float64)
+    ref = gc / (1 + np.exp(-1.702 * gc)) * (uc + 1)
+    np.testing.assert_allclose(run(dev, "swiglu_oai", g, u), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cont_and_concat_of_column_views(dev):
+    """The strided copies deepseek2 takes of its projections: columns of rows, contiguous, and
+    two such views side by side."""
+    cuda_only(dev)
+    rng = np.random.default_rng(28)
+    a = rng.standard_normal((70000, 40)).astype(np.float32)  # more rows than one grid dimension
+    np.testing.assert_array_equal(_core.cuda_ops.cont_cols(a, 8, 24), a[:, 8:32])
+    b = rng.standard_normal((70000, 12)).astype(np.float32)
+    np.testing.assert_array_equal(_core.cuda_ops.concat_cols(a, 32, 8, b, 4, 8),
+                                  np.concatenate([a[:, 32:40], b[:, 4:12]], axis=1))
 
 
 # ---- device object ---------------------------------------------------------------------------
