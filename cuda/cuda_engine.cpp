@@ -251,8 +251,25 @@ private:
                            "kernel's " + std::to_string(cu::kTopKMaxScored);
                 return "";
             }
-            default:
+            case Op::VIEW:
+            case Op::COPY:
+            case Op::ADD:
+            case Op::MUL:
+            case Op::SCALE:
+            case Op::SOFTCAP:
+            case Op::RMS_NORM:
+            case Op::ROPE:
+            case Op::SWIGLU:
+            case Op::GEGLU:
+            case Op::CONT:
+            case Op::CONCAT:
+            case Op::SWIGLU_OAI:
+            case Op::MOE_WEIGHTS:
+            case Op::ADD_ID:
+            case Op::MOE_SUM:
                 return "";
+            default:  // an op added to the graph without a kernel here: the CPU runs it, or a clear error
+                return std::string(op_name(n.op)) + " has no CUDA kernel";
         }
     }
 
@@ -375,6 +392,8 @@ private:
                 });
                 return;
             }
+            default:  // supports() said no
+                throw Unsupported(name_ + ": " + op_name(n->op) + " has no CUDA kernel");
         }
     }
 
