@@ -11,7 +11,8 @@
 // state, and a second kernel folds the states in the same order with the same arithmetic
 // (explicit fused multiply-adds): so with fixed split boundaries (several sequences) a query's
 // result is the same bits whatever the batch and whichever way the launcher chose. A query of a
-// sequence that owns a region of cells skips the cells outside it without reading them.
+// sequence that owns a region of cells skips the cells outside it without reading them, and the
+// splits outside it altogether (they would fold as no-ops).
 #include "attn_visibility.h"
 #include "cpu/attn_math.h"
 #include "cuda_backend.h"
@@ -94,9 +95,10 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
     const int64_t s_end = a.per_block ? s_begin + 1 : a.n_splits;
     for (int64_t sp = s_begin; sp < s_end; sp++) {
         const int64_t j0 = sp * a.split_len;
-        const int64_t jb = max(j0, lo), je = min(min(a.n_kv, j0 + a.split_len), hi);
-        // A split holding none of the query's cells folds as a no-op: skip it (uniform per block).
-        if (!a.per_block && jb >= je) continue;
+        int64_t jb, je;
+        // A split holding none of the query's cells would fold as a no-op: no state at all (the
+        // combine kernel skips it too). Uniform per block.
+        if (!attn_split_cells(sp, a.split_len, a.n_kv, lo, hi, &jb, &je)) continue;
 
         float m = -INFINITY, l = 0.0f, acc[PV];
 #pragma unroll
@@ -169,18 +171,20 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
     }
 }
 
-// Folds the n_splits states of one (token, head) in split order, as flash_attn_kernel folds them.
-__global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const float* __restrict__ partial,
-                                                                        int64_t n_splits, int64_t n_head, int hd_v,
-                                                                        const float* __restrict__ sinks,
-                                                                        float* __restrict__ out, int64_t ld_out) {
-    const int64_t qi = blockIdx.x, t = qi / n_head, h = qi % n_head;
-    const float* base = partial + (size_t)qi * n_splits * (size_t)(hd_v + 2);
-    float* o = out + t * ld_out + h * hd_v;
-    for (int d = threadIdx.x; d < hd_v; d += blockDim.x) {
+// Folds the states of one (token, head) in split order, as flash_attn_kernel folds them (the
+// splits outside the query's region have none).
+__global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const FaArgs a) {
+    const int64_t qi = blockIdx.x, t = qi / a.n_head, h = qi % a.n_head;
+    int64_t lo, hi, jb, je;
+    attn_seq_region(a.q_seq ? a.q_seq[t] : 0, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi);
+    const float* base = a.partial + (size_t)qi * a.n_splits * (size_t)(a.hd_v + 2);
+    float* o = a.out + t * a.ld_out + h * a.hd_v;
+    const float* sinks = a.sinks;
+    for (int d = threadIdx.x; d < a.hd_v; d += blockDim.x) {
         float M = -INFINITY, L = 0.0f, A = 0.0f;
-        for (int64_t s = 0; s < n_splits; s++) {
-            const float* p = base + (size_t)s * (hd_v + 2);
+        for (int64_t s = 0; s < a.n_splits; s++) {
+            if (!attn_split_cells(s, a.split_len, a.n_kv, lo, hi, &jb, &je)) continue;
+            const float* p = base + (size_t)s * (a.hd_v + 2);
             float fa, fb;
             online_softmax_merge(M, L, p[0], p[1], &fa, &fb);
             A = attn_fold_acc(A, fa, p[2 + d], fb);
@@ -247,8 +251,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     else launch<QType::Q8_0>(a, grid, st);
     check_launch("flash_attn_kernel");
     if (per_block) {
-        flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), kFaThreads, 0, st>>>(
-            (const float*)scratch, n_splits, n_head, (int)kv.hd_v, p.sinks, out, ld_out);
+        flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), kFaThreads, 0, st>>>(a);
         check_launch("flash_attn_combine_kernel");
     }
 }

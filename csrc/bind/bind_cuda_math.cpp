@@ -143,7 +143,7 @@ nb::tuple online_softmax_attend(F1 scores, F2 values, int64_t chunk) {
 // scores s[j] (-inf: not visible) and values v[j, :]: the cells cut at multiples of split_len;
 // within split [j0, j1), restricted to [lo, hi), warp w of 4 takes cells j0 + w + 4i with its own
 // online state, the warps' states merged in order; the splits' states folded in order by
-// attn_fold_acc, either as they come, skipping the splits outside [lo, hi) (one block folding
+// attn_fold_acc (the splits outside [lo, hi) have none), either as they come (one block folding
 // them; stored_partials false) or every split's state stored first and folded afterwards (blocks
 // of their own and the combine kernel); then attn_out_scale with the optional sink.
 Out<float, 1> attend_splits(F1 scores, F2 values, int64_t split_len, int64_t lo, int64_t hi, std::optional<float> sink,
@@ -157,8 +157,9 @@ Out<float, 1> attend_splits(F1 scores, F2 values, int64_t split_len, int64_t lo,
     float M = -INFINITY, L = 0.0f;
     std::vector<float> A((size_t)dim, 0.0f);
     for (int64_t sp = 0; sp < n_splits; sp++) {
-        const int64_t j0 = sp * split_len, jb = std::max(j0, lo), je = std::min(std::min(n, j0 + split_len), hi);
-        if (!stored_partials && jb >= je) continue;
+        const int64_t j0 = sp * split_len;
+        int64_t jb, je;
+        if (!stowlm::attn_split_cells(sp, split_len, n, lo, hi, &jb, &je)) continue;  // no state, either way
         float wm[W], wl[W];
         std::vector<float> wacc((size_t)(W * dim), 0.0f);
         for (int w = 0; w < W; w++) {
@@ -199,6 +200,8 @@ Out<float, 1> attend_splits(F1 scores, F2 values, int64_t split_len, int64_t lo,
         if (stored_partials) {  // the combine kernel
             m = -INFINITY, l = 0.0f, a = 0.0f;
             for (int64_t sp = 0; sp < n_splits; sp++) {
+                int64_t jb, je;
+                if (!stowlm::attn_split_cells(sp, split_len, n, lo, hi, &jb, &je)) continue;
                 const float* ps = &part[sp * (dim + 2)];
                 float fa, fb;
                 stowlm::online_softmax_merge(m, l, ps[0], ps[1], &fa, &fb);

@@ -148,6 +148,17 @@ HOST_DEVICE void attn_seq_region(int32_t q_seq, int32_t seq_cells, int64_t n_kv,
     }
 }
 
+// The cells [*jb, *je) of split sp (cells [sp * split_len, (sp + 1) * split_len) of n_kv) that
+// lie in a query's region [lo, hi); false when none do: that split's state would be empty and
+// fold as a no-op, so the kernels neither compute nor fold it.
+HOST_DEVICE bool attn_split_cells(int64_t sp, int64_t split_len, int64_t n_kv, int64_t lo, int64_t hi, int64_t* jb,
+                                  int64_t* je) {
+    const int64_t j0 = sp * split_len, j1 = j0 + split_len < n_kv ? j0 + split_len : n_kv;
+    *jb = j0 > lo ? j0 : lo;
+    *je = j1 < hi ? j1 : hi;
+    return *jb < *je;
+}
+
 HOST_DEVICE float apply_softcap(float x, float cap) { return cap * tanhf(x / cap); }
 
 HOST_DEVICE float silu(float x) { return x / (1.0f + expf(-x)); }
