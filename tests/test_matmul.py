@@ -185,21 +185,32 @@ def test_matmul_all_types(name, isa, restore_isa):
         check(name, y2.astype(np.float64), ref_w, x)
 
 
+# Every type with a fused row kernel on some path (the others run the panel path, also checked).
+ROW_KERNEL_TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K", "Q2_K", "Q3_K",
+                    "IQ4_XS", "F16"] + NEW_TYPES
+
+
 @pytest.mark.parametrize("isa", ISAS)
-def test_token_result_independent_of_batch(isa, restore_isa):
-    """A token's product is bit-identical alone (the decoding kernel) and inside a batch of 7 (4-
-    and 3-token tiles): the models' micro-batch results rely on it (an ulp flips 8-bit roundings
-    of later activations)."""
+@pytest.mark.parametrize("name", ROW_KERNEL_TYPES)
+def test_token_result_independent_of_batch(name, isa, restore_isa):
+    """Below the batched kernels (1 to 23 tokens: the row kernels' tiles of several tokens and
+    their tails) a token's product is bit-identical alone (the decoding kernel) and inside a
+    batch of any size: the models' micro-batch results and the server's continuous batching
+    rely on it (an ulp flips 8-bit roundings of later activations). 131 rows: every row tile
+    and its tail; for the 32-element formats 320 columns (10 blocks: a partial four-block group)
+    and 288 (9: the odd-block kernels)."""
     if isa not in ops.cpu_info()["supported"]:
         pytest.skip(f"this CPU/OS cannot run the {isa} path")
     ops.set_isa(isa)
     rng = np.random.default_rng(5)
-    for name in ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q4_K", "Q5_K", "Q6_K"] + NEW_TYPES:
-        raw, _ = weights(name, 131, 512)
-        x = rng.standard_normal((7, 512)).astype(np.float32)
-        batch = ops.matmul(raw, name, x)
-        for t in range(7):
-            np.testing.assert_array_equal(ops.matmul(raw, name, x[t:t + 1])[0], batch[t], err_msg=f"{name} token {t}")
+    for cols in ([320, 288] if name in ACT32_TYPES else [512]):
+        raw, _ = weights(name, 131, cols)
+        x = with_outliers(rng.standard_normal((23, cols)).astype(np.float32), rng)
+        alone = np.stack([ops.matmul(raw, name, x[t:t + 1])[0] for t in range(23)])
+        for k in range(1, 24):
+            start = (7 * k) % (24 - k)  # tokens from several places of x
+            y = ops.matmul(raw, name, x[start:start + k], threads=1 + k % 2)
+            np.testing.assert_array_equal(y, alone[start:start + k], err_msg=f"{name} {isa}: {k} tokens, {cols} cols")
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -106,7 +106,7 @@ void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride) {
                 const block_q8_a& b = a[4 * gi + i];
                 memcpy(G.lo + 16 * i, b.qs, 16);
                 memcpy(G.hi + 16 * i, b.qs + 16, 16);
-                G.ads[2 * i] = b.d, G.ads[2 * i + 1] = b.s;
+                for (int k = 0; k < 4; k++) G.d4[4 * i + k] = b.d, G.s4[4 * i + k] = b.s;
             }
             for (int l = 0; l < 16; l++) {
                 int sum = 0;

@@ -422,12 +422,15 @@ void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 
 // Q4_0 / Q4_1 rows, four blocks per ZMM (the row kernels of AVX-512 when the caller regrouped
-// the activations, MatmulArgs::act_nib). The 64 quant bytes of four blocks come out of two
-// loads with one word permute; their low and high nibbles meet the NibGroup's lo and hi bytes
-// in two vpdpbusd, int32 lanes 4i-4i+3 belonging to block i. One word permute gathers the four
-// blocks' fp16 [d, m] (Q4_0: [d, d]), one multiply by the activations' [d, s] gives the lane
-// scales (d d_a) and the min terms (m s_a, summed apart and added at the end). A token's result
-// is the same for every tile shape (RT rows x TT tokens), so it does not depend on its batch.
+// the activations, MatmulArgs::act_nib), up to 4 rows x TT tokens a tile. The 64 quant bytes
+// of four blocks come out of two loads with one word permute; their low and high nibbles meet
+// the NibGroup's lo and hi bytes in two vpdpbusd, int32 lanes 4b-4b+3 belonging to block b.
+// The scales of the tile's rows are packed, block b of row i in lane 4b + i, so that one
+// multiply by a token's activation scales gives the products d d_a of all its rows (an
+// in-lane broadcast makes row i's lane pattern) and one FMA adds the min terms m s_a of all its
+// rows (summed apart, per block, and added at the end). Each output is the same sequence of
+// float operations whatever the tile shape (RT rows x TT tokens), so a token's result does not
+// depend on its batch; the decode of the weights is done once per tile for its TT tokens.
 template <class B>
 struct Nib4 {
     static constexpr bool HAS_M = std::is_same_v<B, block_q4_1>;
@@ -438,42 +441,62 @@ struct Nib4 {
             for (int j = 0; j < 8; j++) v[8 * i + j] = (int16_t)((sizeof(B) / 2) * i + offsetof(B, qs) / 2 + j);
         return _mm512_load_si512(v);
     }
-    // [d0, m0, d1, m1, ...] (Q4_0: [d0, d0, d1, d1, ...]) in the low 8 words
+    // words 0-3: d of blocks 0-3; words 4-7: m of blocks 0-3 (Q4_0: d again)
     static __m512i dm_idx() {
         alignas(64) int16_t v[32] = {};
         for (int i = 0; i < 4; i++) {
-            v[2 * i] = (int16_t)((sizeof(B) / 2) * i);
-            v[2 * i + 1] = (int16_t)((sizeof(B) / 2) * i + (HAS_M ? 1 : 0));
+            v[i] = (int16_t)((sizeof(B) / 2) * i);
+            v[4 + i] = (int16_t)((sizeof(B) / 2) * i + (HAS_M ? 1 : 0));
         }
         return _mm512_load_si512(v);
     }
 };
 
+// Element i of each 128-bit lane, broadcast within the lane (i is a constant once unrolled).
+inline __m512 lane_bcast(__m512 v, int i) {
+    switch (i) {
+        case 0: return _mm512_permute_ps(v, 0x00);
+        case 1: return _mm512_permute_ps(v, 0x55);
+        case 2: return _mm512_permute_ps(v, 0xaa);
+        default: return _mm512_permute_ps(v, 0xff);
+    }
+}
+
 template <class B, int RT, int TT>
 void fused_q4_nib(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    static_assert(RT >= 1 && RT <= 4, "rows packed four to a ZMM");
     using N = Nib4<B>;
     const int64_t nb = A.cols / QK, ng = (nb + 3) / 4;
     const uint8_t* w[RT];
+    #pragma GCC unroll 4
     for (int i = 0; i < RT; i++) w[i] = A.w + (r0 + i) * A.w_stride;
     const size_t pf = RT * A.w_stride;
     const NibGroup* g[TT];
+    #pragma GCC unroll 4
     for (int j = 0; j < TT; j++) g[j] = (const NibGroup*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
-    __m512 acc[RT][TT];
-    __m256 macc[RT][TT];
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = _mm256_setzero_ps();
+    __m512 acc[RT][TT], macc[TT];
+    #pragma GCC unroll 4
+    for (int j = 0; j < TT; j++) {
+        macc[j] = _mm512_setzero_ps();
+        #pragma GCC unroll 4
+        for (int i = 0; i < RT; i++) acc[i][j] = _mm512_setzero_ps();
+    }
     const __m512i qidx = N::qs_idx(), didx = N::dm_idx(), m4 = _mm512_set1_epi8(0x0f);
-    const __m512i lane_pat = _mm512_setr_epi32(0, 0, 0, 0, 2, 2, 2, 2, 4, 4, 4, 4, 6, 6, 6, 6);
-    for (int64_t gi = 0; gi < ng; gi++) {
+    // one group of four blocks; the last may be partial (FULL false: masked loads)
+    auto group = [&](int64_t gi, auto full) __attribute__((always_inline)) {
+        constexpr bool FULL = decltype(full)::value;
         const int64_t bytes = std::min<int64_t>(4, nb - 4 * gi) * (int64_t)sizeof(B);
         const __mmask64 k0 = bytes >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << bytes) - 1);
         const __mmask64 k1 = bytes > 64 ? (((__mmask64)1 << (bytes - 64)) - 1) : 0;
+        __m512i lo[RT], hi[RT];
+        __m128i dm[4];  // per row the fp16 [d0..d3, m0..m3]
+        #pragma GCC unroll 4
         for (int i = 0; i < RT; i++) {
             const uint8_t* p = w[i] + 4 * gi * sizeof(B);
             prefetch_next<4 * (int)sizeof(B)>(p, pf);
             // a full group spans 72 or 80 bytes; in the last, bytes past the row load as zeros
             __m512i a, b;
-            if (bytes == 4 * (int64_t)sizeof(B)) {
+            if constexpr (FULL) {
                 a = _mm512_loadu_si512(p);
                 b = N::HAS_M ? _mm512_castsi128_si512(_mm_loadu_si128((const __m128i*)(p + 64)))
                              : _mm512_castsi128_si512(_mm_loadl_epi64((const __m128i*)(p + 64)));
@@ -481,48 +504,79 @@ void fused_q4_nib(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 a = _mm512_maskz_loadu_epi8(k0, p), b = _mm512_maskz_loadu_epi8(k1, p + 64);
             }
             const __m512i z = _mm512_permutex2var_epi16(a, qidx, b);
-            const __m512i lo = _mm512_and_si512(z, m4), hi = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-            const __m256 dm = _mm256_cvtph_ps(_mm512_castsi512_si128(_mm512_permutexvar_epi16(didx, a)));
-            for (int j = 0; j < TT; j++) {
-                const NibGroup& G = g[j][gi];
+            lo[i] = _mm512_and_si512(z, m4), hi[i] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+            dm[i] = _mm512_castsi512_si128(_mm512_permutexvar_epi16(didx, a));
+        }
+        #pragma GCC unroll 4
+        for (int i = RT; i < 4; i++) dm[i] = _mm_setzero_si128();
+        // the tile's rows packed (a 4 x 4 transpose of words): D = d of block b of row i in
+        // lane 4b + i, M the same for m
+        const __m128i x01 = _mm_unpacklo_epi16(dm[0], dm[1]), x23 = _mm_unpacklo_epi16(dm[2], dm[3]);
+        const __m512 D = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi32(x01, x23)),
+                                                                 _mm_unpackhi_epi32(x01, x23), 1));
+        __m512 M = _mm512_setzero_ps();
+        if constexpr (N::HAS_M) {
+            const __m128i y01 = _mm_unpackhi_epi16(dm[0], dm[1]), y23 = _mm_unpackhi_epi16(dm[2], dm[3]);
+            M = _mm512_cvtph_ps(_mm256_inserti128_si256(_mm256_castsi128_si256(_mm_unpacklo_epi32(y01, y23)),
+                                                        _mm_unpackhi_epi32(y01, y23), 1));
+        }
+        #pragma GCC unroll 4
+        for (int j = 0; j < TT; j++) {
+            const NibGroup& G = g[j][gi];
+            const __m512i glo = _mm512_load_si512(G.lo), ghi = _mm512_load_si512(G.hi);
+            // d d_a of every row's blocks; the min terms as one FMA per block (explicit: left to
+            // contraction, the sum could differ between tile shapes)
+            const __m512 sc = _mm512_mul_ps(D, _mm512_load_ps(G.d4));
+            if constexpr (N::HAS_M) macc[j] = _mm512_fmadd_ps(M, _mm512_load_ps(G.s4), macc[j]);
+            #pragma GCC unroll 4
+            for (int i = 0; i < RT; i++) {
                 const __m512i init = N::HAS_M ? _mm512_setzero_si512() : _mm512_load_si512(G.neg8);
-                const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo, _mm512_load_si512(G.lo)), hi,
-                                                        _mm512_load_si512(G.hi));
-                const __m256 ads = _mm256_load_ps(G.ads);
-                const __m256 p8 = _mm256_mul_ps(dm, ads);  // [d d_a, m s_a] per block
-                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(lane_pat, _mm512_castps256_ps512(p8)),
-                                            acc[i][j]);
-                // an explicit FMA: left to contraction, the sum could differ between tile shapes
-                if constexpr (N::HAS_M) macc[i][j] = _mm256_fmadd_ps(dm, ads, macc[i][j]);
+                const __m512i dot = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(init, lo[i], glo), hi[i], ghi);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lane_bcast(sc, i), acc[i][j]);
             }
         }
-    }
-    for (int j = 0; j < TT; j++)
+    };
+    const int64_t nfull = nb / 4;
+    for (int64_t gi = 0; gi < nfull; gi++) group(gi, std::true_type{});
+    if (nfull < ng) group(nfull, std::false_type{});
+    #pragma GCC unroll 4
+    for (int j = 0; j < TT; j++) {
+        alignas(64) float m[16];
+        _mm512_store_ps(m, macc[j]);
+        #pragma GCC unroll 4
         for (int i = 0; i < RT; i++) {
             float y = hsum512(acc[i][j]);
-            if constexpr (N::HAS_M) {
-                alignas(32) float m[8];
-                _mm256_store_ps(m, macc[i][j]);
-                y += (m[1] + m[3]) + (m[5] + m[7]);
-            }
+            if constexpr (N::HAS_M) y += (m[i] + m[4 + i]) + (m[8 + i] + m[12 + i]);
             A.y[(t0 + j) * A.ldy + r0 + i] = y;
         }
+    }
 }
 
-// Rows [r0, r1) x all tokens through fused_q4_nib: 4 rows for one token, 2 rows x 4 tokens
-// otherwise (registers), single rows at the end.
+// Rows [r0, r1) x tokens [t0, t0 + TT) through fused_q4_nib, 4 rows a tile and the rest in one.
+template <class B, int TT>
+void q4_nib_rows_tt(const MatmulArgs& A, int64_t r0, int64_t r1, int64_t t0) {
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) fused_q4_nib<B, 4, TT>(A, r, t0);
+    switch (r1 - r) {
+        case 3: fused_q4_nib<B, 3, TT>(A, r, t0); break;
+        case 2: fused_q4_nib<B, 2, TT>(A, r, t0); break;
+        case 1: fused_q4_nib<B, 1, TT>(A, r, t0); break;
+        default: break;
+    }
+}
+// All tokens in passes of at most 4, as even as possible (5 tokens: 3 + 2).
 template <class B>
 void q4_nib_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
-    int64_t t = 0;
-    for (; t + 4 <= A.n_tok; t += 4) {
-        int64_t r = r0;
-        for (; r + 2 <= r1; r += 2) fused_q4_nib<B, 2, 4>(A, r, t);
-        for (; r < r1; r++) fused_q4_nib<B, 1, 4>(A, r, t);
-    }
-    for (; t < A.n_tok; t++) {
-        int64_t r = r0;
-        for (; r + 4 <= r1; r += 4) fused_q4_nib<B, 4, 1>(A, r, t);
-        for (; r < r1; r++) fused_q4_nib<B, 1, 1>(A, r, t);
+    const int64_t passes = (A.n_tok + 3) / 4;
+    for (int64_t p = 0, t = 0; p < passes; p++) {
+        const int64_t n = (A.n_tok - t) / (passes - p) + ((A.n_tok - t) % (passes - p) ? 1 : 0);
+        switch (n) {
+            case 4: q4_nib_rows_tt<B, 4>(A, r0, r1, t); break;
+            case 3: q4_nib_rows_tt<B, 3>(A, r0, r1, t); break;
+            case 2: q4_nib_rows_tt<B, 2>(A, r0, r1, t); break;
+            default: q4_nib_rows_tt<B, 1>(A, r0, r1, t); break;
+        }
+        t += n;
     }
 }
 

@@ -36,15 +36,17 @@ struct MatmulArgs {
 // Four 32-blocks of one token's quantized activations in the order of the nibbles of four
 // Q4_0/Q4_1 blocks: lo = elements 0-15 of each block, hi = elements 16-31, so that a ZMM of
 // the blocks' 64 quant bytes, split into low and high nibbles, meets them with two vpdpbusd.
-// neg8: -8 * the sum of the 8 activations each int32 lane takes (Q4_0's offset); ads: each
-// block's [d, s]. Blocks past the row's end are zero.
+// neg8: -8 * the sum of the 8 activations each int32 lane takes (Q4_0's offset); d4, s4: each
+// block's scale and sum, four times over (block b in lanes 4b-4b+3). Blocks past the row's end
+// are zero.
 struct alignas(64) NibGroup {
     int8_t lo[64];
     int8_t hi[64];
     int32_t neg8[16];
-    float ads[8];
+    float d4[16];
+    float s4[16];
 };
-static_assert(sizeof(NibGroup) == 256, "NibGroup layout: whole cache lines, aligned loads");
+static_assert(sizeof(NibGroup) == 320, "NibGroup layout: whole cache lines, aligned loads");
 // Bytes of one token's NibGroups for this weight type (0: the type's kernels do not use them).
 size_t nib_act_row_bytes(QType t, int64_t cols);
 // Fills A.n_tok tokens' groups at dst (nib_stride bytes apart) from A.act.
