@@ -109,10 +109,10 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
 void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterParams& p, int32_t* ids,
                  float* weights, Stream s);
 
-// The graph's TOP_K and MOE_WEIGHTS ops (cpu/moe.h semantics, bias and sinks as device
-// pointers) through the HOST_DEVICE expert_select / moe_gate_weights_any of moe_select.h, one
+// The graph's TOP_K and MOE_WEIGHTS ops (cpu/moe.h semantics; TopKParams::bias a device
+// pointer) through the HOST_DEVICE expert_select / moe_gate_weights_any of moe_select.h, one
 // thread per row (plain selection) or one warp (scores in shared memory). Expert groups: at most
-// kMaxExpertGroups; gated, biased or grouped scores: at most kTopKMaxScored experts.
+// kMaxExpertGroups (moe_select.h); gated, biased or grouped scores: at most kTopKMaxScored experts.
 constexpr int64_t kTopKMaxScored = 8192;
 void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream s);
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
