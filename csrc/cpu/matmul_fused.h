@@ -267,157 +267,134 @@ inline __m512 pair_sel(float s0, float s1) {
     return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), v);
 }
 
-// The two blocks' fp16 fields at byte offset OFF of 4 rows as 8 floats: [row0 b, row0 b+1,
-// row1 b, ...]. Pairs are combined in scalar registers and unpacked in two levels (a chain of
-// 8 word inserts delayed every product behind it).
+// One row x TT tokens, two blocks per ZMM (the rows after the last whole 4-row tile).
+template <class L, int TT>
+void fused_q32_x2_r1(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = typename L::B;
+    const int64_t nb = A.cols / QK;
+    const B* w = (const B*)(A.w + r0 * A.w_stride);
+    const block_q8_a* a[TT];
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    __m512 acc[TT];
+    float macc[TT];
+    for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps(), macc[j] = 0;
+    const __m512i offv = _mm512_set1_epi8((char)L::OFF);
+    for (int64_t b = 0; b < nb; b += 2) {
+        const B& x0 = w[b];
+        const B& x1 = w[b + 1];
+        const __m512i wu = L::u2(x0, x1);
+        const __m512 dwv = pair_sel(block_d(x0), block_d(x1));
+        float m0 = 0, m1 = 0;
+        if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
+        for (int j = 0; j < TT; j++) {
+            const __m512i av = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
+                                                  _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
+            const __m512i neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
+                                       : _mm512_setzero_si512();
+            const __m512i dot = _mm512_dpbusd_epi32(neg, wu, av);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, pair_sel(a[j][b].d, a[j][b + 1].d)), acc[j]);
+            if constexpr (L::HAS_M) macc[j] += m0 * a[j][b].s + m1 * a[j][b + 1].s;
+        }
+    }
+    for (int j = 0; j < TT; j++) A.y[(t0 + j) * A.ldy + r0] = hsum512(acc[j]) + macc[j];
+}
+
+// Element i of each 128-bit lane, broadcast within the lane (i is a constant once unrolled):
+// an in-lane shuffle, which on Zen 4 runs beside the multiplies (a cross-lane permute does not).
+inline __m512 lane_bcast(__m512 v, int i) {
+    switch (i) {
+        case 0: return _mm512_permute_ps(v, 0x00);
+        case 1: return _mm512_permute_ps(v, 0x55);
+        case 2: return _mm512_permute_ps(v, 0xaa);
+        default: return _mm512_permute_ps(v, 0xff);
+    }
+}
+
+// The fp16 field at byte offset OFF of blocks b and b+1 of 4 rows as
+// [row0 b, row1 b, row2 b, row3 b, row0 b+1, ..., row3 b+1] (8 halves).
 template <int OFF, class B>
-inline __m256 pair_halves4(const B* const* w, int64_t b) {
+inline __m128i rows_halves4(const B* const* w, int64_t b) {
     __m128i p[4];
     for (int i = 0; i < 4; i++) {
-        // word 0 from block b, word 1 from block b+1 (loaded 2 bytes early: no read past it)
         const __m128i lo = _mm_loadu_si32((const uint8_t*)&w[i][b] + OFF);
         const __m128i hi = _mm_loadu_si32((const uint8_t*)&w[i][b + 1] + OFF - 2);
         p[i] = _mm_blend_epi16(lo, hi, 0x2);
     }
-    return _mm256_cvtph_ps(_mm_unpacklo_epi64(_mm_unpacklo_epi32(p[0], p[1]), _mm_unpacklo_epi32(p[2], p[3])));
-}
-// The same for MXFP4's exponents: [row0 b, row0 b+1, row1 b, ...] as floats.
-inline __m256 pair_e8m0_4(const block_mxfp4* const* w, int64_t b) {
-    return e8m0_half_ps(_mm256_setr_epi32(w[0][b].e, w[0][b + 1].e, w[1][b].e, w[1][b + 1].e, w[2][b].e, w[2][b + 1].e,
-                                          w[3][b].e, w[3][b + 1].e));
+    const __m128i v = _mm_unpacklo_epi64(_mm_unpacklo_epi32(p[0], p[1]), _mm_unpacklo_epi32(p[2], p[3]));
+    return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
 }
 
-// [x0, x1] repeated over 8 lanes.
-inline __m256 pair_bcast(float x0, float x1) {
-    return _mm256_castpd_ps(_mm256_broadcastsd_pd(_mm_castps_pd(_mm_unpacklo_ps(_mm_set_ss(x0), _mm_set_ss(x1)))));
-}
-
-template <class L, int RT, int TT>
-void fused_q32_x2(const MatmulArgs& A, int64_t r0, int64_t t0) {
+// 4 rows x TT tokens of the 32-element formats, two blocks per ZMM as fused_q32_x2 (lanes 0-7
+// block b, 8-15 block b+1), the 4 rows' scales packed: D holds d of row i, block b in lanes
+// i and 4 + i, of block b+1 in lanes 8 + i and 12 + i, so one multiply by a token's
+// [d_a b x 8, d_a b+1 x 8] gives the lane scales of all 4 rows and row i's pattern is an
+// in-lane broadcast; the min terms of all 4 rows are one FMA per token (lanes i and 4 + i).
+// The same float operations per output as fused_q32_x2 and fused_q32_x2_t1 with 4 rows, so
+// the results are theirs bit for bit, for any TT.
+template <class L, int TT>
+void fused_q32_x2_r4(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
-    const int64_t nb = A.cols / QK;
-    const B* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_a* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-    __m512 acc[RT][TT];
-    float macc[RT][TT];
-    __m256 maccv[TT];  // RT == 4: lanes 2i, 2i+1 hold row i's min terms (blocks b, b+1)
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps(), macc[i][j] = 0;
-    for (int j = 0; j < TT; j++) maccv[j] = _mm256_setzero_ps();
-    const __m512i offv = _mm512_set1_epi8((char)L::OFF);
-    for (int64_t b = 0; b < nb; b += 2) {
-        __m512i av[TT], neg[TT];
-        __m512 dav[TT];
-        for (int j = 0; j < TT; j++) {
-            av[j] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
-                                       _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
-            neg[j] = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av[j]))
-                            : _mm512_setzero_si512();
-        }
-        if constexpr (RT == 4) {
-            // products d_w * d_a of the 4 rows' two blocks per token, in 8 lanes; each row's
-            // lane pattern is one permute of them
-            __m256 dw8;
-            if constexpr (kE8M0<B>) dw8 = pair_e8m0_4(w, b);
-            else dw8 = pair_halves4<0>(w, b);
-            for (int j = 0; j < TT; j++)
-                dav[j] = _mm512_castps256_ps512(_mm256_mul_ps(dw8, pair_bcast(a[j][b].d, a[j][b + 1].d)));
-            if constexpr (L::HAS_M) {
-                const __m256 m8 = pair_halves4<offsetof(B, m)>(w, b);
-                for (int j = 0; j < TT; j++) maccv[j] = _mm256_fmadd_ps(m8, pair_bcast(a[j][b].s, a[j][b + 1].s), maccv[j]);
-            }
-        } else {
-            for (int j = 0; j < TT; j++) dav[j] = pair_sel(a[j][b].d, a[j][b + 1].d);
-        }
-        for (int i = 0; i < RT; i++) {
-            const B& x0 = w[i][b];
-            prefetch_next<2 * (int)sizeof(B)>(&x0, pf);
-            const B& x1 = w[i][b + 1];
-            const __m512i wu = L::u2(x0, x1);
-            if constexpr (RT == 4) {
-                // lanes of block b read element 2i, of block b+1 element 2i+1
-                const __m512i idx = _mm512_setr_epi32(2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i, 2 * i + 1,
-                                                      2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1, 2 * i + 1);
-                for (int j = 0; j < TT; j++) {
-                    const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, dav[j]), acc[i][j]);
-                }
-            } else {
-                const __m512 dwv = pair_sel(block_d(x0), block_d(x1));
-                float m0 = 0, m1 = 0;
-                if constexpr (L::HAS_M) m0 = h2f(x0.m), m1 = h2f(x1.m);
-                for (int j = 0; j < TT; j++) {
-                    const __m512i dot = _mm512_dpbusd_epi32(neg[j], wu, av[j]);
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(dwv, dav[j]), acc[i][j]);
-                    if constexpr (L::HAS_M) macc[i][j] += m0 * a[j][b].s + m1 * a[j][b + 1].s;
-                }
-            }
-        }
-    }
-    if constexpr (RT == 4 && L::HAS_M) {
-        for (int j = 0; j < TT; j++) {
-            alignas(32) float m[8];
-            _mm256_store_ps(m, maccv[j]);
-            for (int i = 0; i < 4; i++) macc[i][j] = m[2 * i] + m[2 * i + 1];
-        }
-    }
-    for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]) + macc[i][j];
-}
-
-// One token (decoding), 4 rows: each row's two blocks' scale fields come from one 32-bit load
-// per block ([d, m] where the format has m, d and two quant bytes otherwise: those lanes are
-// never read) and one multiply by the activations' [d, s] pairs gives both the lane pattern's
-// source and the min terms. About two thirds of fused_q32_x2's instructions per block pair.
-template <class L>
-void fused_q32_x2_t1(const MatmulArgs& A, int64_t r0, int64_t t0) {
-    using B = typename L::B;
-    static_assert(fp16_scale_first<B>(), "scale first");
+    static_assert(fp16_scale_first<B>(), "the rows' d read at byte 0 of their blocks");
     const int64_t nb = A.cols / QK;
     const B* w[4];
     for (int i = 0; i < 4; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
     const size_t pf = 4 * A.w_stride;
-    const block_q8_a* a = (const block_q8_a*)((const uint8_t*)A.act + t0 * A.act_stride);
-    __m512 acc[4];
-    __m128 macc[4];
-    for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps(), macc[i] = _mm_setzero_ps();
+    const block_q8_a* a[TT];
+#pragma GCC unroll 4
+    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    __m512 acc[4][TT];
+    __m256 macc[TT];
+#pragma GCC unroll 4
+    for (int j = 0; j < TT; j++) {
+        macc[j] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) acc[i][j] = _mm512_setzero_ps();
+    }
     const __m512i offv = _mm512_set1_epi8((char)L::OFF);
-    // lanes of block b read element 0 of the product, of block b+1 element 2
-    const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 2, 2, 2, 2, 2, 2, 2, 2);
     for (int64_t b = 0; b < nb; b += 2) {
-        const __m512i av = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[b].qs)),
-                                              _mm256_loadu_si256((const __m256i*)a[b + 1].qs), 1);
-        const __m512i neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
-                                   : _mm512_setzero_si512();
-        // [d_a b, s_a b, d_a b+1, s_a b+1]
-        const __m128 ads = _mm_castpd_ps(_mm_unpacklo_pd(_mm_castps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)&a[b]))),
-                                                         _mm_castps_pd(_mm_castsi128_ps(_mm_loadl_epi64((const __m128i*)&a[b + 1])))));
+        __m256 d8;  // [rows b | rows b+1]
+        if constexpr (kE8M0<B>)
+            d8 = e8m0_half_ps(_mm256_setr_epi32(w[0][b].e, w[1][b].e, w[2][b].e, w[3][b].e, w[0][b + 1].e, w[1][b + 1].e,
+                                                w[2][b + 1].e, w[3][b + 1].e));
+        else d8 = _mm256_cvtph_ps(rows_halves4<0>(w, b));
+        const __m512 D = _mm512_shuffle_f32x4(_mm512_castps256_ps512(d8), _mm512_castps256_ps512(d8), 0x50);
+        __m256 M = _mm256_setzero_ps();
+        if constexpr (L::HAS_M) M = _mm256_cvtph_ps(rows_halves4<offsetof(B, m)>(w, b));
+        __m512i wu[4];
+#pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-            const B& x0 = w[i][b];
-            prefetch_next<2 * (int)sizeof(B)>(&x0, pf);
-            const B& x1 = w[i][b + 1];
-            __m128 dm;  // [d, m] of both blocks (m unused without a min term)
-            if constexpr (kE8M0<B>) dm = _mm_setr_ps(block_d(x0), 0.f, block_d(x1), 0.f);
-            else dm = _mm_cvtph_ps(_mm_unpacklo_epi32(_mm_loadu_si32(&x0), _mm_loadu_si32(&x1)));
-            const __m128 p = _mm_mul_ps(dm, ads);  // [d d_a b, m s_a b, d d_a b+1, m s_a b+1]
-            // the min terms exactly as fused_q32_x2 sums them (an FMA per block, the two blocks'
-            // lanes added at the end), so a token's result does not depend on its batch
-            if constexpr (L::HAS_M) macc[i] = _mm_fmadd_ps(dm, ads, macc[i]);
-            const __m512i dot = _mm512_dpbusd_epi32(neg, L::u2(x0, x1), av);
-            acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(p)), acc[i]);
+            prefetch_next<2 * (int)sizeof(B)>(&w[i][b], pf);
+            wu[i] = L::u2(w[i][b], w[i][b + 1]);
+        }
+#pragma GCC unroll 4
+        for (int j = 0; j < TT; j++) {
+            const __m512i av = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
+                                                  _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
+            const __m512i neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
+                                       : _mm512_setzero_si512();
+            const __m512 da = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a[j][b].d)), _mm256_set1_ps(a[j][b + 1].d), 1);
+            const __m512 sc = _mm512_mul_ps(D, da);
+            // the min terms: an FMA per block (explicit: contraction could differ between tiles)
+            if constexpr (L::HAS_M)
+                macc[j] = _mm256_fmadd_ps(M, _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a[j][b].s)),
+                                                                  _mm_set1_ps(a[j][b + 1].s), 1), macc[j]);
+#pragma GCC unroll 4
+            for (int i = 0; i < 4; i++) {
+                const __m512i dot = _mm512_dpbusd_epi32(neg, wu[i], av);
+                acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), lane_bcast(sc, i), acc[i][j]);
+            }
         }
     }
-    for (int i = 0; i < 4; i++) {
-        float y = hsum512(acc[i]);
-        if constexpr (L::HAS_M) {
-            alignas(16) float m[4];
-            _mm_store_ps(m, macc[i]);
-            y += m[1] + m[3];  // fused_q32_x2: hsum + (lane 2i + lane 2i+1)
+#pragma GCC unroll 4
+    for (int j = 0; j < TT; j++) {
+        alignas(32) float m[8];
+        _mm256_store_ps(m, macc[j]);
+#pragma GCC unroll 4
+        for (int i = 0; i < 4; i++) {
+            float y = hsum512(acc[i][j]);
+            if constexpr (L::HAS_M) y += m[i] + m[4 + i];  // fused_q32_x2: hsum + (block b + block b+1)
+            A.y[(t0 + j) * A.ldy + r0 + i] = y;
         }
-        A.y[t0 * A.ldy + r0 + i] = y;
     }
 }
 
@@ -451,16 +428,6 @@ struct Nib4 {
         return _mm512_load_si512(v);
     }
 };
-
-// Element i of each 128-bit lane, broadcast within the lane (i is a constant once unrolled).
-inline __m512 lane_bcast(__m512 v, int i) {
-    switch (i) {
-        case 0: return _mm512_permute_ps(v, 0x00);
-        case 1: return _mm512_permute_ps(v, 0x55);
-        case 2: return _mm512_permute_ps(v, 0xaa);
-        default: return _mm512_permute_ps(v, 0xff);
-    }
-}
 
 template <class B, int RT, int TT>
 void fused_q4_nib(const MatmulArgs& A, int64_t r0, int64_t t0) {
@@ -875,9 +842,10 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
     switch (A.type) {
 #if STOWLM_FUSED_VNNI
     // block pairs in ZMM when the row has an even number of blocks
-#define STOWLM_Q32(Z, L)                                                                                      \
-    if ((A.cols / QK) % 2 == 0 && RT == 4 && TT == 1) return fused_q32_x2_t1<Z>(A, r0, t0);          \
-    return (A.cols / QK) % 2 == 0 ? fused_q32_x2<Z, RT, TT>(A, r0, t0) : fused_q32<L, RT, TT>(A, r0, t0)
+#define STOWLM_Q32(Z, L)                                                                  \
+    if ((A.cols / QK) % 2) return fused_q32<L, RT, TT>(A, r0, t0);                     \
+    if constexpr (RT == 4) return fused_q32_x2_r4<Z, TT>(A, r0, t0);                    \
+    else return fused_q32_x2_r1<Z, TT>(A, r0, t0)
 #else
 #define STOWLM_Q32(Z, L) return fused_q32<L, RT, TT>(A, r0, t0)
 #endif
