@@ -124,13 +124,30 @@ def test_mul_mat_id_repeated_expert():
     check("Q8_0", ops.mul_mat_id(raw, "Q8_0", N_EXPERT, ROWS, COLS, x, ids), ref_w, x, ids)
 
 
+def test_an_expert_held_elsewhere_gives_a_zero_row():
+    """Id -1 (tensor parallelism: the expert lives on another shard): that slot's row is zero and
+    the others are what they are without it."""
+    raw, ref_w = experts("Q8_0")
+    rng = np.random.default_rng(3)
+    n_tok, k = 30, 2
+    ids = rng.integers(0, N_EXPERT, (n_tok, k)).astype(np.int32)
+    x = rng.standard_normal((n_tok, COLS)).astype(np.float32)
+    full = ops.mul_mat_id(raw, "Q8_0", N_EXPERT, ROWS, COLS, x, ids)
+    holes = ids.copy()
+    holes[::3, 0] = -1
+    got = ops.mul_mat_id(raw, "Q8_0", N_EXPERT, ROWS, COLS, x, holes)
+    assert np.all(got[::3, 0] == 0)
+    keep = holes >= 0
+    np.testing.assert_array_equal(got[keep], full[keep])
+
+
 def test_mul_mat_id_errors():
     raw, _ = experts("Q4_0")
     x = np.zeros((2, COLS), np.float32)
     with pytest.raises(ValueError, match="expert id 6"):
         ops.mul_mat_id(raw, "Q4_0", N_EXPERT, ROWS, COLS, x, [[0], [6]])
-    with pytest.raises(ValueError, match="expert id -1"):
-        ops.mul_mat_id(raw, "Q4_0", N_EXPERT, ROWS, COLS, x, [[-1], [0]])
+    with pytest.raises(ValueError, match="expert id -2"):
+        ops.mul_mat_id(raw, "Q4_0", N_EXPERT, ROWS, COLS, x, [[-2], [0]])
     with pytest.raises(ValueError, match="bytes"):
         ops.mul_mat_id(raw[:-1], "Q4_0", N_EXPERT, ROWS, COLS, x, [[0], [1]])
     with pytest.raises(ValueError, match="x_rows"):

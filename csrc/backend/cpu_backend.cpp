@@ -142,6 +142,25 @@ private:
         used_ += bytes;
     }
 
+    // The shards' partials are in host memory: read them in place, in shard order, after all
+    // are written, and let every shard finish reading before any goes on.
+    static void all_reduce(Tensor* n, ThreadPool& pool) {
+        Collective& c = *n->collective;
+        c.meet();
+        float* out = (float*)n->data;
+        const int64_t m = n->n_elements();
+        std::vector<const float*> parts;
+        for (const Tensor* p : c.parts)
+            if (p) parts.push_back((const float*)p->data);
+        pool.parallel_for(m, [&](int64_t b, int64_t e, int) {
+            if (parts.empty()) std::fill(out + b, out + e, 0.0f);
+            else std::copy(parts[0] + b, parts[0] + e, out + b);
+            for (size_t s = 1; s < parts.size(); s++)
+                for (int64_t i = b; i < e; i++) out[i] += parts[s][i];
+        });
+        c.leave();
+    }
+
     static bool same_product_input(const Tensor* a, const Tensor* b) {
         return b->op == Op::MUL_MAT && b->src[1]->data == a->src[1]->data && b->src[1]->ne[0] == a->src[1]->ne[0] &&
                b->src[1]->n_rows() == a->src[1]->n_rows();
@@ -254,6 +273,17 @@ private:
             }
             case Op::MOE_SUM:
                 cpu::moe_sum(f32(a), f32(b), a->ne[2], a->ne[1], a->ne[0], f32(n), pool);
+                return;
+            case Op::LOCAL_IDS: {
+                const int32_t* ids = (const int32_t*)a->data;
+                int32_t* out = (int32_t*)n->data;
+                const int32_t first = n->iparams[0], count = n->iparams[1];
+                for (int64_t i = 0; i < n->n_elements(); i++)
+                    out[i] = ids[i] >= first && ids[i] < first + count ? ids[i] - first : -1;
+                return;
+            }
+            case Op::ALL_REDUCE:
+                all_reduce(n, pool);
                 return;
         }
     }

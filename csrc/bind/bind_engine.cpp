@@ -106,15 +106,38 @@ STOWLM_BIND(engine) {
     nb::class_<BoundModel>(e, "Model")
         .def("__init__",
              [](BoundModel* self, const std::string& path, const std::vector<SpecTuple>& devices,
-                const std::vector<int>& layer_split, const std::vector<OverrideTuple>& overrides) {
+                const std::vector<int>& layer_split, const std::vector<OverrideTuple>& overrides,
+                const std::vector<double>& tensor_split) {
                  std::unique_ptr<Model> model;
                  {
                      nb::gil_scoped_release nogil;
-                     model = Model::load(path, to_specs(devices), layer_split, true, to_overrides(overrides));
+                     model = Model::load(path, to_specs(devices), layer_split, true, to_overrides(overrides),
+                                         tensor_split);
                  }
                  new (self) BoundModel{std::move(model)};
              },
-             nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"))
+             nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"),
+             nb::arg("tensor_split") = std::vector<double>())
+        .def_prop_ro("shards",
+                     [](const BoundModel& s) {
+                         // per shard: device and, per layer, its query heads, KV heads, FFN rows,
+                         // experts and shared-expert rows
+                         nb::list out;
+                         for (int sh = 0; sh < s.m->n_shards(); sh++) {
+                             nb::list layers;
+                             for (int il = 0; il < s.m->hp().n_layer; il++) {
+                                 const ShardGeometry& g = s.m->shard_geometry(sh, il);
+                                 layers.append(nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff));
+                             }
+                             const Tensor* head = s.m->shard_output(sh);
+                             nb::dict d;
+                             d["device"] = s.m->shard_device(sh, 0);
+                             d["layers"] = layers;
+                             d["vocab"] = head ? head->ne[1] : 0;
+                             out.append(d);
+                         }
+                         return out;
+                     })
         .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
         .def_prop_ro("n_layer", [](const BoundModel& s) { return s.m->hp().n_layer; })
         .def_prop_ro("n_vocab", [](const BoundModel& s) { return s.m->hp().n_vocab; })
@@ -257,22 +280,25 @@ STOWLM_BIND(engine) {
         .def("project",
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
-                const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq) {
-                 auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides));
+                const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq,
+                const std::vector<double>& tensor_split) {
+                 auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides),
+                                          tensor_split);
                  return projection_py(
                      project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-             nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1);
+             nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1,
+             nb::arg("tensor_split") = std::vector<double>());
 
     e.def(
         "project",
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
            const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
-           const std::string& kv_type, int64_t n_outputs, int n_copies) {
-            auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides));
+           const std::string& kv_type, int64_t n_outputs, int n_copies, const std::vector<double>& tensor_split) {
+            auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides), tensor_split);
             return projection_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies)));
         },
         nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-        nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"));
+        nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("tensor_split") = std::vector<double>());
 }

@@ -57,7 +57,8 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
 // x_rows is 1 (all slots of a token read its one activation row) or k (a row per slot).
 // The (token, slot) pairs are grouped by expert and each expert's group is one product through
 // matmul's kernels (the batched ones for groups of 24+ tokens), threads spread over experts and rows; an
-// expert no token picks is never read. Throws InvalidInput for an id outside [0, n_expert).
+// expert no token picks is never read. Id -1 marks a slot whose expert lives elsewhere (tensor
+// parallelism): its row of y is zero. Throws InvalidInput for an id outside [-1, n_expert).
 size_t mul_mat_id_scratch_bytes(QType wtype, int64_t rows, int64_t cols, int64_t n_expert, int64_t k,
                                 int64_t n_tok);
 void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_t k, const float* x, int64_t x_rows,

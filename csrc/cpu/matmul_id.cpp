@@ -79,9 +79,9 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
     if (!w.data || !x || !y || !ids || !scratch) throw InvalidInput("mul_mat_id: null pointer argument");
     const int64_t n = n_tok * k;
     for (int64_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= n_expert)
+        if (ids[i] < -1 || ids[i] >= n_expert)
             throw InvalidInput("mul_mat_id: expert id " + std::to_string(ids[i]) + " (token " + std::to_string(i / k) +
-                               ", slot " + std::to_string(i % k) + ") is outside [0, " + std::to_string(n_expert) +
+                               ", slot " + std::to_string(i % k) + ") is outside [-1, " + std::to_string(n_expert) +
                                ")");
 
     const Layout L = layout(w.type, w.rows, w.cols, n_expert, k, n_tok);
@@ -92,12 +92,17 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
     float* ys = (float*)(base + L.out);
 
     // Counting sort of the (token, slot) pairs by expert.
+    // Id -1: the slot's expert is not here (tensor parallelism's other shards): no product,
+    // a zero row.
     std::fill(offs, offs + n_expert + 1, 0);
-    for (int64_t i = 0; i < n; i++) offs[ids[i] + 1]++;
+    for (int64_t i = 0; i < n; i++)
+        if (ids[i] >= 0) offs[ids[i] + 1]++;
     for (int64_t e = 0; e < n_expert; e++) offs[e + 1] += offs[e];
+    const int64_t n_valid = offs[n_expert];
     {
         std::vector<int64_t> fill(offs, offs + n_expert);
-        for (int64_t i = 0; i < n; i++) entries[fill[ids[i]]++] = (int32_t)i;
+        for (int64_t i = 0; i < n; i++)
+            if (ids[i] >= 0) entries[fill[ids[i]]++] = (int32_t)i;
     }
 
     const Isa isa = active_isa();
@@ -115,7 +120,7 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         for_rows(n_tok, n_tok * w.cols, [&](int64_t t0, int64_t t1, int) {
             for (int64_t t = t0; t < t1; t++) quantize(x + t * ldx, qx + (size_t)t * L.act_row);
         });
-    for_rows(n, n * w.cols, [&](int64_t p0, int64_t p1, int) {
+    for_rows(n_valid, n_valid * w.cols, [&](int64_t p0, int64_t p1, int) {
         for (int64_t p = p0; p < p1; p++) {
             const int64_t i = entries[p], t = i / k, j = i % k;
             uint8_t* dst = act + (size_t)p * L.act_row;
@@ -192,7 +197,10 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
     }
 
     // Back to (token, slot) order.
-    for_rows(n, n * w.rows, [&](int64_t p0, int64_t p1, int) {
+    if (n_valid < n)
+        for (int64_t i = 0; i < n; i++)
+            if (ids[i] < 0) std::fill(y + i * ldy, y + i * ldy + w.rows, 0.0f);
+    for_rows(n_valid, n_valid * w.rows, [&](int64_t p0, int64_t p1, int) {
         for (int64_t p = p0; p < p1; p++)
             memcpy(y + (int64_t)entries[p] * ldy, ys + p * w.rows, (size_t)w.rows * sizeof(float));
     });

@@ -110,11 +110,12 @@ void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int
 void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,
             ThreadPool& pool) {
     for (int64_t i = 0; i < n_tok * k; i++)
-        if (ids[i] < 0 || ids[i] >= n_expert)
-            throw InvalidInput("add_id: expert id " + std::to_string(ids[i]) + " is outside [0, " +
+        if (ids[i] < -1 || ids[i] >= n_expert)
+            throw InvalidInput("add_id: expert id " + std::to_string(ids[i]) + " is outside [-1, " +
                                std::to_string(n_expert) + ")");
     split(pool, n_tok * k, n_tok * k * d, [&](int64_t b, int64_t e, int) {
         for (int64_t i = b; i < e; i++) {
+            if (ids[i] < 0) continue;  // no expert here (tensor parallelism): nothing to add
             const float* bi = bias + (int64_t)ids[i] * d;
             float* xi = x + i * d;
             for (int64_t c = 0; c < d; c++) xi[c] += bi[c];

@@ -32,7 +32,8 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const TopKPar
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k, Gating gating,
                  bool normalize, float scale, float* w, ThreadPool& pool);
 
-// x[(t * k + j) * d + c] += bias[ids[t * k + j] * d + c]: each slot's expert bias (in place).
+// x[(t * k + j) * d + c] += bias[ids[t * k + j] * d + c]: each slot's expert bias (in place);
+// nothing for id -1 (the expert lives on another shard).
 void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,
             ThreadPool& pool);
 

@@ -38,10 +38,16 @@ KVLayout kv_layout(const Model& m, const ContextParams& p) {
     KVLayout l;
     l.n_ctx = p.n_ctx;
     l.type = p.kv_type;
-    l.layer_device = m.layer_devices();
     const HParams& hp = m.hp();
-    l.layer_k_embd.assign(hp.n_layer, hp.n_head_kv * hp.head_dim_k);
-    l.layer_v_embd.assign(hp.n_layer, hp.kv_v_in_k ? 0 : hp.n_head_kv * hp.head_dim_v);  // MLA: V is in K
+    l.n_layer = (int)hp.n_layer;
+    for (int il = 0; il < hp.n_layer; il++)
+        for (int s = 0; s < m.n_shards(); s++) {
+            const ShardGeometry& sg = m.shard_geometry(s, il);
+            if (sg.kv_heads == 0) continue;
+            // MLA: every shard keeps the whole compressed row (one shared KV head); V is in K
+            l.entries.push_back({il, s, m.shard_device(s, il), sg.kv_heads * hp.head_dim_k,
+                                 hp.kv_v_in_k ? 0 : sg.kv_heads * hp.head_dim_v});
+        }
     return l;
 }
 
@@ -92,7 +98,14 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     in.out_ids = g.new_input("inp_out_ids", QType::I32, n_out);
     const HParams& hp = model.hp();
     if (hp.kv_lora_rank > 0)
-        in.head_ids = reshape(g, g.new_input("inp_head_ids", QType::I32, hp.n_head * n_tok), hp.n_head, n_tok);
+        for (int il = 0; il < hp.n_layer; il++)
+            for (int s = 0; s < model.n_shards(); s++) {
+                const int64_t h = model.shard_geometry(s, il).q_heads;
+                bool have = h == 0;
+                for (Tensor* t : in.head_ids) have = have || t->ne[0] == h;
+                if (!have)
+                    in.head_ids.push_back(reshape(g, g.new_input("inp_head_ids", QType::I32, h * n_tok), h, n_tok));
+            }
     if (kv.n_seq() > 1) {
         in.q_seq = g.new_input("inp_seq", QType::I32, n_tok);
         in.kv_seq = g.new_input("inp_kv_seq", QType::I32, n_kv);
@@ -120,7 +133,7 @@ Projection project_memory(const Model& model, const ContextParams& params) {
     build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
     Projection r;
     r.pipeline = pipeline_mode(model, g, p.n_copies);
-    r.devices = report(model, kv.device_bytes(), plan_compute(g, model.backends(), r.pipeline.n_copies));
+    r.devices = report(model, kv.device_bytes(), plan_compute(g, model.backends(), r.pipeline.n_copies, model.tensor_parallel()));
     return r;
 }
 
@@ -133,7 +146,7 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
     KVCache shape_only(kv_layout(model, params_), backends_, false, params_.n_seq);
     build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
     pipeline_ = pipeline_mode(model, ref, params_.n_copies);
-    plan_ = plan_compute(ref, backends_, pipeline_.n_copies);
+    plan_ = plan_compute(ref, backends_, pipeline_.n_copies, model.tensor_parallel());
     kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true, params_.n_seq);
     try {
         compute_ = allocate_compute(plan_, backends_);
@@ -143,7 +156,7 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
         pipeline_.reason = "the compute buffers with " + std::to_string(pipeline_.n_copies) +
                            " copies of the crossing tensors did not fit (" + e.what() + "); retried with 1 copy";
         pipeline_.n_copies = 1;
-        plan_ = plan_compute(ref, backends_, 1);
+        plan_ = plan_compute(ref, backends_, 1, model.tensor_parallel());
         compute_ = allocate_compute(plan_, backends_);
     }
 }
@@ -212,9 +225,9 @@ void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const 
     }
     int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
     for (int64_t i = 0; i < sg.in.out_ids->ne[0]; i++) out_ids[i] = out.empty() ? (int32_t)(nt - 1) : out[i];
-    if (sg.in.head_ids) {
-        int32_t* h = (int32_t*)sg.in.head_ids->view_src->data;
-        const int64_t n_head = sg.in.head_ids->ne[0];
+    for (Tensor* ids : sg.in.head_ids) {
+        int32_t* h = (int32_t*)ids->view_src->data;
+        const int64_t n_head = ids->ne[0];
         for (int64_t i = 0; i < n_head * nt; i++) h[i] = (int32_t)(i % n_head);
     }
 }
@@ -311,7 +324,8 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
                                              m.out.size() * (size_t)n_vocab * sizeof(float));
     };
     try {
-        if (pipeline_.n_copies > 1 && micro.size() > 1) {
+        // Tensor parallelism runs its devices at once (their all-reduces meet inside their splits).
+        if ((pipeline_.n_copies > 1 && micro.size() > 1) || model_.tensor_parallel()) {
             const int slots = pipeline_.n_copies;
             run_pipeline(
                 (int)micro.size(), slots, backends_, [&](int i) { return &start(i, i % slots).g; },

@@ -25,9 +25,12 @@ std::unordered_map<const Tensor*, int> split_of(const Graph& g) {
 
 bool is_input(const Tensor* t) { return t->storage_root()->role == TensorRole::INPUT; }
 
-// What a graph's splits push when they finish, and which split computes the output.
+// What a graph's splits push when they finish, what each waits for, and which split computes
+// the output.
 struct Pushes {
     std::vector<std::vector<Tensor*>> after;  // per split: COPY nodes whose source it computed
+    std::vector<std::vector<int>> deps;       // per split: the splits that push into it, and the
+                                              // previous split of its device
     int output_split = -1;
 };
 
@@ -35,13 +38,21 @@ Pushes pushes_of(const Graph& g) {
     Pushes p;
     const auto at = split_of(g);
     p.after.resize(g.splits.size());
-    for (const Split& s : g.splits)
+    p.deps.resize(g.splits.size());
+    std::map<int, int> last_of_device;
+    for (int j = 0; j < (int)g.splits.size(); j++) {
+        const Split& s = g.splits[j];
+        auto prev = last_of_device.find(s.device);
+        if (prev != last_of_device.end()) p.deps[j].push_back(prev->second);
+        last_of_device[s.device] = j;
         for (Tensor* n : s.nodes) {
             if (n->op != Op::COPY || is_input(n->src[0])) continue;
             auto it = at.find(n->src[0]->storage_root());
             if (it == at.end()) throw InvalidInput("pipeline: the source of " + n->name + " is computed by no split");
             p.after[it->second].push_back(n);
+            p.deps[j].push_back(it->second);
         }
+    }
     auto it = at.find(g.output->storage_root());
     if (it == at.end()) throw InvalidInput("pipeline: no split computes the graph's output");
     p.output_split = it->second;
@@ -88,6 +99,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
     auto release = [&](int i, Graph* g) {  // under mu
         auto it = pushes.find(g);
         if (it == pushes.end()) it = pushes.emplace(g, pushes_of(*g)).first;
+        for (const auto& c : g->collectives()) c->reset();
         micro_pushes[i] = &it->second;
         graphs[i] = g;
         done[i].assign(g->splits.size(), 0);
@@ -122,7 +134,10 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
                     for (size_t t = 0; t < tasks.size(); t++) {
                         if (taken[t]) continue;
                         const Task& k = tasks[t];
-                        if (graphs[k.micro] && (k.split == 0 || done[k.micro][k.split - 1])) {
+                        if (!graphs[k.micro]) continue;
+                        bool ready = true;
+                        for (int d : micro_pushes[k.micro]->deps[k.split]) ready = ready && done[k.micro][d];
+                        if (ready) {
                             pick = (int)t;
                             return true;
                         }
@@ -148,6 +163,10 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
             } catch (...) {
                 std::lock_guard<std::mutex> lock(mu);
                 if (!error) error = std::current_exception();
+                // devices waiting in an all-reduce for this one give up too
+                for (Graph* gr : graphs)
+                    if (gr)
+                        for (const auto& c : gr->collectives()) c->abort();
                 cv.notify_all();
                 return;
             }

@@ -27,9 +27,10 @@ struct PipelineStats {
 };
 
 // Runs micro-batches 0..n_micro-1, one thread per device. Split j of a micro-batch starts once
-// split j-1 of it is done (which pushed its outputs into their consumers' copy slots) and its
-// device is free; a device takes the first ready split in (micro-batch + split, micro-batch)
-// order, the order of a full pipeline. prepare(i) runs on the calling thread, in order, once
+// the splits it copies from are done (they pushed their outputs into its copy slots), and the
+// previous split of its device; a device takes the first ready split in (micro-batch + split,
+// micro-batch) order, the order of a full pipeline. Devices run concurrently within a
+// micro-batch too, which tensor parallelism's all-reduces need (they meet inside their splits). prepare(i) runs on the calling thread, in order, once
 // micro-batch i - n_slots is done (its copy slot and graph inputs are free again), and returns
 // micro-batch i's graph, placed in copy slot i % n_slots with its inputs filled. run_split(g, s)
 // computes one split (its copies of graph inputs included); finish(i, g) runs on the output's

@@ -29,6 +29,8 @@ const char* op_name(Op op) {
         case Op::MOE_WEIGHTS: return "moe_weights";
         case Op::MUL_MAT_ID: return "mul_mat_id";
         case Op::MOE_SUM: return "moe_sum";
+        case Op::LOCAL_IDS: return "local_ids";
+        case Op::ALL_REDUCE: return "all_reduce";
     }
     return "?";
 }
@@ -324,6 +326,72 @@ Tensor* moe_sum(Graph& g, Tensor* e, Tensor* weights) {
     t->src[0] = e, t->src[1] = weights;
     g.add_node(t);
     return t;
+}
+
+Tensor* local_ids(Graph& g, Tensor* ids, int64_t first, int64_t n) {
+    check(ids->type == QType::I32 && ids->is_contiguous(), "local_ids", ids, "ids must be contiguous I32");
+    Tensor* t = node(g, Op::LOCAL_IDS, ids, QType::I32, {ids});
+    t->iparams[0] = (int32_t)first, t->iparams[1] = (int32_t)n;
+    return t;
+}
+
+std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices,
+                                int64_t ne0, int64_t ne1) {
+    if (parts.size() != devices.size() || parts.empty())
+        throw InvalidInput("graph: all_reduce needs one part (or null) per device");
+    for (Tensor* p : parts)
+        if (p) check(p->type == QType::F32 && p->is_contiguous() && p->ne[0] == ne0 && p->n_rows() == ne1, "all_reduce",
+                     p, "parts must be contiguous F32 of the reduced shape");
+    Collective* c = g.new_collective();
+    c->parts = parts;
+    for (size_t s = 0; s < parts.size(); s++) {
+        Tensor* t = g.new_tensor("all_reduce", QType::F32, ne0, ne1);
+        t->op = Op::ALL_REDUCE;
+        t->src[0] = parts[s];
+        t->device = devices[s];
+        t->iparams[0] = (int32_t)s;
+        t->collective = c;
+        g.add_node(t);
+        c->outs.push_back(t);
+    }
+    return c->outs;
+}
+
+// A barrier of outs.size() shards: the last to arrive opens it for all. Waiters spin a little
+// first (a generated token meets here twice per layer, and a sleep costs more than the wait),
+// then sleep.
+void Collective::wait_all() {
+    const uint64_t gen = generation_.load(std::memory_order_acquire);
+    if (aborted_.load()) throw InvalidInput("all_reduce: another device failed");
+    if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == (int)outs.size()) {
+        arrived_.store(0, std::memory_order_relaxed);
+        generation_.fetch_add(1, std::memory_order_acq_rel);
+        std::lock_guard<std::mutex> lock(mu_);
+        cv_.notify_all();
+        return;
+    }
+    for (int i = 0; i < 1 << 14; i++) {
+        if (generation_.load(std::memory_order_acquire) != gen) return;
+        if (aborted_.load(std::memory_order_relaxed)) break;
+#if defined(__x86_64__) || defined(__i386__)
+        __builtin_ia32_pause();
+#endif
+    }
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != gen || aborted_.load(); });
+    if (generation_.load(std::memory_order_acquire) == gen) throw InvalidInput("all_reduce: another device failed");
+}
+
+void Collective::abort() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = true;
+    cv_.notify_all();
+}
+
+void Collective::reset() {
+    std::lock_guard<std::mutex> lock(mu_);
+    aborted_ = false;
+    arrived_ = 0;
 }
 
 }  // namespace stowlm

@@ -2,7 +2,11 @@
 // functions that map one-to-one onto the CPU kernels of cpu/ops.h and cpu/matmul.h. A graph
 // holds pointers to tensors it does not own (weights, KV cache) and owns all others.
 #pragma once
+#include <atomic>
+#include <condition_variable>
 #include <deque>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -14,6 +18,27 @@ namespace stowlm {
 struct Split {
     int device = 0;
     std::vector<Tensor*> nodes;  // COPY nodes first, then the computing nodes
+};
+
+// The shards of one all-reduce: each shard's device thread calls meet() from its ALL_REDUCE
+// node, sums the partials in shard order (so every shard gets the same bits), then leave():
+// nobody proceeds (and may overwrite its partial) until every shard has read them all. Reused
+// by every run of the graph; abort() wakes every waiter with an error (another device failed).
+struct Collective {
+    std::vector<Tensor*> parts;  // per shard, null where a shard adds nothing
+    std::vector<Tensor*> outs;   // per shard
+    void meet() { wait_all(); }
+    void leave() { wait_all(); }
+    void abort();
+    void reset();  // before a run: forget an abort
+
+private:
+    void wait_all();
+    std::mutex mu_;
+    std::condition_variable cv_;
+    std::atomic<int> arrived_{0};
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<bool> aborted_{false};
 };
 
 class Graph {
@@ -37,8 +62,14 @@ public:
     std::vector<Tensor*> exec_order() const;
 
     void add_node(Tensor* t) { nodes_.push_back(t); }
+    Collective* new_collective() {
+        collectives_.push_back(std::make_unique<Collective>());
+        return collectives_.back().get();
+    }
+    const std::vector<std::unique_ptr<Collective>>& collectives() const { return collectives_; }
 
 private:
+    std::vector<std::unique_ptr<Collective>> collectives_;
     std::deque<Tensor> owned_;  // deque: pointers stay valid as it grows
     std::vector<Tensor*> nodes_;
     std::vector<Tensor*> inputs_;
@@ -68,6 +99,12 @@ Tensor* rope(Graph& g, Tensor* x, Tensor* pos, const RopeSpec& r);
 Tensor* view_cols(Graph& g, Tensor* x, int64_t n, int64_t first);
 Tensor* cont(Graph& g, Tensor* x);
 Tensor* concat(Graph& g, Tensor* a, Tensor* b);
+// Tensor parallelism: ids of the experts [first, first + n) renumbered from 0, others -1.
+Tensor* local_ids(Graph& g, Tensor* ids, int64_t first, int64_t n);
+// The sum of parts[s] (null: nothing from shard s) in shard order, on each of devices[s]: one
+// ALL_REDUCE node per shard, shape [ne0, ne1].
+std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices,
+                                int64_t ne0, int64_t ne1);
 Tensor* swiglu_oai(Graph& g, Tensor* gate, Tensor* up, float alpha, float limit);
 // x [d, k, n] + the bias column of each slot's expert: bias [d, n_expert], ids [k, n].
 Tensor* add_id(Graph& g, Tensor* x, Tensor* bias, Tensor* ids);

@@ -88,11 +88,12 @@ bool is_placed(const Tensor* t) { return t->op != Op::NONE && t->op != Op::VIEW 
 size_t DeviceComputePlan::copy_area_offset() const { return align_up(tensor_bytes); }
 
 size_t DeviceComputePlan::total() const {
-    const size_t tensors = slots > 1 ? copy_area_offset() + (size_t)slots * slot_bytes : tensor_bytes;
+    const size_t tensors = copy_area ? copy_area_offset() + (size_t)slots * slot_bytes : tensor_bytes;
     return scratch_bytes ? align_up(tensors) + scratch_bytes : tensors;
 }
 
-ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, int copy_slots) {
+ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, int copy_slots, bool copy_area) {
+    copy_area = copy_area || copy_slots > 1;
     const std::vector<Tensor*> order = g.exec_order();
     ComputePlan plan;
     plan.devices.resize(backends.size());
@@ -120,13 +121,14 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
         if (dev < 0 || dev >= (int)backends.size()) throw InvalidInput("planner: node " + n->name + " has no device");
         DeviceComputePlan& dp = plan.devices[dev];
         dp.scratch_bytes = std::max(dp.scratch_bytes, backends[dev]->scratch_bytes(*n));
-        if (copy_slots > 1 && n->op == Op::COPY) {
+        if (copy_area && n->op == Op::COPY) {
             // Its own bytes in every slot, for the whole micro-batch: written when its producer
             // finishes, read by this device whenever it gets to the micro-batch.
             plan.offsets[i] = (int64_t)dp.slot_bytes;
             plan.sizes[i] = n->nbytes();
             dp.slot_bytes += align_up(n->nbytes());
             dp.slots = copy_slots;
+            dp.copy_area = true;
             dp.copy_bytes = dp.slot_bytes * copy_slots;
             continue;
         }
@@ -195,7 +197,7 @@ std::string check_plan(const Graph& g, const ComputePlan& plan) {
         int death = last_use.count(n) ? last_use[n] : i;
         if (n == out_root) death = (int)order.size();
         const DeviceComputePlan& dp = plan.devices[n->device];
-        if (dp.slots > 1 && n->op == Op::COPY) {  // in slot 0 of the copy area, for the whole graph
+        if (dp.copy_area && n->op == Op::COPY) {  // in slot 0 of the copy area, for the whole graph
             const size_t lo = dp.copy_area_offset() + (size_t)plan.offsets[i], hi = lo + n->nbytes();
             if (hi > dp.copy_area_offset() + dp.slot_bytes) return "copy " + n->name + " ends past its copy slot";
             live.push_back({i, 0, (int)order.size(), n->device, lo, hi});
@@ -247,7 +249,7 @@ void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs, 
         BackendBuffer* b = bufs.buffers[n->device].get();
         const DeviceComputePlan& dp = plan.devices[n->device];
         size_t off = (size_t)plan.offsets[i];
-        if (dp.slots > 1 && n->op == Op::COPY) {
+        if (dp.copy_area && n->op == Op::COPY) {
             if (slot < 0 || slot >= dp.slots) throw InvalidInput("planner: copy slot out of range");
             off += dp.copy_area_offset() + (size_t)slot * dp.slot_bytes;
         }

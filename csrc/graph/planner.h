@@ -22,6 +22,7 @@ struct DeviceComputePlan {
     size_t copy_bytes = 0;     // bytes of COPY destinations ever placed (all slots of the copy area)
     size_t slot_bytes = 0;     // with several slots: one slot of the copy area, after the tensors
     int slots = 1;
+    bool copy_area = false;    // COPY destinations have their own area (pipelining, or devices that run at once)
     size_t scratch_bytes = 0;  // kernels' scratch, after the tensors (and the copy area)
     size_t copy_area_offset() const;  // where slot 0 starts in the device's buffer
     size_t total() const;      // bytes of the device's compute buffer
@@ -37,8 +38,11 @@ struct ComputePlan {
     int n_inplace = 0;    // nodes that reused a dying input's bytes
 };
 
-// copy_slots > 1: every COPY node gets its own bytes in each of that many slots.
-ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, int copy_slots = 1);
+// copy_slots > 1: every COPY node gets its own bytes in each of that many slots. copy_area: the
+// same with one slot, for devices that run at once (tensor parallelism): a producer writes into
+// its consumer whenever it finishes, so the destination cannot share bytes with anything else.
+ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, int copy_slots = 1,
+                         bool copy_area = false);
 
 // Independent check of a plan: every placed tensor lies inside its device's buffer, and no two
 // tensors whose lifetimes overlap share bytes (except an in-place output taking over the input

@@ -21,6 +21,11 @@ int fallback_device(const std::vector<Backend*>& backends) {
 using NodeIndex = std::map<const Tensor*, int>;
 
 int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
+    if (n->op == Op::ALL_REDUCE) {  // one node per shard, on that shard's device
+        if (!backends.at(n->device)->supports(*n))
+            throw Unsupported("tensor parallelism: " + backends[n->device]->name() + " has no all-reduce yet");
+        return n->device;
+    }
     int dev = -1;
     // Bytes that cannot move decide first.
     for (int i = 0; i < n->n_src() && dev < 0; i++) {
@@ -56,7 +61,9 @@ void schedule(Graph& g, const std::vector<Backend*>& backends) {
     for (Tensor* n : g.nodes()) {
         const int dev = choose_device(n, backends, index);
         n->device = dev;
-        if (g.splits.empty() || g.splits.back().device != dev) {
+        // An all-reduce waits for the other shards: it starts a split, so that what the split
+        // before it sends to other devices is sent before the wait.
+        if (g.splits.empty() || g.splits.back().device != dev || n->op == Op::ALL_REDUCE) {
             g.splits.emplace_back();
             g.splits.back().device = dev;
         }

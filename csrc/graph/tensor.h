@@ -13,6 +13,7 @@
 namespace stowlm {
 
 struct BackendBuffer;
+struct Collective;
 
 enum class Op : uint8_t {
     NONE,        // leaf: weight, KV cache, graph input
@@ -51,6 +52,11 @@ enum class Op : uint8_t {
     MUL_MAT_ID,  // src0 experts [cols, rows, n_expert], src1 F32 [cols, 1 or k, n], src2 ids I32 [k, n]
                  // -> F32 [rows, k, n]
     MOE_SUM,     // src0 F32 [d, k, n], src1 weights [k, n] -> F32 [d, n]
+    LOCAL_IDS,   // src0 ids I32 [k, n] -> I32 [k, n]: id - i[0] where in [i[0], i[0] + i[1]), else -1 (the
+                 // experts one tensor-parallel shard holds)
+    // Tensor parallelism:
+    ALL_REDUCE,  // one node per shard (its device pinned), src0 this shard's partial F32 [d, n] or
+                 // null: every shard gets the sum of all partials in shard order (collective, graph.h)
 };
 
 const char* op_name(Op op);
@@ -84,6 +90,7 @@ struct Tensor {
     int device = kHostDevice;
     Tensor* view_src = nullptr;
     size_t view_offset = 0;
+    Collective* collective = nullptr;  // ALL_REDUCE: the shards it meets (graph-owned)
 
     int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
     int64_t n_rows() const { return ne[1] * ne[2] * ne[3]; }

@@ -22,39 +22,49 @@ QType parse_kv_type(const std::string& name) {
     throw InvalidInput("kv_type: '" + name + "' is not one of f16, q8_0, f32");
 }
 
+namespace {
+size_t entry_bytes(const KVLayout& l, const KVEntry& e) {
+    return tensor_bytes(l.type, e.k_embd, l.n_ctx) + tensor_bytes(l.type, e.v_embd, l.n_ctx);
+}
+}  // namespace
+
 std::vector<size_t> kv_bytes_per_layer(const KVLayout& l) {
-    std::vector<size_t> bytes(l.layer_device.size());
-    for (size_t il = 0; il < bytes.size(); il++)
-        bytes[il] = tensor_bytes(l.type, l.layer_k_embd[il], l.n_ctx) + tensor_bytes(l.type, l.layer_v_embd[il], l.n_ctx);
+    std::vector<size_t> bytes(l.n_layer, 0);
+    for (const KVEntry& e : l.entries) bytes.at(e.layer) += entry_bytes(l, e);
     return bytes;
 }
 
 std::vector<size_t> kv_bytes_per_device(const KVLayout& l, size_t n_devices) {
     std::vector<size_t> bytes(n_devices, 0);
-    const std::vector<size_t> per_layer = kv_bytes_per_layer(l);
-    for (size_t il = 0; il < per_layer.size(); il++) bytes.at(l.layer_device[il]) += per_layer[il];
+    for (const KVEntry& e : l.entries) bytes.at(e.device) += entry_bytes(l, e);
     return bytes;
 }
 
 KVCache::KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, bool allocate, int n_seq)
     : layout_(layout) {
     if (n_seq < 1) throw InvalidInput("KV cache: n_seq must be >= 1");
-    const size_t n_layer = layout.layer_device.size();
+    const size_t n_entry = layout.entries.size();
     device_bytes_ = kv_bytes_per_device(layout, backends.size());
     buffers_.resize(backends.size());
     if (allocate)
         for (size_t d = 0; d < backends.size(); d++)
             if (device_bytes_[d]) buffers_[d] = backends[d]->alloc_buffer(device_bytes_[d], "KV cache");
-    k_.resize(n_layer);
-    v_.resize(n_layer);
+    k_.resize(n_entry);
+    v_.resize(n_entry);
+    entry_of_.assign(layout.n_layer, {});
     std::vector<size_t> offset(backends.size(), 0);
-    for (size_t il = 0; il < n_layer; il++) {
-        const int dev = layout.layer_device[il];
+    for (size_t i = 0; i < n_entry; i++) {
+        const KVEntry& e = layout.entries[i];
+        const int dev = e.device;
+        std::vector<int>& row = entry_of_.at(e.layer);
+        if ((int)row.size() <= e.shard) row.resize(e.shard + 1, -1);
+        row[e.shard] = (int)i;
         for (int kv = 0; kv < 2; kv++) {
-            Tensor& t = kv ? v_[il] : k_[il];
-            t.name = "cache_" + std::string(kv ? "v" : "k") + std::to_string(il);
+            Tensor& t = kv ? v_[i] : k_[i];
+            t.name = "cache_" + std::string(kv ? "v" : "k") + std::to_string(e.layer) +
+                     (e.shard ? "." + std::to_string(e.shard) : "");
             t.type = layout.type;
-            t.ne[0] = kv ? layout.layer_v_embd[il] : layout.layer_k_embd[il];
+            t.ne[0] = kv ? e.v_embd : e.k_embd;
             t.ne[1] = layout.n_ctx;
             set_contiguous_strides(t);
             t.role = TensorRole::KV;
@@ -68,6 +78,13 @@ KVCache::KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, 
     }
     seq_cells_.resize(n_seq);
     clear_all();
+}
+
+size_t KVCache::entry(int layer, int shard) const {
+    if (layer < 0 || layer >= (int)entry_of_.size() || shard < 0 || shard >= (int)entry_of_[layer].size() ||
+        entry_of_[layer][shard] < 0)
+        throw InvalidInput("KV cache: no cache for layer " + std::to_string(layer) + ", shard " + std::to_string(shard));
+    return (size_t)entry_of_[layer][shard];
 }
 
 void KVCache::clear_all() {

@@ -18,12 +18,18 @@
 
 namespace stowlm {
 
+// One K and one V tensor: a layer's whole cache, or (tensor parallelism) the part of it one
+// shard's KV heads own.
+struct KVEntry {
+    int layer = 0, shard = 0, device = 0;
+    int64_t k_embd = 0, v_embd = 0;  // n_head_kv * head_dim of the heads it holds (v 0: V lives in K)
+};
+
 struct KVLayout {
     int64_t n_ctx = 0;
     QType type = QType::F16;
-    std::vector<int> layer_device;      // per layer
-    std::vector<int64_t> layer_k_embd;  // n_head_kv * head_dim_k per layer
-    std::vector<int64_t> layer_v_embd;
+    int n_layer = 0;
+    std::vector<KVEntry> entries;  // by layer, then shard
 };
 
 // KV bytes each device holds for this layout (what KVCache allocates), and each layer's share.
@@ -45,8 +51,8 @@ public:
     // allocate=false: tensors carry shapes and devices only (for planning).
     KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, bool allocate, int n_seq = 1);
 
-    Tensor* k(int layer) { return &k_[layer]; }
-    Tensor* v(int layer) { return &v_[layer]; }
+    Tensor* k(int layer, int shard = 0) { return &k_[entry(layer, shard)]; }
+    Tensor* v(int layer, int shard = 0) { return &v_[entry(layer, shard)]; }
     int64_t n_ctx() const { return layout_.n_ctx; }
     int64_t seq_ctx() const { return layout_.n_ctx / n_seq(); }  // cells of one sequence's region
     int64_t n_used() const { return n_cells_used_; }            // cells in use, every sequence
@@ -66,7 +72,9 @@ public:
     void clear_all();
 
 private:
+    size_t entry(int layer, int shard) const;
     KVLayout layout_;
+    std::vector<std::vector<int>> entry_of_;  // [layer][shard] -> index, -1 none
     std::vector<Tensor> k_, v_;
     std::vector<BufferPtr> buffers_;  // one per device
     std::vector<size_t> device_bytes_;

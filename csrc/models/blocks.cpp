@@ -1,6 +1,7 @@
 #include "models/blocks.h"
 
 #include <cmath>
+#include <functional>
 
 #include "error.h"
 #include "kv/kv_cache.h"
@@ -125,7 +126,8 @@ AttnMask attn_mask(const BuildContext& c) {
 
 Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
-    const LayerWeights& w = c.model.layers()[il];
+    const LayerWeights& w = c.w(il);
+    const ShardGeometry& geom = c.geom(il);
     Graph& g = c.g;
     const int64_t hd = hp.head_dim_k, n = c.n_tok;
 
@@ -135,9 +137,9 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     if (w.bq) q = named(add(g, q, w.bq), il, "q_bias");
     if (w.bk) k = named(add(g, k, w.bk), il, "k_bias");
     if (w.bv) v = named(add(g, v, w.bv), il, "v_bias");
-    q = reshape(g, q, hd, hp.n_head, n);
-    k = reshape(g, k, hd, hp.n_head_kv, n);
-    v = reshape(g, v, hd, hp.n_head_kv, n);
+    q = reshape(g, q, hd, geom.q_heads, n);
+    k = reshape(g, k, hd, geom.kv_heads, n);
+    v = reshape(g, v, hd, geom.kv_heads, n);
     if (w.q_norm) q = named(rms_norm(g, q, w.q_norm, hp.eps), il, "q_norm");
     if (w.k_norm) k = named(rms_norm(g, k, w.k_norm, hp.eps), il, "k_norm");
 
@@ -146,21 +148,19 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     q = named(rope(g, q, c.in.pos, r), il, "q_rope");
     k = named(rope(g, k, c.in.pos, r), il, "k_rope");
 
-    Tensor* k_stored = named(store_kv(g, k, c.kv.k(il), c.in.cells), il, "k_store");
-    Tensor* v_stored = named(store_kv(g, v, c.kv.v(il), c.in.cells), il, "v_store");
-    Tensor* k_cells = view_rows(g, c.kv.k(il), c.n_kv);
-    Tensor* v_cells = view_rows(g, c.kv.v(il), c.n_kv);
+    Tensor* k_stored = named(store_kv(g, k, c.kv.k(il, c.shard), c.in.cells), il, "k_store");
+    Tensor* v_stored = named(store_kv(g, v, c.kv.v(il, c.shard), c.in.cells), il, "v_store");
+    Tensor* k_cells = view_rows(g, c.kv.k(il, c.shard), c.n_kv);
+    Tensor* v_cells = view_rows(g, c.kv.v(il, c.shard), c.n_kv);
     const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
     Tensor* a = named(flash_attn(g, q, k_cells, v_cells, attn_mask(c), k_stored, v_stored, kq_scale,
                                  hp.attn_softcap, swa ? hp.sliding_window : 0, w.attn_sinks),
                       il, "attn");
-    Tensor* o = named(mul_mat(g, w.wo, a), il, "attn_out");
-    if (w.bo) o = named(add(g, o, w.bo), il, "attn_out_bias");
-    return o;
+    return named(mul_mat(g, w.wo, a), il, "attn_out");  // its bias goes on after the shards' sum
 }
 
 Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
-    const LayerWeights& w = c.model.layers()[il];
+    const LayerWeights& w = c.w(il);
     Tensor* gate = named(mul_mat(c.g, w.ffn_gate, x), il, "ffn_gate");
     Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
     Tensor* h = named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act");
@@ -169,27 +169,11 @@ Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
 
 Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
-    const LayerWeights& w = c.model.layers()[il];
+    const LayerWeights& w = c.w(il);
+    const ShardGeometry& geom = c.geom(il);
     Graph& g = c.g;
     const int64_t n = c.n_tok, k = hp.n_expert_used;
-    Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
-    if (w.ffn_gate_inp_b) logits = named(add(g, logits, w.ffn_gate_inp_b), il, "ffn_moe_logits_biased");
-    Tensor* ids = named(top_k(g, logits, k, hp.expert_gating, w.ffn_exp_probs_b, hp.n_expert_groups, hp.n_group_used),
-                        il, "ffn_moe_topk");
-    Tensor* weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm,
-                                        hp.expert_weights_scale),
-                            il, "ffn_moe_weights");
-    Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
-    auto experts = [&](Tensor* stack, Tensor* bias, Tensor* in, const char* what) {
-        Tensor* y = named(mul_mat_id(g, stack, in, ids), il, what);
-        return bias ? named(add_id(g, y, bias, ids), il, (std::string(what) + "_biased").c_str()) : y;
-    };
-    Tensor* gate = experts(w.ffn_gate_exps, w.ffn_gate_exps_b, x3, "ffn_moe_gate");
-    Tensor* up = experts(w.ffn_up_exps, w.ffn_up_exps_b, x3, "ffn_moe_up");
-    Tensor* h = named(hp.expert_act_oai ? swiglu_oai(g, gate, up, 1.702f, 7.0f) : swiglu(g, gate, up), il,
-                      "ffn_moe_act");
-    Tensor* down = experts(w.ffn_down_exps, w.ffn_down_exps_b, h, "ffn_moe_down");
-    Tensor* out = named(moe_sum(g, down, weights), il, "ffn_moe_out");
+    Tensor* out = geom.experts > 0 ? build_routed_experts(c, il, x) : nullptr;
     if (!w.ffn_up_shexp) return out;
     Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");
     Tensor* su = named(mul_mat(g, w.ffn_up_shexp, x), il, "ffn_shexp_up");
@@ -203,16 +187,110 @@ Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
         Tensor* gw = named(moe_weights(g, gl, zero, /*sigmoid*/ 1, false, 0.0f), il, "ffn_shexp_gate_w");
         shared = named(moe_sum(g, reshape(g, shared, hp.n_embd, 1, n), gw), il, "ffn_shexp_out");
     }
-    return named(add(g, out, shared), il, "ffn_moe_shexp_out");
+    (void)k;
+    return out ? named(add(g, out, shared), il, "ffn_moe_shexp_out") : shared;
 }
 
-Tensor* build_output(BuildContext& c, Tensor* x) {
+// The routed experts this shard holds (all of them without tensor parallelism): the router and
+// the selection run whole on every shard (same bits everywhere); a shard computes only its
+// experts' products, the others' slots give zero rows, so its weighted sum is its share.
+Tensor* build_routed_experts(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
-    x = named(get_rows(c.g, x, c.in.out_ids), -1, "out_rows");
-    x = named(rms_norm(c.g, x, c.model.output_norm(), hp.eps), -1, "out_norm");
-    Tensor* logits = named(mul_mat(c.g, c.model.output(), x), -1, "logits");
-    if (hp.final_softcap > 0) logits = named(softcap(c.g, logits, hp.final_softcap), -1, "logits_softcap");
+    const LayerWeights& w = c.w(il);
+    const ShardGeometry& geom = c.geom(il);
+    Graph& g = c.g;
+    const int64_t n = c.n_tok, k = hp.n_expert_used;
+    Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
+    if (w.ffn_gate_inp_b) logits = named(add(g, logits, w.ffn_gate_inp_b), il, "ffn_moe_logits_biased");
+    Tensor* ids = named(top_k(g, logits, k, hp.expert_gating, w.ffn_exp_probs_b, hp.n_expert_groups, hp.n_group_used),
+                        il, "ffn_moe_topk");
+    Tensor* weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm,
+                                        hp.expert_weights_scale),
+                            il, "ffn_moe_weights");
+    Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
+    Tensor* mine = geom.experts == hp.n_expert ? ids : named(local_ids(g, ids, geom.expert0, geom.experts), il,
+                                                               "ffn_moe_local_ids");
+    auto experts = [&](Tensor* stack, Tensor* bias, Tensor* in, const char* what) {
+        Tensor* y = named(mul_mat_id(g, stack, in, mine), il, what);
+        return bias ? named(add_id(g, y, bias, mine), il, (std::string(what) + "_biased").c_str()) : y;
+    };
+    Tensor* gate = experts(w.ffn_gate_exps, w.ffn_gate_exps_b, x3, "ffn_moe_gate");
+    Tensor* up = experts(w.ffn_up_exps, w.ffn_up_exps_b, x3, "ffn_moe_up");
+    Tensor* h = named(hp.expert_act_oai ? swiglu_oai(g, gate, up, 1.702f, 7.0f) : swiglu(g, gate, up), il,
+                      "ffn_moe_act");
+    Tensor* down = experts(w.ffn_down_exps, w.ffn_down_exps_b, h, "ffn_moe_down");
+    return named(moe_sum(g, down, weights), il, "ffn_moe_out");
+}
+
+Tensor* build_output(BuildContext& c, const std::vector<Tensor*>& xs) {
+    const HParams& hp = c.model.hp();
+    Tensor* logits = nullptr;
+    for (int s = 0; s < (int)xs.size(); s++) {
+        Tensor* head = c.model.shard_output(s);
+        if (!head) continue;  // no vocabulary rows on this shard
+        Tensor* x = named(get_rows(c.g, xs[s], c.in.out_ids), -1, "out_rows");
+        x = named(rms_norm(c.g, x, c.model.shard_output_norm(s), hp.eps), -1, "out_norm");
+        Tensor* l = named(mul_mat(c.g, head, x), -1, "logits");
+        if (hp.final_softcap > 0) l = named(softcap(c.g, l, hp.final_softcap), -1, "logits_softcap");
+        // the shards' vocabulary rows, in order
+        logits = logits ? named(concat(c.g, logits, l), -1, "logits_gathered") : l;
+    }
     return logits;
 }
+
+// Tensor parallelism's meeting point: the shards' partial outputs summed (in shard order, the
+// same bits on every shard); with one shard, its output.
+static std::vector<Tensor*> reduce_shards(BuildContext& c, int il, const std::vector<Tensor*>& parts,
+                                          const char* what) {
+    if (parts.size() == 1) return parts;
+    std::vector<int> devices;
+    for (int s = 0; s < (int)parts.size(); s++) devices.push_back(c.model.shard_device(s, il));
+    std::vector<Tensor*> out = all_reduce(c.g, parts, devices, c.model.hp().n_embd, c.n_tok);
+    for (Tensor* t : out) named(t, il, what);
+    return out;
+}
+
+Tensor* build_decoder(BuildContext& c, AttentionFn attention) {
+    const HParams& hp = c.model.hp();
+    const int S = c.model.n_shards();
+    Graph& g = c.g;
+    c.shard = 0;
+    std::vector<Tensor*> xs(S, build_embedding(c)), parts(S);
+    // Each sub-block: norm, this shard's part, the sum over shards, its bias and post-norm, the
+    // residual. Shards are built last to first so that the first device's embedding is sent off
+    // before it starts on layer 0.
+    auto block = [&](int il, Tensor* LayerWeights::*norm, Tensor* LayerWeights::*post, const char* what,
+                     const std::function<Tensor*(Tensor*)>& part) {
+        for (int s = S - 1; s >= 0; s--) {
+            c.shard = s;
+            const LayerWeights& w = c.w(il);
+            Tensor* h = named(rms_norm(g, xs[s], w.*norm, hp.eps), il, (std::string(what) + "_normed").c_str());
+            parts[s] = part(h);
+        }
+        std::vector<Tensor*> sum = reduce_shards(c, il, parts, (std::string(what) + "_sum").c_str());
+        for (int s = 0; s < S; s++) {
+            c.shard = s;
+            const LayerWeights& w = c.w(il);
+            Tensor* o = sum[s];
+            if (what[0] == 'a' && w.bo) o = named(add(g, o, w.bo), il, "attn_out_bias");
+            if (w.*post) o = named(rms_norm(g, o, w.*post, hp.eps), il, (std::string(what) + "_post_norm").c_str());
+            xs[s] = named(add(g, xs[s], o), il, (std::string(what) + "_residual").c_str());
+        }
+    };
+    for (int il = 0; il < hp.n_layer; il++) {
+        block(il, &LayerWeights::attn_norm, &LayerWeights::post_attn_norm, "attn", [&](Tensor* h) -> Tensor* {
+            return c.geom(il).q_heads > 0 ? attention(c, il, h) : nullptr;
+        });
+        block(il, &LayerWeights::ffn_norm, &LayerWeights::post_ffn_norm, "ffn", [&](Tensor* h) -> Tensor* {
+            const ShardGeometry& geom = c.geom(il);
+            if (c.model.layers()[il].ffn_gate_inp) return geom.experts > 0 || geom.shexp_ff > 0 ? build_moe_ffn(c, il, h) : nullptr;
+            return geom.ff > 0 ? build_ffn(c, il, h, hp.ffn_gelu ? FfnAct::GELU : FfnAct::SILU) : nullptr;
+        });
+    }
+    c.shard = 0;
+    return build_output(c, xs);
+}
+
+Tensor* build_prenorm_decoder(BuildContext& c) { return build_decoder(c, build_attention); }
 
 }  // namespace stowlm

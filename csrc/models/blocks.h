@@ -20,11 +20,15 @@ Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act);
 // (gating, renormalisation and scale from HParams), the expert products (+ per-expert biases,
 // SwiGLU or gpt-oss's clamped SwiGLU), weighted sum, plus a shared expert when the layer has one.
 Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x);
-// Picks the wanted rows, final norm, LM head, optional softcap: logits [n_vocab, n_out].
-Tensor* build_output(BuildContext& c, Tensor* x);
+Tensor* build_routed_experts(BuildContext& c, int il, Tensor* x);
+// Per shard: picks the wanted rows, final norm, its rows of the LM head, optional softcap; the
+// shards' rows gathered in order: logits [n_vocab, n_out].
+Tensor* build_output(BuildContext& c, const std::vector<Tensor*>& xs);
 
-// The pre-norm decoder (models/llama.cpp): x += attention(norm(x)); x += ffn(ffn_norm(x)) per
-// layer (an MoE FFN where the layer has experts), then the output head.
+// The pre-norm decoder: x += post_norm(attention(norm(x)) + bias); x += post_norm(ffn(ffn_norm(x)))
+// per layer (an MoE FFN where the layer has experts; post-norms where the layer has them, as
+// gemma3), then the output head. With tensor parallelism every shard runs each sub-block on
+// its part and the parts are summed (all-reduce) before the bias.
 using AttentionFn = Tensor* (*)(BuildContext&, int, Tensor*);
 Tensor* build_decoder(BuildContext& c, AttentionFn attention);
 Tensor* build_prenorm_decoder(BuildContext& c);  // with build_attention

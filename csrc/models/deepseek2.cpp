@@ -73,9 +73,13 @@ void deepseek2_layer(Model& m, int il, LayerWeights& w) {
 // Multi-head latent attention, absorbed: one cache row per token, [kv (L), k_rope (R)].
 Tensor* build_mla_attention(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
-    const LayerWeights& w = c.model.layers()[il];
+    const LayerWeights& w = c.w(il);
     Graph& g = c.g;
-    const int64_t n = c.n_tok, H = hp.n_head, R = hp.n_rot, L = hp.kv_lora_rank;
+    // this shard's query heads (tensor parallelism: each keeps the whole compressed row)
+    const int64_t n = c.n_tok, H = c.geom(il).q_heads, R = hp.n_rot, L = hp.kv_lora_rank;
+    Tensor* head_ids = nullptr;
+    for (Tensor* t : c.in.head_ids)
+        if (t->ne[0] == H) head_ids = t;
     const int64_t dq = hp.head_dim_qk_mla, nope = dq - R;
     auto nm = [&](Tensor* t, const char* what) {
         t->name = layer_tensor(il, what);
@@ -89,7 +93,7 @@ Tensor* build_mla_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* q_nope = nm(cont(g, view_cols(g, q, nope, 0)), "q_nope");
     Tensor* q_rope = nm(rope(g, nm(cont(g, view_cols(g, q, R, nope)), "q_pe"), c.in.pos, r), "q_rope");
     // Each head's no-rope query into the compressed space: [L, H, n].
-    Tensor* q_abs = nm(mul_mat_id(g, w.wk_b, q_nope, c.in.head_ids), "q_absorbed");
+    Tensor* q_abs = nm(mul_mat_id(g, w.wk_b, q_nope, head_ids), "q_absorbed");
     Tensor* Q = nm(concat(g, q_abs, q_rope), "q_mla");
 
     Tensor* kv = nm(mul_mat(g, w.wkv_a, x), "kv_a");
@@ -97,13 +101,13 @@ Tensor* build_mla_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* k_rope = nm(rope(g, reshape(g, nm(cont(g, view_cols(g, kv, R, L)), "k_pe"), R, 1, n), c.in.pos, r), "k_rope");
     Tensor* K = nm(concat(g, reshape(g, kv_c, L, 1, n), k_rope), "k_mla");
 
-    Tensor* stored = nm(store_kv(g, K, c.kv.k(il), c.in.cells), "kv_store");
-    Tensor* k_cells = view_rows(g, c.kv.k(il), c.n_kv);
+    Tensor* stored = nm(store_kv(g, K, c.kv.k(il, c.shard), c.in.cells), "kv_store");
+    Tensor* k_cells = view_rows(g, c.kv.k(il, c.shard), c.n_kv);
     Tensor* v_cells = view_cols(g, k_cells, L, 0);
     Tensor* a = nm(flash_attn(g, Q, k_cells, v_cells, attn_mask(c), stored, stored, hp.attn_scale, 0.0f, 0),
                    "attn");
     // Back out of the compressed space, per head: [dv, H, n].
-    Tensor* o = nm(mul_mat_id(g, w.wv_b, reshape(g, a, L, H, n), c.in.head_ids), "attn_v");
+    Tensor* o = nm(mul_mat_id(g, w.wv_b, reshape(g, a, L, H, n), head_ids), "attn_v");
     return nm(mul_mat(g, w.wo, reshape(g, o, hp.head_dim_v_mla * H, n)), "attn_out");
 }
 

@@ -19,6 +19,7 @@ void gemma3_hparams(const GGUFFile& f, HParams& hp) {
     const int64_t pattern = f.get_int("gemma3.attention.sliding_window_pattern", 6);
     for (int64_t il = 0; il < hp.n_layer; il++) hp.swa_layer[il] = pattern > 0 && (il % pattern) < pattern - 1;
     hp.embed_scale = std::sqrt((float)hp.n_embd);
+    hp.ffn_gelu = true;
     hp.attn_scale = hp.n_layer == 62 ? 1.0f / std::sqrt((float)(hp.n_embd / hp.n_head))
                                      : 1.0f / std::sqrt((float)hp.head_dim_k);
 }
@@ -31,27 +32,8 @@ void gemma3_layer(Model& m, int il, LayerWeights& w) {
     w.post_ffn_norm = m.require(layer_tensor(il, "post_ffw_norm.weight"));
 }
 
-Tensor* gemma3_build(BuildContext& c) {
-    const HParams& hp = c.model.hp();
-    Tensor* x = build_embedding(c);
-    for (int il = 0; il < hp.n_layer; il++) {
-        const LayerWeights& w = c.model.layers()[il];
-        Tensor* h = rms_norm(c.g, x, w.attn_norm, hp.eps);
-        h = build_attention(c, il, h);
-        h = rms_norm(c.g, h, w.post_attn_norm, hp.eps);
-        x = add(c.g, h, x);
-        x->name = layer_tensor(il, "attn_residual");
-        h = rms_norm(c.g, x, w.ffn_norm, hp.eps);
-        h = build_ffn(c, il, h, FfnAct::GELU);
-        h = rms_norm(c.g, h, w.post_ffn_norm, hp.eps);
-        x = add(c.g, h, x);
-        x->name = layer_tensor(il, "ffn_residual");
-    }
-    return build_output(c, x);
-}
-
 }  // namespace
 
-const ArchDef kArchGemma3 = {"gemma3", gemma3_hparams, gemma3_layer, gemma3_build};
+const ArchDef kArchGemma3 = {"gemma3", gemma3_hparams, gemma3_layer, build_prenorm_decoder};
 
 }  // namespace stowlm

@@ -108,14 +108,29 @@ void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default, int32_t
 
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
-                                   const std::vector<TensorOverride>& overrides) {
-    return load(std::shared_ptr<const GGUFFile>(GGUFFile::open(path)), devices, layer_split, count_weights, overrides);
+                                   const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split) {
+    return load(std::shared_ptr<const GGUFFile>(GGUFFile::open(path)), devices, layer_split, count_weights, overrides,
+                tensor_split);
 }
 
 std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
-                                   const std::vector<TensorOverride>& overrides) {
+                                   const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split) {
     if (devices.empty()) throw InvalidInput("Model: devices is empty");
+    const bool tp = !tensor_split.empty();
+    if (tp) {
+        if (tensor_split.size() != devices.size())
+            throw InvalidInput("tensor_split has " + std::to_string(tensor_split.size()) + " shares for " +
+                               std::to_string(devices.size()) + " devices");
+        double total = 0;
+        for (double s : tensor_split) {
+            if (!(s >= 0) || !std::isfinite(s)) throw InvalidInput("tensor_split: shares must be finite and >= 0");
+            total += s;
+        }
+        if (total <= 0) throw InvalidInput("tensor_split: every share is 0");
+        if (!layer_split.empty()) throw InvalidInput("tensor_split and layer_split exclude each other");
+        if (!overrides.empty()) throw InvalidInput("tensor overrides are not supported with a tensor split yet");
+    }
     std::unique_ptr<Model> m(new Model());
     m->file_ = std::move(file);
     const GGUFFile& f = *m->file_;
@@ -140,9 +155,18 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
         }
     }
 
-    // Contiguous layer ranges per device.
+    // Contiguous layer ranges per device (tensor parallelism: all "on" the first shard's device
+    // while loading; the shards carry the real placement).
     std::vector<int> split = layer_split;
     const int n_dev = (int)devices.size();
+    if (tp) {
+        split.assign(n_dev, 0);
+        for (int d = 0; d < n_dev; d++)
+            if (tensor_split[d] > 0) {
+                split[d] = (int)hp.n_layer;
+                break;
+            }
+    }
     if (split.empty()) {
         for (int d = 0; d < n_dev; d++) split.push_back((int)(hp.n_layer * (d + 1) / n_dev - hp.n_layer * d / n_dev));
     }
@@ -192,6 +216,11 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
                                "' matches no tensor " + m->hp_.arch + " uses in " + path);
     }
 
+    if (tp) {
+        m->build_shards(tensor_split);
+        m->place_shard_weights(count_weights);
+        return m;
+    }
     auto packed_bytes = [&](const Tensor& t) {
         return m->backends_[t.device]->host_accessible() ? t.nbytes() : packed(t.nbytes());
     };

@@ -32,6 +32,7 @@ struct HParams {
     float attn_scale = 0;         // 0: 1/sqrt(head_dim_k)
     float attn_softcap = 0, final_softcap = 0;
     float embed_scale = 1;        // gemma: sqrt(n_embd)
+    bool ffn_gelu = false;        // gemma: GELU(tanh)-gated FFN (else SiLU)
     // Mixture of experts (0 experts: dense FFN).
     int64_t n_expert = 0, n_expert_used = 0;
     int32_t expert_gating = 0;        // cpu::Gating: 0 softmax, 1 sigmoid, 2 softmax over the picked
@@ -69,6 +70,18 @@ struct LayerWeights {
            *ffn_down_shexp = nullptr;
 };
 
+// Tensor parallelism: the part of one layer a shard (one device) computes. Attention goes by
+// whole KV heads with their query heads (MLA: by query heads, each shard keeping the one
+// compressed KV row), dense FFNs and shared experts by rows of gate/up and the matching columns
+// of down, routed experts by whole experts. Without tensor parallelism a layer is one shard.
+struct ShardGeometry {
+    int64_t q_head0 = 0, q_heads = 0;    // query heads [q_head0, q_head0 + q_heads)
+    int64_t kv_head0 = 0, kv_heads = 0;  // KV heads (and KV cache) of this shard
+    int64_t ff0 = 0, ff = 0;             // dense FFN rows
+    int64_t expert0 = 0, experts = 0;    // routed experts [expert0, expert0 + experts)
+    int64_t shexp_ff0 = 0, shexp_ff = 0; // shared expert rows
+};
+
 class Model;
 class KVCache;
 
@@ -79,7 +92,9 @@ struct BuildInputs {
     Tensor* cells = nullptr;    // I32 [n_tok]: KV cells the tokens are written to
     Tensor* kv_pos = nullptr;   // I32 [n_kv]: position per visible cell (-1 empty)
     Tensor* out_ids = nullptr;  // I32 [n_out]: rows whose logits are wanted
-    Tensor* head_ids = nullptr; // I32 [n_head, n_tok]: 0..n_head-1 per token (per-head products; MLA only)
+    // I32 [h, n_tok]: 0..h-1 per token, for each number h of query heads a shard has (per-head
+    // products; MLA only)
+    std::vector<Tensor*> head_ids;
     // With several sequences in the cache: the sequence of each token and of each visible cell.
     Tensor* q_seq = nullptr;    // I32 [n_tok]
     Tensor* kv_seq = nullptr;   // I32 [n_kv]
@@ -91,6 +106,10 @@ struct BuildContext {
     KVCache& kv;
     BuildInputs in;
     int64_t n_tok = 0, n_kv = 0, n_out = 0;
+    int shard = 0;  // the shard the blocks build for (tensor parallelism; 0 otherwise)
+    // This shard's weights and part of layer il.
+    const LayerWeights& w(int il) const;
+    const ShardGeometry& geom(int il) const;
 };
 
 // One architecture family: reads its hyperparameters, names its tensors, builds its graph.
@@ -133,13 +152,18 @@ public:
     // layer_split: layers per device (contiguous ranges, sums to n_layer); empty: even split.
     // count_weights=false: build shapes and placement only (projections), nothing reserved.
     // An override that matches no weight the model uses is an error naming it.
+    // tensor_split (one share per device, not all 0): tensor parallelism instead of a layer
+    // split; every layer is cut over the devices with a share > 0, in proportion (layer_split
+    // and overrides must then be empty).
     static std::unique_ptr<Model> load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights = true,
-                                       const std::vector<TensorOverride>& overrides = {});
+                                       const std::vector<TensorOverride>& overrides = {},
+                                       const std::vector<double>& tensor_split = {});
     // The same over a file opened once (fit projects many placements of one file).
     static std::unique_ptr<Model> load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights,
-                                       const std::vector<TensorOverride>& overrides);
+                                       const std::vector<TensorOverride>& overrides,
+                                       const std::vector<double>& tensor_split = {});
 
     const GGUFFile& file() const { return *file_; }
     const HParams& hp() const { return hp_; }
@@ -150,6 +174,15 @@ public:
     Tensor* output() const { return output_; }  // == tok_embd() when tied
 
     std::vector<Backend*> backends() const;
+    // Tensor parallelism: shards (1 without it), each on one device, and their parts of a layer.
+    bool tensor_parallel() const { return !shard_device_.empty(); }
+    int n_shards() const { return tensor_parallel() ? (int)shard_device_.size() : 1; }
+    int shard_device(int s, int il) const { return tensor_parallel() ? shard_device_.at(s) : layer_device_.at(il); }
+    const ShardGeometry& shard_geometry(int s, int il) const;
+    const LayerWeights& shard_layer(int s, int il) const;
+    // The LM head rows [vocab0, vocab0 + n) a shard computes, its weights and final norm.
+    Tensor* shard_output(int s) const { return tensor_parallel() ? shard_output_.at(s) : output_; }
+    Tensor* shard_output_norm(int s) const { return tensor_parallel() ? shard_output_norm_.at(s) : output_norm_; }
     int layer_device(int il) const { return layer_device_[il]; }
     const std::vector<int>& layer_devices() const { return layer_device_; }
     const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
@@ -176,6 +209,22 @@ private:
     int loading_anchor_ = 0;  // and what that device follows (WeightInfo::anchor)
     std::map<std::string, std::pair<int, int>> anchors_;  // weight -> (anchor, override index)
     std::vector<std::pair<std::regex, int>> overrides_;
+    // Tensor parallelism (model_tp.cpp).
+    void build_shards(const std::vector<double>& shares);
+    void place_shard_weights(bool count_weights);
+    std::vector<int> shard_device_;                        // per shard
+    std::vector<std::vector<ShardGeometry>> shard_geom_;   // [shard][layer]
+    std::vector<std::vector<LayerWeights>> shard_layers_;  // [shard][layer]
+    std::vector<Tensor*> shard_output_, shard_output_norm_;
+    std::vector<std::unique_ptr<Tensor>> shard_store_;     // the shards' weight tensors
+    // Shard weights that are column ranges of a file tensor (not contiguous in it): copied
+    // into their device's buffer at load. (tensor, source, first column, columns)
+    struct ColumnSlice {
+        Tensor* t;
+        const Tensor* src;
+        int64_t col0, cols;
+    };
+    std::vector<ColumnSlice> column_slices_;
 };
 
 // Hyperparameter helpers for the arch files.

@@ -88,11 +88,19 @@ class Model:
 
     n_copies (default 4): with the layers on several devices, each device works on a
     micro-batch while the next works on the one before (pipeline parallelism); the tensors that
-    cross devices are kept in n_copies copies, one per micro-batch in flight. 1 turns it off."""
+    cross devices are kept in n_copies copies, one per micro-batch in flight. 1 turns it off.
+
+    split_mode="tensor" (tensor parallelism) cuts every layer over the devices instead, in the
+    proportions tensor_split gives (one share per device, default equal; 0 leaves a device out):
+    attention by whole KV heads with their query heads, FFNs by rows, routed experts whole, the
+    LM head by vocabulary rows; after each attention and FFN the devices' partial sums are
+    added (an all-reduce, always in the same order, so results are deterministic). `shards` says
+    what each device got."""
 
     def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
                  tensor_overrides: Optional[Sequence[str]] = None, placement=None,
-                 n_copies: Optional[int] = None):
+                 n_copies: Optional[int] = None, split_mode: str = "layer",
+                 tensor_split: Optional[Sequence[float]] = None):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"model file {path!r} does not exist")
@@ -104,15 +112,29 @@ class Model:
             if given:
                 raise ValueError(f"Model: a placement fixes {', '.join(given)}; give either the placement or these")
             self.placement = placement = _load_placement(placement, path)
-            devices, layer_split = placement.device_specs, placement.layer_split
+            devices = placement.device_specs
+            layer_split = placement.layer_split if placement.split_mode == "layer" else None
             tensor_overrides = placement.tensor_overrides
             if n_copies is not None and n_copies != placement.n_copies:
                 raise ValueError(f"Model: n_copies={n_copies} differs from the placement's ({placement.n_copies})")
             n_copies = placement.n_copies
+            split_mode, tensor_split = placement.split_mode, placement.tensor_split
         self.n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
         self.devices: List[DeviceSpec] = parse_devices(devices)
+        shares = _tensor_split(split_mode, tensor_split, len(self.devices), layer_split, overrides, tensor_overrides)
+        self.split_mode = split_mode
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
-                                _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices))
+                                _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices),
+                                shares)
+
+    @property
+    def shards(self) -> List[dict]:
+        """Per shard (tensor parallelism; one shard otherwise): its device index, the vocabulary
+        rows of its LM head, and per layer (query heads, KV heads, FFN rows, experts, shared-expert
+        rows) it computes."""
+        return [{"device": d["device"], "vocab": d["vocab"],
+                 "layers": [dict(zip(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows"), l))
+                            for l in d["layers"]]} for d in self._m.shards]
 
     arch = property(lambda self: self._m.arch)
     n_layer = property(lambda self: self._m.n_layer)
@@ -137,13 +159,39 @@ class Model:
 
 def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
          kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None,
-         tensor_overrides: Optional[Sequence[str]] = None, n_copies: Optional[int] = None) -> List[dict]:
+         tensor_overrides: Optional[Sequence[str]] = None, n_copies: Optional[int] = None,
+         split_mode: str = "layer", tensor_split: Optional[Sequence[float]] = None) -> List[dict]:
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
+    shares = _tensor_split(split_mode, tensor_split, len(specs), layer_split, overrides, tensor_overrides)
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
                            _tensor_overrides(tensor_overrides, specs) + _overrides(overrides, specs), int(n_ctx),
                            int(n_ubatch), kv_type, _n_outputs(n_outputs),
-                           _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies))["devices"]
+                           _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares)["devices"]
+
+
+def _tensor_split(split_mode: str, tensor_split, n_dev: int, layer_split=None, overrides=None,
+                  tensor_overrides=None) -> List[float]:
+    """The shares the core takes: [] for a layer split; one per device for a tensor split."""
+    if split_mode not in ("layer", "tensor"):
+        raise ValueError(f"split_mode must be 'layer' or 'tensor', got {split_mode!r}")
+    if split_mode == "layer":
+        if tensor_split is not None:
+            raise ValueError("tensor_split needs split_mode='tensor'")
+        return []
+    if layer_split is not None:
+        raise ValueError("split_mode='tensor' cuts every layer over the devices: give tensor_split, not layer_split")
+    if overrides or tensor_overrides:
+        raise ValueError("tensor overrides are not supported with split_mode='tensor' yet")
+    shares = [1.0] * n_dev if tensor_split is None else list(tensor_split)
+    if len(shares) != n_dev:
+        raise ValueError(f"tensor_split has {len(shares)} shares for {n_dev} devices")
+    for s in shares:
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0 or s != s or s == float("inf"):
+            raise ValueError(f"tensor_split: shares must be finite numbers >= 0, got {tensor_split!r}")
+    if sum(shares) <= 0:
+        raise ValueError("tensor_split: every share is 0")
+    return [float(s) for s in shares]
 
 
 DEFAULT_N_COPIES = 4

@@ -74,6 +74,8 @@ class Placement:
     n_copies: int = 4                      # asked for: copies of the tensors that cross devices
     n_seq: int = 1                         # sequences (server slots) sharing the context
     pipeline: Optional[Dict[str, object]] = None  # what the core makes of it: n_copies, reason (off)
+    split_mode: str = "layer"              # "tensor": every layer cut over the used devices
+    tensor_split: Optional[List[float]] = None  # tensor mode: share per used device
 
     # -- what the engine is given ------------------------------------------------------------
     @property
@@ -92,9 +94,11 @@ class Placement:
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "model": dict(self.model), "n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch,
              "n_outputs": self.n_outputs, "kv_type": self.kv_type, "n_copies": self.n_copies, "n_seq": self.n_seq,
-             "split_mode": "layer",
+             "split_mode": self.split_mode,
              "tensor_overrides": list(self.tensor_overrides),
              "devices": [dev.to_dict() for dev in self.devices], "decisions": list(self.decisions)}
+        if self.tensor_split is not None:
+            d["tensor_split"] = list(self.tensor_split)
         if self.host is not None:
             d["host"] = dict(self.host)
         if self.pipeline is not None:
@@ -199,6 +203,12 @@ class Placement:
         if host is not None:
             r.dict(host, "host")
             host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
+        split_mode = r.str(data.get("split_mode", "layer"), "split_mode")
+        if split_mode not in ("layer", "tensor"):
+            raise ValueError(f"placement: split_mode must be 'layer' or 'tensor', got {split_mode!r}")
+        tensor_split = data.get("tensor_split")
+        if tensor_split is not None:
+            tensor_split = [float(x) for x in r.list(tensor_split, "tensor_split")]
         pipeline = data.get("pipeline")
         if pipeline is not None:
             r.dict(pipeline, "pipeline")
@@ -211,7 +221,8 @@ class Placement:
                    decisions=[r.str(x, "decisions[]", allow_empty=True) for x in r.list(data.get("decisions", []),
                                                                                       "decisions")],
                    host=host, n_copies=r.int(data.get("n_copies", 4), "n_copies", 1),
-                   n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline)
+                   n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline,
+                   split_mode=split_mode, tensor_split=tensor_split)
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:

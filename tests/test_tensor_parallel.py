@@ -1,0 +1,142 @@
+"""Tensor parallelism: every layer cut over several devices, the partial sums all-reduced.
+
+Oracles: one device running the same file (F32 synthetic models: the same logits up to float
+re-association; real quantized models: the same top-1 and a KL at the level of the activation
+quantization's rounding flips), the float64 reference, the shards' geometry against the model's
+shapes, and the planner's projection against what the devices allocate."""
+import numpy as np
+import pytest
+
+import stowlm
+from conftest import DENSE_MODELS, MOE_MODELS, get_model, load_fixture
+from test_model_reference import CASES, make_model, reference
+from test_moe import make_moe, moe_reference
+
+
+def _devs(n):
+    return [f"cpu:{i}[threads=1]" for i in range(n)]
+
+
+def _logsoftmax(x):
+    x = x - x.max(-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def _kl(ref, got):
+    p = _logsoftmax(ref.astype(np.float64))
+    return (np.exp(p) * (p - _logsoftmax(got.astype(np.float64)))).sum(-1)
+
+
+def _tp(path, shares, **kw):
+    return stowlm.Model(path, devices=_devs(len(shares)), split_mode="tensor", tensor_split=shares, **kw)
+
+
+@pytest.mark.parametrize("arch,tied", CASES + [("llama-moe", False), ("qwen3moe", False), ("qwen2moe", False)])
+def test_f32_models_split_like_one_device(tmp_path, arch, tied):
+    path = tmp_path / f"{arch}.gguf"
+    if arch in ("llama-moe", "qwen3moe", "qwen2moe"):
+        make_moe(path, arch.replace("-moe", ""))
+        want = lambda ids: moe_reference(path, ids)  # noqa: E731
+    else:
+        make_model(path, arch, tied)
+        want = lambda ids: reference(path, ids)  # noqa: E731
+    ids = [1, 5, 9, 150, 7, 3, 11, 42, 8, 100, 6, 2]
+    one = stowlm.Context(stowlm.Model(path), n_ctx=64).eval(ids, logits="all")
+    for shares in ([1, 1], [3, 1], [2, 1, 1], [1, 1, 1, 1]):
+        model = _tp(path, shares)
+        got = stowlm.Context(model, n_ctx=64, n_ubatch=5).eval(ids, logits="all")
+        # only the order of the sums differs (up to a rounding of the F16 KV cache)
+        err = np.abs(got - one).max() / np.abs(one).max()
+        assert err < 1e-3, (arch, shares, err)
+        ref = want(ids)
+        assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-3
+        assert (got.argmax(-1) == one.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("name", DENSE_MODELS + MOE_MODELS)
+def test_real_models_on_the_fixture_prompts(name):
+    """2, 3 and 4 devices, even and uneven: top-1 as on one device, KL at the noise level of a
+    re-associated sum under 8-bit activations, and the same split twice gives the same bits."""
+    path = str(get_model(name))
+    prompts = [r["ids"] for r in load_fixture(name) if r["kind"] == "logits"]
+    one = stowlm.Model(path)
+    refs = [stowlm.Context(one, n_ctx=256).eval(p, logits="all") for p in prompts]
+    for shares in ([1, 1], [3, 1], [2, 1, 1], [1, 1, 1, 1]):
+        model = _tp(path, shares)
+        ctx = stowlm.Context(model, n_ctx=256)
+        kl, agree, near = [], [], []
+        for p, ref in zip(prompts, refs):
+            ctx.clear()
+            got = ctx.eval(p, logits="all")
+            ctx.clear()
+            assert np.array_equal(ctx.eval(p, logits="all"), got), (name, shares)
+            kl += list(_kl(ref, got))
+            top = np.sort(ref, -1)
+            agree += list(ref.argmax(-1) == got.argmax(-1))
+            near += list(top[:, -1] - top[:, -2] < 0.1)  # a near tie either way is agreement
+        kl, agree, near = np.array(kl), np.array(agree), np.array(near)
+        print(f"{name} {shares}: mean KL {kl.mean():.2e}, top-1 {agree.mean():.3f}")
+        assert kl.mean() < 0.01, (name, shares, kl.mean())
+        assert (agree | near).mean() >= 0.97, (name, shares, agree.mean())
+
+
+def test_decoding_after_a_prompt_matches_the_prompt_pass():
+    path = str(get_model("smollm2-135m"))
+    ids = [r["ids"] for r in load_fixture("smollm2-135m") if r["kind"] == "logits"][0]
+    ctx = stowlm.Context(_tp(path, [1, 1]), n_ctx=256)
+    whole = ctx.eval(ids, logits="all")
+    ctx.clear()
+    ctx.eval(ids[:5])
+    steps = np.stack([ctx.eval([t]) for t in ids[5:]])
+    assert (steps.argmax(-1) == whole[5:].argmax(-1)).mean() >= 0.95
+    assert _kl(whole[5:], steps).mean() < 0.01
+
+
+def test_the_shards_cover_every_layer_once():
+    path = str(get_model("qwen3moe-tiny"))
+    whole = stowlm.Model(path).shards[0]
+    for shares in ([1, 1], [3, 1], [2, 0, 1, 1], [5, 1, 1]):
+        shards = _tp(path, shares).shards
+        assert [s["device"] for s in shards] == [d for d, s in enumerate(shares) if s > 0]
+        assert sum(s["vocab"] for s in shards) == whole["vocab"]
+        for il, layer in enumerate(whole["layers"]):
+            for key in ("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows"):
+                assert sum(s["layers"][il][key] for s in shards) == layer[key], (shares, il, key)
+    # uneven: 3 KV heads of smollm2 over 2 devices go 2 + 1 (whole heads with their queries)
+    s = _tp(str(get_model("smollm2-135m")), [1, 1]).shards
+    assert [x["layers"][0]["kv_heads"] for x in s] == [2, 1] and [x["layers"][0]["q_heads"] for x in s] == [6, 3]
+    # a 3:1 share of the FFN rows, in whole blocks of the down projection
+    rows = [x["layers"][0]["ffn_rows"] for x in _tp(str(get_model("smollm2-135m")), [3, 1]).shards]
+    assert rows == [1152, 384]
+
+
+def test_projection_equals_allocation_and_budgets_hold():
+    path = str(get_model("smollm2-moe"))
+    model = _tp(path, [2, 1])
+    planned = model.plan(n_ctx=512, n_ubatch=64)
+    ctx = stowlm.Context(model, n_ctx=512, n_ubatch=64)
+    report = ctx.memory_report()
+    for p, r in zip(planned, report):
+        assert p["total"] == r["total"] == r["allocated"], (p, r)
+    assert planned[0]["weights"] > planned[1]["weights"] > 0
+    assert planned == stowlm.engine.plan(path, devices=_devs(2), n_ctx=512, n_ubatch=64, split_mode="tensor",
+                                         tensor_split=[2, 1])
+    # a device too small for its share is named
+    with pytest.raises(MemoryError, match="cpu:1"):
+        stowlm.Model(path, devices=["cpu:0", "cpu:1[mem=8MiB]"], split_mode="tensor", tensor_split=[1, 1])
+
+
+def test_bad_tensor_splits_are_refused():
+    path = str(get_model("smollm2-135m"))
+    with pytest.raises(ValueError, match="3 shares for 2 devices"):
+        stowlm.Model(path, devices=_devs(2), split_mode="tensor", tensor_split=[1, 1, 1])
+    with pytest.raises(ValueError, match="every share is 0"):
+        stowlm.Model(path, devices=_devs(2), split_mode="tensor", tensor_split=[0, 0])
+    with pytest.raises(ValueError, match="finite numbers >= 0"):
+        stowlm.Model(path, devices=_devs(2), split_mode="tensor", tensor_split=[1, -1])
+    with pytest.raises(ValueError, match="not layer_split"):
+        stowlm.Model(path, devices=_devs(2), split_mode="tensor", layer_split=[15, 15])
+    with pytest.raises(ValueError, match="split_mode"):
+        stowlm.Model(path, devices=_devs(2), split_mode="rows")
+    with pytest.raises(ValueError, match="needs split_mode='tensor'"):
+        stowlm.Model(path, devices=_devs(2), tensor_split=[1, 1])
