@@ -1,9 +1,12 @@
 // Throughput of the CPU matmul per weight type, kernel path and thread count:
 // matrix-vector (n_tok=1: GOP/s and GB/s of weights streamed) and matrix-matrix
 // (n_tok=512: GOP/s and % of the INT8 peak given with --peak-vnni / --peak-amx, in TOPS).
+// x1tok: the call's wall time over the same type, path and threads at n_tok 1 (when in --ntok):
+// what a few tokens decoded together cost against one (the row kernels below 24 tokens).
 //   bench-matmul [--rows N] [--cols N] [--ntok 1,512] [--threads 1,2] [--types Q4_0,Q4_K,Q8_0,Q6_K]
 //                [--isa scalar,avx2,avx512,amx] [--seconds S] [--peak-vnni 1.9] [--peak-amx 15]
 #include <chrono>
+#include <map>
 #include <ctime>
 #include <cstdio>
 #include <cstdlib>
@@ -96,10 +99,11 @@ int main(int argc, char** argv) {
     printf("# %lld x %lld weights; peaks: VNNI %.2f TOPS, AMX %.1f TOPS (2 threads)\n", (long long)rows,
            (long long)cols, peak_vnni, peak_amx);
     printf("# left: wall clock; right: per-thread CPU time (what a dedicated core would give)\n");
-    printf("%-7s %-7s %4s %5s %9s %8s %7s %7s | %9s %8s %7s %7s\n", "type", "isa", "thr", "n_tok", "ms/call", "GOP/s",
-           "GB/s", "%peak", "cpu-ms", "GOP/s", "GB/s", "%peak");
+    printf("%-7s %-7s %4s %5s %9s %8s %7s %7s | %9s %8s %7s %7s | %6s\n", "type", "isa", "thr", "n_tok", "ms/call", "GOP/s",
+           "GB/s", "%peak", "cpu-ms", "GOP/s", "GB/s", "%peak", "x1tok");
     for (auto& [tn, t] : names) {
         std::vector<uint8_t> w = make_weights(t, rows, cols);
+        std::map<std::pair<std::string, int>, double> one_tok;  // (isa, threads) -> ms at n_tok 1
         for (auto& nt_s : ntoks) {
             const int64_t n_tok = atoll(nt_s.c_str());
             std::vector<float> x(n_tok * cols), y(n_tok * rows);
@@ -143,9 +147,13 @@ int main(int argc, char** argv) {
                     const double gops_c = 2.0 * rows * cols * n_tok / cper / 1e9;
                     const double gbs_c = (double)w.size() / cper / 1e9;
                     const double peak = (isa_s == "amx" ? peak_amx : peak_vnni) * 1000 * nth / 2;
-                    printf("%-7s %-7s %4d %5lld %9.3f %8.1f %7.1f %6.1f%% | %9.3f %8.1f %7.1f %6.1f%%\n", tn.c_str(),
+                    if (n_tok == 1) one_tok[{isa_s, nth}] = per;
+                    const auto it = one_tok.find({isa_s, nth});
+                    char x1[16] = "-";
+                    if (it != one_tok.end()) snprintf(x1, sizeof x1, "%.2f", per / it->second);
+                    printf("%-7s %-7s %4d %5lld %9.3f %8.1f %7.1f %6.1f%% | %9.3f %8.1f %7.1f %6.1f%% | %6s\n", tn.c_str(),
                            isa_s.c_str(), nth, (long long)n_tok, per * 1e3, gops, gbs, 100 * gops / peak, cper * 1e3,
-                           gops_c, gbs_c, 100 * gops_c / peak);
+                           gops_c, gbs_c, 100 * gops_c / peak, x1);
                     fflush(stdout);
                 }
             }
