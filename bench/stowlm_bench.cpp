@@ -5,6 +5,7 @@
 //   stowlm-bench -m MODEL [-p 512] [-n 128] [-pg 512,128] [-d 0] [-t THREADS] [-r 5]
 //                [-ub 512] [-ctk f16|q8_0] [-o md|json|csv] [-v] [--no-warmup]
 //                [-dev cpu:0[threads=1],cpu:1[threads=1]] [--layer-split 15,15] [--n-copies 1,4]
+//                [-sm tensor [-ts 1,1]]
 //
 // Each test runs once as warm-up, then -r times; the table gives mean ± standard deviation of
 // tokens per second over the repetitions. Token ids are random but valid (seeded).
@@ -50,6 +51,8 @@ struct Options {
     std::string output = "md";
     std::vector<DeviceSpec> devices{DeviceSpec()};  // cpu (default), cuda:N, or a list the layers are split over
     std::vector<int> layer_split;                   // layers per device (default: even)
+    std::string split_mode = "layer";               // or "tensor": every layer cut over the devices
+    std::vector<double> tensor_split;               // shares per device (tensor; default equal)
     std::string dump_logits;  // hidden: last logits of every test's last repetition (tests)
     uint64_t seed = 1234;
 };
@@ -79,6 +82,9 @@ void print_usage(FILE* f) {
             "                           as cpu:0[threads=1],cpu:1[threads=1,mem=512MiB] (layers split over them;\n"
             "                           -t sets the threads of a CPU device that does not say)\n"
             "  --layer-split N,N,...    layers per device of -dev (default: even)\n"
+            "  -sm, --split-mode M      layer (default) or tensor: every layer cut over the devices of -dev,\n"
+            "                           which all work on every token (tensor parallelism)\n"
+            "  -ts, --tensor-split N,.. shares of the devices for -sm tensor (default equal)\n"
             "  --n-copies N             with several devices: copies of the tensors that cross them, one per\n"
             "                           micro-batch in flight (pipeline parallelism; default 4, 1 = off)\n"
             "  -ub, --ubatch-size N     tokens per micro-batch of prompt processing (default 512)\n"
@@ -224,6 +230,18 @@ Options parse_args(int argc, char** argv) {
         } else if (a == "--layer-split") {
             o.layer_split.clear();
             for (const std::string& n : split(value(), ',')) o.layer_split.push_back((int)parse_int(a, n, 0));
+        } else if (a == "-sm" || a == "--split-mode") {
+            o.split_mode = value();
+            if (o.split_mode != "layer" && o.split_mode != "tensor")
+                throw UsageError(a + ": unknown split mode '" + o.split_mode + "' (use layer or tensor)");
+        } else if (a == "-ts" || a == "--tensor-split") {
+            o.tensor_split.clear();
+            for (const std::string& n : split(value(), ',')) {
+                char* end = nullptr;
+                const double v = std::strtod(n.c_str(), &end);
+                if (n.empty() || *end || !(v >= 0)) throw UsageError(a + ": '" + n + "' is not a share >= 0");
+                o.tensor_split.push_back(v);
+            }
         } else if (a == "--n-copies") {
             int_list(a, "nc", value(), o.n_copies, 1);
         } else if (a == "-ub" || a == "--ubatch-size") {
@@ -264,6 +282,15 @@ Options parse_args(int argc, char** argv) {
     if (!o.layer_split.empty() && o.layer_split.size() != o.devices.size())
         throw UsageError("--layer-split: " + std::to_string(o.layer_split.size()) + " counts for " +
                          std::to_string(o.devices.size()) + " devices");
+    if (o.split_mode == "tensor") {
+        if (!o.layer_split.empty()) throw UsageError("--layer-split and -sm tensor exclude each other");
+        if (o.tensor_split.empty()) o.tensor_split.assign(o.devices.size(), 1.0);
+        if (o.tensor_split.size() != o.devices.size())
+            throw UsageError("-ts: " + std::to_string(o.tensor_split.size()) + " shares for " +
+                             std::to_string(o.devices.size()) + " devices");
+    } else if (!o.tensor_split.empty()) {
+        throw UsageError("-ts needs -sm tensor");
+    }
     if (o.threads.empty()) o.threads.push_back(default_threads());
     for (const std::string& m : o.models) {
         struct stat st;
@@ -717,7 +744,16 @@ int run(const Options& o) {
                 if (spec.kind == "cpu" && spec.threads == 0) spec.threads = (int)threads;
                 devices += (devices.empty() ? "" : "+") + spec.name();
             }
-            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split);
+            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split, true, {}, o.tensor_split);
+            if (o.split_mode == "tensor") {
+                std::string ts;
+                for (double s : o.tensor_split) {
+                    char b[32];
+                    snprintf(b, sizeof b, "%g", s);
+                    ts += (ts.empty() ? "" : ":") + std::string(b);
+                }
+                devices += " (tensor " + ts + ")";
+            }
             const ModelInfo info = describe(model->file());
             const std::string backend = backend_label(*model);
             const int64_t n_vocab = model->hp().n_vocab;

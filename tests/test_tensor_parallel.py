@@ -105,9 +105,12 @@ def test_the_shards_cover_every_layer_once():
     # uneven: 3 KV heads of smollm2 over 2 devices go 2 + 1 (whole heads with their queries)
     s = _tp(str(get_model("smollm2-135m")), [1, 1]).shards
     assert [x["layers"][0]["kv_heads"] for x in s] == [2, 1] and [x["layers"][0]["q_heads"] for x in s] == [6, 3]
-    # a 3:1 share of the FFN rows, in whole blocks of the down projection
+    # the FFN rows, in whole blocks of the down projection (32 for Q4_1), even out the heads: the
+    # device with 2 of the 3 KV heads gets fewer FFN rows at 1:1, and about 3:1 of the bytes at 3:1
+    rows = [x["layers"][0]["ffn_rows"] for x in s]
+    assert sum(rows) == 1536 and all(r % 32 == 0 for r in rows) and rows[0] < rows[1]
     rows = [x["layers"][0]["ffn_rows"] for x in _tp(str(get_model("smollm2-135m")), [3, 1]).shards]
-    assert rows == [1152, 384]
+    assert sum(rows) == 1536 and all(r % 32 == 0 for r in rows) and rows[0] > 2.5 * rows[1]
 
 
 def test_projection_equals_allocation_and_budgets_hold():
@@ -140,3 +143,49 @@ def test_bad_tensor_splits_are_refused():
         stowlm.Model(path, devices=_devs(2), split_mode="rows")
     with pytest.raises(ValueError, match="needs split_mode='tensor'"):
         stowlm.Model(path, devices=_devs(2), tensor_split=[1, 1])
+
+
+def test_fit_picks_shares_from_free_memory_and_they_load(tmp_path):
+    from stowlm import fit
+
+    path = str(get_model("qwen3moe-tiny"))
+    p = fit.fit(path, "cpu:0[mem=40MiB],cpu:1[mem=80MiB]", split_mode="tensor", max_ctx=2048)
+    shares = [d.shard["share"] for d in p.devices]
+    assert p.split_mode == "tensor" and shares[1] > shares[0] > 0 and abs(sum(shares) - 1) < 1e-9
+    assert "tensor split" in p.table() and "experts" in p.table()
+    p.save(tmp_path / "p.json")
+    model = stowlm.Model(path, placement=str(tmp_path / "p.json"))
+    ctx = stowlm.Context(model)
+    for d, r in zip(p.used_devices, ctx.memory_report()):
+        assert r["allocated"] == d.projected["total"] <= d.free - d.margin
+    # what it cannot split (the whole embedding on the first device, the gathered logits on the
+    # last) may force the roomiest device first
+    p = fit.fit(path, "cpu:0[mem=24MiB],cpu:1[mem=64MiB]", split_mode="tensor", max_ctx=4096)
+    assert [d.name for d in p.used_devices][0] == "cpu:1" and "reordered" in p.explain()
+    with pytest.raises(fit.FitError, match="cpu:0 is short"):
+        fit.fit(path, "cpu:0[mem=8MiB],cpu:1[mem=8MiB]", split_mode="tensor")
+    # shares the user gives are kept
+    p = fit.fit(path, "cpu:0,cpu:1", split_mode="tensor", tensor_split=[3, 1], n_ctx=1024)
+    assert [round(d.shard["share"], 3) for d in p.devices] == [0.75, 0.25] and p.n_ctx == 1024
+
+
+def test_llm_and_cli_take_a_tensor_split():
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    path = str(get_model("smollm2-135m"))
+    with stowlm.LLM(path, devices=_devs(2), split_mode="tensor", progress=False, n_ctx=512) as llm:
+        assert llm.model.split_mode == "tensor"
+        text = llm.generate("The capital of France is", max_tokens=8, temperature=0).text
+    with stowlm.LLM(path, progress=False, n_ctx=512) as one:
+        assert one.generate("The capital of France is", max_tokens=8, temperature=0).text == text
+    out = subprocess.run([sys.executable, "-m", "stowlm", "run", path, "-p", "The capital of France is", "-n", "8",
+                          "--temp", "0", "-q", "--devices", "cpu:0[threads=1],cpu:1[threads=1]", "-sm", "tensor",
+                          "-ts", "3,1"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("The capital of France is")
+    bad = subprocess.run([sys.executable, "-m", "stowlm", "run", path, "-p", "x", "-ts", "1,1"],
+                         capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert bad.returncode != 0 and "-sm tensor" in bad.stderr

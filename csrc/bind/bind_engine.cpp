@@ -100,6 +100,26 @@ struct BoundProjector {
 
 }  // namespace
 
+// Per shard: device and, per layer, its query heads, KV heads, FFN rows, experts and
+// shared-expert rows; the LM head rows.
+nb::list shards_py(const Model& m) {
+    nb::list out;
+    for (int sh = 0; sh < m.n_shards(); sh++) {
+        nb::list layers;
+        for (int il = 0; il < m.hp().n_layer; il++) {
+            const ShardGeometry& g = m.shard_geometry(sh, il);
+            layers.append(nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff));
+        }
+        const Tensor* head = m.shard_output(sh);
+        nb::dict d;
+        d["device"] = m.shard_device(sh, 0);
+        d["layers"] = layers;
+        d["vocab"] = head ? head->ne[1] : 0;
+        out.append(d);
+    }
+    return out;
+}
+
 STOWLM_BIND(engine) {
     nb::module_ e = stowlm::bind::submodule(m, "engine");
 
@@ -118,26 +138,7 @@ STOWLM_BIND(engine) {
              },
              nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"),
              nb::arg("tensor_split") = std::vector<double>())
-        .def_prop_ro("shards",
-                     [](const BoundModel& s) {
-                         // per shard: device and, per layer, its query heads, KV heads, FFN rows,
-                         // experts and shared-expert rows
-                         nb::list out;
-                         for (int sh = 0; sh < s.m->n_shards(); sh++) {
-                             nb::list layers;
-                             for (int il = 0; il < s.m->hp().n_layer; il++) {
-                                 const ShardGeometry& g = s.m->shard_geometry(sh, il);
-                                 layers.append(nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff));
-                             }
-                             const Tensor* head = s.m->shard_output(sh);
-                             nb::dict d;
-                             d["device"] = s.m->shard_device(sh, 0);
-                             d["layers"] = layers;
-                             d["vocab"] = head ? head->ne[1] : 0;
-                             out.append(d);
-                         }
-                         return out;
-                     })
+        .def_prop_ro("shards", [](const BoundModel& s) { return shards_py(*s.m); })
         .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
         .def_prop_ro("n_layer", [](const BoundModel& s) { return s.m->hp().n_layer; })
         .def_prop_ro("n_vocab", [](const BoundModel& s) { return s.m->hp().n_vocab; })
@@ -277,6 +278,12 @@ STOWLM_BIND(engine) {
                  return kv_bytes_per_layer(context_kv_layout(*s.shape, params(n_ctx, 1, kv_type, 0, 1)));
              },
              nb::arg("n_ctx"), nb::arg("kv_type"))
+        .def("shards",
+             [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<double>& tensor_split) {
+                 auto model = Model::load(s.file, to_specs(devices), {}, false, {}, tensor_split);
+                 return shards_py(*model);
+             },
+             nb::arg("devices"), nb::arg("tensor_split"))
         .def("project",
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,

@@ -1,5 +1,7 @@
 #include "graph/graph.h"
 
+#include <thread>
+
 #include "error.h"
 
 namespace stowlm {
@@ -344,6 +346,7 @@ std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, con
                      p, "parts must be contiguous F32 of the reduced shape");
     Collective* c = g.new_collective();
     c->parts = parts;
+    c->shards.resize(parts.size());
     for (size_t s = 0; s < parts.size(); s++) {
         Tensor* t = g.new_tensor("all_reduce", QType::F32, ne0, ne1);
         t->op = Op::ALL_REDUCE;
@@ -370,12 +373,18 @@ void Collective::wait_all() {
         cv_.notify_all();
         return;
     }
-    for (int i = 0; i < 1 << 14; i++) {
+    // a short spin, then give the core away between looks (the other device's thread may need
+    // it when the machine has more threads than cores), then sleep
+    for (int i = 0; i < (1 << 11) + 64; i++) {
         if (generation_.load(std::memory_order_acquire) != gen) return;
         if (aborted_.load(std::memory_order_relaxed)) break;
+        if (i < 1 << 11) {
 #if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
+            __builtin_ia32_pause();
 #endif
+        } else {
+            std::this_thread::yield();
+        }
     }
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != gen || aborted_.load(); });

@@ -50,6 +50,11 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
     g.add_argument("--kv-type", default=None, choices=["f16", "q8_0"], help="KV cache type (default f16)")
     g.add_argument("--layer-split", default=None, metavar="N,N,...",
                    help="layers per device, in the order of --devices")
+    g.add_argument("-sm", "--split-mode", default=None, choices=["layer", "tensor"],
+                   help="layer: contiguous layer ranges per device (default); tensor: every layer cut over the "
+                        "devices, which all work on every token (tensor parallelism)")
+    g.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
+                   help="with -sm tensor: the devices' shares (default: from their free memory)")
     g.add_argument("-ot", "--override-tensor", action="append", default=None, metavar="REGEX=DEVICE",
                    help="put the weights whose names match REGEX on DEVICE (repeatable; first match wins)")
     g.add_argument("--cpu-moe", action="store_true", help="keep every expert tensor on the CPU")
@@ -77,9 +82,17 @@ def _placement_kwargs(a: argparse.Namespace) -> dict:
             split = [int(x) for x in a.layer_split.split(",")]
         except ValueError:
             raise ValueError(f"--layer-split {a.layer_split!r} is not a list of integers") from None
+    shares = None
+    if a.tensor_split:
+        try:
+            shares = [float(x) for x in a.tensor_split.split(",")]
+        except ValueError:
+            raise ValueError(f"--tensor-split {a.tensor_split!r} is not a list of numbers") from None
+        if a.split_mode != "tensor":
+            raise ValueError("--tensor-split needs -sm tensor")
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
-                n_copies=a.n_copies, margin=_margins_mib(a.fit_margin))
+                n_copies=a.n_copies, margin=_margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares)
 
 
 def _margins_mib(text: Optional[str]):

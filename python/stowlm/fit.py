@@ -820,12 +820,14 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         n_ubatch: Optional[int] = None, n_outputs: Optional[int] = None, kv_type: Optional[str] = None,
         n_copies: Optional[int] = None, n_seq: int = 1, layer_split: Optional[Sequence[int]] = None, tensor_overrides: Optional[Sequence[str]] = None,
         cpu_moe: bool = False, n_cpu_moe: Optional[int] = None, margin=None, max_ctx: int = DEFAULT_MAX_CTX,
-        fit_ctx: int = DEFAULT_FIT_CTX, placement: Optional[Union[Placement, str, os.PathLike]] = None) -> Placement:
+        fit_ctx: int = DEFAULT_FIT_CTX, placement: Optional[Union[Placement, str, os.PathLike]] = None,
+        split_mode: Optional[str] = "layer", tensor_split: Optional[Sequence[float]] = None) -> Placement:
     """Decide a placement of the GGUF file `model` on `devices` (a list or "cpu:0[...],cuda:0";
     "auto": every CUDA device and the CPU). Every argument given is kept as is; FitError (a
     MemoryError) says which device is short, by how much, and the largest context that fits.
     `placement` starts from a saved placement: all of its values count as set, so fitting a
-    fitted placement gives it back. Allocates nothing."""
+    fitted placement gives it back. split_mode="tensor": every layer cut over the devices
+    (stowlm.tensor_split decides the shares unless tensor_split gives them). Allocates nothing."""
     path = os.fspath(model)
     if not os.path.exists(path):
         raise ValueError(f"model file {path!r} does not exist")
@@ -841,9 +843,25 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         set_by["cpu_moe"] = "set by the user (--cpu-moe)"
     if n_cpu_moe is not None:
         set_by["n_cpu_moe"] = f"set by the user (--n-cpu-moe {n_cpu_moe})"
+    split_mode = split_mode or "layer"
+    if split_mode not in ("layer", "tensor"):
+        raise ValueError(f"split_mode must be 'layer' or 'tensor', got {split_mode!r}")
+    if tensor_split is not None and split_mode != "tensor":
+        raise ValueError("tensor_split needs split_mode='tensor'")
     if placement is not None:
         if not isinstance(placement, Placement):
             placement = Placement.load(placement)
+        if placement.split_mode == "tensor":
+            split_mode, tensor_split = "tensor", placement.tensor_split
+            devices = [d.spec for d in placement.used_devices]
+            placement_margins = [d.margin for d in placement.used_devices]
+            n_ctx, n_ubatch, n_outputs, kv_type = placement.n_ctx, placement.n_ubatch, placement.n_outputs, \
+                placement.kv_type
+            n_seq = placement.n_seq
+            if margin is None:
+                margin = placement_margins
+            set_by = {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "margin")}
+            placement = None
         conflict = [k for k in ("n_ctx", "n_copies", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe")
                     if k in set_by]
         if conflict or devices is not None:
@@ -882,6 +900,21 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         n_seq = placement.n_seq
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise ValueError(f"n_seq must be a positive integer, got {n_seq!r}")
+    if split_mode == "tensor":
+        from .engine import _tensor_split
+        from .tensor_split import fit_tensor
+
+        if cpu_moe or n_cpu_moe is not None:
+            raise ValueError("--cpu-moe / --n-cpu-moe place experts by layers: not with a tensor split")
+        shares = None if tensor_split is None else _tensor_split("tensor", tensor_split, len(specs), layer_split,
+                                                                 None, tensor_overrides)
+        if shares is None:
+            _tensor_split("tensor", None, len(specs), layer_split, None, tensor_overrides)
+        return fit_tensor(path, devs, host_free, host_margin, shares=shares,
+                          n_ctx=None if n_ctx is None else slot_context(n_ctx, n_seq), n_ubatch=n_ubatch,
+                          n_outputs=n_outputs, kv_type=kv_type, n_seq=n_seq, max_ctx=int(max_ctx),
+                          fit_ctx=int(fit_ctx), set_by=set_by, fingerprint=fingerprint(path),
+                          ctx_step=CTX_STEP * n_seq)
     fitter = _Fitter(path, devs, host_free, host_margin, n_ctx=None if n_ctx is None else slot_context(n_ctx, n_seq),
                      n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, n_copies=n_copies, n_seq=n_seq,
                      layer_split=layer_split,

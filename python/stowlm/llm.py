@@ -61,6 +61,8 @@ class LLM:
     placement: a Placement (or its JSON file) from fit, loaded exactly as it says.
     n_copies: with the layers on several devices, copies of the tensors that cross devices, one per
         micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
+    split_mode="tensor" (tensor_split: shares per device): every layer cut over the devices, which
+        all work on every token (tensor parallelism; fit picks the shares from free memory).
     n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()
         may then be called from several threads, and generate_batch() runs many prompts together;
         each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells;
@@ -73,7 +75,8 @@ class LLM:
                  chat_template: Optional[str] = None, progress: bool = True,
                  tensor_overrides: Optional[Sequence[str]] = None, fit: Optional[bool] = None, placement=None,
                  fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
-                 n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1):
+                 n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1,
+                 split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
@@ -83,7 +86,8 @@ class LLM:
         if placement is not None:
             given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                     ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
-                                    ("n_cpu_moe", n_cpu_moe), ("n_copies", n_copies)) if v is not None] + \
+                                    ("n_cpu_moe", n_cpu_moe), ("n_copies", n_copies), ("split_mode", split_mode),
+                                    ("tensor_split", tensor_split)) if v is not None] + \
                 (["cpu_moe"] if cpu_moe else [])
             if given:
                 raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
@@ -93,7 +97,7 @@ class LLM:
             self.placement = fitting.fit(self.path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
                                          layer_split=layer_split, tensor_overrides=tensor_overrides,
                                          cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
-                                         n_seq=n_seq,
+                                         n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
                                          **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
             if progress:
                 print(f"[{self.placement.summary()}]", file=sys.stderr)
@@ -102,7 +106,7 @@ class LLM:
             self.placement = self.model.placement
         else:
             self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides,
-                               n_copies=n_copies)
+                               n_copies=n_copies, split_mode=split_mode or "layer", tensor_split=tensor_split)
         with GGUFFile(self.path) as f:
             meta = f.metadata
             self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}

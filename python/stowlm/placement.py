@@ -31,6 +31,9 @@ class DevicePlacement:
     projected: Dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROJECTED_KEYS, 0))
     allocated: Optional[int] = None          # filled by a verified load (stowlm fit --verify)
     note: str = ""                           # why it is left out, when it is
+    # tensor split: {"share": fraction, kind: (this device's, the model's)} for q_heads,
+    # kv_heads, ffn_rows, experts, shexp_rows (summed over layers) and vocab
+    shard: Optional[Dict[str, object]] = None
 
     @property
     def name(self) -> str:
@@ -57,6 +60,8 @@ class DevicePlacement:
             d["allocated"] = self.allocated
         if self.note:
             d["note"] = self.note
+        if self.shard is not None:
+            d["shard"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.shard.items()}
         return d
 
 
@@ -140,8 +145,8 @@ class Placement:
         for key in ("arch", "fingerprint"):
             r.str(model.get(key), f"model.{key}")
         r.int(model.get("n_layer"), "model.n_layer", 1)
-        if data.get("split_mode", "layer") != "layer":
-            raise ValueError(f"{source}: split_mode {data.get('split_mode')!r} is not supported (layer)")
+        if data.get("split_mode", "layer") not in ("layer", "tensor"):
+            raise ValueError(f"{source}: split_mode {data.get('split_mode')!r} is not 'layer' or 'tensor'")
         devices = []
         items = r.list(data.get("devices"), "devices")
         if not items:
@@ -175,13 +180,15 @@ class Placement:
                 free=r.int(dd.get("free", 0), f"{where}.free", 0),
                 margin=r.int(dd.get("margin", 0), f"{where}.margin", 0), projected=proj,
                 allocated=None if dd.get("allocated") is None else r.int(dd["allocated"], f"{where}.allocated", 0),
-                note=r.str(dd.get("note", ""), f"{where}.note", allow_empty=True)))
+                note=r.str(dd.get("note", ""), f"{where}.note", allow_empty=True),
+                shard=_shard(dd.get("shard"), where)))
         names = [d.name for d in devices]
         for n in names:
             if names.count(n) > 1:
                 raise ValueError(f"{source}: device {n} appears more than once")
         # Layer ranges must follow each other from 0 to n_layer - 1 in device order.
-        pos = 0
+        split_mode = r.str(data.get("split_mode", "layer"), "split_mode")
+        pos = 0 if split_mode == "layer" else model["n_layer"]
         for i, d in enumerate(devices):
             if d.layers is None:
                 continue
@@ -203,7 +210,6 @@ class Placement:
         if host is not None:
             r.dict(host, "host")
             host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
-        split_mode = r.str(data.get("split_mode", "layer"), "split_mode")
         if split_mode not in ("layer", "tensor"):
             raise ValueError(f"placement: split_mode must be 'layer' or 'tensor', got {split_mode!r}")
         tensor_split = data.get("tensor_split")
@@ -226,6 +232,8 @@ class Placement:
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:
+        if self.split_mode == "tensor":
+            return self._tensor_table()
         head = ["device", "layers", "expert layers", "weights", "KV", "compute", "copies", "total", "free after",
                 "margin"]
         rows = []
@@ -251,9 +259,46 @@ class Placement:
         lines.append(self.summary())
         return "\n".join(lines)
 
+    def _tensor_table(self) -> str:
+        """Each device's share of every kind of tensor and of the KV cache, and its bytes."""
+        head = ["device", "share", "heads", "KV heads", "FFN rows", "experts", "vocab", "weights", "KV", "compute",
+                "total", "free after", "margin"]
+        kv_all = sum(d.projected["kv"] for d in self.devices) or 1
+        rows = []
+
+        def pct(part):
+            mine, whole = part
+            return f"{mine / whole:.0%}" if whole else "-"
+
+        for d in self.devices:
+            if d.shard is None:
+                rows.append([d.name, "left out"] + ["-"] * 9 + [format_size(d.free), format_size(d.margin)])
+                continue
+            s, p = d.shard, d.projected
+            row = [d.name, f"{s['share']:.1%}", pct(s["q_heads"]), f"{p['kv'] / kv_all:.0%}" if s["kv_heads"][1] else "-",
+                   pct(s["ffn_rows"]), pct(s["experts"]), pct(s["vocab"])] + \
+                  [format_size(p[k]) for k in ("weights", "kv", "compute", "total")] + \
+                  [format_size(d.free - p["total"]), format_size(d.margin)]
+            if d.allocated is not None:
+                row.append("allocated " + format_size(d.allocated) + (" (= projected)" if d.allocated == p["total"]
+                                                                      else " (projected " + format_size(p["total"]) + ")"))
+            rows.append(row)
+        width = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+        lines = ["  ".join(str(c).ljust(width[i]) if i < 1 else str(c).rjust(width[i])
+                           for i, c in enumerate(r[:len(head)])) + ("  " + r[len(head)] if len(r) > len(head) else "")
+                 for r in [head] + rows]
+        lines.append(self.summary())
+        return "\n".join(lines)
+
     def summary(self) -> str:
         from .split import describe_layers
 
+        if self.split_mode == "tensor":
+            used = [d for d in self.devices if d.shard is not None]
+            total = sum(d.projected["total"] for d in used)
+            return (f"fit: n_ctx {self.n_ctx}, tensor split " +
+                    ":".join(f"{d.shard['share']:.0%}" for d in used) + " over " + ", ".join(d.name for d in used) +
+                    f"; {format_size(total)} in all")
         parts = []
         for d in self.used_devices:
             what = f"layers {d.layers[0]}-{d.layers[1]}" if d.layers else "no layers"
@@ -334,3 +379,18 @@ class _Reader:
         if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
             raise self._bad(what, "an integer" + (f" >= {minimum}" if minimum is not None else ""), v)
         return v
+
+
+def _shard(data, where: str) -> Optional[Dict[str, object]]:
+    if data is None:
+        return None
+    if not isinstance(data, dict) or not isinstance(data.get("share"), (int, float)):
+        raise ValueError(f"{where}.shard must be an object with a share")
+    out: Dict[str, object] = {"share": float(data["share"])}
+    for k, v in data.items():
+        if k == "share":
+            continue
+        if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)):
+            raise ValueError(f"{where}.shard.{k} must be [this device's, the model's]")
+        out[k] = (v[0], v[1])
+    return out
