@@ -100,7 +100,7 @@ def test_the_shards_cover_every_layer_once():
         assert [s["device"] for s in shards] == [d for d, s in enumerate(shares) if s > 0]
         assert sum(s["vocab"] for s in shards) == whole["vocab"]
         for il, layer in enumerate(whole["layers"]):
-            for key in ("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows"):
+            for key in ("q_heads", "kv_heads", "ffn_rows", "expert_rows", "shexp_rows"):
                 assert sum(s["layers"][il][key] for s in shards) == layer[key], (shares, il, key)
     # uneven: 3 KV heads of smollm2 over 2 devices go 2 + 1 (whole heads with their queries)
     s = _tp(str(get_model("smollm2-135m")), [1, 1]).shards

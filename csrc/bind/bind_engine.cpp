@@ -108,7 +108,7 @@ nb::list shards_py(const Model& m) {
         nb::list layers;
         for (int il = 0; il < m.hp().n_layer; il++) {
             const ShardGeometry& g = m.shard_geometry(sh, il);
-            layers.append(nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff));
+            layers.append(nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff, g.experts * g.expert_ff));
         }
         const Tensor* head = m.shard_output(sh);
         nb::dict d;

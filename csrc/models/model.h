@@ -72,13 +72,16 @@ struct LayerWeights {
 
 // Tensor parallelism: the part of one layer a shard (one device) computes. Attention goes by
 // whole KV heads with their query heads (MLA: by query heads, each shard keeping the one
-// compressed KV row), dense FFNs and shared experts by rows of gate/up and the matching columns
-// of down, routed experts by whole experts. Without tensor parallelism a layer is one shard.
+// compressed KV row), dense FFNs, shared experts and routed experts by rows of gate/up and the
+// matching columns of down (every expert cut alike, so a generated token's picked experts load
+// every shard evenly; whole experts where an expert's rows are too few blocks to cut). Without
+// tensor parallelism a layer is one shard.
 struct ShardGeometry {
     int64_t q_head0 = 0, q_heads = 0;    // query heads [q_head0, q_head0 + q_heads)
     int64_t kv_head0 = 0, kv_heads = 0;  // KV heads (and KV cache) of this shard
     int64_t ff0 = 0, ff = 0;             // dense FFN rows
     int64_t expert0 = 0, experts = 0;    // routed experts [expert0, expert0 + experts)
+    int64_t expert_ff0 = 0, expert_ff = 0; // and the rows of each of them (all of them: whole experts)
     int64_t shexp_ff0 = 0, shexp_ff = 0; // shared expert rows
 };
 
@@ -223,6 +226,7 @@ private:
         Tensor* t;
         const Tensor* src;
         int64_t col0, cols;
+        bool rows = false;  // rows [col0, col0 + cols) of each matrix of a stack instead of columns
     };
     std::vector<ColumnSlice> column_slices_;
 };

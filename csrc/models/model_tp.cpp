@@ -68,6 +68,7 @@ const ShardGeometry& Model::shard_geometry(int s, int il) const {
     whole.kv_heads = hp_.kv_lora_rank > 0 ? 1 : hp_.n_head_kv;
     whole.ff = w.ffn_gate ? w.ffn_gate->ne[1] : 0;
     whole.experts = w.ffn_gate_exps ? hp_.n_expert : 0;
+    whole.expert_ff = w.ffn_gate_exps ? w.ffn_gate_exps->ne[1] : 0;
     whole.shexp_ff = w.ffn_gate_shexp ? w.ffn_gate_shexp->ne[1] : 0;
     return whole;
 }
@@ -122,6 +123,16 @@ void Model::build_shards(const std::vector<double>& shares_all) {
         column_slices_.push_back({t, full, c0, n});
         return t;
     };
+    // Rows [r0, r0 + n) of each matrix of a stack (an expert's rows): copied at load.
+    auto stack_rows = [&](const Tensor* full, int s, int64_t r0, int64_t n) -> Tensor* {
+        if (!full || n == 0) return nullptr;
+        Tensor* t = make(full, s, "rows");
+        t->ne[1] = n;
+        t->data = nullptr;
+        set_contiguous_strides(*t);
+        column_slices_.push_back({t, full, r0, n, true});
+        return t;
+    };
 
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerWeights& L = layers_[il];
@@ -163,7 +174,14 @@ void Model::build_shards(const std::vector<double>& shares_all) {
             if (!(sum > 0)) ffn_want = shares;
         }
         const auto ffr = ranges(n_ff, block_elems(L.ffn_down), ffn_want);
-        const auto exr = ranges(L.ffn_gate_exps ? hp.n_expert : 0, 1, shares);
+        // Routed experts: every expert's rows cut alike when they make enough blocks of the down
+        // projection (a token's picked experts then load every shard evenly); else whole experts.
+        const int64_t n_ffe = L.ffn_gate_exps ? L.ffn_gate_exps->ne[1] : 0;
+        const bool cut_experts = n_ffe > 0 && n_ffe / block_elems(L.ffn_down_exps) >= S;
+        const auto exr = ranges(L.ffn_gate_exps && !cut_experts ? hp.n_expert : 0, 1, shares);
+        const auto efr = ranges(cut_experts ? n_ffe : 0, block_elems(L.ffn_down_exps), shares);
+        int bias_shard = 0;  // the shard that adds a picked expert's down bias (once)
+        while (bias_shard < S - 1 && cut_experts && efr[bias_shard].second == 0) bias_shard++;
         const int64_t n_sh = L.ffn_gate_shexp ? L.ffn_gate_shexp->ne[1] : 0;
         const auto shr = ranges(n_sh, block_elems(L.ffn_down_shexp), shares);
 
@@ -172,7 +190,13 @@ void Model::build_shards(const std::vector<double>& shares_all) {
             g.q_head0 = qr[s].first, g.q_heads = qr[s].second;
             g.kv_head0 = kvr[s].first, g.kv_heads = kvr[s].second;
             g.ff0 = ffr[s].first, g.ff = ffr[s].second;
-            g.expert0 = exr[s].first, g.experts = exr[s].second;
+            if (cut_experts) {
+                g.expert0 = 0, g.experts = efr[s].second ? hp.n_expert : 0;
+                g.expert_ff0 = efr[s].first, g.expert_ff = efr[s].second;
+            } else {
+                g.expert0 = exr[s].first, g.experts = exr[s].second;
+                g.expert_ff0 = 0, g.expert_ff = g.experts ? n_ffe : 0;
+            }
             g.shexp_ff0 = shr[s].first, g.shexp_ff = shr[s].second;
             LayerWeights& w = shard_layers_[s][il];
             const bool attn = g.q_heads > 0;
@@ -217,12 +241,22 @@ void Model::build_shards(const std::vector<double>& shares_all) {
                 w.ffn_gate_inp_b = repeat(L.ffn_gate_inp_b, s);
                 w.ffn_exp_probs_b = repeat(L.ffn_exp_probs_b, s);
             }
-            w.ffn_gate_exps = slice(L.ffn_gate_exps, s, 2, g.expert0, g.experts);
-            w.ffn_up_exps = slice(L.ffn_up_exps, s, 2, g.expert0, g.experts);
-            w.ffn_down_exps = slice(L.ffn_down_exps, s, 2, g.expert0, g.experts);
-            w.ffn_gate_exps_b = slice(L.ffn_gate_exps_b, s, 1, g.expert0, g.experts);
-            w.ffn_up_exps_b = slice(L.ffn_up_exps_b, s, 1, g.expert0, g.experts);
-            w.ffn_down_exps_b = slice(L.ffn_down_exps_b, s, 1, g.expert0, g.experts);
+            if (cut_experts) {
+                w.ffn_gate_exps = stack_rows(L.ffn_gate_exps, s, g.expert_ff0, g.expert_ff);
+                w.ffn_up_exps = stack_rows(L.ffn_up_exps, s, g.expert_ff0, g.expert_ff);
+                w.ffn_down_exps = columns(L.ffn_down_exps, s, g.expert_ff0, g.expert_ff);
+                w.ffn_gate_exps_b = columns(L.ffn_gate_exps_b, s, g.expert_ff0, g.expert_ff);
+                w.ffn_up_exps_b = columns(L.ffn_up_exps_b, s, g.expert_ff0, g.expert_ff);
+                // the down bias of a picked expert goes in once: with the first shard's part
+                w.ffn_down_exps_b = s == bias_shard ? repeat(L.ffn_down_exps_b, s) : nullptr;
+            } else {
+                w.ffn_gate_exps = slice(L.ffn_gate_exps, s, 2, g.expert0, g.experts);
+                w.ffn_up_exps = slice(L.ffn_up_exps, s, 2, g.expert0, g.experts);
+                w.ffn_down_exps = slice(L.ffn_down_exps, s, 2, g.expert0, g.experts);
+                w.ffn_gate_exps_b = slice(L.ffn_gate_exps_b, s, 1, g.expert0, g.experts);
+                w.ffn_up_exps_b = slice(L.ffn_up_exps_b, s, 1, g.expert0, g.experts);
+                w.ffn_down_exps_b = slice(L.ffn_down_exps_b, s, 1, g.expert0, g.experts);
+            }
             // shared expert, cut like a dense FFN
             if (g.shexp_ff > 0) w.ffn_gate_inp_shexp = repeat(L.ffn_gate_inp_shexp, s);
             w.ffn_gate_shexp = slice(L.ffn_gate_shexp, s, 1, g.shexp_ff0, g.shexp_ff);
@@ -268,7 +302,14 @@ void Model::place_shard_weights(bool count_weights) {
     if (!count_weights) return;
 
     std::vector<uint8_t> staging;
-    auto gather = [&](const ColumnSlice& c) {  // the columns of every row, contiguous
+    auto gather = [&](const ColumnSlice& c) {  // the columns of every row (or the rows of every matrix), contiguous
+        if (c.rows) {
+            const size_t rb = c.src->nb[1], per = rb * (size_t)c.cols;
+            staging.resize(per * (size_t)c.src->ne[2]);
+            for (int64_t m = 0; m < c.src->ne[2]; m++)
+                std::memcpy(staging.data() + m * per, (const uint8_t*)c.src->data + m * c.src->nb[2] + c.col0 * rb, per);
+            return staging.data();
+        }
         const size_t rb_full = c.src->nb[1], rb = tensor_row_bytes(c.src->type, c.cols);
         const size_t off = tensor_row_bytes(c.src->type, c.col0);
         staging.resize(rb * (size_t)c.t->n_rows());

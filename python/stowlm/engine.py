@@ -130,10 +130,10 @@ class Model:
     @property
     def shards(self) -> List[dict]:
         """Per shard (tensor parallelism; one shard otherwise): its device index, the vocabulary
-        rows of its LM head, and per layer (query heads, KV heads, FFN rows, experts, shared-expert
-        rows) it computes."""
+        rows of its LM head, and per layer the query heads, KV heads, FFN rows, routed experts it
+        computes part of, shared-expert rows, and expert rows (over all its experts)."""
         return [{"device": d["device"], "vocab": d["vocab"],
-                 "layers": [dict(zip(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows"), l))
+                 "layers": [dict(zip(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows"), l))
                             for l in d["layers"]]} for d in self._m.shards]
 
     arch = property(lambda self: self._m.arch)

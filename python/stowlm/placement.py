@@ -276,7 +276,7 @@ class Placement:
                 continue
             s, p = d.shard, d.projected
             row = [d.name, f"{s['share']:.1%}", pct(s["q_heads"]), f"{p['kv'] / kv_all:.0%}" if s["kv_heads"][1] else "-",
-                   pct(s["ffn_rows"]), pct(s["experts"]), pct(s["vocab"])] + \
+                   pct(s["ffn_rows"]), pct(s.get("expert_rows", s["experts"])), pct(s["vocab"])] + \
                   [format_size(p[k]) for k in ("weights", "kv", "compute", "total")] + \
                   [format_size(d.free - p["total"]), format_size(d.margin)]
             if d.allocated is not None:

@@ -143,7 +143,7 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
     shards = projector.shards(specs, sh)
     whole = projector.shards(specs[:1], [1.0])[0]
     total = {k: sum(l[i] for l in whole["layers"]) for i, k in
-             enumerate(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows"))}
+             enumerate(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows"))}
     total["vocab"] = whole["vocab"]
     by_dev = {s["device"]: s for s in shards}
     devices = []
@@ -156,7 +156,7 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
         else:
             dp.projected = {k: p[k] for k in dp.projected}
             part = {k: sum(l[j] for l in s["layers"]) for j, k in
-                    enumerate(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows"))}
+                    enumerate(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows"))}
             part["vocab"] = s["vocab"]
             dp.shard = {"share": sh[i] / norm, **{k: (part[k], total[k]) for k in part}}
         devices.append(dp)
