@@ -86,6 +86,13 @@ void load_ffn_layer(Model& m, int il, LayerWeights& w) {
     w.post_ffn_norm = m.optional(layer_tensor(il, "post_ffw_norm.weight"));
 }
 
+void load_layer_norm_named_post_attention(Model& m, int il, LayerWeights& w) {
+    load_attention_layer(m, il, w);
+    w.ffn_norm = w.post_attn_norm ? w.post_attn_norm : m.require(layer_tensor(il, "post_attention_norm.weight"));
+    w.post_attn_norm = nullptr;
+    load_ffn_layer(m, il, w);
+}
+
 void load_standard_layer(Model& m, int il, LayerWeights& w) {
     load_attention_layer(m, il, w);
     w.ffn_norm = m.require(layer_tensor(il, "ffn_norm.weight"));

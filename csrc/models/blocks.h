@@ -42,5 +42,8 @@ void load_standard_layer(Model& m, int il, LayerWeights& w);
 void load_attention_layer(Model& m, int il, LayerWeights& w);
 void load_ffn_layer(Model& m, int il, LayerWeights& w);
 void load_moe_layer(Model& m, int il, LayerWeights& w);
+// A layer whose FFN norm is stored as post_attention_norm (gpt-oss, glm4moe): not a norm after
+// the attention, the one in front of the FFN.
+void load_layer_norm_named_post_attention(Model& m, int il, LayerWeights& w);
 
 }  // namespace stowlm

@@ -16,16 +16,8 @@ void glm4moe_hparams(const GGUFFile& f, HParams& hp) {
     hp.rope_neox = true;
 }
 
-void glm4moe_layer(Model& m, int il, LayerWeights& w) {
-    load_attention_layer(m, il, w);
-    // post_attention_norm is the norm in front of the FFN here, not one after attention.
-    w.ffn_norm = w.post_attn_norm ? w.post_attn_norm : m.require(layer_tensor(il, "post_attention_norm.weight"));
-    w.post_attn_norm = nullptr;
-    load_ffn_layer(m, il, w);
-}
-
 }  // namespace
 
-const ArchDef kArchGlm4Moe = {"glm4moe", glm4moe_hparams, glm4moe_layer, build_prenorm_decoder};
+const ArchDef kArchGlm4Moe = {"glm4moe", glm4moe_hparams, load_layer_norm_named_post_attention, build_prenorm_decoder};
 
 }  // namespace stowlm

@@ -24,12 +24,8 @@ void gptoss_hparams(const GGUFFile& f, HParams& hp) {
 }
 
 void gptoss_layer(Model& m, int il, LayerWeights& w) {
-    load_attention_layer(m, il, w);
+    load_layer_norm_named_post_attention(m, il, w);
     w.attn_sinks = m.require(layer_tensor(il, "attn_sinks.weight"));
-    // post_attention_norm is the norm in front of the FFN here, not one after attention.
-    w.ffn_norm = w.post_attn_norm ? w.post_attn_norm : m.require(layer_tensor(il, "post_attention_norm.weight"));
-    w.post_attn_norm = nullptr;
-    load_ffn_layer(m, il, w);
 }
 
 }  // namespace

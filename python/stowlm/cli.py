@@ -76,23 +76,23 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
 
 def _placement_kwargs(a: argparse.Namespace) -> dict:
     devices = a.devices.strip() if a.devices else None
-    split = None
-    if a.layer_split:
-        try:
-            split = [int(x) for x in a.layer_split.split(",")]
-        except ValueError:
-            raise ValueError(f"--layer-split {a.layer_split!r} is not a list of integers") from None
-    shares = None
-    if a.tensor_split:
-        try:
-            shares = [float(x) for x in a.tensor_split.split(",")]
-        except ValueError:
-            raise ValueError(f"--tensor-split {a.tensor_split!r} is not a list of numbers") from None
-        if a.split_mode != "tensor":
-            raise ValueError("--tensor-split needs -sm tensor")
+    split = _number_list(a.layer_split, "--layer-split", int, "integers")
+    shares = _number_list(a.tensor_split, "--tensor-split", float, "numbers")
+    if shares is not None and a.split_mode != "tensor":
+        raise ValueError("--tensor-split needs -sm tensor")
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
                 n_copies=a.n_copies, margin=_margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares)
+
+
+def _number_list(text: Optional[str], flag: str, kind, what: str):
+    """ "3,1" -> [3, 1] (None when not given); ValueError naming the flag."""
+    if not text:
+        return None
+    try:
+        return [kind(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r} is not a list of {what}") from None
 
 
 def _margins_mib(text: Optional[str]):

@@ -77,6 +77,20 @@ class FitError(MemoryError):
         self.largest_ctx = largest_ctx
 
 
+def largest_fitting(steps: Sequence[int], probe) -> Optional[Tuple[int, object]]:
+    """(step, probe(step)) for the largest of the ascending `steps` whose probe is not None (the
+    probe fails above some step and succeeds below it), by bisection; None when none succeeds."""
+    best, a, b = None, 0, len(steps) - 1
+    while a <= b:
+        mid = (a + b) // 2
+        got = probe(steps[mid])
+        if got is not None:
+            best, a = (steps[mid], got), mid + 1
+        else:
+            b = mid - 1
+    return best
+
+
 def default_margin(total: int) -> int:
     """What fit leaves free on a device of `total` bytes unless told otherwise."""
     return min(MARGIN_MAX, total // MARGIN_DIVISOR)
@@ -556,15 +570,7 @@ class _Fitter:
         steps = [c for c in range(lo, hi, self._ctx_step())]  # lo, lo+256, ... below hi
         if steps and steps[0] != lo:
             steps.insert(0, lo)
-        best = None
-        a, b = 0, len(steps) - 1
-        while a <= b:
-            mid = (a + b) // 2
-            lay = self._search(steps[mid], True)
-            if lay is not None:
-                best, a = (steps[mid], lay), mid + 1
-            else:
-                b = mid - 1
+        best = largest_fitting(steps, lambda c: self._search(c, True))
         if best is not None:
             return best[0], best[1], True
         return lo, self._search(lo, False), False
@@ -601,14 +607,7 @@ class _Fitter:
         as set, checked by projecting its layout."""
         steps = list(range(self._ctx_step(), below, self._ctx_step()))
         for _ in range(_ROUNDS):
-            best, a, b = None, 0, len(steps) - 1
-            while a <= b:
-                mid = (a + b) // 2
-                lay = self._search(steps[mid], False)
-                if lay is not None:
-                    best, a = (steps[mid], lay), mid + 1
-                else:
-                    b = mid - 1
+            best = largest_fitting(steps, lambda c: self._search(c, False))
             if best is None or not self._over(self._project(best[1], best[0])):
                 return None if best is None else best[0]
         return None

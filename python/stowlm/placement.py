@@ -248,16 +248,8 @@ class Placement:
                 continue
             row = [d.name, layers, experts] + [format_size(p[k]) for k in PROJECTED_KEYS] + \
                   [format_size(d.free - p["total"]), format_size(d.margin)]
-            if d.allocated is not None:
-                row.append("allocated " + format_size(d.allocated) + (" (= projected)" if d.allocated == p["total"]
-                                                                      else " (projected " + format_size(p["total"]) + ")"))
-            rows.append(row)
-        width = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-        lines = ["  ".join(str(c).ljust(width[i]) if i < 3 else str(c).rjust(width[i])
-                           for i, c in enumerate(r[:len(head)])) + ("  " + r[len(head)] if len(r) > len(head) else "")
-                 for r in [head] + rows]
-        lines.append(self.summary())
-        return "\n".join(lines)
+            rows.append(row + _allocated(d))
+        return _render(head, rows, 3) + "\n" + self.summary()
 
     def _tensor_table(self) -> str:
         """Each device's share of every kind of tensor and of the KV cache, and its bytes."""
@@ -279,16 +271,8 @@ class Placement:
                    pct(s["ffn_rows"]), pct(s.get("expert_rows", s["experts"])), pct(s["vocab"])] + \
                   [format_size(p[k]) for k in ("weights", "kv", "compute", "total")] + \
                   [format_size(d.free - p["total"]), format_size(d.margin)]
-            if d.allocated is not None:
-                row.append("allocated " + format_size(d.allocated) + (" (= projected)" if d.allocated == p["total"]
-                                                                      else " (projected " + format_size(p["total"]) + ")"))
-            rows.append(row)
-        width = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
-        lines = ["  ".join(str(c).ljust(width[i]) if i < 1 else str(c).rjust(width[i])
-                           for i, c in enumerate(r[:len(head)])) + ("  " + r[len(head)] if len(r) > len(head) else "")
-                 for r in [head] + rows]
-        lines.append(self.summary())
-        return "\n".join(lines)
+            rows.append(row + _allocated(d))
+        return _render(head, rows, 1) + "\n" + self.summary()
 
     def summary(self) -> str:
         from .split import describe_layers
@@ -394,3 +378,20 @@ def _shard(data, where: str) -> Optional[Dict[str, object]]:
             raise ValueError(f"{where}.shard.{k} must be [this device's, the model's]")
         out[k] = (v[0], v[1])
     return out
+
+
+def _allocated(d: DevicePlacement) -> List[str]:
+    """The table's last cell after a verified load: what the device allocated against the projection."""
+    if d.allocated is None:
+        return []
+    total = d.projected["total"]
+    return ["allocated " + format_size(d.allocated) + (" (= projected)" if d.allocated == total
+                                                       else " (projected " + format_size(total) + ")")]
+
+
+def _render(head: List[str], rows: List[list], left: int) -> str:
+    """Columns padded to their widest cell, the first `left` left-aligned; a row's extra cell trails."""
+    width = [max(len(str(r[i])) for r in rows + [head]) for i in range(len(head))]
+    return "\n".join("  ".join(str(c).ljust(width[i]) if i < left else str(c).rjust(width[i])
+                               for i, c in enumerate(r[:len(head)])) + ("  " + r[len(head)] if len(r) > len(head) else "")
+                     for r in [head] + rows)

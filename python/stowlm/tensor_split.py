@@ -48,7 +48,7 @@ def fit_tensor(path: str, devs, host_free: int, host_margin: int, **kw):
 def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Optional[Sequence[float]],
                 n_ctx: Optional[int], n_ubatch: int, n_outputs: int, kv_type: str, n_seq: int, max_ctx: int,
                 fit_ctx: int, set_by: Dict[str, str], fingerprint: str, ctx_step: int):
-    from .fit import FitError
+    from .fit import FitError, largest_fitting
 
     projector = _core.engine.Projector(os.fspath(path))
     specs = [d.spec.as_tuple() for d in devs]
@@ -103,18 +103,13 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
         ctx = hi
         sh, proj = settle(hi)
         if sh is None:
-            steps = list(range(lo, hi, ctx_step))
-            best = None
-            a, b = 0, len(steps) - 1
-            while a <= b:
-                mid = (a + b) // 2
-                s2, p2 = settle(steps[mid])
-                if s2 is not None:
-                    best, a = (steps[mid], s2, p2), mid + 1
-                else:
-                    b = mid - 1
+            def probe(c):
+                s2, p2 = settle(c)
+                return None if s2 is None else (s2, p2)
+
+            best = largest_fitting(list(range(lo, hi, ctx_step)), probe)
             if best is not None:
-                ctx, sh, proj = best
+                ctx, (sh, proj) = best
             else:
                 ctx = lo
                 sh, proj = settle(lo)
