@@ -89,15 +89,46 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
     return bytes;
 }
 
+int nib_act_kind(QType t, int64_t cols) {
+    const bool pairs = (cols / QK) % 2 == 0;
+    switch (t) {
+        case QType::Q4_0: case QType::Q4_1: return 1;
+        case QType::Q8_0: case QType::IQ4_NL: case QType::MXFP4: return pairs ? 2 : 0;
+        case QType::Q5_0: return pairs ? 3 : 0;
+        case QType::Q5_1: return pairs ? 4 : 0;
+        default: return 0;
+    }
+}
+
 size_t nib_act_row_bytes(QType t, int64_t cols) {
-    if (t != QType::Q4_0 && t != QType::Q4_1) return 0;
-    return (size_t)((cols / QK + 3) / 4) * sizeof(NibGroup);
+    const int kind = nib_act_kind(t, cols);
+    if (kind == 1) return (size_t)((cols / QK + 3) / 4) * sizeof(NibGroup);
+    return kind ? (size_t)(cols / QK / 2) * sizeof(PairGroup) : 0;
 }
 
 void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride) {
+    const int kind = nib_act_kind(A.type, A.cols);
     const int64_t nb = A.cols / QK, ng = (nb + 3) / 4;
     for (int64_t t = 0; t < A.n_tok; t++) {
         const block_q8_a* a = (const block_q8_a*)((const uint8_t*)A.act + t * A.act_stride);
+        if (kind >= 2) {
+            if (A.n_tok == 1) return;  // one token reads A.act (fused_rows): nothing to share
+            const int off = kind == 2 ? 128 : kind == 3 ? 16 : 0;
+            PairGroup* g = (PairGroup*)((uint8_t*)dst + t * nib_stride);
+            for (int64_t p = 0; p < nb / 2; p++) {
+                PairGroup& G = g[p];
+                memcpy(G.qs, a[2 * p].qs, 32);
+                memcpy(G.qs + 32, a[2 * p + 1].qs, 32);
+                for (int l = 0; l < 16; l++) {
+                    int sum = 0;
+                    for (int k = 0; k < 4; k++) sum += G.qs[4 * l + k];
+                    G.neg[l] = -off * sum;
+                    G.d[l] = a[2 * p + l / 8].d;
+                }
+                for (int l = 0; l < 8; l++) G.s[l] = a[2 * p + l / 4].s;
+            }
+            continue;
+        }
         NibGroup* g = (NibGroup*)((uint8_t*)dst + t * nib_stride);
         for (int64_t gi = 0; gi < ng; gi++) {
             NibGroup& G = g[gi];
@@ -231,16 +262,26 @@ bool matmul_rows_read_nib(Isa isa) {
 namespace {
 
 #ifdef STOWLM_X86
-// The AVX-512 row kernels of Q4_0/Q4_1 read regrouped activations (NibGroup): made once per
-// call, after the quantized ones, and shared by every matrix of the call (same cols, same act).
+// The AVX-512 row kernels of the 32-element formats read regrouped activations (NibGroup,
+// PairGroup): made once per call, after the quantized ones, and shared by every matrix of the
+// call of one kind (same cols, same act); the others read A.act. Q4_0/Q4_1 always get theirs
+// (their kernel without them sums differently); the PairGroup kernels give the same results
+// either way.
 void attach_nib_acts(MatmulArgs* A, int n, Isa isa) {
     if (!matmul_rows_read_nib(isa)) return;
-    size_t stride = 0;
-    for (int i = 0; i < n; i++) stride = std::max(stride, nib_act_row_bytes(A[i].type, A[i].cols));
-    if (!stride) return;
+    int first = 0;
+    while (first < n && nib_act_kind(A[first].type, A[first].cols) != 1) first++;
+    if (first == n) {
+        first = 0;
+        while (first < n && !nib_act_kind(A[first].type, A[first].cols)) first++;
+    }
+    if (first == n) return;
+    const int kind = nib_act_kind(A[first].type, A[first].cols);
+    const size_t stride = nib_act_row_bytes(A[first].type, A[first].cols);
     void* dst = (void*)(((uintptr_t)A[0].act + A[0].act_stride * A[0].n_tok + 63) & ~(uintptr_t)63);
-    build_nib_acts(A[0], dst, stride);
-    for (int i = 0; i < n; i++) A[i].act_nib = dst, A[i].nib_stride = stride;
+    build_nib_acts(A[first], dst, stride);
+    for (int i = 0; i < n; i++)
+        if (nib_act_kind(A[i].type, A[i].cols) == kind) A[i].act_nib = dst, A[i].nib_stride = stride;
 }
 #endif
 

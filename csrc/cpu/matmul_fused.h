@@ -324,6 +324,11 @@ inline __m128i rows_halves4(const B* const* w, int64_t b) {
     return _mm_shuffle_epi8(v, _mm_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, 2, 3, 6, 7, 10, 11, 14, 15));
 }
 
+// The formats whose row kernels read PairGroups when the caller made them (nib_act_kind 2-4;
+// Q4_0 and Q4_1 read NibGroups in their own kernels).
+template <class Z>
+constexpr bool kPairActs = !std::is_same_v<typename Z::B, block_q4_0> && !std::is_same_v<typename Z::B, block_q4_1>;
+
 // 4 rows x TT tokens of the 32-element formats, two blocks per ZMM as fused_q32_x2 (lanes 0-7
 // block b, 8-15 block b+1), the 4 rows' scales packed: D holds d of row i, block b in lanes
 // i and 4 + i, of block b+1 in lanes 8 + i and 12 + i, so one multiply by a token's
@@ -331,7 +336,7 @@ inline __m128i rows_halves4(const B* const* w, int64_t b) {
 // in-lane broadcast; the min terms of all 4 rows are one FMA per token (lanes i and 4 + i).
 // The same float operations per output as fused_q32_x2 and fused_q32_x2_t1 with 4 rows, so
 // the results are theirs bit for bit, for any TT.
-template <class L, int TT>
+template <class L, int TT, bool PRE>
 void fused_q32_x2_r4(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
     static_assert(fp16_scale_first<B>(), "the rows' d read at byte 0 of their blocks");
@@ -340,8 +345,12 @@ void fused_q32_x2_r4(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int i = 0; i < 4; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
     const size_t pf = 4 * A.w_stride;
     const block_q8_a* a[TT];
+    const PairGroup* g[TT];
 #pragma GCC unroll 4
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    for (int j = 0; j < TT; j++) {
+        a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+        g[j] = (const PairGroup*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
+    }
     __m512 acc[4][TT];
     __m256 macc[TT];
 #pragma GCC unroll 4
@@ -368,16 +377,26 @@ void fused_q32_x2_r4(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
 #pragma GCC unroll 4
         for (int j = 0; j < TT; j++) {
-            const __m512i av = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
-                                                  _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
-            const __m512i neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
-                                       : _mm512_setzero_si512();
-            const __m512 da = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a[j][b].d)), _mm256_set1_ps(a[j][b + 1].d), 1);
+            // the activations, their offset term and scales: from the regrouped PairGroup, or
+            // made here from the blocks (the same values)
+            __m512i av, neg;
+            __m512 da;
+            __m256 sa;
+            if constexpr (PRE) {
+                const PairGroup& G = g[j][b / 2];
+                av = _mm512_load_si512(G.qs), neg = _mm512_load_si512(G.neg), da = _mm512_load_ps(G.d);
+                sa = _mm256_load_ps(G.s);
+            } else {
+                av = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)a[j][b].qs)),
+                                        _mm256_loadu_si256((const __m256i*)a[j][b + 1].qs), 1);
+                neg = L::OFF ? _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), offv, av))
+                             : _mm512_setzero_si512();
+                da = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(a[j][b].d)), _mm256_set1_ps(a[j][b + 1].d), 1);
+                sa = _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a[j][b].s)), _mm_set1_ps(a[j][b + 1].s), 1);
+            }
             const __m512 sc = _mm512_mul_ps(D, da);
             // the min terms: an FMA per block (explicit: contraction could differ between tiles)
-            if constexpr (L::HAS_M)
-                macc[j] = _mm256_fmadd_ps(M, _mm256_insertf128_ps(_mm256_castps128_ps256(_mm_set1_ps(a[j][b].s)),
-                                                                  _mm_set1_ps(a[j][b + 1].s), 1), macc[j]);
+            if constexpr (L::HAS_M) macc[j] = _mm256_fmadd_ps(M, sa, macc[j]);
 #pragma GCC unroll 4
             for (int i = 0; i < 4; i++) {
                 const __m512i dot = _mm512_dpbusd_epi32(neg, wu[i], av);
@@ -844,7 +863,11 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
     // block pairs in ZMM when the row has an even number of blocks
 #define STOWLM_Q32(Z, L)                                                                  \
     if ((A.cols / QK) % 2) return fused_q32<L, RT, TT>(A, r0, t0);                     \
-    if constexpr (RT == 4) return fused_q32_x2_r4<Z, TT>(A, r0, t0);                    \
+    if constexpr (RT == 4) {                                                            \
+        if constexpr (kPairActs<Z>)                                                     \
+            if (A.act_nib && A.n_tok > 1) return fused_q32_x2_r4<Z, TT, true>(A, r0, t0); \
+        return fused_q32_x2_r4<Z, TT, false>(A, r0, t0);                                \
+    }                                                                                   \
     else return fused_q32_x2_r1<Z, TT>(A, r0, t0)
 #else
 #define STOWLM_Q32(Z, L) return fused_q32<L, RT, TT>(A, r0, t0)

@@ -27,8 +27,9 @@ struct MatmulArgs {
     int64_t n_tok;
     float* y;
     int64_t ldy;
-    // Optional: the same activations regrouped for the 4-bit row kernels (NibGroup below),
-    // token t at act_nib + t * nib_stride bytes; null where the caller made none.
+    // Optional: the same activations regrouped for the row kernels (NibGroup, PairGroup below:
+    // nib_act_kind of this type), token t at act_nib + t * nib_stride bytes; null where the
+    // caller made none.
     const void* act_nib = nullptr;
     size_t nib_stride = 0;
 };
@@ -47,9 +48,26 @@ struct alignas(64) NibGroup {
     float s4[16];
 };
 static_assert(sizeof(NibGroup) == 320, "NibGroup layout: whole cache lines, aligned loads");
-// Bytes of one token's NibGroups for this weight type (0: the type's kernels do not use them).
+// Two 32-blocks of one token's quantized activations as the 4-row kernel of the other
+// 32-element formats reads them (fused_q32_x2_r4): the 64 quant bytes, each int32 lane's
+// -OFF * (sum of its 4 activations) for the format's offset OFF (weights as q + OFF), the
+// blocks' d in the lane pattern [b x 8, b+1 x 8] and their sums [b x 4, b+1 x 4]: what the
+// kernel otherwise makes per tile and token from the blocks. Made and read for 2+ tokens only
+// (one token reads A.act: the larger rows would only cost cache).
+struct alignas(64) PairGroup {
+    int8_t qs[64];
+    int32_t neg[16];
+    float d[16];
+    float s[8];
+};
+static_assert(sizeof(PairGroup) == 256, "PairGroup layout: whole cache lines, aligned loads");
+// The regrouped activations a type's AVX-512 row kernels read: 0 none, 1 NibGroups (Q4_0,
+// Q4_1), 2 + k PairGroups for the two-block formats with offset 128, 16, 0 (k = 0, 1, 2) when
+// the row has an even number of blocks. Matrices of one kind share one regrouping.
+int nib_act_kind(QType t, int64_t cols);
+// Bytes of one token's regrouped activations for this weight type (0: none).
 size_t nib_act_row_bytes(QType t, int64_t cols);
-// Fills A.n_tok tokens' groups at dst (nib_stride bytes apart) from A.act.
+// Fills A.n_tok tokens' groups of A.type's kind at dst (nib_stride bytes apart) from A.act.
 void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride);
 
 // Rows [r0, r1) for every token. Each is defined in its own file.
