@@ -92,6 +92,31 @@ def test_logits_match_llama_cpp(loaded, prompt_figures):
     assert mean_kl < 0.01, f"{name}: mean KL {mean_kl:.5f}"
 
 
+def follow_greedy(name, model, ctx, logits, record, ref, band, report) -> int:
+    """Decodes llama.cpp's greedy tokens `ref` after the prompt (its last logits given) and returns
+    how many we match. A divergence at a gap below the noise band ends it; beyond the band, the
+    float64 pass over the prompt and llama.cpp's tokens so far must prefer our token, or hold the
+    two within the band."""
+    for step, want in enumerate(ref):
+        got = int(np.argmax(logits))
+        if got != want:
+            gap = float(logits[got] - logits[want])
+            report.append(f"{record['text'][:20]!r} diverged at step {step}: ours {got}, llama.cpp {want}, "
+                          f"our gap {gap:.3f} (band {band:.3f})")
+            if gap >= band:
+                exact = float_model(model.path).logits(record["ids"] + ref[:step], last_only=True)
+                exact_gap = float(exact[got] - exact[want])
+                report.append(f"float64 gap {exact_gap:.3f}")
+                assert exact_gap > -band, (
+                    f"{name} prompt {record['text'][:30]!r}: greedy diverged at step {step} (matched {step}): ours "
+                    f"{got}, llama.cpp {want}; our logit gap {gap:.3f} >= tie band {band:.3f} and float64 "
+                    f"arithmetic prefers llama.cpp's token by {-exact_gap:.3f}")
+            return step
+        if step + 1 < len(ref):
+            logits = ctx.eval([want])
+    return len(ref)
+
+
 def test_greedy_matches_llama_cpp(loaded, prompt_figures):
     """Token-by-token decoding after the prompt follows llama.cpp's greedy continuation for
     GREEDY_MIN tokens. A divergence is accepted only at a near-tie: llama.cpp's logits at decode
@@ -106,26 +131,8 @@ def test_greedy_matches_llama_cpp(loaded, prompt_figures):
         ctx.clear()
         logits = ctx.eval(r["ids"], logits="last")
         graphs_before_decode = ctx._c.n_graphs
-        ref = r["greedy"][:GREEDY_MIN]
-        matched = 0
-        for step, want in enumerate(ref):
-            got = int(np.argmax(logits))
-            if got != want:
-                gap = float(logits[got] - logits[want])
-                report.append(f"diverged at step {step}: ours {got}, llama.cpp {want}, our gap {gap:.3f}")
-                if gap >= band:
-                    exact = float_model(model.path).logits(r["ids"] + ref[:step], last_only=True)
-                    exact_gap = float(exact[got] - exact[want])
-                    report.append(f"float64 gap {exact_gap:.3f}")
-                    assert exact_gap > -band, (
-                        f"{name} prompt {r['text'][:30]!r}: greedy diverged at step {step} (matched {matched}): "
-                        f"ours {got}, llama.cpp {want}; our logit gap {gap:.3f} >= tie band {band:.3f} and "
-                        f"float64 arithmetic prefers llama.cpp's token by {-exact_gap:.3f}")
-                break
-            matched += 1
-            if step + 1 < len(ref):
-                logits = ctx.eval([want])
-        report.append(f"matched {matched}/{len(ref)} for {r['text'][:24]!r}")
+        matched = follow_greedy(name, model, ctx, logits, r, r["greedy"][:GREEDY_MIN], band, report)
+        report.append(f"matched {matched}/{GREEDY_MIN} for {r['text'][:24]!r}")
         # One decode graph serves every generated token (no rebuild per token).
         assert ctx._c.n_graphs - graphs_before_decode <= 1
     print(f"\n{name} (tie band {band:.3f}): " + "; ".join(report))
