@@ -335,6 +335,9 @@ const char* ftype_name(int64_t ftype) {
         case 30: return "IQ4_XS - 4.25 bpw";
         case 31: return "IQ1_M - 1.75 bpw";
         case 32: return "BF16";
+        case 36: return "TQ1_0 - 1.69 bpw ternary";
+        case 37: return "TQ2_0 - 2.06 bpw ternary";
+        case 38: return "MXFP4 MoE";
         default: return nullptr;
     }
 }
