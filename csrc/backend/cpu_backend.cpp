@@ -12,6 +12,7 @@
 
 #include "backend/backend.h"
 #include "backend/node_params.h"
+#include "collective_math.h"
 #include "cpu/matmul.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
@@ -142,24 +143,57 @@ private:
         used_ += bytes;
     }
 
-    // The shards' partials are in host memory: read them in place, in shard order, after all
-    // are written, and let every shard finish reading before any goes on.
-    static void all_reduce(Tensor* n, ThreadPool& pool) {
+    // The shards' partials, in shard order, after all are written (meet), summed by the
+    // HOST_DEVICE shard_order_sum the CUDA kernel runs too, so CPU and CUDA shards get the same
+    // bits; nobody goes on (and may overwrite its partial) before every shard has read them all
+    // (leave). Partials in host memory (CPU devices) are read in place; one on a device the CPU
+    // cannot read (a CUDA shard's) is read out by its backend (copy_to_host, which waits for the
+    // kernels that write it) in chunks of at most kReduceChunk floats into a staging buffer.
+    void all_reduce(Tensor* n, ThreadPool& pool) {
         Collective& c = *n->collective;
+        const int me = n->iparams[0];
+        c.shards[me].backend = this;
+        c.shards[me].part = n->src[0];  // on this device (the scheduler copies it here otherwise)
+        c.shards[me].ready = nullptr;   // the CPU computes synchronously: final once we meet
         c.meet();
         float* out = (float*)n->data;
         const int64_t m = n->n_elements();
-        std::vector<const float*> parts;
-        for (const Tensor* p : c.parts)
-            if (p) parts.push_back((const float*)p->data);
-        pool.parallel_for(m, [&](int64_t b, int64_t e, int) {
-            if (parts.empty()) std::fill(out + b, out + e, 0.0f);
-            else std::copy(parts[0] + b, parts[0] + e, out + b);
-            for (size_t s = 1; s < parts.size(); s++)
-                for (int64_t i = b; i < e; i++) out[i] += parts[s][i];
-        });
+        std::vector<const Collective::Published*> from;
+        int n_remote = 0;
+        for (const Collective::Published& p : c.shards)
+            if (p.part) {
+                if (p.part->n_elements() != m) throw InvalidInput("all_reduce: a partial differs in size");
+                from.push_back(&p);
+                n_remote += !p.backend->host_accessible();
+            }
+        if ((int)from.size() > kMaxShards)
+            throw InvalidInput("all_reduce: more than " + std::to_string(kMaxShards) + " partials");
+        const int64_t chunk = n_remote ? std::min<int64_t>(m, kReduceChunk) : m;
+        if (n_remote) reduce_staging_.resize((size_t)(chunk * n_remote));
+        const float* ptrs[kMaxShards];
+        for (int64_t c0 = 0; c0 < m; c0 += chunk) {
+            const int64_t len = std::min(chunk, m - c0);
+            int r = 0;
+            for (size_t s = 0; s < from.size(); s++) {
+                const Collective::Published& p = *from[s];
+                if (p.backend->host_accessible()) {
+                    ptrs[s] = (const float*)p.part->data + c0;
+                } else {
+                    float* dst = reduce_staging_.data() + (size_t)(r++ * chunk);
+                    p.backend->copy_to_host(*p.part, dst, (size_t)len * sizeof(float), (size_t)c0 * sizeof(float));
+                    ptrs[s] = dst;
+                }
+            }
+            const int np = (int)from.size();
+            float* o = out + c0;
+            pool.parallel_for(len, [&](int64_t b, int64_t e, int) {
+                for (int64_t i = b; i < e; i++) o[i] = shard_order_sum(ptrs, np, i);
+            });
+        }
         c.leave();
     }
+    static constexpr int64_t kReduceChunk = 1 << 18;  // floats: 1 MiB of staging per remote partial
+    std::vector<float> reduce_staging_;  // host bytes outside the budget, at most 1 MiB per remote partial
 
     static bool same_product_input(const Tensor* a, const Tensor* b) {
         return b->op == Op::MUL_MAT && b->src[1]->data == a->src[1]->data && b->src[1]->ne[0] == a->src[1]->ne[0] &&

@@ -20,6 +20,8 @@ struct Split {
     std::vector<Tensor*> nodes;  // COPY nodes first, then the computing nodes
 };
 
+class Backend;
+
 // The shards of one all-reduce: each shard's device thread calls meet() from its ALL_REDUCE
 // node, sums the partials in shard order (so every shard gets the same bits), then leave():
 // nobody proceeds (and may overwrite its partial) until every shard has read them all. Reused
@@ -27,6 +29,18 @@ struct Split {
 struct Collective {
     std::vector<Tensor*> parts;  // per shard, null where a shard adds nothing
     std::vector<Tensor*> outs;   // per shard
+    // What each shard publishes before meet() (its own entry only; the others read it after):
+    // where its partial is. The partial the ALL_REDUCE node reads (its src[0]: parts[s], or the
+    // scheduler's copy of it onto the shard's device) is in the memory of `backend`, which
+    // reads it out for a device that cannot (copy_to_host). `ready`: backend-specific (a CUDA
+    // event after which the partial is complete on its device), null when it is complete once
+    // its shard has met (host memory). Valid until that shard's leave().
+    struct Published {
+        Backend* backend = nullptr;
+        const Tensor* part = nullptr;
+        void* ready = nullptr;
+    };
+    std::vector<Published> shards;
     void meet() { wait_all(); }
     void leave() { wait_all(); }
     void abort();
