@@ -13,7 +13,9 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
+#include "collective_math.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "moe_router.h"
@@ -123,15 +125,39 @@ void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, i
             Stream s);
 
 size_t moe_scratch_bytes(const DeviceWeight& expert0, int n_expert, int64_t n_act_rows, int64_t n_slots);
-// Expert products for n_tok tokens routed to k experts each (ids [n_tok][k], every id in
-// [0, n_expert)): y[(t*k + j) * ldy + r] = W_{ids[t,j]}[r, :] . x_row, where x_row is token
-// t's row (per_slot_input false: gate/up) or slot t*k + j's row (true: down). Experts are
-// stacked: expert e at w.data + e * rows * row_bytes. One grouped launch for all experts.
+// Expert products for n_tok tokens routed to k experts each (ids [n_tok][k], each id in
+// [0, n_expert) or -1): y[(t*k + j) * ldy + r] = W_{ids[t,j]}[r, :] . x_row, where x_row is token
+// t's row (per_slot_input false: gate/up) or slot t*k + j's row (true: down); a slot of id -1
+// (tensor parallelism: its expert is on another shard) gets a zero row, as on the CPU. Experts
+// are stacked: expert e at w.data + e * rows * row_bytes. One grouped launch for all experts.
 void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx, bool per_slot_input,
                 const int32_t* ids, int64_t n_tok, int k, float* y, int64_t ldy, void* scratch, Stream s);
 // out[t, :] = sum_j weights[t, j] * y[(t*k + j), :]
 void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
                  int64_t ld_out, Stream s);
+
+// ---- tensor parallelism (collective.cu) -------------------------------------------------
+
+// As the CPU's LOCAL_IDS (collective_math.h local_expert_id): out[i] = ids[i] - first when it
+// falls in [first, first + count), else -1.
+void local_ids(const int32_t* ids, int64_t n, int32_t first, int32_t count, int32_t* out, Stream s);
+// The all-reduce's sum on this device: out[i] = the n_parts partials (device pointers on the
+// current device, at most kMaxShards) summed in shard order (collective_math.h
+// shard_order_sum), the bits a CPU shard gets. out may be one of the parts.
+void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* out, Stream s);
+
+#ifdef STOWLM_HAVE_NCCL
+// NCCL moves the partials between the CUDA shards of an all-reduce (the gather only: NCCL's own
+// reductions choose their order by algorithm and topology, which would not give the fixed
+// shard-order bits, so all_reduce_sum does the arithmetic). One communicator per ordered list of
+// distinct CUDA devices, made for all its ranks on first use; `rank` is this device's position.
+void* nccl_comm(const std::vector<int>& devices, int rank);
+// In one NCCL group on this rank's stream: `send` (bytes, null: nothing) to each rank of
+// send_to, and from each rank of recv_from its partial into recv[i]. Every rank calls it for the
+// same all-reduce, in the same order.
+void nccl_exchange(void* comm, const void* send, size_t bytes, const std::vector<int>& send_to,
+                   const std::vector<int>& recv_from, const std::vector<void*>& recv, Stream s);
+#endif
 
 // ---- attention (flash_attn.cu) ----------------------------------------------------------
 

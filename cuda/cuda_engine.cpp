@@ -9,11 +9,14 @@
 // pipeline parallelism (engine/pipeline.h) the device that produced a tensor pushes it into
 // this device's copy slot from its own thread: the CudaDevice calls set the current device.
 #include <algorithm>
+#include <cstdlib>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/node_params.h"
+#include "collective_math.h"
 #include "cpu/moe.h"
 #include "cuda_backend.h"
 #include "error.h"
@@ -152,6 +155,8 @@ public:
                 const size_t any_shape = (size_t)per_block * dev_->sm_count() * (size_t)(hd_v + 2) * sizeof(float);
                 return std::max(any_shape, attn_scratch(n));
             }
+            case Op::ALL_REDUCE:
+                return reduce_scratch_bytes(n);
             default:
                 return 0;
         }
@@ -267,6 +272,11 @@ private:
             case Op::MOE_WEIGHTS:
             case Op::ADD_ID:
             case Op::MOE_SUM:
+            case Op::LOCAL_IDS:
+                return "";
+            case Op::ALL_REDUCE:
+                if (n.collective && (int)n.collective->parts.size() > kMaxShards)
+                    return "more than " + std::to_string(kMaxShards) + " shards";
                 return "";
             default:  // an op added to the graph without a kernel here: the CPU runs it, or a clear error
                 return std::string(op_name(n.op)) + " has no CUDA kernel";
@@ -384,6 +394,12 @@ private:
                                (int)ids->ne[0], f32(n), n->ne[0], scratch, s);
                 return;
             }
+            case Op::LOCAL_IDS:
+                cu::local_ids(i32(a), n->n_elements(), n->iparams[0], n->iparams[1], (int32_t*)n->data, s);
+                return;
+            case Op::ALL_REDUCE:
+                all_reduce(n, scratch, scratch_bytes);
+                return;
             case Op::MOE_SUM: {
                 const int64_t d = a->ne[0], k = a->ne[1];
                 in_row_chunks(a->ne[2], [&](int64_t t0, int64_t nt) {
@@ -396,6 +412,122 @@ private:
                 throw Unsupported(name_ + ": " + op_name(n->op) + " has no CUDA kernel");
         }
     }
+
+    // ---- tensor parallelism ----------------------------------------------------------------
+    // The other shards' partials are gathered into this device's scratch (one slot each, in
+    // shard order), then summed with this shard's own in place, in shard order.
+    static size_t reduce_scratch_bytes(const Tensor& n) {
+        const Collective& c = *n.collective;
+        size_t slots = 0;
+        for (size_t t = 0; t < c.parts.size(); t++) slots += c.parts[t] && (int)t != n.iparams[0];
+        return slots * n.nbytes();
+    }
+
+    // One shard's ALL_REDUCE (graph.h Collective). Before meeting: publish the partial (the
+    // node's src[0], on this device) with an event after the kernels that write it. After: fetch
+    // each other partial into a scratch slot on this stream (a CUDA shard's by a peer copy once
+    // its event has passed, after which its stream waits for the copy before anything of its own
+    // may overwrite the partial; a host shard's by an upload, which returns when the host bytes
+    // have been read), sum them all in shard order, and leave: every read of this shard's partial
+    // by the others is then done (CPU shards read it with copy_to_host, synchronously) or ordered
+    // before this stream's next kernels. Nothing here waits on the host for the device except
+    // those CPU reads. With NCCL (found at build time, STOWLM_NCCL not 0) the CUDA shards' partials
+    // move by NCCL sends and receives instead of peer copies; the sum is the same kernel, so the
+    // bits do not change.
+    void all_reduce(Tensor* n, void* scratch, size_t scratch_bytes) {
+        Collective& c = *n->collective;
+        const int me = n->iparams[0];
+        const cu::Stream s = dev_->compute_stream();
+        const size_t bytes = n->nbytes();
+        Collective::Published& mine = c.shards.at(me);
+        if (mine.ready) dev_->release(mine.ready);  // left over by a run that failed before leaving
+        mine.backend = this;
+        mine.part = n->src[0];
+        mine.ready = n->src[0] ? dev_->record(s) : nullptr;
+        c.meet();
+        const int n_shards = (int)c.shards.size();
+        for (const Collective::Published& p : c.shards)
+            if (p.part && p.part->nbytes() != bytes) throw InvalidInput(name_ + ": all_reduce partials differ in size");
+        if (reduce_scratch_bytes(*n) > scratch_bytes)
+            throw InvalidInput(name_ + ": all_reduce has less scratch than its partials need");
+        // the scratch slot of each other shard's partial
+        std::vector<void*> slot(n_shards, nullptr);
+        {
+            char* at = (char*)scratch;
+            for (int t = 0; t < n_shards; t++)
+                if (c.shards[t].part && t != me) slot[t] = at, at += bytes;
+        }
+        std::vector<char> moved(n_shards, 0);
+#ifdef STOWLM_HAVE_NCCL
+        nccl_gather(c, me, slot, bytes, moved);
+#endif
+        std::vector<char> host;  // a partial of another kind of device passes through here
+        for (int t = 0; t < n_shards; t++) {
+            const Collective::Published& p = c.shards[t];
+            if (t == me || !p.part || moved[t]) continue;
+            if (p.backend->host_accessible()) {
+                dev_->copy_to_device(slot[t], p.part->data, bytes, s);
+            } else if (auto* other = dynamic_cast<CudaBackend*>(p.backend)) {
+                dev_->wait(s, p.ready);
+                dev_->copy_from_peer(slot[t], *other->dev_, p.part->data, bytes, s);
+                cu::Event copied = dev_->record(s);
+                other->dev_->wait(other->dev_->compute_stream(), copied);
+                dev_->release(copied);
+            } else {
+                host.resize(bytes);
+                p.backend->copy_to_host(*p.part, host.data(), bytes);
+                dev_->copy_to_device(slot[t], host.data(), bytes, s);
+            }
+        }
+        dev_->set_current();  // the waits above made the other devices current
+        const float* ptrs[kMaxShards];
+        int np = 0;
+        for (int t = 0; t < n_shards; t++)
+            if (c.shards[t].part) ptrs[np++] = t == me ? f32(c.shards[t].part) : (const float*)slot[t];
+        cu::all_reduce_sum(ptrs, np, n->n_elements(), f32(n), s);
+        c.leave();
+        // every shard has made its waits on the event by now (a recorded wait outlives it)
+        if (mine.ready) dev_->release(mine.ready);
+        mine.ready = nullptr;
+    }
+
+#ifdef STOWLM_HAVE_NCCL
+    // The CUDA shards (two or more, on distinct devices) exchange their partials through NCCL:
+    // each sends its own to every other and receives theirs into its slots (marked moved).
+    void nccl_gather(const Collective& c, int me, const std::vector<void*>& slot, size_t bytes,
+                     std::vector<char>& moved) {
+        static const bool enabled = [] {
+            const char* e = std::getenv("STOWLM_NCCL");
+            return !(e && std::string(e) == "0");
+        }();
+        if (!enabled) return;
+        std::vector<int> devices, shard_of_rank;
+        for (int t = 0; t < (int)c.shards.size(); t++)
+            if (auto* b = dynamic_cast<CudaBackend*>(c.shards[t].backend)) {
+                for (int d : devices)
+                    if (d == b->dev_->index()) return;  // one device twice: peer copies
+                devices.push_back(b->dev_->index());
+                shard_of_rank.push_back(t);
+            }
+        if (devices.size() < 2) return;
+        int my_rank = -1;
+        std::vector<int> peers, recv_from;
+        std::vector<void*> recv;
+        for (int r = 0; r < (int)devices.size(); r++) {
+            const int t = shard_of_rank[r];
+            if (t == me) {
+                my_rank = r;
+                continue;
+            }
+            peers.push_back(r);
+            if (c.shards[t].part) recv_from.push_back(r), recv.push_back(slot[t]), moved[t] = 1;
+        }
+        void* comm = cu::nccl_comm(devices, my_rank);
+        dev_->set_current();
+        const Tensor* own = c.shards[me].part;
+        cu::nccl_exchange(comm, own ? own->data : nullptr, bytes, peers, recv_from, recv, dev_->compute_stream());
+    }
+#endif
 
     int id_;
     std::unique_ptr<cu::CudaDevice> dev_;

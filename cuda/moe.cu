@@ -83,13 +83,25 @@ __global__ void moe_scan_kernel(const int32_t* counts, int n_expert, int32_t* of
     off[n_expert] = acc;
 }
 
+// Slots whose id is outside [0, n_expert) (tensor parallelism: -1, the expert is on another
+// shard) get a zero output row, as the CPU's mul_mat_id gives them: a warp writes each of its
+// unrouted slots' rows together (no work when every slot is routed).
 __global__ void __launch_bounds__(256) moe_scatter_kernel(const int32_t* __restrict__ ids, int64_t n_slots, int k,
                                                           int n_expert, bool per_slot_input, int32_t* cursor,
-                                                          int32_t* act_row, int32_t* out_row) {
+                                                          int32_t* act_row, int32_t* out_row, float* y, int64_t ldy,
+                                                          int64_t rows) {
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n_slots) return;
-    const int32_t e = ids[i];
-    if (e < 0 || e >= n_expert) return;
+    const int32_t e = i < n_slots ? ids[i] : 0;
+    const bool routed = i < n_slots && e >= 0 && e < n_expert;
+    unsigned unrouted = __ballot_sync(0xffffffffu, i < n_slots && !routed);
+    const int lane = threadIdx.x & 31;
+    while (unrouted) {
+        const int l = __ffs(unrouted) - 1;
+        unrouted &= unrouted - 1;
+        float* row = y + (i - lane + l) * ldy;
+        for (int64_t r = lane; r < rows; r += 32) row[r] = 0.0f;
+    }
+    if (!routed) return;
     const int32_t pos = atomicAdd(&cursor[e], 1);
     act_row[pos] = (int32_t)(per_slot_input ? i : i / k);
     out_row[pos] = (int32_t)i;
@@ -195,7 +207,9 @@ size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows
 void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx, bool per_slot_input,
                 const int32_t* ids, int64_t n_tok, int k, float* y, int64_t ldy, void* scratch, Stream s) {
     if (n_expert <= 0 || n_expert > 65535) throw InvalidInput("moe_matmul: n_expert " + std::to_string(n_expert) + " outside 1..65535");
-    if (k <= 0 || k > n_expert) throw InvalidInput("moe_matmul: k=" + std::to_string(k) + " outside 1..n_expert");
+    // (k may exceed n_expert: with tensor parallelism a shard holds some of the experts, and the
+    // slots routed elsewhere carry id -1)
+    if (k <= 0) throw InvalidInput("moe_matmul: k=" + std::to_string(k) + " must be positive");
     const QTypeInfo& info = qtype_checked((uint32_t)w.type);
     if (w.cols <= 0 || w.cols % 32 || w.cols % info.block_elems)
         throw InvalidInput("moe_matmul: cols=" + std::to_string(w.cols) + " is not a positive multiple of 32 and of the " +
@@ -210,7 +224,7 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     moe_scan_kernel<<<1, 32, 0, st>>>(sc.counts, n_expert, sc.off, sc.cursor);
     check_launch("moe_scan_kernel");
     moe_scatter_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, k, n_expert, per_slot_input, sc.cursor,
-                                                                sc.act_row, sc.out_row);
+                                                                sc.act_row, sc.out_row, y, ldy, w.rows);
     check_launch("moe_scatter_kernel");
     const size_t rb = row_bytes(w.type, w.cols);
     TokenGroups g;

@@ -16,6 +16,7 @@
 #include <string>
 #include <vector>
 
+#include "collective_math.h"
 #include "cpu/matmul.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
@@ -356,6 +357,29 @@ void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream) {
     rows_limit("softcap", n);
     dev_ptr(x, span(n, ldx, dim), "softcap x");
     cpu::softcap(x, n, dim, ldx, cap, pool());
+}
+
+// Tensor parallelism: the kernels' HOST_DEVICE arithmetic (collective_math.h), element by element.
+int g_all_reduce_calls = 0;
+int g_local_ids_calls = 0;
+void local_ids(const int32_t* ids, int64_t n, int32_t first, int32_t count, int32_t* out, Stream) {
+    dev_ptr(ids, span(n, 1, 1), "local_ids ids");
+    dev_ptr(out, span(n, 1, 1), "local_ids out");
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        g_local_ids_calls++;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = local_expert_id(ids[i], first, count);
+}
+void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* out, Stream) {
+    if (n_parts < 0 || n_parts > kMaxShards) throw InvalidInput("all_reduce_sum: too many partials");
+    for (int i = 0; i < n_parts; i++) dev_ptr(parts[i], span(n, 1, 1), "all_reduce_sum part");
+    dev_ptr(out, span(n, 1, 1), "all_reduce_sum out");
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        g_all_reduce_calls++;
+    }
+    for (int64_t i = 0; i < n; i++) out[i] = shard_order_sum(parts, n_parts, i);
 }
 
 void f32_to_f16(const float*, uint16_t*, int64_t, Stream) { unused("f32_to_f16"); }
