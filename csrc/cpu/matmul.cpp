@@ -96,6 +96,7 @@ int nib_act_kind(QType t, int64_t cols) {
         case QType::Q8_0: case QType::IQ4_NL: case QType::MXFP4: return pairs ? 2 : 0;
         case QType::Q5_0: return pairs ? 3 : 0;
         case QType::Q5_1: return pairs ? 4 : 0;
+        case QType::Q4_K: case QType::Q5_K: return 5;
         default: return 0;
     }
 }
@@ -103,12 +104,29 @@ int nib_act_kind(QType t, int64_t cols) {
 size_t nib_act_row_bytes(QType t, int64_t cols) {
     const int kind = nib_act_kind(t, cols);
     if (kind == 1) return (size_t)((cols / QK + 3) / 4) * sizeof(NibGroup);
+    if (kind == 5) return (size_t)(cols / QK_K) * sizeof(K4Group);
     return kind ? (size_t)(cols / QK / 2) * sizeof(PairGroup) : 0;
 }
 
 void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride) {
     const int kind = nib_act_kind(A.type, A.cols);
     const int64_t nb = A.cols / QK, ng = (nb + 3) / 4;
+    if (kind == 5) {
+        if (A.n_tok == 1) return;  // one token reads A.act
+        for (int64_t t = 0; t < A.n_tok; t++) {
+            const block_q8_K32* a = (const block_q8_K32*)((const uint8_t*)A.act + t * A.act_stride);
+            K4Group* g = (K4Group*)((uint8_t*)dst + t * nib_stride);
+            for (int64_t b = 0; b < A.cols / QK_K; b++) {
+                static const int src[8] = {0, 64, 32, 96, 128, 192, 160, 224};
+                for (int c = 0; c < 8; c++) memcpy(g[b].qs + 32 * c, a[b].qs + src[c], 32);
+                for (int k = 0; k < 8; k++) {
+                    g[b].v[k] = a[b].d[k];
+                    g[b].v[8 + k] = (float)(int16_t)(a[b].bsums[2 * k] + a[b].bsums[2 * k + 1]) * a[b].d[k];
+                }
+            }
+        }
+        return;
+    }
     for (int64_t t = 0; t < A.n_tok; t++) {
         const block_q8_a* a = (const block_q8_a*)((const uint8_t*)A.act + t * A.act_stride);
         if (kind >= 2) {

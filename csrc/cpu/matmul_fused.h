@@ -663,24 +663,37 @@ inline __m128i k4_scales_vec(const uint8_t* s) {
 // Q5_K (Q5 = true) is the same with the fifth bit of each value from qh: bit 2c (2c+1) of
 // qh[l] belongs to element l of group 2c (2c+1); doubled qh bytes shifted per half bring the
 // bits of a ZMM's two groups to bit 4.
-template <bool Q5, int RT, int TT>
+template <bool Q5, int RT, int TT, bool PRE = false>
 void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using BK = std::conditional_t<Q5, block_q5_K, block_q4_K>;
     const int64_t nsb = A.cols / QK_K;
     const BK* w[RT];
+#pragma GCC unroll 4
     for (int i = 0; i < RT; i++) w[i] = (const BK*)(A.w + (r0 + i) * A.w_stride);
     const size_t pf = RT * A.w_stride;
     const block_q8_K32* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const K4Group* g[TT];
+#pragma GCC unroll 4
+    for (int j = 0; j < TT; j++) {
+        a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+        g[j] = (const K4Group*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
+    }
     __m512 acc[RT][TT];
+#pragma GCC unroll 4
     for (int i = 0; i < RT; i++)
+#pragma GCC unroll 4
         for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int64_t b = 0; b < nsb; b++) {
         __m512i av[TT][4];
         __m512 V[TT];  // [d_act_g | bsum_g * d_act_g]
+#pragma GCC unroll 4
         for (int j = 0; j < TT; j++) {
+            if constexpr (PRE) {  // the same values, regrouped once per call (K4Group)
+                V[j] = _mm512_load_ps(g[j][b].v);  // the quants: loads in the products below
+                continue;
+            }
             const int8_t* q = a[j][b].qs;
             auto ld2 = [&](int o0, int o1) {
                 return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i*)(q + o0))),
@@ -693,6 +706,7 @@ void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const __m256 bs = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi16_epi32(_mm_hadd_epi16(b0, b1))), da);
             V[j] = _mm512_insertf32x8(_mm512_castps256_ps512(da), bs, 1);
         }
+#pragma GCC unroll 4
         for (int i = 0; i < RT; i++) {
             const BK& x = w[i][b];
             prefetch_next<(int)sizeof(BK)>(&x, pf);
@@ -715,20 +729,25 @@ void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 qz[2] = _mm512_or_si512(qz[2], _mm512_and_si512(_mm512_srlv_epi16(h, lr(0, 2)), m10));
                 qz[3] = _mm512_or_si512(qz[3], _mm512_and_si512(_mm512_srlv_epi16(h, lr(1, 3)), m10));
             }
+#pragma GCC unroll 4
             for (int j = 0; j < TT; j++) {
                 const __m512 P = _mm512_mul_ps(scf, V[j]);
+#pragma GCC unroll 4
                 for (int k = 0; k < 4; k++) {
                     // groups g0 = {0, 1, 4, 5}[k] in lanes 0-7, g0 + 2 in lanes 8-15
                     const int g0 = (k & 1) + 4 * (k >> 1);
                     const __m512i idx = _mm512_add_epi32(_mm512_set1_epi32(g0), _mm512_add_epi32(halves, halves));
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[k], av[j][k])),
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[k],
+                                                                                    PRE ? _mm512_load_si512(g[j][b].qs + 64 * k) : av[j][k])),
                                                 _mm512_permutexvar_ps(idx, P), acc[i][j]);
                 }
                 acc[i][j] = _mm512_mask_sub_ps(acc[i][j], 0xff00, acc[i][j], P);
             }
         }
     }
+#pragma GCC unroll 4
     for (int j = 0; j < TT; j++)
+#pragma GCC unroll 4
         for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]);
 }
 #endif
@@ -881,8 +900,12 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
         case QType::MXFP4: STOWLM_Q32(ZMXFP4, LMXFP4);
 #undef STOWLM_Q32
 #if STOWLM_FUSED_VNNI
-        case QType::Q4_K: return fused_q45_K_vnni<false, RT, TT>(A, r0, t0);
-        case QType::Q5_K: return fused_q45_K_vnni<true, RT, TT>(A, r0, t0);
+        case QType::Q4_K:
+            if (A.act_nib && A.n_tok > 1) return fused_q45_K_vnni<false, RT, TT, true>(A, r0, t0);
+            return fused_q45_K_vnni<false, RT, TT>(A, r0, t0);
+        case QType::Q5_K:
+            if (A.act_nib && A.n_tok > 1) return fused_q45_K_vnni<true, RT, TT, true>(A, r0, t0);
+            return fused_q45_K_vnni<true, RT, TT>(A, r0, t0);
 #else
         case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
 #endif

@@ -61,9 +61,18 @@ struct alignas(64) PairGroup {
     float s[8];
 };
 static_assert(sizeof(PairGroup) == 256, "PairGroup layout: whole cache lines, aligned loads");
+// One 256-block of a token's Q8_K activations as the Q4_K/Q5_K kernel reads them (2+ tokens):
+// the quants in its ZMM order (elements 0-31 and 64-95, 32-63 and 96-127, 128-159 and
+// 192-223, 160-191 and 224-255) and [d_g | bsum_g * d_g] of the eight 32-groups g.
+struct alignas(64) K4Group {
+    int8_t qs[256];
+    float v[16];
+};
+static_assert(sizeof(K4Group) == 320, "K4Group layout: whole cache lines, aligned loads");
 // The regrouped activations a type's AVX-512 row kernels read: 0 none, 1 NibGroups (Q4_0,
 // Q4_1), 2 + k PairGroups for the two-block formats with offset 128, 16, 0 (k = 0, 1, 2) when
-// the row has an even number of blocks. Matrices of one kind share one regrouping.
+// the row has an even number of blocks, 5 K4Groups (Q4_K, Q5_K). Matrices of one kind share
+// one regrouping.
 int nib_act_kind(QType t, int64_t cols);
 // Bytes of one token's regrouped activations for this weight type (0: none).
 size_t nib_act_row_bytes(QType t, int64_t cols);
