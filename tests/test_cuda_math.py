@@ -343,3 +343,41 @@ def test_expert_selection_rejects_bad_groups():
         cm.expert_select(np.zeros((1, 16), np.float32), 6, 1, None, 5, 2)
     with pytest.raises(ValueError, match="groups"):
         cm.expert_select(np.zeros((1, 16), np.float32), 6, 1, None, 4, 1)
+
+
+# ---- tensor parallelism (collective_math.h) -----------------------------------------------
+
+def _sequential_sum(parts):
+    out = np.zeros(parts.shape[1], np.float32) if len(parts) == 0 else parts[0].copy()
+    for p in parts[1:]:
+        out = (out + p).astype(np.float32)
+    return out
+
+
+@pytest.mark.parametrize("n_parts", [0, 1, 2, 3, 5, 16])
+def test_all_reduce_sum_is_the_float32_sum_in_shard_order(n_parts):
+    """What every shard of an all-reduce computes, the CPU backend and the CUDA kernel alike:
+    ((p0 + p1) + p2) + ..., one float32 add at a time, so all shards hold the same bits."""
+    rng = np.random.default_rng(40 + n_parts)
+    scale = 10.0 ** rng.uniform(-4, 4, (n_parts, 1))
+    parts = (rng.standard_normal((n_parts, 3001)) * scale).astype(np.float32)
+    if n_parts:
+        parts[0, :3] = [-0.0, np.inf, np.nan]  # -0 kept, inf and nan carried
+    got = cm.shard_order_sum(parts)
+    np.testing.assert_array_equal(got.view(np.uint32), _sequential_sum(parts).view(np.uint32))
+
+
+def test_all_reduce_sum_order_matters():
+    """The order is the contract: another order gives other bits."""
+    parts = np.array([[1e8, 1.0], [1.0, 1e8], [-1e8, -1e8]], np.float32)
+    np.testing.assert_array_equal(cm.shard_order_sum(parts), [0.0, 0.0])   # 1e8 + 1 rounds to 1e8
+    np.testing.assert_array_equal(cm.shard_order_sum(parts[[0, 2, 1]]), [1.0, 0.0])
+
+
+def test_local_expert_ids():
+    """LOCAL_IDS: the ids of experts [first, first + count) renumbered from 0, every other -1 (the
+    -1 of a slot routed to no expert stays -1), without overflow near the int32 limits."""
+    ids = np.array([-1, 0, 3, 4, 7, 8, 11, 12, 40, 2**31 - 1, -2**31], np.int32)
+    np.testing.assert_array_equal(cm.local_expert_ids(ids, 4, 8), np.where((ids >= 4) & (ids < 12), ids - 4, -1))
+    np.testing.assert_array_equal(cm.local_expert_ids(ids, 0, 0), np.full(len(ids), -1))
+    np.testing.assert_array_equal(cm.local_expert_ids(ids, 2**31 - 8, 8), [-1] * 9 + [7, -1])

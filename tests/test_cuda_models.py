@@ -207,6 +207,42 @@ def test_split_between_cpu_and_cuda(model_path, name, devices, split, overrides)
         assert report[1]["weights"] > 0 and report[1]["copies"] > 0
 
 
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen3moe-tiny", "deepseek2-tiny"])
+@pytest.mark.parametrize("devices,shares", [([CUDA, CPU], [1, 1]), ([CPU, CUDA], [3, 1]),
+                                            ([CUDA, "cuda:1"], [1, 1]), ([CUDA, CPU, "cuda:1"], [1, 1, 1])])
+def test_tensor_split_over_cuda_and_cpu(model_path, name, devices, shares):
+    """Tensor parallelism with CUDA shards (the all-reduce gathering partials by peer copies,
+    uploads and reads back, summed in shard order on each device): the fixture prompts give one
+    device's distributions as test_tensor_parallel.py asks of CPU splits, the same bits twice, and
+    exact memory accounting. (Without a GPU, tests/test_cuda_tp_emulated.py checks the same
+    plumbing against the CPU split bit for bit.)"""
+    from stowlm import _core
+    from test_tensor_parallel import _kl
+
+    require_devices(*devices)
+    if "cuda:1" in devices and len(_core.cuda.devices()[0]) < 2:
+        pytest.skip("needs two CUDA devices")
+    path = model_path(name)
+    prompts = [r["ids"] for r in load_fixture(name) if r["kind"] == "logits"]
+    one = stowlm.Model(path, devices=[CPU])
+    model = stowlm.Model(path, devices=devices, split_mode="tensor", tensor_split=shares)
+    ctx = stowlm.Context(model, n_ctx=256)
+    assert ctx._c.check_plan() == ""
+    kl, agree = [], []
+    for p in prompts:
+        ref = stowlm.Context(one, n_ctx=256).eval(p, logits="all")
+        ctx.clear()
+        got = ctx.eval(p, logits="all")
+        ctx.clear()
+        assert np.array_equal(ctx.eval(p, logits="all"), got), (name, devices)
+        kl += list(_kl(ref, got))
+        top = np.sort(ref, -1)
+        agree += list((ref.argmax(-1) == got.argmax(-1)) | (top[:, -1] - top[:, -2] < 0.1))
+    print(f"{name} {devices} {shares}: mean KL {np.mean(kl):.2e}, top-1 {np.mean(agree):.3f}")
+    assert np.mean(kl) < 0.01 and np.mean(agree) >= 0.97, (name, devices, np.mean(kl), np.mean(agree))
+    assert_exact_accounting(ctx)
+
+
 def test_cuda_budget_refuses_past_it(model_path):
     require_devices(CUDA)
     path = model_path("smollm2-135m")

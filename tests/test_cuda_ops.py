@@ -333,6 +333,43 @@ def test_moe_matmul(dev, name, per_slot_input):
             check_matmul(y[t, j][None], ws[ids[t, j]], xr[None], name != "F16")
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "F16"])
+def test_moe_matmul_gives_zero_rows_for_experts_elsewhere(dev, name):
+    """Tensor parallelism: a shard holding some of the experts gets id -1 for slots routed to the
+    others (LOCAL_IDS), and k may exceed its experts: those rows are zero, the others as before."""
+    cuda_only(dev)
+    rng = np.random.default_rng(18)
+    n_expert, rows, cols, n_tok, k = 3, 40, 256, 70, 4
+    raws, ws = zip(*[random_weights(name, rows, cols, rng) for _ in range(n_expert)])
+    raw = np.concatenate([r.reshape(-1) for r in raws])
+    ids = rng.integers(-1, n_expert, (n_tok, k)).astype(np.int32)
+    ids[5] = -1  # a token with none of its experts here
+    x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    y = run(dev, "moe_matmul", raw, int(T[name]), n_expert, rows, cols, x, ids, False)
+    for t in range(n_tok):
+        for j in range(k):
+            if ids[t, j] < 0:
+                np.testing.assert_array_equal(y[t, j], 0.0)
+            else:
+                check_matmul(y[t, j][None], ws[ids[t, j]], x[t][None], name != "F16")
+
+
+def test_local_ids_and_all_reduce_sum_match_the_host(dev):
+    """The tensor-parallel kernels run collective_math.h's HOST_DEVICE functions: the same ids and
+    the same bits as the host (which the CPU backend runs), over more elements than one grid pass."""
+    cuda_only(dev)
+    cm = _core.cuda_math
+    rng = np.random.default_rng(19)
+    ids = rng.integers(-1, 64, (3000, 8)).astype(np.int32)
+    want = cm.local_expert_ids(ids.reshape(-1), 16, 24).reshape(ids.shape)
+    np.testing.assert_array_equal(_core.cuda_ops.local_ids(ids, 16, 24), want)
+    for n_parts in (0, 1, 2, 3, 16):
+        scale = 10.0 ** rng.uniform(-3, 3, (n_parts, 1))
+        parts = (rng.standard_normal((n_parts, 1 << 21)) * scale).astype(np.float32)
+        got = _core.cuda_ops.all_reduce_sum(parts)
+        np.testing.assert_array_equal(got.view(np.uint32), cm.shard_order_sum(parts).view(np.uint32))
+
+
 # ---- the ops of gpt-oss, deepseek2 and glm4moe; several sequences ----------------------------
 
 @pytest.mark.parametrize("neox,hd,n_rot,base,factor,attn,n_ctx_orig", [

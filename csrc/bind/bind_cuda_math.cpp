@@ -1,6 +1,6 @@
 // stowlm._core.cuda_math: the HOST_DEVICE arithmetic the CUDA kernels run (quant/dot_q8_1.h,
-// cpu/attn_math.h, attn_visibility.h, moe_router.h, cuda/moe_select.h), compiled for the host so
-// the CPU tests check the same functions without a GPU.
+// cpu/attn_math.h, attn_visibility.h, moe_router.h, cuda/moe_select.h, collective_math.h),
+// compiled for the host so the CPU tests check the same functions without a GPU.
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/vector.h>
@@ -12,6 +12,7 @@
 
 #include "attn_visibility.h"
 #include "bind.h"
+#include "collective_math.h"
 #include "cpu/attn_math.h"
 #include "error.h"
 #include "moe_router.h"
@@ -290,6 +291,23 @@ nb::tuple top_k_moe_weights(F2 logits, int k, bool sigmoid_gate, bool normalize,
                           make_out<float, 2>(std::move(w), {n_tok, (size_t)k}));
 }
 
+// Tensor parallelism (collective_math.h): parts (n_parts, n) summed per element in shard order.
+Out<float, 1> shard_order_sum(F2 parts) {
+    const size_t n_parts = parts.shape(0), n = parts.shape(1);
+    std::vector<const float*> ptrs(n_parts);
+    for (size_t s = 0; s < n_parts; s++) ptrs[s] = parts.data() + s * n;
+    std::vector<float> out(n);
+    for (size_t i = 0; i < n; i++) out[i] = stowlm::shard_order_sum(ptrs.data(), (int)n_parts, (int64_t)i);
+    return make_out<float, 1>(std::move(out), {n});
+}
+
+Out<int32_t, 1> local_expert_ids(nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
+                                 int32_t first, int32_t count) {
+    std::vector<int32_t> out(ids.shape(0));
+    for (size_t i = 0; i < out.size(); i++) out[i] = stowlm::local_expert_id(ids.data()[i], first, count);
+    return make_out<int32_t, 1>(std::move(out), {out.size()});
+}
+
 }  // namespace
 
 STOWLM_BIND(cuda_math) {
@@ -323,4 +341,6 @@ STOWLM_BIND(cuda_math) {
            nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
     cm.def("top_k_moe_weights", &top_k_moe_weights, nb::arg("logits"), nb::arg("k"), nb::arg("sigmoid_gate") = false,
            nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
+    cm.def("shard_order_sum", &shard_order_sum, nb::arg("parts"));
+    cm.def("local_expert_ids", &local_expert_ids, nb::arg("ids"), nb::arg("first"), nb::arg("count"));
 }

@@ -236,8 +236,8 @@ Out<float> moe(In<uint8_t> w, uint32_t qtype, int n_expert, int64_t rows, int64_
     const int k = (int)ids.shape(1);
     const int64_t n_act = per_slot_input ? n_tok * k : n_tok;
     if (x.ndim() != 2 || (int64_t)x.shape(0) != n_act || (int64_t)x.shape(1) != cols) throw InvalidInput("moe: x shape");
-    for (size_t i = 0; i < ids.size(); i++)
-        if (ids.data()[i] < 0 || ids.data()[i] >= n_expert) throw InvalidInput("moe: expert id out of range");
+    for (size_t i = 0; i < ids.size(); i++)  // -1: the expert is on another shard (a zero row)
+        if (ids.data()[i] < -1 || ids.data()[i] >= n_expert) throw InvalidInput("moe: expert id out of range");
     cu::CudaDevice& d = device(dev_index);
     cu::DeviceWeight dw{nullptr, t, rows, cols};
     Buf wb(d, w.data(), w.size()), xb(d, x.data(), x.size() * 4), ib(d, ids.data(), ids.size() * 4),
@@ -491,6 +491,27 @@ STOWLM_BIND(cuda_ops) {
         }
         return o;
     }, nb::arg("data"), nb::arg("device") = 0, nb::arg("peer") = -1);
+    // Tensor parallelism: LOCAL_IDS, and the all-reduce's sum of parts (n_parts, n) in shard order.
+    co.def("local_ids", [](In<int32_t> ids, int32_t first, int32_t count, int di) {
+        cu::CudaDevice& d = device(di);
+        Buf ib(d, ids.data(), ids.size() * 4), ob(d, ids.size() * 4);
+        cu::local_ids(ib.as<int32_t>(), ids.size(), first, count, ob.as<int32_t>(), d.compute_stream());
+        return download<int32_t>(d, ob, shape_of(ids));
+    }, nb::arg("ids"), nb::arg("first"), nb::arg("count"), nb::arg("device") = 0);
+    co.def("all_reduce_sum", [](In<float> parts, int di) {
+        if (parts.ndim() != 2) throw InvalidInput("all_reduce_sum: parts must be (n_parts, n)");
+        const size_t n_parts = parts.shape(0), n = parts.shape(1);
+        cu::CudaDevice& d = device(di);
+        std::vector<Buf> bufs;  // one allocation per partial, as the shards' are
+        std::vector<const float*> ptrs;
+        for (size_t s = 0; s < n_parts; s++) {
+            bufs.emplace_back(d, parts.data() + s * n, n * 4);
+            ptrs.push_back(bufs.back().as<float>());
+        }
+        Buf ob(d, n * 4);
+        cu::all_reduce_sum(ptrs.data(), (int)n_parts, n, ob.as<float>(), d.compute_stream());
+        return download<float>(d, ob, {n});
+    }, nb::arg("parts"), nb::arg("device") = 0);
     co.def("open_device", [](int di) { return device(di).name(); }, nb::arg("device") = 0);
 }
 #endif  // STOWLM_HAVE_CUDA
