@@ -6,10 +6,12 @@
 // HOST_DEVICE sum, so what differs is only the plumbing (partials gathered by peer copies,
 // uploads and copy_to_host into scratch, events, uploads of the shard weights), and a wrong
 // pointer, size, order or a partial read before it is written shows up as different bits (device
-// memory starts as NaNs). Also: close to one device's logits (a sanity bound: the CPU split itself
-// is held to one device on the fixture prompts by tests/test_tensor_parallel.py; these prompts are
-// random tokens, with more near ties: gemma3 has the widest spread), every device allocating exactly what the planner projected,
-// the CUDA all-reduce and local-ids launchers having run, and the same bits twice.
+// memory starts as NaNs). Dense, MoE and MLA models, even and uneven; gemma3, gpt-oss and
+// glm4moe; partials larger than the chunk a CPU shard reads of a CUDA shard's at once. Also:
+// close to one device's logits (a sanity bound: the CPU split itself is held to one device on
+// the fixture prompts by tests/test_tensor_parallel.py; these prompts are random tokens, with
+// more near ties, gemma3's the most), every device allocating exactly what the planner
+// projected, the CUDA all-reduce and local-ids launchers having run, and the same bits twice.
 // Built and run by tests/test_cuda_tp_emulated.py: argv[1] is the models directory.
 #include <cmath>
 #include <cstdio>
@@ -42,7 +44,7 @@ std::vector<float> run(const std::string& path, const std::vector<DeviceSpec>& d
                        int64_t n_ubatch = 16) {
     auto m = Model::load(path, devices, {}, true, {}, shares);
     ContextParams p;
-    p.n_ctx = 128, p.n_ubatch = n_ubatch, p.kv_type = QType::F16;
+    p.n_ctx = ((int64_t)prompt.size() + n_decode + 127) / 128 * 128, p.n_ubatch = n_ubatch, p.kv_type = QType::F16;
     Context c(*m, p);
     const std::string why = c.check_plan_sound();
     if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
@@ -118,27 +120,29 @@ Agreement agreement(const std::vector<float>& ref, const std::vector<float>& got
 }
 
 void check(const std::string& dir, const std::string& name, const std::vector<std::vector<DeviceSpec>>& layouts,
-           const std::vector<double>& shares) {
+           const std::vector<double>& shares, int n_prompt = 40, int64_t n_ubatch = 16) {
     const std::string path = dir + "/" + name + ".gguf";
     std::vector<int32_t> prompt;
-    for (int i = 0; i < 40; i++) prompt.push_back(1 + (i * 7919) % 2000);
+    for (int i = 0; i < n_prompt; i++) prompt.push_back(1 + (i * 7919) % 2000);
     std::vector<int32_t> tokens;
-    const std::vector<float> one = run(path, {spec("cpu", 0)}, {}, prompt, 3, &tokens);
+    const std::vector<float> one = run(path, {spec("cpu", 0)}, {}, prompt, 3, &tokens, n_ubatch);
     std::vector<DeviceSpec> cpus;
     for (size_t i = 0; i < shares.size(); i++) cpus.push_back(spec("cpu", (int)i));
-    const std::vector<float> ref = run(path, cpus, shares, prompt, 3, &tokens);
+    const std::vector<float> ref = run(path, cpus, shares, prompt, 3, &tokens, n_ubatch);
     const int64_t nv = Model::load(path, {spec("cpu", 0)}, {}, false)->hp().n_vocab;
     for (const auto& devs : layouts) {
         const int reduces = cuda::g_all_reduce_calls;
-        const std::vector<float> got = run(path, devs, shares, prompt, 3, &tokens);
-        const std::vector<float> again = run(path, devs, shares, prompt, 3, &tokens);
+        const std::vector<float> got = run(path, devs, shares, prompt, 3, &tokens, n_ubatch);
+        const std::vector<float> again = run(path, devs, shares, prompt, 3, &tokens, n_ubatch);
         const bool same = got.size() == ref.size() && std::equal(got.begin(), got.end(), ref.begin());
         const bool twice = again.size() == got.size() && std::equal(got.begin(), got.end(), again.begin());
         const Agreement a = agreement(one, got, nv);
         const bool ran = cuda::g_all_reduce_calls > reduces;
         const bool ok = same && twice && a.kl < 0.1 && a.top1 >= 0.85 && ran;
-        printf("%s %-15s %-34s = CPU split's bits: %s, twice: %s; vs one device: KL %.2e, top-1 %.3f%s\n",
-               ok ? "ok  " : "FAIL", name.c_str(), describe(devs, shares).c_str(), same ? "yes" : "NO",
+        printf("%s %-15s %-46s = CPU split's bits: %s, twice: %s; vs one device: KL %.2e, top-1 %.3f%s\n",
+               ok ? "ok  " : "FAIL", name.c_str(),
+               (describe(devs, shares) + (n_prompt != 40 ? ", " + std::to_string(n_prompt) + " tokens" : "")).c_str(),
+               same ? "yes" : "NO",
                twice ? "yes" : "NO", a.kl, a.top1, ran ? "" : ", the CUDA all-reduce never ran");
         if (!same) printf("     max rel diff from the CPU split %.3g\n", max_rel(ref, got));
         if (!ok) failures++;
@@ -184,6 +188,8 @@ int main(int argc, char** argv) {
             else printf("ok   %s: LOCAL_IDS ran %d times on CUDA devices%s\n", name, local,
                         whole ? "" : " (no shard holds a part of the experts whole)");
         }
+        // partials of 512 tokens: more than the 1 MiB a CPU shard reads of a CUDA partial at once
+        check(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}}, {1, 1}, 600, 512);
         // gemma3 (post norms, GELU), gpt-oss (sinks by query heads, expert biases with id -1,
         // the output bias after the sum), glm4moe (sigmoid gates with a bias, a shared expert)
         for (const char* name : {"gemma3-270m", "gptoss-tiny", "glm4moe-tiny"}) check(dir, name, two, {1, 1});
