@@ -110,6 +110,26 @@ def test_mul_mat_id_every_batch_size(name):
         assert np.all(np.abs(y - ref) <= bound), (name, n_tok, k)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q8_0", "IQ4_NL", "MXFP4", "Q4_K", "Q5_K", "Q6_K"])
+def test_mul_mat_id_token_result_independent_of_batch(name, isa, restore_isa):
+    """A token's expert products are bit-identical alone and among 2..23 others (expert groups
+    of every size the row kernels take, with their regrouped activations): a request's text
+    under continuous batching does not depend on its neighbours."""
+    if isa not in ops.cpu_info()["supported"]:
+        pytest.skip(f"this CPU/OS cannot run the {isa} path")
+    ops.set_isa(isa)
+    raw, _ = experts(name)
+    rng = np.random.default_rng(13)
+    k = 2
+    ids = picks(rng, 23, k)
+    x = rng.standard_normal((23, 1, COLS)).astype(np.float32)
+    alone = np.stack([ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, x[t:t + 1], ids[t:t + 1])[0] for t in range(23)])
+    for n in range(2, 24):
+        y = ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, x[:n], ids[:n])
+        np.testing.assert_array_equal(y, alone[:n], err_msg=f"{name} {isa}: {n} tokens")
+
+
 def test_mul_mat_id_repeated_expert():
     """A token may name one expert in several slots (e.g. experts split over two stacks): every
     slot still gets its product, also when the repeats make one expert's group longer than the
