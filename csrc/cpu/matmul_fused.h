@@ -663,6 +663,8 @@ inline __m128i k4_scales_vec(const uint8_t* s) {
 // Q5_K (Q5 = true) is the same with the fifth bit of each value from qh: bit 2c (2c+1) of
 // qh[l] belongs to element l of group 2c (2c+1); doubled qh bytes shifted per half bring the
 // bits of a ZMM's two groups to bit 4.
+// PRE: 2+ tokens with the activations regrouped once per call (K4Group: the quants in the ZMM
+// order, read as memory operands, and the [d_act_g | bsum_g d_act_g] vector), the same values.
 template <bool Q5, int RT, int TT, bool PRE = false>
 void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using BK = std::conditional_t<Q5, block_q5_K, block_q4_K>;
