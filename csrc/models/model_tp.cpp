@@ -280,9 +280,12 @@ void Model::place_shard_weights(bool count_weights) {
         return backends_[t.device]->host_accessible() ? b : (b + 255) / 256 * 256;
     };
     const bool tied = output_ == tok_embd_;
-    auto aliases_embd = [&](const Tensor* t) {  // a tied head's rows on the device holding the whole embedding
-        return tied && t->device == tok_embd_->device && backends_[t->device]->host_accessible() &&
-               t->data >= tok_embd_->data && t->data < (uint8_t*)tok_embd_->data + tok_embd_->nbytes();
+    // A tied head's rows on the device holding the whole embedding read the embedding's bytes
+    // (the mapping on a host device, the uploaded embedding on another).
+    const uint8_t* embd_host = (const uint8_t*)tok_embd_->data;
+    auto aliases_embd = [&](const Tensor* t) {
+        return tied && t->device == tok_embd_->device && (const uint8_t*)t->data >= embd_host &&
+               (const uint8_t*)t->data < embd_host + tok_embd_->nbytes();
     };
     std::vector<size_t> mapped(n_dev, 0), copied(n_dev, 0);
     mapped[tok_embd_->device] += packed(*tok_embd_);
@@ -345,6 +348,10 @@ void Model::place_shard_weights(bool count_weights) {
         if (tok_embd_->device == d) upload(*tok_embd_, tok_embd_->data);
         for (const auto& t : shard_store_) {
             if (t->device != d) continue;
+            if (aliases_embd(t.get())) {
+                t->data = (uint8_t*)tok_embd_->data + ((const uint8_t*)t->data - embd_host);
+                continue;
+            }
             bool done = false;
             for (const ColumnSlice& c : column_slices_)
                 if (c.t == t.get()) upload(*t, gather(c)), done = true;

@@ -41,8 +41,9 @@ DeviceSpec spec(const std::string& kind, int index) {
 // has them, so every layout decodes the same sequence).
 std::vector<float> run(const std::string& path, const std::vector<DeviceSpec>& devices, const std::vector<double>& shares,
                        const std::vector<int32_t>& prompt, int n_decode, std::vector<int32_t>* forced,
-                       int64_t n_ubatch = 16) {
+                       int64_t n_ubatch = 16, std::vector<size_t>* weights = nullptr) {
     auto m = Model::load(path, devices, {}, true, {}, shares);
+    if (weights) *weights = m->weight_bytes();
     ContextParams p;
     p.n_ctx = ((int64_t)prompt.size() + n_decode + 127) / 128 * 128, p.n_ubatch = n_ubatch, p.kv_type = QType::F16;
     Context c(*m, p);
@@ -128,11 +129,21 @@ void check(const std::string& dir, const std::string& name, const std::vector<st
     const std::vector<float> one = run(path, {spec("cpu", 0)}, {}, prompt, 3, &tokens, n_ubatch);
     std::vector<DeviceSpec> cpus;
     for (size_t i = 0; i < shares.size(); i++) cpus.push_back(spec("cpu", (int)i));
-    const std::vector<float> ref = run(path, cpus, shares, prompt, 3, &tokens, n_ubatch);
+    std::vector<size_t> cpu_weights;
+    const std::vector<float> ref = run(path, cpus, shares, prompt, 3, &tokens, n_ubatch, &cpu_weights);
     const int64_t nv = Model::load(path, {spec("cpu", 0)}, {}, false)->hp().n_vocab;
     for (const auto& devs : layouts) {
         const int reduces = cuda::g_all_reduce_calls;
-        const std::vector<float> got = run(path, devs, shares, prompt, 3, &tokens, n_ubatch);
+        std::vector<size_t> weights;
+        const std::vector<float> got = run(path, devs, shares, prompt, 3, &tokens, n_ubatch, &weights);
+        // a CUDA device holds what a CPU device of the same shard holds, its tensors padded to 256
+        // bytes (a tied head's rows read the uploaded embedding: no second copy)
+        for (size_t d = 0; d < devs.size(); d++)
+            if (devs[d].kind == "cuda" && weights[d] > cpu_weights[d] + (cpu_weights[d] >> 8) + (64 << 10)) {
+                printf("FAIL %s %s: %s holds %zu weight bytes, a CPU device of that shard %zu\n", name.c_str(),
+                       describe(devs, shares).c_str(), devs[d].name().c_str(), weights[d], cpu_weights[d]);
+                failures++;
+            }
         const std::vector<float> again = run(path, devs, shares, prompt, 3, &tokens, n_ubatch);
         const bool same = got.size() == ref.size() && std::equal(got.begin(), got.end(), ref.begin());
         const bool twice = again.size() == got.size() && std::equal(got.begin(), got.end(), again.begin());
