@@ -8,6 +8,9 @@
 // ordered without extra events; only a peer copy waits on the other device's stream. With
 // pipeline parallelism (engine/pipeline.h) the device that produced a tensor pushes it into
 // this device's copy slot from its own thread: the CudaDevice calls set the current device.
+// With tensor parallelism a shard's ALL_REDUCE meets the other shards' (CPU or CUDA) inside its
+// split and gathers their partials itself (all_reduce below); the sum is the kernel of
+// cuda/collective.cu, the CPU backend's arithmetic, so every shard holds the same bits.
 #include <algorithm>
 #include <cstdlib>
 #include <memory>
