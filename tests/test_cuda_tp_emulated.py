@@ -6,6 +6,7 @@ model over [cuda:0, cuda:1], [cuda:0, cpu:0], [cpu:0, cuda:0] and [cuda:0, cpu:0
 uneven: the logits of the same split over CPU devices bit for bit, exact memory accounting. Like
 tests/test_cuda_engine_emulated.py it links the core library of a CUDA-enabled build, and is
 skipped, with the reason, where there is none."""
+import os
 import shutil
 import subprocess
 
@@ -20,7 +21,7 @@ def test_tensor_parallel_on_emulated_cuda_devices(model_path, tmp_path):
     build = cuda_build_dir()
     if build is None:
         pytest.skip("no CUDA-enabled build directory (cmake -S . -B build-cuda -DSTOWLM_CUDA=ON)")
-    cxx = shutil.which("g++") or shutil.which("c++")
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
     exe = tmp_path / "cuda_tp_emulated"
