@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.h"
+#include "dist/remote.h"
 #include "engine/context.h"
 #include "cpu/threadpool.h"
 #include "error.h"
@@ -15,7 +16,7 @@ using namespace stowlm;
 
 namespace {
 
-using SpecTuple = std::tuple<std::string, int, int, size_t>;  // kind, index, threads, mem_bytes
+using SpecTuple = std::tuple<std::string, int, int, size_t, int>;  // kind, index, threads, mem_bytes, MPI rank
 
 std::vector<DeviceSpec> to_specs(const std::vector<SpecTuple>& in) {
     std::vector<DeviceSpec> out;
@@ -25,6 +26,7 @@ std::vector<DeviceSpec> to_specs(const std::vector<SpecTuple>& in) {
         s.index = std::get<1>(t);
         s.threads = std::get<2>(t);
         s.mem_bytes = std::get<3>(t);
+        s.rank = std::get<4>(t);
         out.push_back(s);
     }
     return out;
@@ -297,6 +299,17 @@ STOWLM_BIND(engine) {
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
              nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1,
              nb::arg("tensor_split") = std::vector<double>());
+
+    // MPI ranks other than 0 (stowlm.mpi): repeat rank 0's contexts over this model until rank 0
+    // ends the job; returns the status it ends with. model None: this rank could not load its
+    // share (load_error), which rank 0 is told when it opens a context.
+    e.def(
+        "serve_ranks",
+        [](BoundModel* model, const std::string& load_error) {
+            nb::gil_scoped_release nogil;
+            return dist::serve(model ? model->m.get() : nullptr, load_error);
+        },
+        nb::arg("model").none(), nb::arg("load_error") = "");
 
     e.def(
         "project",

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <string>
 
+#include "dist/remote.h"
 #include "error.h"
 #include "graph/scheduler.h"
 
@@ -70,6 +71,14 @@ PipelineMode pipeline_mode(const Model& m, const Graph& worst, int n_copies) {
     return mode;
 }
 
+// Copies get their own area where devices run at once: tensor parallelism, and the devices of
+// several MPI ranks (dist/remote.h), whose splits always run as a pipeline.
+bool own_copy_area(const Model& m) {
+    for (Backend* b : m.backends())
+        if (dist::is_remote(b)) return true;
+    return m.tensor_parallel();
+}
+
 std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, const ComputePlan& plan) {
     std::vector<DeviceMemory> r;
     auto backends = m.backends();
@@ -133,7 +142,7 @@ Projection project_memory(const Model& model, const ContextParams& params) {
     build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
     Projection r;
     r.pipeline = pipeline_mode(model, g, p.n_copies);
-    r.devices = report(model, kv.device_bytes(), plan_compute(g, model.backends(), r.pipeline.n_copies, model.tensor_parallel()));
+    r.devices = report(model, kv.device_bytes(), plan_compute(g, model.backends(), r.pipeline.n_copies, own_copy_area(model)));
     return r;
 }
 
@@ -146,7 +155,7 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
     KVCache shape_only(kv_layout(model, params_), backends_, false, params_.n_seq);
     build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
     pipeline_ = pipeline_mode(model, ref, params_.n_copies);
-    plan_ = plan_compute(ref, backends_, pipeline_.n_copies, model.tensor_parallel());
+    plan_ = plan_compute(ref, backends_, pipeline_.n_copies, own_copy_area(model));
     kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true, params_.n_seq);
     try {
         compute_ = allocate_compute(plan_, backends_);
@@ -156,9 +165,26 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
         pipeline_.reason = "the compute buffers with " + std::to_string(pipeline_.n_copies) +
                            " copies of the crossing tensors did not fit (" + e.what() + "); retried with 1 copy";
         pipeline_.n_copies = 1;
-        plan_ = plan_compute(ref, backends_, 1, model.tensor_parallel());
+        plan_ = plan_compute(ref, backends_, 1, own_copy_area(model));
         compute_ = allocate_compute(plan_, backends_);
     }
+    // Devices of other MPI ranks: on rank 0, the others open the same context now.
+    link_ = dist::ContextLink::make(model, params_, dist::schedule_signature(ref));
+}
+
+Context::~Context() = default;
+
+void Context::kv_truncate(int64_t n, int seq) {
+    std::lock_guard<std::mutex> lock(mu_);
+    kv_->truncate(seq, n);
+    if (link_ && link_->driver()) link_->send_truncate(seq, n);  // the other ranks' caches follow
+}
+
+void Context::clear(int seq) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (seq < 0) kv_->clear_all();
+    else kv_->clear(seq);
+    if (link_ && link_->driver()) link_->send_clear(seq);
 }
 
 std::string Context::check_plan_sound() const {
@@ -277,6 +303,8 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
                                                   : std::string("(n_ctx)")) +
                                " is " + std::to_string(kv_->seq_ctx()));
     }
+    // The other MPI ranks repeat the call from here on (an error from here on ends the job).
+    if (link_ && link_->driver()) link_->send_eval(tokens, seqs, positions, out_rows);
     std::vector<int32_t> pos(n);
     {
         std::vector<int64_t> next(n_start);
@@ -320,16 +348,25 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
         const Micro& m = micro[i];
         if (m.out.empty()) return;
         const Tensor* out = g.output;
-        backends_[out->device]->copy_to_host(*out, logits.data() + m.first_out * n_vocab,
-                                             m.out.size() * (size_t)n_vocab * sizeof(float));
+        const size_t bytes = m.out.size() * (size_t)n_vocab * sizeof(float);
+        if (link_ && link_->logits(i, *out, logits.data() + m.first_out * n_vocab, bytes, backends_)) return;
+        backends_[out->device]->copy_to_host(*out, logits.data() + m.first_out * n_vocab, bytes);
     };
     try {
         // Tensor parallelism runs its devices at once (their all-reduces meet inside their splits).
-        if ((pipeline_.n_copies > 1 && micro.size() > 1) || model_.tensor_parallel()) {
+        // So do the ranks of an MPI job, each running the splits of its own devices.
+        if ((pipeline_.n_copies > 1 && micro.size() > 1) || model_.tensor_parallel() || link_) {
             const int slots = pipeline_.n_copies;
+            PipelineLink pl;
+            if (link_) {
+                pl.remote = link_->remote();
+                pl.receive = [&](int i, const Graph& g, const Split& s) { link_->receive(i, g, s, backends_); };
+                pl.send = [&](int i, const Graph& g, const Tensor& c) { link_->send(i, g, c, backends_); };
+            }
             run_pipeline(
                 (int)micro.size(), slots, backends_, [&](int i) { return &start(i, i % slots).g; },
-                [&](const Graph&, const Split& s) { run_split(s, false); }, copy_logits, &stats_);
+                [&](const Graph&, const Split& s) { run_split(s, false); }, copy_logits, &stats_,
+                link_ ? &pl : nullptr);
         } else {
             for (int i = 0; i < (int)micro.size(); i++) {
                 ShapeGraph& sg = start(i, 0);
@@ -338,6 +375,7 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
             }
         }
     } catch (...) {
+        if (link_) link_->fatal_current("evaluating a batch");  // the ranks are mid-way through it
         for (int s = 0; s < params_.n_seq; s++) kv_->truncate(s, n_start[s]);  // leave the cache as it was
         throw;
     }

@@ -17,6 +17,10 @@
 
 namespace stowlm {
 
+namespace dist {
+class ContextLink;  // devices of other MPI ranks (dist/remote.h)
+}
+
 struct ContextParams {
     int64_t n_ctx = 4096;
     int64_t n_ubatch = 512;
@@ -58,6 +62,7 @@ KVLayout context_kv_layout(const Model& model, const ContextParams& p);
 class Context {
 public:
     Context(Model& model, const ContextParams& p);
+    ~Context();
 
     // Evaluates tokens of sequence 0 (positions default to n_past, n_past+1, ...), appending them
     // to the KV cache in micro-batches of n_ubatch. Returns logits row-major [rows][n_vocab]:
@@ -69,15 +74,8 @@ public:
     // that order. On any error every sequence is left as it was.
     std::vector<float> eval_batch(const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
                                   const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows);
-    void kv_truncate(int64_t n, int seq = 0) {
-        std::lock_guard<std::mutex> lock(mu_);
-        kv_->truncate(seq, n);
-    }
-    void clear(int seq = -1) {  // -1: every sequence
-        std::lock_guard<std::mutex> lock(mu_);
-        if (seq < 0) kv_->clear_all();
-        else kv_->clear(seq);
-    }
+    void kv_truncate(int64_t n, int seq = 0);
+    void clear(int seq = -1);  // -1: every sequence
     int64_t n_past(int seq = 0) const { return kv_->n_used(seq); }
     int64_t n_cells_used() const { return kv_->n_used(); }
     int n_seq() const { return params_.n_seq; }
@@ -93,6 +91,8 @@ public:
     const ComputePlan& plan() const { return plan_; }
     // check_plan() over the worst-case graph (the one the plan was made for).
     std::string check_plan_sound() const;
+    // The other MPI ranks the context's devices are on (null when all are this process's).
+    const dist::ContextLink* link() const { return link_.get(); }
 
 private:
     // One micro-batch shape, built once per copy slot: a micro-batch in slot s reads its inputs
@@ -120,6 +120,7 @@ private:
     PipelineStats stats_;
     std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<ShapeGraph>> graphs_;
     std::mutex mu_;  // eval runs without the GIL: one call at a time per context
+    std::unique_ptr<dist::ContextLink> link_;
 };
 
 // Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg).

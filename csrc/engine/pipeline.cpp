@@ -83,7 +83,8 @@ std::string pipeline_blocker(const Graph& g, const std::vector<Backend*>& backen
 void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backends,
                   const std::function<Graph*(int)>& prepare,
                   const std::function<void(const Graph&, const Split&)>& run_split,
-                  const std::function<void(int, const Graph&)>& finish, PipelineStats* stats) {
+                  const std::function<void(int, const Graph&)>& finish, PipelineStats* stats,
+                  const PipelineLink* link) {
     using Clock = std::chrono::steady_clock;
     const auto t0 = Clock::now();
     std::mutex mu;
@@ -154,11 +155,15 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
             const auto start = Clock::now();
             try {
                 const Split& s = g->splits[k.split];
-                run_split(*g, s);
-                // Into the consumers' copy slots of this micro-batch, before this device's next
-                // split may overwrite what they copy.
-                for (Tensor* c : p->after[k.split])
-                    backends[c->device]->copy_from_peer(*c, *c->src[0], *backends[device]);
+                if (!link || !link->remote[device]) {  // (another rank runs a remote device's splits)
+                    if (link) link->receive(k.micro, *g, s);
+                    run_split(*g, s);
+                    // Into the consumers' copy slots of this micro-batch, before this device's next
+                    // split may overwrite what they copy.
+                    for (Tensor* c : p->after[k.split])
+                        if (link && link->remote[c->device]) link->send(k.micro, *g, *c);
+                        else backends[c->device]->copy_from_peer(*c, *c->src[0], *backends[device]);
+                }
                 if (k.split == p->output_split) finish(k.micro, *g);
             } catch (...) {
                 std::lock_guard<std::mutex> lock(mu);

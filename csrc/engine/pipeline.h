@@ -36,9 +36,19 @@ struct PipelineStats {
 // computes one split (its copies of graph inputs included); finish(i, g) runs on the output's
 // device right after the split that computes g.output. Every graph must have the splits of the
 // first (same devices in the same order). The first error stops every device and is rethrown.
+// link (devices of other MPI ranks, dist/remote.h): their splits run there, not here (finish
+// still runs for an output they compute); a copy between one of them and a device here is a
+// message: send(i, g, c) right after the split here that computes c's source, receive(i, g, s)
+// before split s here runs.
+struct PipelineLink {
+    std::vector<char> remote;  // per device
+    std::function<void(int, const Graph&, const Split&)> receive;
+    std::function<void(int, const Graph&, const Tensor&)> send;
+};
 void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backends,
                   const std::function<Graph*(int)>& prepare,
                   const std::function<void(const Graph&, const Split&)>& run_split,
-                  const std::function<void(int, const Graph&)>& finish, PipelineStats* stats);
+                  const std::function<void(int, const Graph&)>& finish, PipelineStats* stats,
+                  const PipelineLink* link = nullptr);
 
 }  // namespace stowlm

@@ -4,6 +4,7 @@
 #include <string>
 #include <numeric>
 
+#include "dist/remote.h"
 #include "error.h"
 
 namespace stowlm {
@@ -143,7 +144,8 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
     m->arch_->load_hparams(f, m->hp_);
     HParams& hp = m->hp_;
 
-    for (size_t d = 0; d < devices.size(); d++) m->backends_.push_back(make_backend((int)d, devices[d]));
+    // dist::make_device: make_backend, or a stand-in for a device of another MPI rank.
+    for (size_t d = 0; d < devices.size(); d++) m->backends_.push_back(dist::make_device((int)d, devices[d]));
     for (const TensorOverride& o : overrides) {
         if (o.device < 0 || o.device >= (int)devices.size())
             throw InvalidInput("tensor override '" + o.pattern + "': device index " + std::to_string(o.device) +

@@ -1,5 +1,8 @@
 """Device specs: "cpu", "cpu:1", "cpu:0[threads=1,mem=512MiB]", "cuda:0", "cuda:1[mem=8GiB]".
 
+Under mpirun (stowlm.mpi) a device of MPI rank R is "cpu:0@R" (or "cpu:0[rank=R]"): one device
+list then names the devices of every rank, and each rank runs the layers of its own.
+
 A CPU device with a `mem` budget is a virtual device: it refuses allocations past the budget
 exactly as a GPU would (MemoryError naming the device), which is how multi-device placement is
 exercised on a machine without GPUs.
@@ -14,7 +17,7 @@ from typing import Iterable, List, Sequence, Union
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
           "tib": 1 << 40}
-_SPEC = re.compile(r"^\s*([a-z]+)(?::(\d+))?\s*(?:\[(.*)\])?\s*$", re.IGNORECASE)
+_SPEC = re.compile(r"^\s*([a-z]+)(?::(\d+))?(?:@(\d+))?\s*(?:\[(.*)\])?\s*$", re.IGNORECASE)
 KINDS = ("cpu", "cuda")
 _log = logging.getLogger("stowlm")
 _cuda_cache = None
@@ -49,13 +52,14 @@ class DeviceSpec:
     index: int = 0
     threads: int = 0      # 0: all cores (or STOWLM_THREADS)
     mem_bytes: int = 0    # 0: no budget beyond physical RAM
+    rank: int = -1        # the MPI rank whose device it is; -1: this process's
 
     @property
     def name(self) -> str:
-        return f"{self.kind}:{self.index}"
+        return f"{self.kind}:{self.index}" + (f"@{self.rank}" if self.rank >= 0 else "")
 
     def as_tuple(self):
-        return (self.kind, self.index, self.threads, self.mem_bytes)
+        return (self.kind, self.index, self.threads, self.mem_bytes, self.rank)
 
     def __str__(self) -> str:
         opts = []
@@ -89,15 +93,23 @@ def parse_device(text: str) -> DeviceSpec:
     if kind not in KINDS:
         raise ValueError(f"device {text!r}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
     index = int(m.group(2) or 0)
-    if kind == "cuda":
+    rank = -1 if m.group(3) is None else int(m.group(3))
+    options = m.group(4)
+    if options and re.search(r"(^|,)\s*rank\s*=", options):
+        items = [i for i in options.split(",") if i.split("=", 1)[0].strip() != "rank"]
+        value = [i for i in options.split(",") if i.split("=", 1)[0].strip() == "rank"][-1].split("=", 1)[1].strip()
+        if not value.isdigit() or (rank >= 0 and int(value) != rank):
+            raise ValueError(f"device {text!r}: rank must be a non-negative integer (and agree with @RANK)")
+        rank, options = int(value), ",".join(items)
+    if kind == "cuda" and not _elsewhere(rank):
         devs, why = cuda_devices()
         if not devs:
             raise RuntimeError(f"device {text!r}: no CUDA device is present ({why})")
         if index >= len(devs):
             raise ValueError(f"device {text!r}: there are {len(devs)} CUDA devices (cuda:0..cuda:{len(devs) - 1})")
     threads, mem = 0, 0
-    if m.group(3) is not None and m.group(3).strip():
-        for item in m.group(3).split(","):
+    if options is not None and options.strip():
+        for item in options.split(","):
             if "=" not in item:
                 raise ValueError(f"device {text!r}: option {item.strip()!r} is not key=value")
             key, value = (s.strip() for s in item.split("=", 1))
@@ -110,10 +122,19 @@ def parse_device(text: str) -> DeviceSpec:
                 if mem <= 0:
                     raise ValueError(f"device {text!r}: mem must be positive")
             else:
-                raise ValueError(f"device {text!r}: unknown option {key!r} (known: threads, mem)")
+                raise ValueError(f"device {text!r}: unknown option {key!r} (known: threads, mem, rank)")
     if kind == "cuda" and threads:
         raise ValueError(f"device {text!r}: threads applies to CPU devices only (a CUDA device takes mem)")
-    return DeviceSpec(kind, index, threads, mem)
+    return DeviceSpec(kind, index, threads, mem, rank)
+
+
+def _elsewhere(rank: int) -> bool:
+    """Whether a device of MPI rank `rank` is another process's (its own rank checks it)."""
+    if rank < 0:
+        return False
+    from . import _core
+
+    return rank != _core.dist.rank()
 
 
 def _split_outside_brackets(text: str) -> List[str]:
