@@ -189,6 +189,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    from . import mpi  # under mpirun every rank takes its part there (stowlm/mpi.py)
+
+    if mpi.launched():
+        return mpi.main(argv)
     p = _parser()
     if argv[:1] == ["bench"]:
         # argparse's REMAINDER refuses a first argument that looks like an option ("-m"):
