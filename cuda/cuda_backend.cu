@@ -1,6 +1,9 @@
 // CudaDevice (buffers, streams, events, copies) and the matmul dispatch between the vector
 // kernel (mmvq.cu) and the tiled tensor-core kernel (mmq.cu).
 #include <cstring>
+#include <mutex>
+#include <set>
+#include <utility>
 
 #include "cuda_backend.h"
 #include "cuda_common.cuh"
@@ -169,9 +172,29 @@ void CudaDevice::copy_device(void* dst, const void* src, size_t bytes, Stream s)
     check_cuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, (cudaStream_t)s), "copy_device");
 }
 
+namespace {
+// Peer access from device `to` to device `from`, enabled once per pair where the hardware allows
+// it: cudaMemcpyPeerAsync then moves the bytes directly (NVLink or PCIe) instead of staging them
+// through host memory. Never fails: where access is impossible the copy is staged as before.
+void enable_peer_access(int to, int from) {
+    static std::mutex mu;
+    static std::set<std::pair<int, int>> tried;
+    std::lock_guard<std::mutex> lk(mu);
+    if (to == from || !tried.insert({to, from}).second) return;
+    int can = 0;
+    if (cudaDeviceCanAccessPeer(&can, to, from) != cudaSuccess || !can) {
+        cudaGetLastError();
+        return;
+    }
+    const cudaError_t e = cudaDeviceEnablePeerAccess(from, 0);  // from the current device, `to`
+    if (e != cudaSuccess) cudaGetLastError();                    // already enabled, or not possible
+}
+}  // namespace
+
 void CudaDevice::copy_from_peer(void* dst, const CudaDevice& from, const void* src, size_t bytes, Stream s) {
     if (bytes == 0) return;
     set_current();
+    enable_peer_access(index_, from.index_);
     check_cuda(cudaMemcpyPeerAsync(dst, index_, src, from.index_, bytes, (cudaStream_t)s), "copy_from_peer");
 }
 
