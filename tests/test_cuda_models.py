@@ -48,9 +48,9 @@ def test_cuda_device_lists_without_a_gpu_are_clear_errors(model_path):
     from stowlm import _core
 
     with pytest.raises(RuntimeError, match=r"cuda:0.*no CUDA device is present|no CUDA device is present.*cuda:0"):
-        _core.engine.Model(str(path), [("cuda", 0, 0, 0)], [], [])
+        _core.engine.Model(str(path), [("cuda", 0, 0, 0, -1)], [], [])
     with pytest.raises(RuntimeError, match="no CUDA device is present"):
-        _core.engine.project(str(path), [("cpu", 0, 1, 0), ("cuda", 0, 0, 0)], [], [], 64, 8, "f16", 0, 4)
+        _core.engine.project(str(path), [("cpu", 0, 1, 0, -1), ("cuda", 0, 0, 0, -1)], [], [], 64, 8, "f16", 0, 4)
     assert stowlm.Model(path, devices=[CPU]).n_layer == 30  # the process stays usable
 
 
