@@ -1,7 +1,7 @@
 """Pipeline stages on MPI ranks: prompt throughput with and without overlapping micro-batches,
 and what a generated token spends in messages.
 
-    mpirun -np 2 python bench/mpi_bench.py MODEL [--threads 1] [--prompt 512] [--ubatch 64] [--gen 64]
+    mpirun -np 2 python bench/mpi_bench.py MODEL [--threads 1] [--prompt 2048] [--ubatch 256] [--gen 128]
 
 (as root add --allow-run-as-root; --oversubscribe for more ranks than cores). Every rank gets
 one CPU device of --threads threads and an even share of the layers. Rank 0 measures:
@@ -40,29 +40,36 @@ def prompt_rate(model, ids, ubatch, reps):
     return len(ids) / best, ctx.pipeline
 
 
-def decode_ms(model, ids, n_gen):
-    ctx = stowlm.Context(model, n_ctx=len(ids) + n_gen + 8, n_ubatch=64, n_outputs=1)
-    logits = ctx.eval(ids)
-    tok = int(np.argmax(logits))
-    ctx.eval([tok])  # warm up the one-token graph
-    times = []
+def decode_ms(model, local_model, ids, n_gen):
+    """ms per generated token over the ranks and in one process, one token of each in turn (so a
+    change in the machine's load hits both alike): medians and the median of the differences."""
+    ctxs = [stowlm.Context(m, n_ctx=len(ids) + n_gen + 8, n_ubatch=64, n_outputs=1) for m in (model, local_model)]
+    toks = []
+    for ctx in ctxs:
+        tok = int(np.argmax(ctx.eval(ids)))
+        ctx.eval([tok])  # warm up the one-token graph
+        toks.append(tok)
+    times = [[], []]
     _core.dist.reset_stats()
     for _ in range(n_gen):
-        t0 = time.perf_counter()
-        logits = ctx.eval([tok])
-        times.append(time.perf_counter() - t0)
-        tok = int(np.argmax(logits))
+        for k, ctx in enumerate(ctxs):
+            t0 = time.perf_counter()
+            logits = ctx.eval([toks[k]])
+            times[k].append(time.perf_counter() - t0)
+            toks[k] = int(np.argmax(logits))
+    assert toks[0] == toks[1], "the ranks and one process generated different tokens"
     stats = _core.dist.stats()
-    return 1000 * float(np.median(times)), stats
+    diff = np.median(np.array(times[0]) - np.array(times[1]))
+    return 1000 * float(np.median(times[0])), 1000 * float(np.median(times[1])), 1000 * float(diff), stats
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--prompt", type=int, default=512)
-    ap.add_argument("--ubatch", type=int, default=64)
-    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--prompt", type=int, default=2048)
+    ap.add_argument("--ubatch", type=int, default=256)
+    ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     devices, split = mpi.start(a.model, devices=f"cpu:0[threads={a.threads}]",
@@ -82,15 +89,21 @@ def main():
             print(f"  prompt, n_copies {nc}: {rates[nc]:8.1f} tokens/s  (pipeline {mode})")
             del model
         print(f"  overlap / taking turns: {rates[4] / rates[1]:.2f}x")
-        model = stowlm.Model(a.model, devices=devices, layer_split=split, n_copies=4)
-        ms, stats = decode_ms(model, ids[:64], a.gen)
-        del model
         local = [f"cpu:{i}[threads={a.threads}]" for i in range(len(devices))]
-        one_ms, _ = decode_ms(stowlm.Model(a.model, devices=local, layer_split=split), ids[:64], a.gen)
+        one = {}
+        for nc in (4, 1):  # the same split in one process (rank 0 alone; the others wait)
+            one[nc], _ = prompt_rate(stowlm.Model(a.model, devices=local, layer_split=split, n_copies=nc), ids,
+                                     a.ubatch, a.reps)
+        print(f"  one process, same split: {one[4]:8.1f} tokens/s overlapped, {one[1]:8.1f} taking turns "
+              f"({one[4] / one[1]:.2f}x)")
+        model = stowlm.Model(a.model, devices=devices, layer_split=split, n_copies=4)
+        ms, one_ms, diff, stats = decode_ms(model, stowlm.Model(a.model, devices=local, layer_split=split), ids[:64],
+                                            a.gen)
         per = stats["messages"] / a.gen
-        print(f"  decode: {ms:.2f} ms/token over {job.size} ranks, {one_ms:.2f} ms/token in one process with the same "
-              f"split: {ms - one_ms:.2f} ms/token in messages ({per:.0f} sent by rank 0 per token, "
-              f"{stats['bytes'] / a.gen / 1024:.1f} KiB)")
+        print(f"  decode (median of {a.gen} tokens, in turns with one process): {ms:.2f} ms per token over {job.size} "
+              f"ranks, {one_ms:.2f} in one process with the same split; in messages: {diff:.2f} ms per token "
+              f"(median difference; {per:.0f} messages sent by rank 0 per token, {stats['bytes'] / a.gen / 1024:.1f} "
+              "KiB)")
     finally:
         mpi.finish()
 

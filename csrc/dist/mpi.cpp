@@ -92,6 +92,7 @@ World::~World() {
 void World::post(int dst, int tag, std::vector<char>&& data, const char* what) {
     auto* o = new Outgoing();
     o->dst = dst, o->tag = tag, o->data = std::move(data), o->what = what;
+    const size_t bytes = o->data.size();  // o belongs to the sender thread once queued
     {
         std::lock_guard<std::mutex> lock(out_mu_);
         if (!sender_.joinable()) sender_ = std::thread([this] { sender_loop(); });
@@ -100,7 +101,7 @@ void World::post(int dst, int tag, std::vector<char>&& data, const char* what) {
     out_cv_.notify_all();
     std::lock_guard<std::mutex> lock(stats_mu_);
     stats_.messages++;
-    stats_.bytes += o->data.size();
+    stats_.bytes += bytes;
 }
 
 void World::sender_loop() {
@@ -206,7 +207,9 @@ void World::wait(void* request, int peer, const char* what, bool idle, bool send
         while (aborting_) std::this_thread::sleep_for(std::chrono::milliseconds(100));  // fatal() ends the job
         const auto now = Clock::now();
         if (now - t0 < std::chrono::microseconds(50)) continue;  // a reply due at once: spin briefly
-        sleep_us = std::min(std::max(2 * sleep_us, 10), idle ? 2000 : 200);
+        // at most 100 us late while messages flow; an idle rank (no command for a second) 2 ms
+        const bool long_idle = idle && now - t0 > std::chrono::seconds(1);
+        sleep_us = std::min(std::max(2 * sleep_us, 10), long_idle ? 2000 : 100);
         std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
         if (now - checked > std::chrono::milliseconds(100)) {
             checked = now;
