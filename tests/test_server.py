@@ -23,14 +23,14 @@ httpx = pytest.importorskip("httpx")
 
 import stowlm  # noqa: E402
 
-from conftest import REPO, get_model  # noqa: E402
+from conftest import get_model, subprocess_env  # noqa: E402
 
 KEY = "test-key-123"
 PARALLEL, N_CTX = 4, 4 * 512
 
 
 def _start(*args):
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = subprocess_env()  # the same stowlm as this run: installed in CI, python/ in a dev build
     env.pop("STOWLM_API_KEY", None)
     proc = subprocess.Popen([sys.executable, "-m", "stowlm", "serve", str(get_model("smollm2-135m")), "--port", "0",
                              "-q", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
