@@ -92,6 +92,28 @@ def test_decoding_after_a_prompt_matches_the_prompt_pass():
     assert _kl(whole[5:], steps).mean() < 0.01
 
 
+def test_contexts_on_several_threads_at_once_repeat_their_bits():
+    """The devices' threads are kept between calls and lent to one call at a time: contexts that
+    evaluate at the same time from several Python threads (the GIL is released) get the bits each
+    gets alone, whether it had the kept threads or started its own."""
+    import concurrent.futures as cf
+
+    path = str(get_model("smollm2-135m"))
+    ids = [r["ids"] for r in load_fixture("smollm2-135m") if r["kind"] == "logits"][0]
+    model = _tp(path, [1, 1])
+    ctxs = [stowlm.Context(model, n_ctx=256) for _ in range(3)]
+
+    def run(ctx):
+        ctx.clear()
+        return np.concatenate([ctx.eval(ids, logits="all")] + [ctx.eval([t])[None] for t in ids[:8]])
+
+    alone = run(ctxs[0])
+    with cf.ThreadPoolExecutor(3) as ex:
+        for _ in range(3):
+            for got in ex.map(run, ctxs):
+                np.testing.assert_array_equal(got, alone)
+
+
 def test_the_shards_cover_every_layer_once():
     path = str(get_model("qwen3moe-tiny"))
     whole = stowlm.Model(path).shards[0]

@@ -1,6 +1,7 @@
 #include "engine/pipeline.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <exception>
@@ -58,6 +59,83 @@ Pushes pushes_of(const Graph& g) {
     p.output_split = it->second;
     return p;
 }
+
+// Threads kept for the devices between calls: a generated token is one micro-batch, and new
+// threads for each (created, placed on a core, joined) cost more than its all-reduces. Between
+// calls they look for work for ~2 ms (a token's host work fits in that), then sleep.
+class DeviceThreads {
+  public:
+    static DeviceThreads& get() {
+        static DeviceThreads t;
+        return t;
+    }
+    // Runs fn(k) for every k in [0, n): k = 0 on the calling thread, the others on kept threads.
+    // False (nothing run) when another call is using them: the caller then starts its own.
+    bool run(int n, const std::function<void(int)>& fn) {
+        std::unique_lock<std::mutex> busy(call_mu_, std::try_to_lock);
+        if (!busy.owns_lock()) return false;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            while ((int)threads_.size() < n - 1) {
+                const int k = (int)threads_.size() + 1;
+                const uint64_t now = generation_.load();  // the job posted below is new to it
+                threads_.emplace_back([this, k, now] { loop(k, now); });
+            }
+            job_ = &fn;
+            n_job_ = n;
+            pending_.store(n - 1, std::memory_order_relaxed);
+            generation_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        fn(0);
+        for (int i = 0; pending_.load(std::memory_order_acquire) != 0; i++) {
+            if (i < 4096) {
+#if defined(__x86_64__) || defined(__i386__)
+                __builtin_ia32_pause();
+#endif
+            } else {
+                std::this_thread::yield();
+            }
+        }
+        return true;
+    }
+    ~DeviceThreads() {
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            stop_ = true;
+            generation_.fetch_add(1);
+        }
+        cv_.notify_all();
+        for (std::thread& t : threads_) t.join();
+    }
+
+  private:
+    void loop(int k, uint64_t seen) {
+        for (;;) {
+            const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+            while (generation_.load(std::memory_order_acquire) == seen && std::chrono::steady_clock::now() < until)
+                std::this_thread::yield();
+            std::unique_lock<std::mutex> lock(mu_);
+            cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != seen; });
+            seen = generation_.load(std::memory_order_acquire);
+            if (stop_) return;
+            const std::function<void(int)>* fn = k < n_job_ ? job_ : nullptr;
+            lock.unlock();
+            if (fn) {
+                (*fn)(k);
+                pending_.fetch_sub(1, std::memory_order_acq_rel);
+            }
+        }
+    }
+    std::mutex call_mu_, mu_;
+    std::condition_variable cv_;
+    std::vector<std::thread> threads_;
+    std::atomic<uint64_t> generation_{0};
+    std::atomic<int> pending_{0};
+    const std::function<void(int)>* job_ = nullptr;
+    int n_job_ = 0;
+    bool stop_ = false;
+};
 
 }  // namespace
 
@@ -183,36 +261,51 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
         }
     };
 
-    std::vector<std::thread> threads;
     std::vector<char> has_work(backends.size(), 0);
     for (int d : split_device) has_work[d] = 1;
+    std::vector<int> working;
     for (int d = 0; d < (int)backends.size(); d++)
-        if (has_work[d]) threads.emplace_back(worker, d);
-
+        if (has_work[d]) working.push_back(d);
     // Release the micro-batches in order, each once the one n_slots before it is done.
-    for (int i = 1; i < n_micro; i++) {
-        {
-            std::unique_lock<std::mutex> lock(mu);
-            cv.wait(lock, [&] { return error || i < n_slots || remaining[i - n_slots] == 0; });
-            if (error) break;
-        }
-        Graph* g = nullptr;
-        try {
-            g = prepare(i);
-            std::vector<int> devs;
-            for (const Split& s : g->splits) devs.push_back(s.device);
-            if (devs != split_device) throw InvalidInput("pipeline: micro-batch graphs differ in their splits");
-        } catch (...) {
+    auto release_rest = [&] {
+        for (int i = 1; i < n_micro; i++) {
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                cv.wait(lock, [&] { return error || i < n_slots || remaining[i - n_slots] == 0; });
+                if (error) break;
+            }
+            Graph* g = nullptr;
+            try {
+                g = prepare(i);
+                std::vector<int> devs;
+                for (const Split& s : g->splits) devs.push_back(s.device);
+                if (devs != split_device) throw InvalidInput("pipeline: micro-batch graphs differ in their splits");
+            } catch (...) {
+                std::lock_guard<std::mutex> lock(mu);
+                if (!error) error = std::current_exception();
+                cv.notify_all();
+                break;
+            }
             std::lock_guard<std::mutex> lock(mu);
-            if (!error) error = std::current_exception();
+            release(i, g);
             cv.notify_all();
-            break;
         }
-        std::lock_guard<std::mutex> lock(mu);
-        release(i, g);
-        cv.notify_all();
+    };
+    // One micro-batch (a generated token): the calling thread runs one of the devices. Several: it
+    // releases them (release_rest) while the devices run on the kept threads.
+    const bool inline_first = n_micro == 1;
+    const int n_run = (int)working.size() + (inline_first ? 0 : 1);
+    const std::function<void(int)> device_job = [&](int k) {
+        if (!inline_first && k == 0) return release_rest();
+        worker(working[inline_first ? k : k - 1]);
+    };
+
+    if (!DeviceThreads::get().run(n_run, device_job)) {  // another context's pipeline has them
+        std::vector<std::thread> threads;
+        for (int k = 1; k < n_run; k++) threads.emplace_back(device_job, k);
+        device_job(0);
+        for (std::thread& t : threads) t.join();
     }
-    for (std::thread& t : threads) t.join();
     for (Backend* b : backends) b->synchronize();
     if (error) std::rethrow_exception(error);
     if (stats) {

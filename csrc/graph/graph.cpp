@@ -1,5 +1,6 @@
 #include "graph/graph.h"
 
+#include <chrono>
 #include <thread>
 
 #include "error.h"
@@ -373,18 +374,20 @@ void Collective::wait_all() {
         cv_.notify_all();
         return;
     }
-    // a short spin, then give the core away between looks (the other device's thread may need
-    // it when the machine has more threads than cores), then sleep
-    for (int i = 0; i < (1 << 11) + 64; i++) {
+    // A short spin, then looks between yields for up to 2 ms (a yield returns at once when the
+    // core has nothing else to run, and gives it away when the machine has more threads than
+    // cores), then sleep. Sleeping sooner makes the devices take turns waking each other.
+    for (int i = 0; i < 1 << 11; i++) {
         if (generation_.load(std::memory_order_acquire) != gen) return;
         if (aborted_.load(std::memory_order_relaxed)) break;
-        if (i < 1 << 11) {
 #if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
+        __builtin_ia32_pause();
 #endif
-        } else {
-            std::this_thread::yield();
-        }
+    }
+    const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
+    while (!aborted_.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until) {
+        if (generation_.load(std::memory_order_acquire) != gen) return;
+        std::this_thread::yield();
     }
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait(lock, [&] { return generation_.load(std::memory_order_acquire) != gen || aborted_.load(); });
