@@ -12,7 +12,6 @@ expert's part), not once per picked expert, which would be n_expert_used times t
 import argparse
 import json
 import os
-import shutil
 import statistics
 import subprocess
 import sys
@@ -44,7 +43,10 @@ def main():
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     a = ap.parse_args()
-    bench = a.bench or shutil.which("stowlm-bench") or os.path.join(HERE, "..", "build", "stowlm-bench")
+    sys.path.insert(0, HERE)
+    from compare import find_stowlm_bench  # this tree's build/ first, then the installed one
+
+    bench = find_stowlm_bench(a.bench)
     from stowlm import _core, pull
 
     models = a.model or [pull.pull("smollm2-135m", progress=False)]
