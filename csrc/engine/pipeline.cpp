@@ -88,14 +88,16 @@ class DeviceThreads {
         }
         cv_.notify_all();
         fn(0);
-        for (int i = 0; pending_.load(std::memory_order_acquire) != 0; i++) {
-            if (i < 4096) {
+        // A short spin (after a token the others end within microseconds), then sleep: during a
+        // long prompt the caller only released the micro-batches, and its core is the devices'.
+        for (int i = 0; i < 4096 && pending_.load(std::memory_order_acquire) != 0; i++) {
 #if defined(__x86_64__) || defined(__i386__)
-                __builtin_ia32_pause();
+            __builtin_ia32_pause();
 #endif
-            } else {
-                std::this_thread::yield();
-            }
+        }
+        if (pending_.load(std::memory_order_acquire) != 0) {
+            std::unique_lock<std::mutex> lock(mu_);
+            done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
         }
         return true;
     }
@@ -123,12 +125,15 @@ class DeviceThreads {
             lock.unlock();
             if (fn) {
                 (*fn)(k);
-                pending_.fetch_sub(1, std::memory_order_acq_rel);
+                if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                    std::lock_guard<std::mutex> lock(mu_);  // (the caller checks under it before sleeping)
+                    done_cv_.notify_all();
+                }
             }
         }
     }
     std::mutex call_mu_, mu_;
-    std::condition_variable cv_;
+    std::condition_variable cv_, done_cv_;
     std::vector<std::thread> threads_;
     std::atomic<uint64_t> generation_{0};
     std::atomic<int> pending_{0};
