@@ -19,6 +19,11 @@ def test_parse_options():
     assert parse_device("cpu[ threads = 4 ]").threads == 4
     assert str(d) == "cpu:0[threads=1,mem=512MiB]"
     assert parse_device(str(d)) == d
+    s = parse_device("cpu:1[threads=2,speed=1.5]")
+    assert s.speed == 1.5 and s.as_tuple() == ("cpu", 1, 2, 0, -1) and parse_device(str(s)) == s
+    for bad in ("cpu[speed=0]", "cpu[speed=-1]", "cpu[speed=fast]", "cpu[speed=inf]"):
+        with pytest.raises(ValueError, match="speed must be a positive number"):
+            parse_device(bad)
 
 
 @pytest.mark.parametrize("text,unit", [("1000", 1), ("2k", 1024), ("3MB", 1000**2), ("4GiB", 1 << 30)])

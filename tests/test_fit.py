@@ -175,6 +175,10 @@ def test_stages_are_balanced_by_threads_and_the_user_split_is_kept(model_path):
     assert [d.n_layers for d in even.devices] == [15, 15]
     uneven = fit(path, ["cpu:0[threads=2,mem=1GiB]", "cpu:1[threads=1,mem=1GiB]"], n_ctx=1024)
     assert [d.n_layers for d in uneven.devices] == [20, 10]
+    # a stated speed overrides the thread count: 1.6 : 1 -> 30 * 1.6 / 2.6 = 18.5 layers on cpu:0
+    stated = fit(path, ["cpu:0[threads=2,mem=1GiB,speed=1.6]", "cpu:1[threads=1,mem=1GiB]"], n_ctx=1024)
+    assert [d.n_layers for d in stated.devices] in ([18, 12], [19, 11])
+    assert "speed=1.6" in stated.to_json()
     kept = fit(path, ["cpu:0[mem=1GiB]", "cpu:1[mem=1GiB]"], n_ctx=1024, layer_split=[7, 23])
     assert [d.layers for d in kept.devices] == [(0, 6), (7, 29)]
     with pytest.raises(FitError):

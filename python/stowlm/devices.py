@@ -1,5 +1,8 @@
 """Device specs: "cpu", "cpu:1", "cpu:0[threads=1,mem=512MiB]", "cuda:0", "cuda:1[mem=8GiB]".
 
+`speed=X` states a device's relative speed for fit's pipeline stages where the default (a CPU
+device's threads, 1 for a GPU) misleads, e.g. "cpu:0[threads=2,speed=1.6],cpu:1[threads=1]".
+
 Under mpirun (stowlm.mpi) a device of MPI rank R is "cpu:0@R" (or "cpu:0[rank=R]"): one device
 list then names the devices of every rank, and each rank runs the layers of its own.
 
@@ -53,6 +56,7 @@ class DeviceSpec:
     threads: int = 0      # 0: all cores (or STOWLM_THREADS)
     mem_bytes: int = 0    # 0: no budget beyond physical RAM
     rank: int = -1        # the MPI rank whose device it is; -1: this process's
+    speed: float = 0.0    # relative speed for fit's stage balance; 0: its threads (CPU), 1 (CUDA)
 
     @property
     def name(self) -> str:
@@ -67,6 +71,8 @@ class DeviceSpec:
             opts.append(f"threads={self.threads}")
         if self.mem_bytes:
             opts.append(f"mem={format_bytes(self.mem_bytes)}")
+        if self.speed:
+            opts.append(f"speed={self.speed:g}")
         return self.name + (f"[{','.join(opts)}]" if opts else "")
 
 
@@ -107,7 +113,7 @@ def parse_device(text: str) -> DeviceSpec:
             raise RuntimeError(f"device {text!r}: no CUDA device is present ({why})")
         if index >= len(devs):
             raise ValueError(f"device {text!r}: there are {len(devs)} CUDA devices (cuda:0..cuda:{len(devs) - 1})")
-    threads, mem = 0, 0
+    threads, mem, speed = 0, 0, 0.0
     if options is not None and options.strip():
         for item in options.split(","):
             if "=" not in item:
@@ -121,11 +127,18 @@ def parse_device(text: str) -> DeviceSpec:
                 mem = parse_bytes(value)
                 if mem <= 0:
                     raise ValueError(f"device {text!r}: mem must be positive")
+            elif key == "speed":
+                try:
+                    speed = float(value)
+                except ValueError:
+                    speed = -1.0
+                if not (0 < speed < float("inf")):
+                    raise ValueError(f"device {text!r}: speed must be a positive number, got {value!r}")
             else:
-                raise ValueError(f"device {text!r}: unknown option {key!r} (known: threads, mem, rank)")
+                raise ValueError(f"device {text!r}: unknown option {key!r} (known: threads, mem, speed, rank)")
     if kind == "cuda" and threads:
         raise ValueError(f"device {text!r}: threads applies to CPU devices only (a CUDA device takes mem)")
-    return DeviceSpec(kind, index, threads, mem, rank)
+    return DeviceSpec(kind, index, threads, mem, rank, speed)
 
 
 def _elsewhere(rank: int) -> bool:

@@ -121,7 +121,7 @@ class _Dev:
     total: int       # the memory it has (budget, GPU memory, host RAM)
     free: int
     margin: int
-    speed: float     # relative: a CPU device's threads, 1 for a GPU
+    speed: float     # relative: the spec's speed=, else a CPU device's threads, 1 for a GPU
     tier: int        # 0 GPU memory, 1 a CPU device with a budget, 2 the host's RAM
     free_source: str
 
@@ -172,6 +172,7 @@ def _describe_devices(specs: List[DeviceSpec], margin) -> Tuple[List[_Dev], int,
             total = min(s.mem_bytes, d["total_bytes"]) if s.mem_bytes else d["total_bytes"]
             free = min(total, d["free_bytes"])
             source, tier, speed = "cudaMemGetInfo" + (", capped by its budget" if s.mem_bytes else ""), 0, 1.0
+        speed = s.speed or speed  # as the spec states it, where it does
         m = default_margin(total) if m is None else m
         if m >= free:
             raise ValueError(f"margin {format_size(m)} for {s.name} is not smaller than its free memory "

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, List, Optional, Sequence, Tuple
 
 from . import _core
@@ -133,7 +133,7 @@ def _describe(specs: List[DeviceSpec], ranks_here: int) -> List[dict]:
     out = []
     for s in specs:
         if s.kind == "cpu" and not s.threads:
-            s = DeviceSpec(s.kind, s.index, max(1, _core.engine.default_threads() // ranks_here), s.mem_bytes)
+            s = replace(s, threads=max(1, _core.engine.default_threads() // ranks_here), rank=-1)
         if s.kind == "cpu":
             if s.mem_bytes:
                 total = free = s.mem_bytes
@@ -243,7 +243,7 @@ def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int
     for r, devs in enumerate(mine):
         for d in devs:
             s = parse_devices(d["spec"])[0]
-            specs.append(DeviceSpec(s.kind, s.index, s.threads, s.mem_bytes, r))
+            specs.append(replace(s, rank=r))
             described.append(dict(d, rank=r, host=job.hosts[r]))
     decisions: List[str] = []
     if job.rank == 0:
