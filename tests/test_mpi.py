@@ -132,6 +132,15 @@ def test_cli_run_and_fit(mpirun):
     assert re.search(rf"^0\s+{re.escape(host)}\s+cpu:0@0\s+0-14\s", f.stdout, re.M), f.stdout
     assert re.search(rf"^1\s+{re.escape(host)}\s+cpu:0@1\s+15-29\s", f.stdout, re.M), f.stdout
     assert "mpi: 2 ranks on 1 host(s)" in f.stdout and "decisions:" in f.stdout
+    # no context given: the largest that fits, as fit chooses it (smollm2 trained 8192; 2 x 120 MiB
+    # holds 8192 cells of KV (180 MiB) with the weights only below it)
+    f = _run(mpirun, 2, "-m", "stowlm", "fit", path, "--explain", "--devices", "cpu:0[threads=1,mem=120MiB]")
+    assert f.returncode == 0, f.stderr
+    m = re.search(r"n_ctx 8192 -> (\d+): the largest", f.stdout)
+    assert m and 4096 <= int(m.group(1)) < 8192 and int(m.group(1)) % 256 == 0, f.stdout
+    assert f"n_ctx {m.group(1)};" in f.stdout
+    rows = [re.split(r"\s{2,}", line) for line in f.stdout.splitlines() if re.match(r"^[01]\s+\S+\s+cpu:0@", line)]
+    assert len(rows) == 2 and all(float(r[7].split()[0]) <= float(r[8].split()[0]) for r in rows), f.stdout
 
 
 def test_server_across_ranks(mpirun):

@@ -150,12 +150,64 @@ def _describe(specs: List[DeviceSpec], ranks_here: int) -> List[dict]:
     return out
 
 
-def _default_ctx(path: str) -> int:
+def _trained_ctx(path: str) -> int:
     from .gguffile import GGUFFile
 
     with GGUFFile(path) as f:
         meta = f.metadata
-    return min(4096, int(meta.get(f"{meta['general.architecture']}.context_length", 4096)))
+    return int(meta.get(f"{meta['general.architecture']}.context_length", 4096))
+
+
+def _llm_ctx(path: str, n_seq: int) -> int:
+    """The context an LLM makes when given none: n_seq x min(4096, trained), in whole slots."""
+    from .placement import slot_context
+
+    return slot_context(n_seq * min(4096, _trained_ctx(path)), n_seq)
+
+
+def _fit_ctx(path: str, n_seq: int, split_at, decisions: List[str]):
+    """As fit does when the user set no context: each slot's context from the trained one (capped at
+    max_ctx) down to fit_ctx in steps of 256, the largest whose layer split fits (split_at(n_ctx)
+    raises MemoryError when none does). Returns (n_ctx of all slots, split)."""
+    from .fit import DEFAULT_FIT_CTX, DEFAULT_MAX_CTX
+    from .placement import slot_context
+
+    trained = _trained_ctx(path)
+    top = min(trained, DEFAULT_MAX_CTX)
+    floor = min(top, DEFAULT_FIT_CTX)
+    total = lambda per: slot_context(per * n_seq, n_seq)  # noqa: E731 - what the context will make
+    tried: dict = {}
+
+    def attempt(per):
+        if per not in tried:
+            steps: List[str] = []
+            try:
+                tried[per] = (split_at(total(per), steps), steps)
+            except MemoryError as e:
+                tried[per] = (None, e)
+        return tried[per]
+
+    if attempt(top)[0] is not None:
+        lo = top
+    else:
+        if attempt(floor)[0] is None:
+            raise attempt(floor)[1]
+        lo, hi = floor, top  # lo fits, hi does not: bisect over multiples of 256
+        while hi - lo > 256:
+            mid = (lo + hi) // 2 // 256 * 256
+            if mid <= lo:
+                break
+            if attempt(mid)[0] is not None:
+                lo = mid
+            else:
+                hi = mid
+    split, steps = attempt(lo)
+    why = f"the training context {trained}" + (f" capped at max_ctx {DEFAULT_MAX_CTX}" if trained > top else "")
+    decisions.append(f"n_ctx {total(lo)}: {why}" + (f" per slot x {n_seq} slots" if n_seq > 1 else "") if lo == top else
+                     f"n_ctx {total(top)} -> {total(lo)}: the largest (steps of 256 per slot, floor {floor}) whose "
+                     f"layers fit the job's devices ({why})")
+    decisions += steps
+    return total(lo), split
 
 
 @dataclass
@@ -163,6 +215,7 @@ class Setup:
     path: str
     devices: List[DeviceSpec]             # every rank's, in rank order (dev@RANK)
     layer_split: List[int]
+    n_ctx: int                            # of all slots together, as the split was projected
     tensor_overrides: Optional[List[str]]
     described: List[dict]                 # per device of `devices`: rank, host, free memory, source
     decisions: List[str]
@@ -232,9 +285,11 @@ def _split_layers(path: str, devices: List[DeviceSpec], described: List[dict], n
 
 def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int]] = None,
           tensor_overrides: Optional[Sequence[str]] = None, n_ctx: Optional[int] = None, n_ubatch: int = 512,
-          kv_type: str = "f16", margin=None, progress: bool = False) -> Setup:
+          kv_type: str = "f16", margin=None, progress: bool = False, n_seq: int = 1,
+          choose_ctx: bool = False) -> Setup:
     """Every rank: the model's path here, and (decided on rank 0, the same on every rank) the
-    device list of the whole job and the layers of each device."""
+    device list of the whole job, the layers of each device and the context (n_ctx None: the
+    largest that fits as fit chooses it with choose_ctx, else LLM's default)."""
     path = _pull_on_each_host(job, model, progress)
     here = sum(1 for h in job.hosts if h == job.hosts[job.rank])
     mine = _agree(job, lambda: _describe(parse_devices(devices), here), "cannot use its devices")
@@ -258,17 +313,20 @@ def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int
                 decisions.append(f"layers per device as given: {split}")
                 _room(described, margin)
                 if n_ctx is None:
-                    n_ctx = _default_ctx(path)
+                    n_ctx = _llm_ctx(path, n_seq)
                 for i, r in enumerate(plan(path, devices=specs, layer_split=split, n_ctx=n_ctx, n_ubatch=n_ubatch,
                                            kv_type=kv_type, tensor_overrides=tensor_overrides,
                                            n_outputs=min(n_ubatch, LOGIT_ROWS))):
                     described[i]["projected"] = r
+            elif n_ctx is None and choose_ctx:
+                n_ctx, split = _fit_ctx(path, n_seq, lambda c, steps: _split_layers(
+                    path, specs, described, c, n_ubatch, kv_type, tensor_overrides, margin, steps), decisions)
+                _split_layers(path, specs, described, n_ctx, n_ubatch, kv_type, tensor_overrides, margin, [])
             else:
-                if n_ctx is None:
-                    n_ctx = _default_ctx(path)
+                n_ctx = _llm_ctx(path, n_seq) if n_ctx is None else n_ctx
                 split = _split_layers(path, specs, described, n_ctx, n_ubatch, kv_type, tensor_overrides, margin,
                                       decisions)
-            decided = (True, split, decisions)
+            decided = (True, split, decisions, n_ctx)
         except Exception as e:  # noqa: BLE001 - every rank stops with it
             decided = (False, f"{type(e).__name__}: {e}", [])
     else:
@@ -276,8 +334,8 @@ def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int
     decided = job.comm.bcast(decided, root=0)
     if not decided[0]:
         raise RuntimeError(f"{job.who(0)}: {decided[1]}")
-    return Setup(path, specs, decided[1], list(tensor_overrides) if tensor_overrides else None, described,
-                 decided[2])
+    return Setup(path, specs, decided[1], decided[3], list(tensor_overrides) if tensor_overrides else None,
+                 described, decided[2])
 
 
 def serve_here(job: Job, s: Setup) -> int:
@@ -370,11 +428,17 @@ def _command(job: Job, a, cli) -> int:
                          "the layers")
     if getattr(a, "threads", None) and not a.devices:
         a.devices = f"cpu:0[threads={a.threads}]"
-    n_ctx = a.ctx_size  # (with slots, each gets n_ctx / n_seq; the split is projected with n_ctx)
+    n_seq = a.parallel if a.command == "serve" else 1
+    n_ctx = a.ctx_size  # (with slots, each gets n_ctx / n_seq; the split is projected with what the context makes)
+    if n_ctx is not None:
+        from .placement import slot_context
+
+        n_ctx = slot_context(n_ctx, n_seq)
     split = cli._number_list(a.layer_split, "--layer-split", int, "integers")
     s = setup(job, a.model, a.devices, split, a.override_tensor, n_ctx=n_ctx, n_ubatch=a.ubatch_size or 512,
               kv_type=a.kv_type or "f16", margin=cli._margins_mib(a.fit_margin),
-              progress=not getattr(a, "quiet", False) and not getattr(a, "json", False))
+              progress=not getattr(a, "quiet", False) and not getattr(a, "json", False), n_seq=n_seq,
+              choose_ctx=True)
     if a.command == "fit":
         if job.rank == 0:
             print(_table(s))
@@ -388,6 +452,7 @@ def _command(job: Job, a, cli) -> int:
     a.model = s.path
     a.devices = ",".join(str(d) for d in s.devices)
     a.layer_split = ",".join(str(n) for n in s.layer_split)
+    a.ctx_size = s.n_ctx  # the context the split was projected with
     a.threads, a.no_fit = None, True
     return cli._run(a) if a.command == "run" else cli._serve(a)
 
@@ -419,7 +484,7 @@ def _table(s: Setup) -> str:
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     hosts = sorted(set(d["host"] for d in s.described))
     lines.append(f"mpi: {len(set(d['rank'] for d in s.described))} ranks on {len(hosts)} host(s) "
-                 f"({', '.join(hosts)}); layers " + "; ".join(f"{spec.name} {r}" for spec, r in
+                 f"({', '.join(hosts)}); n_ctx {s.n_ctx}; layers " + "; ".join(f"{spec.name} {r}" for spec, r in
                                                               zip(s.devices, _layer_ranges(s.layer_split))))
     return "\n".join(lines)
 
