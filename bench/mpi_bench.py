@@ -92,8 +92,9 @@ def main():
         local = [f"cpu:{i}[threads={a.threads}]" for i in range(len(devices))]
         one = {}
         for nc in (4, 1):  # the same split in one process (rank 0 alone; the others wait)
-            one[nc], _ = prompt_rate(stowlm.Model(a.model, devices=local, layer_split=split, n_copies=nc), ids,
-                                     a.ubatch, a.reps)
+            one[nc], mode = prompt_rate(stowlm.Model(a.model, devices=local, layer_split=split, n_copies=nc), ids,
+                                        a.ubatch, a.reps)
+            print(f"  one process, n_copies {nc}: {one[nc]:8.1f} tokens/s  (pipeline {mode})")
         print(f"  one process, same split: {one[4]:8.1f} tokens/s overlapped, {one[1]:8.1f} taking turns "
               f"({one[4] / one[1]:.2f}x)")
         model = stowlm.Model(a.model, devices=devices, layer_split=split, n_copies=4)

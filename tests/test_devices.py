@@ -1,8 +1,13 @@
 """Device specs and virtual CPU devices with hard memory budgets."""
+import os
+import subprocess
+import sys
+
 import pytest
 
 import stowlm
 
+from conftest import subprocess_env
 from stowlm.devices import DeviceSpec, parse_bytes, parse_device, parse_devices
 
 
@@ -87,3 +92,14 @@ def test_cuda_device_without_a_gpu_is_a_clear_error(model_path):
         stowlm.Model(model_path("smollm2-135m"), devices=["cuda:0"])
     # the process stays usable
     assert stowlm.Model(model_path("smollm2-135m"), devices=["cpu:0[threads=1]"]).n_layer == 30
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this platform")
+def test_default_threads_follow_the_cores_the_process_may_use():
+    """A process bound to one core (taskset, a cpuset, mpirun's binding) runs one thread, not one
+    per core of the machine."""
+    code = ("import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); from stowlm import _core, devices; "
+            "print(_core.engine.default_threads(), devices.list_devices()[0]['threads'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env(),
+                         timeout=60, check=True).stdout.split()
+    assert out == ["1", "1"]

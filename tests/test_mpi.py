@@ -67,13 +67,14 @@ def mpirun():
     return _mpirun_path()
 
 
-def _cmd(mpirun, n, *args):
+def _cmd(mpirun, n, *args, bind=None):
     extra = ["--allow-run-as-root"] if os.geteuid() == 0 else []
+    extra += ["--bind-to", bind] if bind else []
     return [mpirun, *extra, "--oversubscribe", "-np", str(n), "-x", "PYTHONPATH", sys.executable, *args]
 
 
-def _run(mpirun, n, *args, timeout=180):
-    return subprocess.run(_cmd(mpirun, n, *args), capture_output=True, text=True, timeout=timeout,
+def _run(mpirun, n, *args, timeout=180, bind=None):
+    return subprocess.run(_cmd(mpirun, n, *args, bind=bind), capture_output=True, text=True, timeout=timeout,
                           env=subprocess_env())
 
 
@@ -141,6 +142,22 @@ def test_cli_run_and_fit(mpirun):
     assert f"n_ctx {m.group(1)};" in f.stdout
     rows = [re.split(r"\s{2,}", line) for line in f.stdout.splitlines() if re.match(r"^[01]\s+\S+\s+cpu:0@", line)]
     assert len(rows) == 2 and all(float(r[7].split()[0]) <= float(r[8].split()[0]) for r in rows), f.stdout
+
+
+def test_a_rank_bound_to_fewer_cores_than_its_threads_is_told(mpirun, tmp_path):
+    """mpirun binds each rank to a core by default (2 ranks or fewer): a device asking for more
+    threads than the rank's cores gets a warning naming the fix; without a thread count a rank
+    takes the cores it is bound to."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 cores to bind each rank to one")
+    path = str(get_model("smollm2-135m"))
+    r = _run(mpirun, 2, "-m", "stowlm", "run", path, "-p", "Hi", "-n", "2", "-q", "--devices", "cpu:0[threads=2]",
+             bind="core")
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"warning on rank \d: cpu:0 asks for 2 threads, but mpirun bound this rank to 1 core.*"
+                     r"--bind-to none", r.stderr), r.stderr
+    f = _run(mpirun, 2, "-m", "stowlm", "fit", path, "--devices", "cpu:0", bind="core")
+    assert f.returncode == 0 and "warning" not in f.stderr, f.stderr
 
 
 def test_server_across_ranks(mpirun):

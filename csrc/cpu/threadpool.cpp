@@ -3,6 +3,10 @@
 #include <chrono>
 #include <cstdlib>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define STOWLM_PAUSE() _mm_pause()
@@ -85,6 +89,12 @@ int default_threads() {
         const int n = std::atoi(s);
         if (n > 0) return n;
     }
+#if defined(__linux__)
+    // The cores this process may run on: a launcher (mpirun binds each rank by default, taskset,
+    // a container's cpuset) may allow fewer than the machine has, and more threads would share them.
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
     const unsigned n = std::thread::hardware_concurrency();
     return n ? (int)n : 1;
 }

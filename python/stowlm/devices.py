@@ -41,9 +41,9 @@ def cuda_devices():
 
 def list_devices() -> List[dict]:
     """Every device this machine offers: the CPU, then each CUDA device (none where absent)."""
-    import os
+    from . import _core
 
-    out = [{"name": "cpu:0", "kind": "cpu", "threads": os.cpu_count() or 1}]
+    out = [{"name": "cpu:0", "kind": "cpu", "threads": _core.engine.default_threads()}]  # the cores it may use
     for d in cuda_devices()[0]:
         out.append(dict(d, name=f"cuda:{d['index']}", kind="cuda"))
     return out

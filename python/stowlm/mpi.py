@@ -130,10 +130,16 @@ def _describe(specs: List[DeviceSpec], ranks_here: int) -> List[dict]:
     from .fit import host_available_bytes, physical_ram_bytes
     from .devices import cuda_devices
 
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    bound = allowed < (os.cpu_count() or allowed)  # the launcher bound this rank to some cores
     out = []
     for s in specs:
         if s.kind == "cpu" and not s.threads:
-            s = replace(s, threads=max(1, _core.engine.default_threads() // ranks_here), rank=-1)
+            s = replace(s, threads=max(1, allowed if bound else allowed // ranks_here), rank=-1)
+        if s.kind == "cpu" and bound and s.threads > allowed:
+            print(f"stowlm: warning on rank {_core.dist.rank()}: {s.name} asks for {s.threads} threads, but mpirun bound this rank to {allowed} "
+                            f"core{'s' if allowed > 1 else ''} (its default for 2 ranks or fewer); launch with "
+                            f"--bind-to none, or --map-by slot:PE={s.threads} to give each rank its cores", file=sys.stderr)
         if s.kind == "cpu":
             if s.mem_bytes:
                 total = free = s.mem_bytes
