@@ -60,6 +60,24 @@ Pushes pushes_of(const Graph& g) {
     return p;
 }
 
+// Checks done() with pauses (and a yield now and then, so a busy machine runs the thread that
+// will make it true) until it holds or `limit` has passed; whether it held.
+template <class F>
+bool spin_until(F done, std::chrono::microseconds limit) {
+    const auto until = std::chrono::steady_clock::now() + limit;
+    for (uint32_t i = 1;; i++) {
+        if (done()) return true;
+        if ((i & 255) == 0) {
+            if (std::chrono::steady_clock::now() > until) return false;
+            std::this_thread::yield();
+        } else {
+#if defined(__x86_64__) || defined(__i386__)
+            __builtin_ia32_pause();
+#endif
+        }
+    }
+}
+
 // Threads kept for the devices between calls: a generated token is one micro-batch, and new
 // threads for each (created, placed on a core, joined) cost more than its all-reduces. Between
 // calls they look for work for ~2 ms (a token's host work fits in that), then sleep.
@@ -88,14 +106,9 @@ class DeviceThreads {
         }
         cv_.notify_all();
         fn(0);
-        // A short spin (after a token the others end within microseconds), then sleep: during a
+        // A short look (after a token the others end within microseconds), then sleep: during a
         // long prompt the caller only released the micro-batches, and its core is the devices'.
-        for (int i = 0; i < 4096 && pending_.load(std::memory_order_acquire) != 0; i++) {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        }
-        if (pending_.load(std::memory_order_acquire) != 0) {
+        if (!spin_until([&] { return pending_.load(std::memory_order_acquire) == 0; }, std::chrono::microseconds(100))) {
             std::unique_lock<std::mutex> lock(mu_);
             done_cv_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
         }
@@ -172,6 +185,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
     const auto t0 = Clock::now();
     std::mutex mu;
     std::condition_variable cv;
+    std::atomic<uint64_t> progress{0};  // bumped under mu at every change a waiting device looks for
     std::vector<Graph*> graphs(n_micro, nullptr);
     std::map<const Graph*, Pushes> pushes;   // per distinct graph; nodes never move once inserted
     std::vector<const Pushes*> micro_pushes(n_micro, nullptr);
@@ -188,6 +202,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
         graphs[i] = g;
         done[i].assign(g->splits.size(), 0);
         remaining[i] = (int)g->splits.size();
+        progress.fetch_add(1, std::memory_order_release);
     };
     Graph* first = prepare(0);
     std::vector<int> split_device;
@@ -206,16 +221,16 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
             return a.micro + a.split != b.micro + b.split ? a.micro + a.split < b.micro + b.split : a.micro < b.micro;
         });
         std::vector<char> taken(tasks.size(), 0);
-        size_t left = tasks.size();
+        size_t left = tasks.size(), first_open = 0;  // tasks before first_open are all taken
         while (left) {
             int pick = -1;
             Graph* g = nullptr;
             const Pushes* p = nullptr;
             {
-                std::unique_lock<std::mutex> lock(mu);
-                cv.wait(lock, [&] {
+                auto can_go = [&] {  // under mu
                     if (error) return true;
-                    for (size_t t = 0; t < tasks.size(); t++) {
+                    while (first_open < tasks.size() && taken[first_open]) first_open++;
+                    for (size_t t = first_open; t < tasks.size(); t++) {
                         if (taken[t]) continue;
                         const Task& k = tasks[t];
                         if (!graphs[k.micro]) continue;
@@ -227,7 +242,18 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
                         }
                     }
                     return false;
-                });
+                };
+                std::unique_lock<std::mutex> lock(mu);
+                while (!can_go()) {
+                    // Look for ~100 us before sleeping: in a generated token the split this one
+                    // waits for is usually microseconds from done, and a sleep costs a wake-up.
+                    const uint64_t seen = progress.load(std::memory_order_relaxed);
+                    lock.unlock();
+                    const bool moved = spin_until([&] { return progress.load(std::memory_order_acquire) != seen; },
+                                                  std::chrono::microseconds(100));
+                    lock.lock();
+                    if (!moved) cv.wait(lock, [&] { return progress.load(std::memory_order_relaxed) != seen; });
+                }
                 if (error) return;
                 g = graphs[tasks[pick].micro];
                 p = micro_pushes[tasks[pick].micro];
@@ -251,6 +277,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
             } catch (...) {
                 std::lock_guard<std::mutex> lock(mu);
                 if (!error) error = std::current_exception();
+                progress.fetch_add(1, std::memory_order_release);
                 // devices waiting in an all-reduce for this one give up too
                 for (Graph* gr : graphs)
                     if (gr)
@@ -262,6 +289,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
             busy[device] += std::chrono::duration<double>(Clock::now() - start).count();
             done[k.micro][k.split] = 1;
             remaining[k.micro]--;
+            progress.fetch_add(1, std::memory_order_release);
             cv.notify_all();
         }
     };
@@ -288,6 +316,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
             } catch (...) {
                 std::lock_guard<std::mutex> lock(mu);
                 if (!error) error = std::current_exception();
+                progress.fetch_add(1, std::memory_order_release);
                 cv.notify_all();
                 break;
             }

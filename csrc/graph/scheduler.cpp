@@ -63,7 +63,17 @@ void schedule(Graph& g, const std::vector<Backend*>& backends) {
         n->device = dev;
         // An all-reduce waits for the other shards: it starts a split, so that what the split
         // before it sends to other devices is sent before the wait.
-        if (g.splits.empty() || g.splits.back().device != dev || n->op == Op::ALL_REDUCE) {
+        // So does a gather (the tensor split's logits, shard by shard) of what another device
+        // computes at the same time: a split waits for all its copies before its first node, and
+        // this shard's own vocabulary rows must not wait for the other shards'. (Elsewhere a copy
+        // waits for work already done, and one split per device and micro-batch keeps pipelining.)
+        bool waits = false;
+        for (int i = 0; i < n->n_src() && !waits && n->op == Op::CONCAT; i++) {
+            const Tensor* s = n->src[i] ? n->src[i]->storage_root() : nullptr;
+            waits = s && s->role == TensorRole::COMPUTE && s->device != dev && !copies.count({n->src[i], dev});
+        }
+        if (g.splits.empty() || g.splits.back().device != dev || n->op == Op::ALL_REDUCE ||
+            (waits && !g.splits.back().nodes.empty())) {
             g.splits.emplace_back();
             g.splits.back().device = dev;
         }
