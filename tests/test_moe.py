@@ -104,6 +104,20 @@ def test_tensor_override_errors(model_path):
         stowlm.Model(path, devices=TWO, tensor_overrides=["ffn_up_exps"])
     with pytest.raises(ValueError, match="regular expression"):
         stowlm.Model(path, devices=TWO, tensor_overrides=["ffn_(up=cpu:1"])
+    # Character classes and alternations are Python's regular expressions (the core gets the names
+    # they match, escaped: no bracket expression reaches std::regex, whose locale lookups crash
+    # when another library brought its own C++ runtime first, as jaxlib does on the GPU machines).
+    from stowlm.engine import _tensor_overrides, tensor_names
+    spec = r"blk\.[0-2]\.ffn_(up|down)_exps=cpu:1"
+    native = _tensor_overrides([spec], stowlm.devices.parse_devices(TWO), tensor_names(path))
+    assert "[" not in native[0][0] and native[0][2] == spec
+    model = stowlm.Model(path, devices=TWO, layer_split=[4, 0], tensor_overrides=[spec])
+    assert [model.tensor_device(f"blk.{i}.ffn_{n}_exps.weight") for i in (0, 2, 3) for n in ("up", "down", "gate")] \
+        == [1, 1, 0, 1, 1, 0, 0, 0, 0]
+    assert model.plan(256, 64, "f16") == stowlm.engine.plan(path, TWO, [4, 0], n_ctx=256, n_ubatch=64,
+                                                             tensor_overrides=[spec])
+    with pytest.raises(Exception, match="matches no tensor"):  # a pattern no name matches is still reported
+        stowlm.Model(path, devices=TWO, tensor_overrides=[r"blk\.[7-9]\.ffn_up_exps=cpu:1"])
 
 
 # ---- tiny synthetic MoE models against the float64 numpy forward pass of float_reference.py -

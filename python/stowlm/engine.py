@@ -3,6 +3,7 @@ token ids into next-token logits. The graph, scheduling, memory planning and ker
 in the native core (stowlm._core.engine); this module only shapes arguments and results."""
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -17,47 +18,81 @@ _native = _core.engine
 _log = logging.getLogger("stowlm")
 
 
-def _overrides(overrides, devices: List[DeviceSpec]):
+@functools.lru_cache(maxsize=8)
+def _file_names(path: str, mtime_ns: int, size: int) -> tuple:
+    from .gguffile import GGUFFile
+
+    with GGUFFile(path) as f:
+        return tuple(t.name for t in f.tensors)
+
+
+def tensor_names(path) -> tuple:
+    """The tensor names of a GGUF file (read once per version of the file)."""
+    st = os.stat(path)
+    return _file_names(os.fspath(path), st.st_mtime_ns, st.st_size)
+
+
+def _as_names(rx: "re.Pattern", names, whole: bool) -> str:
+    """A pattern for the native matcher that matches exactly the names `rx` matches (searched, or
+    whole when `whole`): the names themselves, escaped. The matching is Python's; the native
+    std::regex then sees no bracket expression, whose locale lookups crash where another library
+    loaded first brought its own C++ runtime (jaxlib does), and no pattern that matches nothing
+    but "(?!)", so an override that matches no weight is still reported as one."""
+    hits = [n for n in names if (rx.fullmatch(n) if whole else rx.search(n))]
+    return "(?:" + "|".join(re.escape(n) for n in hits) + ")" if hits else "(?!)"
+
+
+def _overrides(overrides, devices: List[DeviceSpec], names=None):
     """{regex: device} (or [(regex, device)]) -> [(regex, device index)]; a device is named as in
-    the device list ("cpu:1") or given by its index."""
+    the device list ("cpu:1") or given by its index. With the file's tensor `names`, each regex
+    becomes the names it matches in whole."""
     if not overrides:
         return []
     items = overrides.items() if hasattr(overrides, "items") else overrides
-    names = [d.name for d in devices]
+    dev_names = [d.name for d in devices]
     out = []
     for pattern, dev in items:
         if isinstance(dev, int):
             index = dev
-        elif str(dev) in names:
-            index = names.index(str(dev))
+        elif str(dev) in dev_names:
+            index = dev_names.index(str(dev))
         else:
-            raise ValueError(f"tensor override {pattern!r}: device {dev!r} is not one of {names}")
-        out.append((str(pattern), int(index), f"{pattern}={dev}"))
+            raise ValueError(f"tensor override {pattern!r}: device {dev!r} is not one of {dev_names}")
+        if names is None:
+            native = str(pattern)
+        else:
+            try:
+                native = _as_names(re.compile(str(pattern)), names, True)
+            except re.error as e:
+                raise ValueError(f"tensor override {pattern!r}: invalid regular expression: {e}") from None
+        out.append((native, int(index), f"{pattern}={dev}"))
     return out
 
 
-def _tensor_overrides(specs, devices: List[DeviceSpec]):
+def _tensor_overrides(specs, devices: List[DeviceSpec], names=None):
     """["REGEX=DEVICE", ...] -> [(pattern, device index)]. REGEX is searched for anywhere in a
-    tensor's name (as llama.cpp's --override-tensor does); the first matching entry wins."""
+    tensor's name (as llama.cpp's --override-tensor does); the first matching entry wins. With the
+    file's tensor `names`, each becomes the names it matches."""
     if not specs:
         return []
     if isinstance(specs, str):
         specs = [specs]
-    names = [d.name for d in devices]
+    dev_names = [d.name for d in devices]
     out = []
     for spec in specs:
         pattern, sep, dev = str(spec).rpartition("=")
         if not sep or not pattern:
             raise ValueError(f"tensor override {spec!r} is not of the form REGEX=DEVICE")
         dev = dev.strip()
-        if dev not in names:
-            raise ValueError(f"tensor override {spec!r}: device {dev!r} is not one of {names}")
+        if dev not in dev_names:
+            raise ValueError(f"tensor override {spec!r}: device {dev!r} is not one of {dev_names}")
         try:
-            re.compile(pattern)
+            rx = re.compile(pattern)
         except re.error as e:
             raise ValueError(f"tensor override {spec!r}: invalid regular expression: {e}") from None
-        # The native side matches whole names; wrapping makes that a search.
-        out.append((f"[\\s\\S]*(?:{pattern})[\\s\\S]*", names.index(dev), str(spec)))
+        # The native side matches whole names: the names it matches, or a wrapping that searches.
+        native = f".*(?:{pattern}).*" if names is None else _as_names(rx, names, False)
+        out.append((native, dev_names.index(dev), str(spec)))
     return out
 
 
@@ -123,8 +158,10 @@ class Model:
         self.devices: List[DeviceSpec] = parse_devices(devices)
         shares = _tensor_split(split_mode, tensor_split, len(self.devices), layer_split, overrides, tensor_overrides)
         self.split_mode = split_mode
+        names = tensor_names(path) if (tensor_overrides or overrides) and os.path.isfile(path) else None
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
-                                _tensor_overrides(tensor_overrides, self.devices) + _overrides(overrides, self.devices),
+                                _tensor_overrides(tensor_overrides, self.devices, names) +
+                                _overrides(overrides, self.devices, names),
                                 shares)
 
     @property
@@ -164,8 +201,10 @@ def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int 
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     shares = _tensor_split(split_mode, tensor_split, len(specs), layer_split, overrides, tensor_overrides)
+    names = tensor_names(path) if (tensor_overrides or overrides) and os.path.isfile(path) else None
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
-                           _tensor_overrides(tensor_overrides, specs) + _overrides(overrides, specs), int(n_ctx),
+                           _tensor_overrides(tensor_overrides, specs, names) + _overrides(overrides, specs, names),
+                           int(n_ctx),
                            int(n_ubatch), kv_type, _n_outputs(n_outputs),
                            _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares)["devices"]
 

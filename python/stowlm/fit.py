@@ -46,7 +46,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from . import _core
 from . import split as splitting
 from .devices import DeviceSpec, cuda_devices, parse_bytes, parse_devices
-from .engine import DEFAULT_N_COPIES, _n_copies, _tensor_overrides
+from .engine import DEFAULT_N_COPIES, _n_copies, _tensor_overrides, tensor_names
 from .placement import DevicePlacement, Placement, format_size, slot_context
 
 __all__ = ["fit", "FitError", "Placement", "default_margin", "DEFAULT_MAX_CTX", "DEFAULT_FIT_CTX", "CTX_STEP"]
@@ -311,7 +311,8 @@ class _Fitter:
         self.L = self.projector.n_layer
         specs = [d.spec for d in devs]
         self.user_overrides = list(user_overrides or [])
-        native = _tensor_overrides(self.user_overrides, specs)
+        self.names = tensor_names(path)  # the file's: overrides reach the core as the names they match
+        native = _tensor_overrides(self.user_overrides, specs, self.names)
         self.costs = _Costs(self.projector, native, [o[1] for o in native], kv_type)
         self.native_user_overrides = native
         self.tied = self.projector.tied_output
@@ -523,7 +524,7 @@ class _Fitter:
     def _project(self, layout: _Layout, ctx: int) -> Dict[int, dict]:
         used = self._used(layout)
         specs = [self.devs[d].spec for d in used]
-        overrides = _tensor_overrides([f"{p}={dev}" for p, dev in self._overrides(layout)], specs)
+        overrides = _tensor_overrides([f"{p}={dev}" for p, dev in self._overrides(layout)], specs, self.names)
         result = self.projector.project([s.as_tuple() for s in specs], [layout.count(d) for d in used], overrides,
                                         ctx, self.n_ubatch, self.kv_type, self.n_outputs, self.n_copies, self.n_seq)
         self.projections += 1
