@@ -96,6 +96,13 @@ def _tensor_overrides(specs, devices: List[DeviceSpec], names=None):
     return out
 
 
+def _native_overrides(path, tensor_overrides, overrides, devices: List[DeviceSpec]):
+    """Both kinds of override for the core, tensor_overrides first, matched against the file's
+    tensor names where the file is there to read."""
+    names = tensor_names(path) if (tensor_overrides or overrides) and os.path.isfile(path) else None
+    return _tensor_overrides(tensor_overrides, devices, names) + _overrides(overrides, devices, names)
+
+
 def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
     if layer_split is None:
         return []
@@ -158,11 +165,8 @@ class Model:
         self.devices: List[DeviceSpec] = parse_devices(devices)
         shares = _tensor_split(split_mode, tensor_split, len(self.devices), layer_split, overrides, tensor_overrides)
         self.split_mode = split_mode
-        names = tensor_names(path) if (tensor_overrides or overrides) and os.path.isfile(path) else None
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
-                                _tensor_overrides(tensor_overrides, self.devices, names) +
-                                _overrides(overrides, self.devices, names),
-                                shares)
+                                _native_overrides(path, tensor_overrides, overrides, self.devices), shares)
 
     @property
     def shards(self) -> List[dict]:
@@ -201,10 +205,8 @@ def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int 
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     shares = _tensor_split(split_mode, tensor_split, len(specs), layer_split, overrides, tensor_overrides)
-    names = tensor_names(path) if (tensor_overrides or overrides) and os.path.isfile(path) else None
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
-                           _tensor_overrides(tensor_overrides, specs, names) + _overrides(overrides, specs, names),
-                           int(n_ctx),
+                           _native_overrides(path, tensor_overrides, overrides, specs), int(n_ctx),
                            int(n_ubatch), kv_type, _n_outputs(n_outputs),
                            _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares)["devices"]
 

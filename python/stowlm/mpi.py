@@ -130,16 +130,18 @@ def _describe(specs: List[DeviceSpec], ranks_here: int) -> List[dict]:
     from .fit import host_available_bytes, physical_ram_bytes
     from .devices import cuda_devices
 
-    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    bound = allowed < (os.cpu_count() or allowed)  # the launcher bound this rank to some cores
+    threads = _core.engine.default_threads()  # the cores this rank may use (or STOWLM_THREADS)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    bound = cores < (os.cpu_count() or cores)  # the launcher bound this rank to some cores
     out = []
     for s in specs:
         if s.kind == "cpu" and not s.threads:
-            s = replace(s, threads=max(1, allowed if bound else allowed // ranks_here), rank=-1)
-        if s.kind == "cpu" and bound and s.threads > allowed:
-            print(f"stowlm: warning on rank {_core.dist.rank()}: {s.name} asks for {s.threads} threads, but mpirun bound this rank to {allowed} "
-                            f"core{'s' if allowed > 1 else ''} (its default for 2 ranks or fewer); launch with "
-                            f"--bind-to none, or --map-by slot:PE={s.threads} to give each rank its cores", file=sys.stderr)
+            s = replace(s, threads=max(1, threads if bound else threads // ranks_here), rank=-1)
+        if s.kind == "cpu" and bound and s.threads > cores:
+            print(f"stowlm: warning on rank {_core.dist.rank()}: {s.name} asks for {s.threads} threads, but mpirun "
+                  f"bound this rank to {cores} core{'s' if cores > 1 else ''} (its default for 2 ranks or fewer); "
+                  f"launch with --bind-to none, or --map-by slot:PE={s.threads} to give each rank its cores",
+                  file=sys.stderr)
         if s.kind == "cpu":
             if s.mem_bytes:
                 total = free = s.mem_bytes
@@ -165,10 +167,11 @@ def _trained_ctx(path: str) -> int:
 
 
 def _llm_ctx(path: str, n_seq: int) -> int:
-    """The context an LLM makes when given none: n_seq x min(4096, trained), in whole slots."""
+    """The context an LLM makes when given none (llm._default_ctx, in whole slots)."""
+    from .llm import _default_ctx
     from .placement import slot_context
 
-    return slot_context(n_seq * min(4096, _trained_ctx(path)), n_seq)
+    return slot_context(_default_ctx(_trained_ctx(path), None, n_seq), n_seq)
 
 
 def _fit_ctx(path: str, n_seq: int, split_at, decisions: List[str]):
@@ -325,9 +328,9 @@ def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int
                                            n_outputs=min(n_ubatch, LOGIT_ROWS))):
                     described[i]["projected"] = r
             elif n_ctx is None and choose_ctx:
+                # (the last split that fitted is the chosen context's: `described` holds its projection)
                 n_ctx, split = _fit_ctx(path, n_seq, lambda c, steps: _split_layers(
                     path, specs, described, c, n_ubatch, kv_type, tensor_overrides, margin, steps), decisions)
-                _split_layers(path, specs, described, n_ctx, n_ubatch, kv_type, tensor_overrides, margin, [])
             else:
                 n_ctx = _llm_ctx(path, n_seq) if n_ctx is None else n_ctx
                 split = _split_layers(path, specs, described, n_ctx, n_ubatch, kv_type, tensor_overrides, margin,
