@@ -130,9 +130,7 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
             dp.slots = copy_slots;
             dp.copy_area = true;
             dp.copy_bytes = dp.slot_bytes * copy_slots;
-            continue;
-        }
-        if (is_placed(n)) {
+        } else if (is_placed(n)) {
             const size_t size = n->nbytes();
             int64_t off = -1;
             if (may_run_in_place(n->op) && n != out_root) {
@@ -158,7 +156,8 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
             if (n->op == Op::COPY) dp.copy_bytes += size;
             held[n] = (size_t)off;
         }
-        // Free inputs that die here (never the graph output).
+        // Free inputs that die here (never the graph output). A copy's source too: its producer
+        // pushes it into the slot as its split ends, before that device runs anything else.
         for (int s = 0; s < n->n_src(); s++) {
             if (!n->src[s]) continue;
             const Tensor* r = n->src[s]->storage_root();
