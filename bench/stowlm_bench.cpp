@@ -5,6 +5,7 @@
 //   stowlm-bench -m MODEL [-p 512] [-n 128] [-pg 512,128] [-d 0] [-t THREADS] [-r 5]
 //                [-ub 512] [-ctk f16|q8_0] [-o md|json|csv] [-v] [--no-warmup]
 //                [-dev cpu:0[threads=1],cpu:1[threads=1]] [--layer-split 15,15] [--n-copies 1,4]
+//                [--interleave N]
 //                [-sm tensor [-ts 1,1]]
 //
 // Each test runs once as warm-up, then -r times; the table gives mean ± standard deviation of
@@ -51,6 +52,7 @@ struct Options {
     std::string output = "md";
     std::vector<DeviceSpec> devices{DeviceSpec()};  // cpu (default), cuda:N, or a list the layers are split over
     std::vector<int> layer_split;                   // layers per device (default: even)
+    int interleave = 0;                             // chunks per device's layers (0: auto)
     std::string split_mode = "layer";               // or "tensor": every layer cut over the devices
     std::vector<double> tensor_split;               // shares per device (tensor; default equal)
     std::string dump_logits;  // hidden: last logits of every test's last repetition (tests)
@@ -82,6 +84,8 @@ void print_usage(FILE* f) {
             "                           as cpu:0[threads=1],cpu:1[threads=1,mem=512MiB] (layers split over them;\n"
             "                           -t sets the threads of a CPU device that does not say)\n"
             "  --layer-split N,N,...    layers per device of -dev (default: even)\n"
+            "  --interleave N           each device's layers in N chunks, the devices taking turns (shorter\n"
+            "                           pipeline stages; default 2 with several devices, 1 = contiguous)\n"
             "  -sm, --split-mode M      layer (default) or tensor: every layer cut over the devices of -dev,\n"
             "                           which all work on every token (tensor parallelism)\n"
             "  -ts, --tensor-split N,.. shares of the devices for -sm tensor (default equal)\n"
@@ -230,6 +234,8 @@ Options parse_args(int argc, char** argv) {
         } else if (a == "--layer-split") {
             o.layer_split.clear();
             for (const std::string& n : split(value(), ',')) o.layer_split.push_back((int)parse_int(a, n, 0));
+        } else if (a == "--interleave") {
+            o.interleave = (int)parse_int(a, value(), 0);
         } else if (a == "-sm" || a == "--split-mode") {
             o.split_mode = value();
             if (o.split_mode != "layer" && o.split_mode != "tensor")
@@ -697,9 +703,9 @@ void report_pipeline(const Context& ctx, const Model& model, const Test& t) {
     const PipelineStats& st = ctx.pipeline_stats();
     size_t copies = 0;
     for (const DeviceMemory& d : ctx.memory_report()) copies += d.copies;
-    fprintf(stderr, "  %s: pipelined, %d micro-batches, %d copies of the crossing tensors (%.2f MiB, %.2f MiB more "
-                    "than one copy); idle:",
-            t.name().c_str(), st.micro_batches, mode.n_copies, mib(copies),
+    fprintf(stderr, "  %s: pipelined, %d micro-batches, layers in %d chunk(s) per device, %d copies of the crossing "
+                    "tensors (%.2f MiB, %.2f MiB more than one copy); idle:",
+            t.name().c_str(), st.micro_batches, model.interleave(), mode.n_copies, mib(copies),
             mib(copies - copies / (size_t)mode.n_copies));
     const auto backends = model.backends();
     for (size_t d = 0; d < st.busy_s.size(); d++)
@@ -747,7 +753,8 @@ int run(const Options& o) {
                 if (spec.kind == "cpu" && spec.threads == 0) spec.threads = (int)threads;
                 devices += (devices.empty() ? "" : "+") + spec.name();
             }
-            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split, true, {}, o.tensor_split);
+            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split, true, {}, o.tensor_split,
+                                                       o.interleave);
             if (o.split_mode == "tensor") {
                 std::string ts;
                 for (double s : o.tensor_split) {

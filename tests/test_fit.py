@@ -114,8 +114,8 @@ def test_experts_spill_to_the_host_dense_weights_first(model_path):
     p = fit(path, devices, n_ctx=1024)
     load_and_check(path, p)
     by = {d.name: d for d in p.devices}
-    assert by["cpu:0"].layers is None, "no whole layer should need the host"
-    assert by["cpu:1"].n_layers + by["cpu:2"].n_layers == 30 and by["cpu:2"].layers[1] == 29
+    assert not by["cpu:0"].layers, "no whole layer should need the host"
+    assert by["cpu:1"].n_layers + by["cpu:2"].n_layers == 30 and by["cpu:2"].holds(29)
     spilled = by["cpu:0"].expert_layers
     assert 0 < len(spilled) < 30 and spilled == list(range(len(spilled))), spilled
     assert any("experts of layers" in d and "cpu:0" in d for d in p.decisions), p.decisions
@@ -124,7 +124,7 @@ def test_experts_spill_to_the_host_dense_weights_first(model_path):
     same = fit(path, devices, n_ctx=1024, n_cpu_moe=len(spilled))
     assert [d.layers for d in same.devices] == [d.layers for d in p.devices]
     fewer = fit(path, devices, n_ctx=1024, n_cpu_moe=len(spilled) - 1)
-    assert {d.name: d for d in fewer.devices}["cpu:0"].layers is not None
+    assert {d.name: d for d in fewer.devices}["cpu:0"].layers
     load_and_check(path, fewer)
     # --cpu-moe: every expert on the host.
     every = fit(path, devices, n_ctx=1024, cpu_moe=True)
@@ -180,9 +180,31 @@ def test_stages_are_balanced_by_threads_and_the_user_split_is_kept(model_path):
     assert [d.n_layers for d in stated.devices] in ([18, 12], [19, 11])
     assert "speed=1.6" in stated.to_json()
     kept = fit(path, ["cpu:0[mem=1GiB]", "cpu:1[mem=1GiB]"], n_ctx=1024, layer_split=[7, 23])
-    assert [d.layers for d in kept.devices] == [(0, 6), (7, 29)]
+    # by default each device's layers in two ranges that take turns (7 = 3 + 4, 23 = 11 + 12)
+    assert [d.layers for d in kept.devices] == [[(0, 2), (14, 17)], [(3, 13), (18, 29)]]
+    assert kept.interleave == 2 and any(x.startswith("interleave 2:") for x in kept.decisions)
+    one = fit(path, ["cpu:0[mem=1GiB]", "cpu:1[mem=1GiB]"], n_ctx=1024, layer_split=[7, 23], interleave=1)
+    assert [d.layers for d in one.devices] == [[(0, 6)], [(7, 29)]] and one.interleave == 1
     with pytest.raises(FitError):
         fit(path, ["cpu:0[mem=40MiB]", "cpu:1[mem=1GiB]"], n_ctx=1024, layer_split=[29, 1])
+
+
+def test_interleave_only_where_its_exact_projection_fits(model_path):
+    """fit searches contiguous ranges, then takes two ranges per device only if the core's
+    projection of that fits too (it crosses devices more often: more copies); else it says why."""
+    path = model_path("smollm2-135m")
+    kw = dict(n_ctx=1024, layer_split=[15, 15], margin=0)
+    one = fit(path, ["cpu:0[mem=1GiB]", "cpu:1[mem=1GiB]"], interleave=1, **kw)
+    two = fit(path, ["cpu:0[mem=1GiB]", "cpu:1[mem=1GiB]"], **kw)
+    assert two.interleave == 2 and two.devices[0].projected["total"] > one.devices[0].projected["total"]
+    tight = one.devices[0].projected["total"]
+    p = fit(path, [f"cpu:0[mem={tight}]", "cpu:1[mem=1GiB]"], **kw)
+    assert p.interleave == 1 and p.n_copies == 4 and p.devices[0].projected["total"] == tight
+    assert any(x.startswith("interleave 1:") and "interleave 2 did not fit (short: cpu:0 by" in x
+               for x in p.decisions), p.decisions
+    load_and_check(path, p)
+    with pytest.raises(ValueError, match="interleave must be a positive integer"):
+        fit(path, ["cpu:0", "cpu:1"], interleave=0)
 
 
 def test_fitting_a_fitted_placement_changes_nothing(model_path, tmp_path):
@@ -198,6 +220,13 @@ def test_fitting_a_fitted_placement_changes_nothing(model_path, tmp_path):
             a.pop("free"), b.pop("free")
     assert first == second
     assert Placement.from_json(p.to_json()).to_dict() == p.to_dict()
+    # A file written before interleaving (one [first, last] per device, no "interleave") still loads.
+    old = p.to_dict()
+    old.pop("interleave")
+    for d in old["devices"]:
+        d["layers"] = None
+    old["devices"][0]["layers"] = [0, p.model["n_layer"] - 1]
+    assert Placement.from_dict(old).devices[0].layers == [(0, p.model["n_layer"] - 1)]
     # The same placement loads through Model, LLM and from the file.
     load_and_check(path, Placement.load(file))
     llm = stowlm.LLM(str(path), placement=str(file), progress=False)
@@ -241,7 +270,7 @@ def test_bad_input_is_refused_clearly(model_path, tmp_path):
     with pytest.raises(ValueError, match=r"devices\[1\]\.layers\[1\]"):
         Placement.from_dict(bad, "bad.json")
     bad["devices"][1]["layers"] = [3, 3]
-    with pytest.raises(ValueError, match="contiguous"):
+    with pytest.raises(ValueError, match=r"the layer ranges cover 1 layers, model.n_layer is 4"):
         Placement.from_dict(bad, "bad.json")
     (tmp_path / "trunc.json").write_text(good.to_json()[:50])
     with pytest.raises(ValueError, match="trunc.json: not valid JSON"):

@@ -8,7 +8,7 @@ import pytest
 
 import stowlm
 from conftest import DENSE_MODELS, MOE_MODELS, load_fixture
-from stowlm.engine import plan
+from stowlm.engine import layer_devices, plan
 
 MODELS = DENSE_MODELS + MOE_MODELS
 EXPERTS = r"blk\.[0-9]+\.ffn_.*_exps="
@@ -20,15 +20,16 @@ def prompt(name, n=96):
     return (ids * (n // len(ids) + 1))[:n]
 
 
-def run(path, devices, split, n_copies, ids, overrides=None, n_ubatch=16):
-    model = stowlm.Model(path, devices=devices, layer_split=split, n_copies=n_copies, tensor_overrides=overrides)
+def run(path, devices, split, n_copies, ids, overrides=None, n_ubatch=16, interleave=None):
+    model = stowlm.Model(path, devices=devices, layer_split=split, n_copies=n_copies, tensor_overrides=overrides,
+                         interleave=interleave)
     ctx = stowlm.Context(model, n_ctx=256, n_ubatch=n_ubatch, n_outputs=n_ubatch)
     logits = ctx.eval(ids, logits="all")
     last = ctx.eval(ids[:3], logits="last")  # a decode-sized step after the prompt, same slots
     kv = [(ctx._c.kv_bytes(il, False), ctx._c.kv_bytes(il, True)) for il in range(model.n_layer)]
     report = ctx.memory_report()
     projected = plan(path, devices, split, n_ctx=256, n_ubatch=n_ubatch, n_outputs=n_ubatch,
-                     tensor_overrides=overrides, n_copies=n_copies)
+                     tensor_overrides=overrides, n_copies=n_copies, interleave=interleave)
     for r, p in zip(report, projected):
         assert r["allocated"] == r["total"] == p["total"], (r, p)
     assert ctx._c.check_plan() == ""
@@ -44,11 +45,11 @@ def test_pipelined_equals_taking_turns(model_path, name):
     path = model_path(name)
     ids = prompt(name)
     n_layer = stowlm.Model(path).n_layer
-    for n_dev in (2, 3, 4):
+    for n_dev, interleave in ((2, 1), (2, None), (3, None), (4, 1)):  # None: the default, 2 where it can
         devices = [f"cpu:{d}[threads=1]" for d in range(n_dev)]
         split = splits(n_layer, n_dev)
-        turns = run(path, devices, split, 1, ids)
-        piped = run(path, devices, split, 4, ids)
+        turns = run(path, devices, split, 1, ids, interleave=interleave)
+        piped = run(path, devices, split, 4, ids, interleave=interleave)
         assert turns[3].pipeline == {"n_copies": 1, "reason": "n_copies is 1"}
         assert piped[3].pipeline == {"n_copies": 4, "reason": ""}, piped[3].pipeline
         stats = piped[3].pipeline_stats
@@ -61,6 +62,36 @@ def test_pipelined_equals_taking_turns(model_path, name):
             assert b["copies"] == 4 * a["copies"] or a["copies"] == b["copies"] == 0
             # (the arena packs the rest again without the copies: greedy packing may differ a little)
             assert b["compute"] - b["copies"] <= 1.1 * a["compute"] + 65536, (a, b)
+
+
+def test_interleaved_layers_give_the_same_bits_as_contiguous_ones(model_path):
+    """Each device's layers in two ranges that take turns: other layers on each device, the same
+    arithmetic, so the same logits and KV cache; the core and Python agree on where each layer is."""
+    path = model_path("smollm2-135m")
+    ids = prompt("smollm2-135m")
+    devices = ["cpu:0[threads=1]", "cpu:1[threads=1]", "cpu:2[threads=1]"]
+    one = run(path, devices, [10, 12, 8], 4, ids, interleave=1)
+    two = run(path, devices, [10, 12, 8], 4, ids)
+    assert one[3].model.layer_devices == [0] * 10 + [1] * 12 + [2] * 8
+    assert two[3].model.interleave == 2
+    assert two[3].model.layer_devices == [0] * 5 + [1] * 6 + [2] * 4 + [0] * 5 + [1] * 6 + [2] * 4
+    assert two[3].model.layer_devices == layer_devices([10, 12, 8])[0]
+    np.testing.assert_array_equal(two[0], one[0])
+    np.testing.assert_array_equal(two[1], one[1])
+    assert two[2] == one[2]
+    # each crossing of the pipeline has its copies: 5 boundaries instead of 2
+    assert sum(r["copies"] for r in two[3].memory_report()) > sum(r["copies"] for r in one[3].memory_report())
+
+
+def test_interleave_rule():
+    assert layer_devices([15, 15]) == ([0] * 7 + [1] * 7 + [0] * 8 + [1] * 8, 2)
+    assert layer_devices([15, 15], 1) == ([0] * 15 + [1] * 15, 1)
+    assert layer_devices([29, 1]) == ([0] * 29 + [1], 1)  # a device with one layer: one range each
+    assert layer_devices([4, 2], 3)[1] == 2               # at most a holding device's layer count
+    assert layer_devices([30, 0]) == ([0] * 30, 1)        # one device computes everything
+    assert layer_devices([0, 6, 6], 3) == ([1, 1, 2, 2] * 3, 3)
+    with pytest.raises(ValueError, match="interleave must be a positive integer"):
+        layer_devices([15, 15], 0)
 
 
 @pytest.mark.parametrize("name", MOE_MODELS)

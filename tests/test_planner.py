@@ -24,14 +24,19 @@ def test_projected_equals_allocated(model_path, name):
         for key in ("weights", "kv", "compute"):
             assert r[key] == p[key] > 0, (key, p, r)
         assert r["total"] == r["weights"] + r["kv"] + r["compute"]
-    # The hidden state crosses from device 0 to device 1 once: one staging copy on device 1 (and
-    # on device 0 the embeddings, when a tied embedding lives with the output on device 1), in
-    # one slot per micro-batch the pipeline keeps in flight.
+    # The hidden state crosses into a device at each start of one of its layer ranges (two ranges
+    # each by default: 0 -> 1 -> 0 -> 1): one staging copy there per crossing (and on device 0
+    # the embeddings, when a tied embedding lives with the output on device 1), in one slot per
+    # micro-batch the pipeline keeps in flight.
     hidden = model.n_embd * n_ubatch * 4
     slots = ctx.pipeline["n_copies"]
-    assert slots == model.n_copies == 4
-    assert report[1]["copies"] == slots * hidden
-    assert report[0]["copies"] == (slots * hidden if model.tensor_device("token_embd.weight") == 1 else 0)
+    assert slots == model.n_copies == 4 and model.interleave == 2
+    ld = model.layer_devices
+    entries = [sum(1 for i in range(1, len(ld)) if ld[i] == d != ld[i - 1]) for d in (0, 1)]
+    assert entries == [1, 2]
+    assert report[1]["copies"] == slots * hidden * entries[1]
+    embd = model.tensor_device("token_embd.weight") == 1
+    assert report[0]["copies"] == slots * hidden * (entries[0] + embd)
     assert ctx._c.check_plan() == ""
     assert ctx._c.n_inplace > 0
     # KV bytes are independent arithmetic: layers * 2 * n_ctx * n_head_kv*head_dim * 2 bytes (f16).

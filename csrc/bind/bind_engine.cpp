@@ -129,17 +129,18 @@ STOWLM_BIND(engine) {
         .def("__init__",
              [](BoundModel* self, const std::string& path, const std::vector<SpecTuple>& devices,
                 const std::vector<int>& layer_split, const std::vector<OverrideTuple>& overrides,
-                const std::vector<double>& tensor_split) {
+                const std::vector<double>& tensor_split, int interleave) {
                  std::unique_ptr<Model> model;
                  {
                      nb::gil_scoped_release nogil;
                      model = Model::load(path, to_specs(devices), layer_split, true, to_overrides(overrides),
-                                         tensor_split);
+                                         tensor_split, interleave);
                  }
                  new (self) BoundModel{std::move(model)};
              },
              nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"),
-             nb::arg("tensor_split") = std::vector<double>())
+             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0)
+        .def_prop_ro("interleave", [](const BoundModel& s) { return s.m->interleave(); })
         .def_prop_ro("shards", [](const BoundModel& s) { return shards_py(*s.m); })
         .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
         .def_prop_ro("n_layer", [](const BoundModel& s) { return s.m->hp().n_layer; })
@@ -290,15 +291,15 @@ STOWLM_BIND(engine) {
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
                 const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq,
-                const std::vector<double>& tensor_split) {
+                const std::vector<double>& tensor_split, int interleave) {
                  auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides),
-                                          tensor_split);
+                                          tensor_split, interleave);
                  return projection_py(
                      project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
              nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1,
-             nb::arg("tensor_split") = std::vector<double>());
+             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0);
 
     // MPI ranks other than 0 (stowlm.mpi): repeat rank 0's contexts over this model until rank 0
     // ends the job; returns the status it ends with. model None: this rank could not load its
@@ -315,10 +316,22 @@ STOWLM_BIND(engine) {
         "project",
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
            const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
-           const std::string& kv_type, int64_t n_outputs, int n_copies, const std::vector<double>& tensor_split) {
-            auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides), tensor_split);
+           const std::string& kv_type, int64_t n_outputs, int n_copies, const std::vector<double>& tensor_split,
+           int interleave) {
+            auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides), tensor_split,
+                                     interleave);
             return projection_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies)));
         },
         nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
-        nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("tensor_split") = std::vector<double>());
+        nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("tensor_split") = std::vector<double>(),
+        nb::arg("interleave") = 0);
+
+    // Which device each layer goes to, and the interleave that is (Model::load's rule).
+    e.def(
+        "layer_devices",
+        [](const std::vector<int>& counts, int interleave) {
+            const int v = effective_interleave(counts, interleave);
+            return std::make_tuple(layer_devices(counts, v), v);
+        },
+        nb::arg("counts"), nb::arg("interleave") = 0);
 }

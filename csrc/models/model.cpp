@@ -1,6 +1,8 @@
 #include "models/model.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <string>
 #include <numeric>
 
@@ -107,16 +109,39 @@ void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default, int32_t
         throw InvalidInput(f.path() + ": " + a + "leading_dense_block_count is outside [0, block_count]");
 }
 
+int effective_interleave(const std::vector<int>& counts, int interleave) {
+    int holding = 0, fewest = INT32_MAX;
+    for (int c : counts)
+        if (c > 0) {
+            holding++;
+            fewest = std::min(fewest, c);
+        }
+    if (holding < 2) return 1;
+    if (interleave <= 0) return fewest >= 2 ? 2 : 1;
+    return std::min(interleave, fewest);
+}
+
+std::vector<int> layer_devices(const std::vector<int>& counts, int interleave) {
+    std::vector<int> out;
+    const int v = std::max(interleave, 1);
+    for (int c = 0; c < v; c++)
+        for (size_t d = 0; d < counts.size(); d++)
+            for (int i = counts[d] * c / v; i < counts[d] * (c + 1) / v; i++) out.push_back((int)d);
+    return out;
+}
+
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
-                                   const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split) {
+                                   const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split,
+                                   int interleave) {
     return load(std::shared_ptr<const GGUFFile>(GGUFFile::open(path)), devices, layer_split, count_weights, overrides,
-                tensor_split);
+                tensor_split, interleave);
 }
 
 std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
-                                   const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split) {
+                                   const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split,
+                                   int interleave) {
     if (devices.empty()) throw InvalidInput("Model: devices is empty");
     const bool tp = !tensor_split.empty();
     if (tp) {
@@ -183,8 +208,13 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
     if (total != hp.n_layer)
         throw InvalidInput("layer_split sums to " + std::to_string(total) + " but the model has " +
                            std::to_string(hp.n_layer) + " layers");
-    for (int d = 0; d < n_dev; d++)
-        for (int i = 0; i < split[d]; i++) m->layer_device_.push_back(d);
+    // Ranks of an MPI job keep one range each: every range boundary is a message between hosts.
+    const bool ranks = std::any_of(devices.begin(), devices.end(), [](const DeviceSpec& d) { return d.rank >= 0; });
+    if (ranks && interleave > 1)
+        throw InvalidInput("interleave " + std::to_string(interleave) +
+                           ": the devices of an MPI job's ranks keep one range of layers each (interleave 1)");
+    m->interleave_ = tp || ranks ? 1 : effective_interleave(split, interleave);
+    m->layer_device_ = stowlm::layer_devices(split, m->interleave_);
     int first_dev = 0, last_dev = n_dev - 1;
     while (first_dev < n_dev - 1 && split[first_dev] == 0) first_dev++;
     while (last_dev > 0 && split[last_dev] == 0) last_dev--;

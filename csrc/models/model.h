@@ -150,9 +150,17 @@ struct WeightInfo {
     int64_t n_elements = 0;
 };
 
+// The device of every layer when device d holds counts[d] layers in `interleave` chunks, the
+// devices taking turns chunk by chunk: a pipeline's stages are then 1/interleave as long, and so
+// are its fill and drain. interleave <= 0: 2 when two or more devices hold layers (and each of
+// them at least 2), else 1; larger than a holding device's count: clamped to it.
+int effective_interleave(const std::vector<int>& counts, int interleave);
+std::vector<int> layer_devices(const std::vector<int>& counts, int interleave);
+
 class Model {
 public:
-    // layer_split: layers per device (contiguous ranges, sums to n_layer); empty: even split.
+    // layer_split: layers per device (sums to n_layer); empty: even split. interleave: each
+    // device's layers in that many chunks, the devices taking turns (layer_devices()); 0: auto.
     // count_weights=false: build shapes and placement only (projections), nothing reserved.
     // An override that matches no weight the model uses is an error naming it.
     // tensor_split (one share per device, not all 0): tensor parallelism instead of a layer
@@ -161,12 +169,12 @@ public:
     static std::unique_ptr<Model> load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights = true,
                                        const std::vector<TensorOverride>& overrides = {},
-                                       const std::vector<double>& tensor_split = {});
+                                       const std::vector<double>& tensor_split = {}, int interleave = 0);
     // The same over a file opened once (fit projects many placements of one file).
     static std::unique_ptr<Model> load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights,
                                        const std::vector<TensorOverride>& overrides,
-                                       const std::vector<double>& tensor_split = {});
+                                       const std::vector<double>& tensor_split = {}, int interleave = 0);
 
     const GGUFFile& file() const { return *file_; }
     const HParams& hp() const { return hp_; }
@@ -187,6 +195,7 @@ public:
     Tensor* shard_output(int s) const { return tensor_parallel() ? shard_output_.at(s) : output_; }
     Tensor* shard_output_norm(int s) const { return tensor_parallel() ? shard_output_norm_.at(s) : output_norm_; }
     int layer_device(int il) const { return layer_device_[il]; }
+    int interleave() const { return interleave_; }
     const std::vector<int>& layer_devices() const { return layer_device_; }
     const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
     int weight_device(const std::string& name) const;  // -1 when the model does not use it
@@ -206,6 +215,7 @@ private:
     std::vector<LayerWeights> layers_;
     Tensor *tok_embd_ = nullptr, *output_norm_ = nullptr, *output_ = nullptr;
     std::vector<int> layer_device_;
+    int interleave_ = 1;
     std::vector<size_t> weight_bytes_;
     std::vector<BufferPtr> weight_buffers_;
     int loading_device_ = 0;  // device for tensors named while loading a layer

@@ -51,7 +51,7 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
     g.add_argument("--layer-split", default=None, metavar="N,N,...",
                    help="layers per device, in the order of --devices")
     g.add_argument("-sm", "--split-mode", default=None, choices=["layer", "tensor"],
-                   help="layer: contiguous layer ranges per device (default); tensor: every layer cut over the "
+                   help="layer: ranges of layers per device (default); tensor: every layer cut over the "
                         "devices, which all work on every token (tensor parallelism)")
     g.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
                    help="with -sm tensor: the devices' shares (default: from their free memory)")
@@ -68,6 +68,9 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
     g.add_argument("--n-copies", type=int, default=None, metavar="N",
                    help="copies of the tensors that cross devices, one per micro-batch in flight (pipeline "
                         "parallelism over the layer split; default 4 where they fit, 1 = off)")
+    g.add_argument("--interleave", type=int, default=None, metavar="N",
+                   help="each device's layers in N ranges that take turns with the other devices' (shorter "
+                        "pipeline stages; default 2 with several devices where it fits, 1 = one range each)")
     g.add_argument("--placement", default=None, metavar="FILE", help="load the placement saved in FILE "
                    "(from `stowlm fit --json` or -o)")
     if not for_fit:
@@ -82,7 +85,8 @@ def _placement_kwargs(a: argparse.Namespace) -> dict:
         raise ValueError("--tensor-split needs -sm tensor")
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
-                n_copies=a.n_copies, margin=_margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares)
+                n_copies=a.n_copies, margin=_margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares,
+                interleave=a.interleave)
 
 
 def _number_list(text: Optional[str], flag: str, kind, what: str):

@@ -7,7 +7,7 @@ import functools
 import logging
 import os
 import re
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -115,7 +115,7 @@ def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
 class Model:
     """A GGUF model mapped (zero copy) and placed on devices.
 
-    layer_split gives the number of layers per device (contiguous ranges); by default the layers
+    layer_split gives the number of layers per device (see interleave); by default the layers
     are spread evenly. overrides ({regex: device}, first match wins) put the weights whose names
     match on another device (e.g. {r"blk\\..*\\.ffn_.*": "cpu:1"}); the nodes that read them run
     there. tensor_overrides (["REGEX=DEVICE", ...], e.g. [r"blk\\.[0-9]+\\.ffn_.*_exps=cpu:1"] for the
@@ -131,6 +131,10 @@ class Model:
     n_copies (default 4): with the layers on several devices, each device works on a
     micro-batch while the next works on the one before (pipeline parallelism); the tensors that
     cross devices are kept in n_copies copies, one per micro-batch in flight. 1 turns it off.
+    interleave (default: 2 when two or more devices hold layers, each at least 2): each device's
+    layers in that many chunks, the devices taking turns (device 0 layers 0-6, device 1 7-14,
+    device 0 15-21, ...), so a pipeline's stages are shorter and so are its fill and drain;
+    1 keeps one contiguous range per device. `layer_devices` says where each layer went.
 
     split_mode="tensor" (tensor parallelism) cuts every layer over the devices instead, in the
     proportions tensor_split gives (one share per device, default equal; 0 leaves a device out):
@@ -142,7 +146,7 @@ class Model:
     def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
                  tensor_overrides: Optional[Sequence[str]] = None, placement=None,
                  n_copies: Optional[int] = None, split_mode: str = "layer",
-                 tensor_split: Optional[Sequence[float]] = None):
+                 tensor_split: Optional[Sequence[float]] = None, interleave: Optional[int] = None):
         path = os.fspath(path)
         if not os.path.exists(path):
             raise ValueError(f"model file {path!r} does not exist")
@@ -160,13 +164,17 @@ class Model:
             if n_copies is not None and n_copies != placement.n_copies:
                 raise ValueError(f"Model: n_copies={n_copies} differs from the placement's ({placement.n_copies})")
             n_copies = placement.n_copies
+            if interleave is not None and interleave != placement.interleave:
+                raise ValueError(f"Model: interleave={interleave} differs from the placement's ({placement.interleave})")
+            interleave = placement.interleave
             split_mode, tensor_split = placement.split_mode, placement.tensor_split
         self.n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
         self.devices: List[DeviceSpec] = parse_devices(devices)
         shares = _tensor_split(split_mode, tensor_split, len(self.devices), layer_split, overrides, tensor_overrides)
         self.split_mode = split_mode
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
-                                _native_overrides(path, tensor_overrides, overrides, self.devices), shares)
+                                _native_overrides(path, tensor_overrides, overrides, self.devices), shares,
+                                _interleave(interleave))
 
     @property
     def shards(self) -> List[dict]:
@@ -183,6 +191,7 @@ class Model:
     n_embd = property(lambda self: self._m.n_embd)
     n_ctx_train = property(lambda self: self._m.n_ctx_train)
     layer_devices = property(lambda self: list(self._m.layer_devices))
+    interleave = property(lambda self: self._m.interleave)
 
     def tensor_device(self, name: str) -> int:
         """Index of the device holding weight `name` (-1 if the model does not use it)."""
@@ -201,14 +210,16 @@ class Model:
 def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
          kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None,
          tensor_overrides: Optional[Sequence[str]] = None, n_copies: Optional[int] = None,
-         split_mode: str = "layer", tensor_split: Optional[Sequence[float]] = None) -> List[dict]:
+         split_mode: str = "layer", tensor_split: Optional[Sequence[float]] = None,
+         interleave: Optional[int] = None) -> List[dict]:
     """Like Model.plan but without loading (nothing is counted against any budget)."""
     specs = parse_devices(devices)
     shares = _tensor_split(split_mode, tensor_split, len(specs), layer_split, overrides, tensor_overrides)
     return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
                            _native_overrides(path, tensor_overrides, overrides, specs), int(n_ctx),
                            int(n_ubatch), kv_type, _n_outputs(n_outputs),
-                           _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares)["devices"]
+                           _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares,
+                           _interleave(interleave))["devices"]
 
 
 def _tensor_split(split_mode: str, tensor_split, n_dev: int, layer_split=None, overrides=None,
@@ -242,6 +253,21 @@ def _n_copies(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n_copies must be a positive integer, got {n!r}")
     return n
+
+
+def _interleave(n) -> int:
+    """The core's form: 0 asks for its default."""
+    if n is None:
+        return 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"interleave must be a positive integer, got {n!r}")
+    return n
+
+
+def layer_devices(counts: Sequence[int], interleave: Optional[int] = None) -> Tuple[List[int], int]:
+    """Where each layer goes when device i holds counts[i] layers, and the interleave that is."""
+    devices, v = _native.layer_devices([int(c) for c in counts], _interleave(interleave))
+    return list(devices), v
 
 
 def _load_placement(placement, path: str):

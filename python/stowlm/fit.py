@@ -19,7 +19,9 @@ What fit may decide, in this order, and only where the user did not set it:
 3. The layer split inside a tier: contiguous ranges, each device at most what its free memory
    less its margin holds (weights + the KV of its own layers + its own compute buffer, which
    depends on its layers and on whether it holds the output), the stages balanced by speed (a
-   CPU device's threads). A device too small for one layer plus its buffers is left out.
+   CPU device's threads). A device too small for one layer plus its buffers is left out. Then
+   each device's layers in `interleave` ranges that take turns (shorter pipeline stages), if
+   the exact projection of that fits too.
 
 Free memory: a virtual device's budget; a CUDA device's free memory (``cudaMemGetInfo``, capped by
 its ``mem`` budget); for a CPU device without a budget the host's available RAM (MemAvailable).
@@ -46,7 +48,7 @@ from typing import Dict, List, Optional, Sequence, Tuple, Union
 from . import _core
 from . import split as splitting
 from .devices import DeviceSpec, cuda_devices, parse_bytes, parse_devices
-from .engine import DEFAULT_N_COPIES, _n_copies, _tensor_overrides, tensor_names
+from .engine import DEFAULT_N_COPIES, _interleave, _n_copies, _tensor_overrides, layer_devices, tensor_names
 from .placement import DevicePlacement, Placement, format_size, slot_context
 
 __all__ = ["fit", "FitError", "Placement", "default_margin", "DEFAULT_MAX_CTX", "DEFAULT_FIT_CTX", "CTX_STEP"]
@@ -298,7 +300,7 @@ class _Layout:
 class _Fitter:
     def __init__(self, path: str, devs: List[_Dev], host_free: int, host_margin: int, *, n_ctx, n_ubatch,
                  n_outputs, kv_type, n_copies, n_seq, layer_split, user_overrides, cpu_moe, n_cpu_moe, max_ctx, fit_ctx,
-                 set_by: Dict[str, str]):
+                 set_by: Dict[str, str], interleave: Optional[int] = None):
         self.path, self.devs = path, devs
         self.host_free, self.host_margin = host_free, host_margin
         self.n_ubatch, self.n_outputs, self.kv_type, self.n_seq = n_ubatch, n_outputs, kv_type, n_seq
@@ -307,6 +309,8 @@ class _Fitter:
         self.n_copies = n_copies if "n_copies" in set_by else 1
         self.n_ctx, self.max_ctx, self.fit_ctx = n_ctx, max_ctx, fit_ctx
         self.set_by = set_by
+        # Searched with contiguous ranges, then interleaved if that fits too (see _with_interleave).
+        self.wanted_interleave, self.interleave, self.interleave_reason = interleave, 1, ""
         self.projector = _core.engine.Projector(path)
         self.L = self.projector.n_layer
         specs = [d.spec for d in devs]
@@ -521,15 +525,18 @@ class _Fitter:
                 out += [("^" + re.escape(n) + "$", host) for n in self.costs.first_names]
         return out
 
-    def _project(self, layout: _Layout, ctx: int) -> Dict[int, dict]:
+    def _project(self, layout: _Layout, ctx: int, interleave: int = 1) -> Dict[int, dict]:
         used = self._used(layout)
         specs = [self.devs[d].spec for d in used]
         overrides = _tensor_overrides([f"{p}={dev}" for p, dev in self._overrides(layout)], specs, self.names)
         result = self.projector.project([s.as_tuple() for s in specs], [layout.count(d) for d in used], overrides,
-                                        ctx, self.n_ubatch, self.kv_type, self.n_outputs, self.n_copies, self.n_seq)
+                                        ctx, self.n_ubatch, self.kv_type, self.n_outputs, self.n_copies, self.n_seq,
+                                        interleave=interleave)
         self.projections += 1
         self.pipeline = dict(result["pipeline"])
         out = {d: dict(r) for d, r in zip(used, result["devices"])}
+        if interleave > 1:  # the accounting below is of contiguous ranges
+            return out
         last = layout.last_device()
         for d in used:  # what the search will expect of this device's role from now on
             start, end = layout.range_of(d)
@@ -584,7 +591,8 @@ class _Fitter:
                 raise self._fit_error(ctx)
             proj = self._project(layout, ctx)
             if not self._over(proj):
-                return self._placement(layout, ctx, self._with_copies(layout, ctx, proj))
+                proj = self._with_copies(layout, ctx, proj)
+                return self._placement(layout, ctx, self._with_interleave(layout, ctx, proj))
         raise RuntimeError(f"fit: no placement settled after {_ROUNDS} projections; please report this")
 
     def _with_copies(self, layout: _Layout, ctx: int, proj: Dict[int, dict]) -> Dict[int, dict]:
@@ -601,6 +609,22 @@ class _Fitter:
         proj = self._project(layout, ctx)
         self.pipeline["reason"] = (f"its {self.wanted_copies} copies of the tensors that cross devices did not fit "
                                    f"with this placement (short: {short})")
+        return proj
+
+    def _with_interleave(self, layout: _Layout, ctx: int, proj: Dict[int, dict]) -> Dict[int, dict]:
+        """Each device's layers in chunks that take turns (shorter pipeline stages), when the exact
+        projection of that fits too: they hold other layers than the contiguous ranges searched."""
+        _, v = layer_devices([layout.count(d) for d in self._used(layout)], self.wanted_interleave)
+        if v == 1:
+            return proj
+        pipeline = self.pipeline
+        more = self._project(layout, ctx, v)
+        if not self._over(more):
+            self.interleave = v
+            return more
+        short = ", ".join(f"{name} by {format_size(b)}" for name, b in self._over(more).items())
+        self.interleave_reason = f"interleave {v} did not fit (short: {short}), so each device keeps one range"
+        self.pipeline = pipeline
         return proj
 
     # -- when it does not fit ------------------------------------------------------------------------
@@ -676,19 +700,18 @@ class _Fitter:
     def _placement(self, layout: _Layout, ctx: int, proj: Dict[int, dict]) -> Placement:
         overrides = self._overrides(layout)
         used = self._used(layout)
+        owner = [used[i] for i in layer_devices([layout.count(d) for d in used], self.interleave)[0]]
         devices = []
         expert_home: Dict[int, set] = {}  # layer -> devices holding its experts
         for l in range(self.L):
             homes = set(self.costs.pinned_experts.get(l, ()))
             if l in self.costs.moe_layers:
-                homes.add(self.spill_dev if l in layout.spill else
-                          next(d for d in layout.order if layout.range_of(d)[0] <= l < layout.range_of(d)[1]))
+                homes.add(self.spill_dev if l in layout.spill else owner[l])
             expert_home[l] = homes
         for d in layout.order:
             dev = self.devs[d]
-            start, end = layout.range_of(d)
             experts = [l for l in range(self.L) if d in expert_home[l]]
-            p = DevicePlacement(spec=str(dev.spec), layers=(start, end - 1) if end > start else None,
+            p = DevicePlacement(spec=str(dev.spec), layers=splitting.runs([l for l in range(self.L) if owner[l] == d]),
                                 expert_layers=experts, overrides=[o for o, name in overrides if name == dev.name],
                                 free=dev.free, margin=dev.margin)
             if d in used:
@@ -704,7 +727,8 @@ class _Fitter:
                               "fingerprint": self.costs.fingerprint},
                        n_ctx=ctx, n_ubatch=self.n_ubatch, n_outputs=self.n_outputs, kv_type=self.kv_type,
                        devices=devices, tensor_overrides=[f"{o}={name}" for o, name in overrides], host=host,
-                       n_copies=self.n_copies, n_seq=self.n_seq, pipeline=dict(self.pipeline))
+                       n_copies=self.n_copies, n_seq=self.n_seq, pipeline=dict(self.pipeline),
+                       interleave=self.interleave)
         # What a Model / Context over this placement asks for: the copies searched with, or 1.
         pl.decisions = self._decisions(layout, ctx, pl)
         return pl
@@ -716,7 +740,7 @@ class _Fitter:
         def alone(split, i):  # exactly what the device takes with `split` over [it, other] or [other, it]
             specs = [dev.spec, other.spec] if i == 0 else [other.spec, dev.spec]
             row = self.projector.project([s.as_tuple() for s in specs], split, [], ctx, self.n_ubatch, self.kv_type,
-                                         self.n_outputs, self.n_copies, self.n_seq)["devices"][i]
+                                         self.n_outputs, self.n_copies, self.n_seq, interleave=1)["devices"][i]
             self.projections += 1
             return row["total"]
 
@@ -800,7 +824,16 @@ class _Fitter:
                            "micro-batch of a long prompt")
             else:
                 out.append(f"pipeline parallelism off: {self.pipeline['reason']}")
-            times = {d: (self.costs.work_sum[layout.range_of(d)[1]] - self.costs.work_sum[layout.range_of(d)[0]])
+            if self.interleave > 1:
+                out.append(f"interleave {self.interleave}: each device's layers in {self.interleave} ranges that take "
+                           "turns with the other devices', so a pipeline stage, and the devices' wait while the "
+                           f"pipeline fills and drains, is 1/{self.interleave} as long "
+                           f"({self.set_by.get('interleave', 'the default')})")
+            elif self.interleave_reason or "interleave" in self.set_by:
+                out.append("interleave 1: one range of layers per device "
+                           f"({self.interleave_reason or self.set_by['interleave']})")
+            work = self.costs.work_sum
+            times = {d: sum(work[b + 1] - work[a] for a, b in pl.devices[layout.order.index(d)].layers)
                      / self.devs[d].speed for d in holders}
             slowest = max(times.values())
             out.append("expected time per stage (its layers' weights read per token / its speed, slowest = 1.00): " +
@@ -822,12 +855,15 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         n_copies: Optional[int] = None, n_seq: int = 1, layer_split: Optional[Sequence[int]] = None, tensor_overrides: Optional[Sequence[str]] = None,
         cpu_moe: bool = False, n_cpu_moe: Optional[int] = None, margin=None, max_ctx: int = DEFAULT_MAX_CTX,
         fit_ctx: int = DEFAULT_FIT_CTX, placement: Optional[Union[Placement, str, os.PathLike]] = None,
-        split_mode: Optional[str] = "layer", tensor_split: Optional[Sequence[float]] = None) -> Placement:
+        split_mode: Optional[str] = "layer", tensor_split: Optional[Sequence[float]] = None,
+        interleave: Optional[int] = None) -> Placement:
     """Decide a placement of the GGUF file `model` on `devices` (a list or "cpu:0[...],cuda:0";
     "auto": every CUDA device and the CPU). Every argument given is kept as is; FitError (a
     MemoryError) says which device is short, by how much, and the largest context that fits.
     `placement` starts from a saved placement: all of its values count as set, so fitting a
-    fitted placement gives it back. split_mode="tensor": every layer cut over the devices
+    fitted placement gives it back. interleave: each device's layers in that many ranges that
+    take turns with the other devices' (default 2 where two or more devices hold layers and it
+    fits; 1: one range each). split_mode="tensor": every layer cut over the devices
     (stowlm.tensor_split decides the shares unless tensor_split gives them). Allocates nothing."""
     path = os.fspath(model)
     if not os.path.exists(path):
@@ -835,7 +871,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     set_by: Dict[str, str] = {}
     for key, value in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("n_outputs", n_outputs), ("kv_type", kv_type),
                        ("n_copies", n_copies), ("layer_split", layer_split), ("margin", margin),
-                       ("n_cpu_moe", n_cpu_moe)):
+                       ("n_cpu_moe", n_cpu_moe), ("interleave", interleave)):
         if value is not None:
             set_by[key] = "set by the user"
     if tensor_overrides:
@@ -863,21 +899,21 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
                 margin = placement_margins
             set_by = {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "margin")}
             placement = None
-        conflict = [k for k in ("n_ctx", "n_copies", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe")
-                    if k in set_by]
+        conflict = [k for k in ("n_ctx", "n_copies", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe",
+                                "interleave") if k in set_by]
         if conflict or devices is not None:
             raise ValueError("fit: a placement fixes the devices, " + ", ".join(conflict or ["devices"]) +
                              "; give either the placement or these")
         devices = [d.spec for d in placement.devices]
         n_ctx, n_ubatch, n_outputs, kv_type = placement.n_ctx, placement.n_ubatch, placement.n_outputs, \
             placement.kv_type
-        n_copies = placement.n_copies
+        n_copies, interleave = placement.n_copies, placement.interleave
         layer_split = [d.n_layers for d in placement.devices]
         tensor_overrides = list(placement.tensor_overrides)
         if margin is None:
             margin = [d.margin for d in placement.devices]
         set_by = {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "n_copies",
-                                                       "layer_split", "margin", "tensor_overrides")}
+                                                       "layer_split", "margin", "tensor_overrides", "interleave")}
         mine = fingerprint(path)
         if placement.model.get("fingerprint") != mine:
             raise ValueError(f"the placement was made for another model ({placement.model.get('path')}, "
@@ -896,6 +932,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         raise ValueError(f"n_outputs must be in [1, n_ubatch={n_ubatch}], got {n_outputs}")
     kv_type = kv_type or "f16"
     n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
+    _interleave(interleave)
     devs, host_free, host_margin = _describe_devices(specs, margin)
     if placement is not None:
         n_seq = placement.n_seq
@@ -920,7 +957,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
                      n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, n_copies=n_copies, n_seq=n_seq,
                      layer_split=layer_split,
                      user_overrides=tensor_overrides, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, max_ctx=int(max_ctx),
-                     fit_ctx=int(fit_ctx), set_by=set_by)
+                     fit_ctx=int(fit_ctx), set_by=set_by, interleave=interleave)
     return fitter.solve()
 
 

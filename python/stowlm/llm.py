@@ -61,6 +61,8 @@ class LLM:
     placement: a Placement (or its JSON file) from fit, loaded exactly as it says.
     n_copies: with the layers on several devices, copies of the tensors that cross devices, one per
         micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
+    interleave: each device's layers in that many ranges taking turns with the other devices'
+        (shorter pipeline stages; default 2 with several devices, 1: one range each).
     split_mode="tensor" (tensor_split: shares per device): every layer cut over the devices, which
         all work on every token (tensor parallelism; fit picks the shares from free memory).
     n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()
@@ -76,7 +78,8 @@ class LLM:
                  tensor_overrides: Optional[Sequence[str]] = None, fit: Optional[bool] = None, placement=None,
                  fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
                  n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1,
-                 split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None):
+                 split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None,
+                 interleave: Optional[int] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
@@ -87,7 +90,7 @@ class LLM:
             given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                     ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
                                     ("n_cpu_moe", n_cpu_moe), ("n_copies", n_copies), ("split_mode", split_mode),
-                                    ("tensor_split", tensor_split)) if v is not None] + \
+                                    ("tensor_split", tensor_split), ("interleave", interleave)) if v is not None] + \
                 (["cpu_moe"] if cpu_moe else [])
             if given:
                 raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
@@ -98,7 +101,7 @@ class LLM:
                                          layer_split=layer_split, tensor_overrides=tensor_overrides,
                                          cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
                                          n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
-                                         **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
+                                         interleave=interleave, **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
             if progress:
                 print(f"[{self.placement.summary()}]", file=sys.stderr)
         if self.placement is not None:
@@ -106,7 +109,8 @@ class LLM:
             self.placement = self.model.placement
         else:
             self.model = Model(self.path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides,
-                               n_copies=n_copies, split_mode=split_mode or "layer", tensor_split=tensor_split)
+                               n_copies=n_copies, split_mode=split_mode or "layer", tensor_split=tensor_split,
+                               interleave=interleave)
         with GGUFFile(self.path) as f:
             meta = f.metadata
             self.metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}

@@ -1,7 +1,7 @@
 """A Placement: what fit decided, as plain data that loads exactly as it says.
 
-Per device (in pipeline order: layers flow from the first to the last) its contiguous layer
-range, the tensor overrides that put weights there, its free memory and margin, and the bytes
+Per device (in pipeline order: layers flow from the first to the last) its layer ranges (one,
+or `interleave` of them taking turns with the other devices'), the tensor overrides that put weights there, its free memory and margin, and the bytes
 the core projects for it; for the whole model n_ctx, n_ubatch, n_outputs, kv_type and the
 override list in the order it is applied. ``to_json()`` / ``from_json()`` round-trip it;
 ``stowlm.Model(path, placement=...)``, ``stowlm.LLM(..., placement=...)`` and
@@ -23,7 +23,7 @@ FORMAT = "stowlm-placement/1"
 @dataclass
 class DevicePlacement:
     spec: str                                # "cpu:1[threads=1,mem=64MiB]"
-    layers: Optional[Tuple[int, int]]        # first, last (inclusive); None: no layers
+    layers: List[Tuple[int, int]]            # (first, last) inclusive, in order; []: no layers
     expert_layers: List[int] = field(default_factory=list)  # layers whose experts live here
     overrides: List[str] = field(default_factory=list)      # regexes that put weights here
     free: int = 0
@@ -43,9 +43,20 @@ class DevicePlacement:
     def device(self) -> DeviceSpec:
         return parse_device(self.spec)
 
+    def __post_init__(self):
+        self.layers = [tuple(r) for r in self.layers or []]
+
     @property
     def n_layers(self) -> int:
-        return 0 if self.layers is None else self.layers[1] - self.layers[0] + 1
+        return sum(last - first + 1 for first, last in self.layers)
+
+    def holds(self, layer: int) -> bool:
+        return any(first <= layer <= last for first, last in self.layers)
+
+    def describe_layers(self) -> str:
+        from .split import describe_layers
+
+        return describe_layers([l for a, b in self.layers for l in range(a, b + 1)])
 
     @property
     def used(self) -> bool:
@@ -53,7 +64,7 @@ class DevicePlacement:
         return self.projected["total"] > 0 or self.n_layers > 0 or bool(self.overrides)
 
     def to_dict(self) -> dict:
-        d = {"name": self.name, "spec": self.spec, "layers": list(self.layers) if self.layers else None,
+        d = {"name": self.name, "spec": self.spec, "layers": [list(r) for r in self.layers] or None,
              "expert_layers": list(self.expert_layers), "overrides": list(self.overrides), "free": self.free,
              "margin": self.margin, "projected": dict(self.projected)}
         if self.allocated is not None:
@@ -81,6 +92,7 @@ class Placement:
     pipeline: Optional[Dict[str, object]] = None  # what the core makes of it: n_copies, reason (off)
     split_mode: str = "layer"              # "tensor": every layer cut over the used devices
     tensor_split: Optional[List[float]] = None  # tensor mode: share per used device
+    interleave: int = 1                    # layer ranges per device, the devices taking turns
 
     # -- what the engine is given ------------------------------------------------------------
     @property
@@ -99,7 +111,7 @@ class Placement:
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "model": dict(self.model), "n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch,
              "n_outputs": self.n_outputs, "kv_type": self.kv_type, "n_copies": self.n_copies, "n_seq": self.n_seq,
-             "split_mode": self.split_mode,
+             "split_mode": self.split_mode, "interleave": self.interleave,
              "tensor_overrides": list(self.tensor_overrides),
              "devices": [dev.to_dict() for dev in self.devices], "decisions": list(self.decisions)}
         if self.tensor_split is not None:
@@ -161,14 +173,18 @@ class Placement:
                 raise ValueError(f"{source}: {where}.spec: {e}") from None
             if "name" in dd and dd["name"] != dev.name:
                 raise ValueError(f"{source}: {where}.name {dd['name']!r} does not match its spec {spec!r}")
-            layers = dd.get("layers")
-            if layers is not None:
-                r.list(layers, f"{where}.layers")
-                if len(layers) != 2:
-                    raise ValueError(f"{source}: {where}.layers must be [first, last] or null, got {layers!r}")
-                first = r.int(layers[0], f"{where}.layers[0]", 0)
-                last = r.int(layers[1], f"{where}.layers[1]", first)
-                layers = (first, last)
+            layers = dd.get("layers") or []
+            r.list(layers, f"{where}.layers")
+            one = len(layers) == 2 and not isinstance(layers[0], list)  # [first, last], as before interleaving
+            ranges = []
+            for j, rng in enumerate([layers] if one else layers):
+                if not isinstance(rng, list) or len(rng) != 2:
+                    raise ValueError(f"{source}: {where}.layers must be a list of [first, last] ranges or null, "
+                                     f"got {dd.get('layers')!r}")
+                at = f"{where}.layers" + ("" if one else f"[{j}]")
+                first = r.int(rng[0], f"{at}[0]", 0)
+                ranges.append((first, r.int(rng[1], f"{at}[1]", first)))
+            layers = ranges
             projected = r.dict(dd.get("projected", {}), f"{where}.projected")
             proj = {k: r.int(projected.get(k, 0), f"{where}.projected.{k}", 0) for k in PROJECTED_KEYS}
             devices.append(DevicePlacement(
@@ -186,18 +202,25 @@ class Placement:
         for n in names:
             if names.count(n) > 1:
                 raise ValueError(f"{source}: device {n} appears more than once")
-        # Layer ranges must follow each other from 0 to n_layer - 1 in device order.
+        # The ranges must be exactly those the core makes of the counts and the interleave.
         split_mode = r.str(data.get("split_mode", "layer"), "split_mode")
-        pos = 0 if split_mode == "layer" else model["n_layer"]
-        for i, d in enumerate(devices):
-            if d.layers is None:
-                continue
-            if d.layers[0] != pos:
-                raise ValueError(f"{source}: devices[{i}].layers starts at {d.layers[0]}, expected {pos} "
-                                 "(ranges are contiguous, in device order)")
-            pos = d.layers[1] + 1
-        if pos != model["n_layer"]:
-            raise ValueError(f"{source}: the layer ranges cover {pos} layers, model.n_layer is {model['n_layer']}")
+        interleave = r.int(data.get("interleave", 1), "interleave", 1)
+        if split_mode == "layer":
+            from .engine import layer_devices
+
+            counts = [d.n_layers for d in devices]
+            if sum(counts) != model["n_layer"]:
+                raise ValueError(f"{source}: the layer ranges cover {sum(counts)} layers, model.n_layer is "
+                                 f"{model['n_layer']}")
+            owner = {l: i for i, d in enumerate(devices) for first, last in d.layers for l in range(first, last + 1)}
+            used = [i for i, c in enumerate(counts) if c]
+            want, v = layer_devices([counts[i] for i in used], interleave)
+            if v != interleave or [owner.get(l) for l in range(model["n_layer"])] != [used[i] for i in want]:
+                raise ValueError(f"{source}: the devices' layer ranges are not those of their counts {counts} with "
+                                 f"interleave {interleave} (in device order, each device's layers in {interleave} "
+                                 "chunks, the devices taking turns)")
+        elif any(d.layers for d in devices):
+            raise ValueError(f"{source}: a tensor split gives no device layer ranges")
         overrides = [r.str(x, "tensor_overrides[]") for x in r.list(data.get("tensor_overrides", []),
                                                                     "tensor_overrides")]
         for o in overrides:
@@ -228,7 +251,7 @@ class Placement:
                                                                                       "decisions")],
                    host=host, n_copies=r.int(data.get("n_copies", 4), "n_copies", 1),
                    n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline,
-                   split_mode=split_mode, tensor_split=tensor_split)
+                   split_mode=split_mode, tensor_split=tensor_split, interleave=interleave)
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:
@@ -239,7 +262,7 @@ class Placement:
         rows = []
         for d in self.devices:
             p = d.projected
-            layers = f"{d.layers[0]}-{d.layers[1]}" if d.layers else "-"
+            layers = d.describe_layers() or "-"
             from .split import describe_layers
 
             experts = describe_layers(d.expert_layers) if d.expert_layers else "-"
@@ -285,8 +308,8 @@ class Placement:
                     f"; {format_size(total)} in all")
         parts = []
         for d in self.used_devices:
-            what = f"layers {d.layers[0]}-{d.layers[1]}" if d.layers else "no layers"
-            spilled = [x for x in d.expert_layers if d.layers is None or not d.layers[0] <= x <= d.layers[1]]
+            what = f"layers {d.describe_layers()}" if d.layers else "no layers"
+            spilled = [x for x in d.expert_layers if not d.holds(x)]
             if spilled:
                 what += f" + experts of {describe_layers(spilled)}"
             parts.append(f"{d.name} {what}")

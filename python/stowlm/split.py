@@ -87,16 +87,17 @@ def ranges(counts: Sequence[int], first: int = 0) -> List[Optional[Tuple[int, in
     return out
 
 
+def runs(layers: Sequence[int]) -> List[Tuple[int, int]]:
+    """[0, 1, 2, 5, 7, 8] -> [(0, 2), (5, 5), (7, 8)]."""
+    out: List[Tuple[int, int]] = []
+    for layer in sorted(layers):
+        if out and layer == out[-1][1] + 1:
+            out[-1] = (out[-1][0], layer)
+        else:
+            out.append((layer, layer))
+    return out
+
+
 def describe_layers(layers: Sequence[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    out, run = [], []
-    for layer in sorted(layers):
-        if run and layer == run[-1] + 1:
-            run.append(layer)
-            continue
-        if run:
-            out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-        run = [layer]
-    if run:
-        out.append(f"{run[0]}-{run[-1]}" if len(run) > 1 else str(run[0]))
-    return ", ".join(out)
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs(layers))
