@@ -519,3 +519,15 @@ def test_swiglu_oai():
     gc, uc = np.minimum(g, 7.0).astype(np.float64), np.clip(u, -7.0, 7.0).astype(np.float64)
     ref = gc / (1 + np.exp(-1.702 * gc)) * (uc + 1)
     np.testing.assert_allclose(ops.swiglu_oai(g, u), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_thread_pool_runs_every_part_once_whoever_takes_it():
+    """A job's parts go to whichever thread asks first and the job ends when they are done, so
+    a worker the OS has not run yet holds nothing up; every part still runs exactly once, and a
+    worker that wakes after its job ended does not touch it (each job's data is on the caller's
+    stack). 8 threads on this machine's 2 cores oversubscribe it."""
+    for threads, jobs, work_us in ((2, 20000, 0), (2, 2000, 20), (8, 2000, 5), (3, 3000, 1)):
+        runs, elsewhere, missed = ops.pool_parts(threads, jobs, work_us)
+        assert runs == [jobs] * threads and missed == 0, (threads, jobs, runs, missed)
+        if work_us >= 20:  # parts long enough for the workers to take some
+            assert elsewhere > 0

@@ -3,12 +3,16 @@
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "bind.h"
@@ -129,6 +133,35 @@ std::vector<uint8_t> encode_kv(const void* data, nb::dlpack::dtype dt, QType kv_
 
 STOWLM_BIND(nn) {
     nb::module_ ops = stowlm::bind::submodule(m, "ops");
+
+    // The pool's contract under any scheduling: `jobs` jobs of nth parts, each part (busy for
+    // work_us) run exactly once per job, each job with its own data on the caller's stack (a
+    // worker that wakes after its job ended must not touch it). Returns how often each part ran,
+    // how many parts ran on another thread than the caller, and how many ran other than once.
+    ops.def("pool_parts", [](int threads, int jobs, int work_us) {
+        nb::gil_scoped_release nogil;
+        ThreadPool tp(threads);
+        std::vector<std::atomic<int64_t>> runs(threads);
+        int64_t elsewhere = 0, missed = 0;
+        const auto caller = std::this_thread::get_id();
+        for (int j = 0; j < jobs; j++) {
+            std::vector<std::atomic<int>> seen(threads);  // this job's own data
+            std::atomic<int> others{0};
+            tp.run([&](int ith, int nth) {
+                const auto until = std::chrono::steady_clock::now() + std::chrono::microseconds(work_us);
+                while (std::chrono::steady_clock::now() < until) {
+                }
+                seen[ith].fetch_add(nth == threads ? 1 : 1000);
+                runs[ith].fetch_add(1);
+                if (std::this_thread::get_id() != caller) others.fetch_add(1);
+            });
+            for (auto& v : seen) missed += v.load() != 1;
+            elsewhere += others.load();
+        }
+        std::vector<int64_t> out;
+        for (auto& r : runs) out.push_back(r.load());
+        return std::make_tuple(out, elsewhere, missed);
+    }, nb::arg("threads"), nb::arg("jobs"), nb::arg("work_us") = 0);
 
     ops.def("rms_norm", [](In<float> x, std::optional<In<float>> w, float eps) {
         auto [n, dim] = rows_dim(x, "x");

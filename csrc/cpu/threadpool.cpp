@@ -25,7 +25,7 @@ constexpr uint32_t kYieldEvery = 256;
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
     threads_.reserve(n_threads_ - 1);
-    for (int i = 1; i < n_threads_; i++) threads_.emplace_back([this, i] { worker(i); });
+    for (int i = 1; i < n_threads_; i++) threads_.emplace_back([this] { worker(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -38,6 +38,15 @@ ThreadPool::~ThreadPool() {
     for (auto& t : threads_) t.join();
 }
 
+void ThreadPool::take_parts() {
+    for (;;) {
+        const int part = next_part_.fetch_add(1);
+        if (part >= n_threads_) return;
+        job_fn_(job_ctx_, part, n_threads_);
+        parts_done_.fetch_add(1);
+    }
+}
+
 void ThreadPool::run_raw(JobFn fn, void* ctx) {
     std::lock_guard<std::mutex> run_lock(run_mu_);
     if (n_threads_ == 1) {
@@ -46,22 +55,31 @@ void ThreadPool::run_raw(JobFn fn, void* ctx) {
     }
     job_fn_ = fn;
     job_ctx_ = ctx;
-    pending_.store(n_threads_ - 1, std::memory_order_relaxed);
+    next_part_.store(0);
+    parts_done_.store(0);
     {
         std::lock_guard<std::mutex> lk(mu_);
-        generation_.fetch_add(1, std::memory_order_release);
+        open_.store(generation_.load() + 1);  // before the workers can see the new generation
+        generation_.fetch_add(1);
     }
-    if (sleepers_.load(std::memory_order_acquire) > 0) cv_.notify_all();
-    fn(ctx, 0, n_threads_);
+    if (sleepers_.load() > 0) cv_.notify_all();
+    take_parts();
     // Spin (the others finish within microseconds on an idle machine) but yield the core now
     // and then: on an oversubscribed machine the thread we wait for may need it.
-    for (uint32_t i = 1; pending_.load(std::memory_order_acquire) != 0; i++) {
+    for (uint32_t i = 1; parts_done_.load() != n_threads_; i++) {
+        if (i % kYieldEvery == 0) std::this_thread::yield();
+        else STOWLM_PAUSE();
+    }
+    // No worker may join from now on; one that joined already finds no part left and leaves.
+    // (seq_cst on both sides: a worker either sees the job closed or is counted here.)
+    open_.store(0);
+    for (uint32_t i = 1; joined_.load() != 0; i++) {
         if (i % kYieldEvery == 0) std::this_thread::yield();
         else STOWLM_PAUSE();
     }
 }
 
-void ThreadPool::worker(int ith) {
+void ThreadPool::worker() {
     uint64_t seen = 0;
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
@@ -79,8 +97,9 @@ void ThreadPool::worker(int ith) {
         }
         seen = g;
         if (stop_.load()) return;
-        job_fn_(job_ctx_, ith, n_threads_);
-        pending_.fetch_sub(1, std::memory_order_acq_rel);
+        joined_.fetch_add(1);
+        if (open_.load() == g) take_parts();  // else the job ended without this thread
+        joined_.fetch_sub(1);
     }
 }
 

@@ -1,6 +1,9 @@
 // One pool of worker threads per CPU device, created once and reused by every op, so no
 // op ever creates a thread. Workers spin briefly after a job (the next op of a token comes
-// within microseconds) and then sleep.
+// within microseconds) and then sleep. A job's parts (its ith values) go to whichever thread
+// asks first, and a job is done when its parts are: a worker that the OS has not run yet
+// (another process on its core, or still waking) does not hold the others up, since the caller
+// takes its part too.
 #pragma once
 #include <atomic>
 #include <condition_variable>
@@ -24,8 +27,9 @@ public:
 
     int size() const { return n_threads_; }
 
-    // Runs fn(ith, nth) on every thread of the pool (the caller is thread 0) and returns when
-    // all are done. Jobs must not call run() on the same pool.
+    // Runs fn(ith, nth) for every ith in [0, nth) (nth = size()), each once, on whichever
+    // threads of the pool take them first (the caller included), and returns when all are done;
+    // parts may run one after another on one thread. Jobs must not call run() on the same pool.
     template <class F>
     void run(F&& fn) {
         run_raw(&invoke<F>, (void*)&fn);
@@ -65,12 +69,15 @@ private:
         (*(F*)ctx)(ith, nth);
     }
     void run_raw(JobFn fn, void* ctx);
-    void worker(int ith);
+    void take_parts();
+    void worker();
 
     int n_threads_;
     std::vector<std::thread> threads_;
     std::atomic<uint64_t> generation_{0};
-    std::atomic<int> pending_{0};
+    std::atomic<uint64_t> open_{0};       // the generation workers may still join (0: none)
+    std::atomic<int> joined_{0};          // workers inside the open job
+    std::atomic<int> next_part_{0}, parts_done_{0};
     JobFn job_fn_ = nullptr;
     void* job_ctx_ = nullptr;
     std::atomic<bool> stop_{false};
