@@ -154,3 +154,20 @@ def test_engine_errors_cancel_and_queue(served):
     assert eng.stats()["slots_busy"] == 0
     # the engine still serves
     assert served.generate("The capital of France is", max_tokens=4, temperature=0).completion_tokens == 4
+
+
+def test_a_script_that_never_closes_its_engine_exits_cleanly():
+    """The engine thread holds the model: at exit it is stopped first, so a script that just ends
+    prints its text and nothing else (nanobind reported the model as leaked before)."""
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    script = ("import stowlm\n"
+              f"llm = stowlm.LLM({str(get_model('smollm2-135m'))!r}, n_seq=2, progress=False)\n"
+              "print(len(llm.generate_batch(['Hi', 'Why is the sky blue?'], max_tokens=3, temperature=0)))\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=subprocess_env(),
+                       timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "2", (r.stdout, r.stderr)
+    assert "leak" not in r.stderr, r.stderr

@@ -16,10 +16,12 @@ cache holds exactly what evaluating the prompt afresh would.
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import math
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, List, Optional, Sequence
 
@@ -31,6 +33,12 @@ __all__ = ["BatchEngine", "Request", "QueueFull", "Event"]
 
 MAX_DECODE_BATCH = 23  # above this the batched kernels take over and a token's product may differ
 DEFAULT_CHUNK = 256    # prompt tokens per step (and the granularity of prefix reuse)
+
+
+# Engines still running at exit are stopped first: their threads hold the model, which would
+# otherwise outlive the interpreter's teardown (and nanobind reports it as a leak).
+_running: "weakref.WeakSet[BatchEngine]" = weakref.WeakSet()
+atexit.register(lambda: [e.close() for e in list(_running)])
 
 
 class QueueFull(RuntimeError):
@@ -109,6 +117,7 @@ class BatchEngine:
         self._recent: Deque[tuple] = collections.deque()  # (time, tokens) of recent decode steps
         self.thread = threading.Thread(target=self._loop, name="stowlm-engine", daemon=True)
         self.thread.start()
+        _running.add(self)
 
     # -- from any thread ------------------------------------------------------------------------
     def submit(self, tokens: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None],
@@ -144,6 +153,7 @@ class BatchEngine:
             self.running = False
             self.cv.notify()
         self.thread.join()
+        _running.discard(self)
 
     def stats(self) -> Dict[str, float]:
         with self.cv:
