@@ -85,7 +85,7 @@ void print_usage(FILE* f) {
             "                           -t sets the threads of a CPU device that does not say)\n"
             "  --layer-split N,N,...    layers per device of -dev (default: even)\n"
             "  --interleave N           each device's layers in N chunks, the devices taking turns (shorter\n"
-            "                           pipeline stages; default 2 with several devices, 1 = contiguous)\n"
+            "                           pipeline stages; default 2 over CPU devices only, 1 = contiguous)\n"
             "  -sm, --split-mode M      layer (default) or tensor: every layer cut over the devices of -dev,\n"
             "                           which all work on every token (tensor parallelism)\n"
             "  -ts, --tensor-split N,.. shares of the devices for -sm tensor (default equal)\n"

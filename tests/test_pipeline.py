@@ -90,6 +90,9 @@ def test_interleave_rule():
     assert layer_devices([4, 2], 3)[1] == 2               # at most a holding device's layer count
     assert layer_devices([30, 0]) == ([0] * 30, 1)        # one device computes everything
     assert layer_devices([0, 6, 6], 3) == ([1, 1, 2, 2] * 3, 3)
+    # a GPU among them: one range each unless asked (each range costs it a sync per token)
+    assert layer_devices([15, 15], None, cpu_only=False)[1] == 1
+    assert layer_devices([15, 15], 2, cpu_only=False)[1] == 2
     with pytest.raises(ValueError, match="interleave must be a positive integer"):
         layer_devices([15, 15], 0)
 

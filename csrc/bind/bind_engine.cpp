@@ -329,9 +329,9 @@ STOWLM_BIND(engine) {
     // Which device each layer goes to, and the interleave that is (Model::load's rule).
     e.def(
         "layer_devices",
-        [](const std::vector<int>& counts, int interleave) {
-            const int v = effective_interleave(counts, interleave);
+        [](const std::vector<int>& counts, int interleave, bool cpu_only) {
+            const int v = effective_interleave(counts, interleave, cpu_only);
             return std::make_tuple(layer_devices(counts, v), v);
         },
-        nb::arg("counts"), nb::arg("interleave") = 0);
+        nb::arg("counts"), nb::arg("interleave") = 0, nb::arg("cpu_only") = true);
 }

@@ -164,7 +164,9 @@ std::string pipeline_blocker(const Graph& g, const std::vector<Backend*>& backen
             for (int k = 0; k < n->n_src(); k++) {
                 if (!n->src[k]) continue;
                 const Tensor* r = n->src[k]->storage_root();
-                if (r->role != TensorRole::COMPUTE) continue;
+                // (a copy has a slot per micro-batch in flight: a device may read it in each of its
+                // splits, e.g. the positions copied to a GPU holding two ranges of layers)
+                if (r->role != TensorRole::COMPUTE || r->op == Op::COPY) continue;
                 auto it = at.find(r);
                 if (it == at.end() || it->second == j) continue;
                 if (r->device == g.splits[j].device)

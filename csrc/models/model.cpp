@@ -109,7 +109,7 @@ void load_moe_hparams(const GGUFFile& f, HParams& hp, bool norm_default, int32_t
         throw InvalidInput(f.path() + ": " + a + "leading_dense_block_count is outside [0, block_count]");
 }
 
-int effective_interleave(const std::vector<int>& counts, int interleave) {
+int effective_interleave(const std::vector<int>& counts, int interleave, bool cpu_only) {
     int holding = 0, fewest = INT32_MAX;
     for (int c : counts)
         if (c > 0) {
@@ -117,7 +117,7 @@ int effective_interleave(const std::vector<int>& counts, int interleave) {
             fewest = std::min(fewest, c);
         }
     if (holding < 2) return 1;
-    if (interleave <= 0) return fewest >= 2 ? 2 : 1;
+    if (interleave <= 0) return fewest >= 2 && cpu_only ? 2 : 1;
     return std::min(interleave, fewest);
 }
 
@@ -213,7 +213,9 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
     if (ranks && interleave > 1)
         throw InvalidInput("interleave " + std::to_string(interleave) +
                            ": the devices of an MPI job's ranks keep one range of layers each (interleave 1)");
-    m->interleave_ = tp || ranks ? 1 : effective_interleave(split, interleave);
+    bool cpu_only = true;
+    for (int d = 0; d < n_dev; d++) cpu_only = cpu_only && (split[d] == 0 || devices[d].kind == "cpu");
+    m->interleave_ = tp || ranks ? 1 : effective_interleave(split, interleave, cpu_only);
     m->layer_device_ = stowlm::layer_devices(split, m->interleave_);
     int first_dev = 0, last_dev = n_dev - 1;
     while (first_dev < n_dev - 1 && split[first_dev] == 0) first_dev++;

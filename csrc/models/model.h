@@ -152,9 +152,11 @@ struct WeightInfo {
 
 // The device of every layer when device d holds counts[d] layers in `interleave` chunks, the
 // devices taking turns chunk by chunk: a pipeline's stages are then 1/interleave as long, and so
-// are its fill and drain. interleave <= 0: 2 when two or more devices hold layers (and each of
-// them at least 2), else 1; larger than a holding device's count: clamped to it.
-int effective_interleave(const std::vector<int>& counts, int interleave);
+// are its fill and drain. interleave <= 0: 2 when two or more devices hold layers, each at least
+// 2, and all of them are CPU devices (cpu_only: a hand-over between them is a memory copy; on a
+// GPU each range costs a sync per generated token), else 1; larger than a holding device's
+// count: clamped to it.
+int effective_interleave(const std::vector<int>& counts, int interleave, bool cpu_only = true);
 std::vector<int> layer_devices(const std::vector<int>& counts, int interleave);
 
 class Model {

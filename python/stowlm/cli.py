@@ -70,7 +70,8 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                         "parallelism over the layer split; default 4 where they fit, 1 = off)")
     g.add_argument("--interleave", type=int, default=None, metavar="N",
                    help="each device's layers in N ranges that take turns with the other devices' (shorter "
-                        "pipeline stages; default 2 with several devices where it fits, 1 = one range each)")
+                        "pipeline stages; default 2 where only CPU devices hold layers and it fits, 1 = one "
+                        "range each)")
     g.add_argument("--placement", default=None, metavar="FILE", help="load the placement saved in FILE "
                    "(from `stowlm fit --json` or -o)")
     if not for_fit:

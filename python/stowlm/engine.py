@@ -131,10 +131,11 @@ class Model:
     n_copies (default 4): with the layers on several devices, each device works on a
     micro-batch while the next works on the one before (pipeline parallelism); the tensors that
     cross devices are kept in n_copies copies, one per micro-batch in flight. 1 turns it off.
-    interleave (default: 2 when two or more devices hold layers, each at least 2): each device's
-    layers in that many chunks, the devices taking turns (device 0 layers 0-6, device 1 7-14,
-    device 0 15-21, ...), so a pipeline's stages are shorter and so are its fill and drain;
-    1 keeps one contiguous range per device. `layer_devices` says where each layer went.
+    interleave (default: 2 when two or more CPU devices, and no GPU, hold layers, each at least
+    2): each device's layers in that many chunks, the devices taking turns (device 0 layers 0-6,
+    device 1 7-13, device 0 14-21, ...), so a pipeline's stages are shorter and so are its fill
+    and drain; on a GPU each extra range costs a sync per generated token, so there it is 1
+    unless asked for. 1 keeps one range per device. `layer_devices` says where each layer went.
 
     split_mode="tensor" (tensor parallelism) cuts every layer over the devices instead, in the
     proportions tensor_split gives (one share per device, default equal; 0 leaves a device out):
@@ -264,9 +265,11 @@ def _interleave(n) -> int:
     return n
 
 
-def layer_devices(counts: Sequence[int], interleave: Optional[int] = None) -> Tuple[List[int], int]:
-    """Where each layer goes when device i holds counts[i] layers, and the interleave that is."""
-    devices, v = _native.layer_devices([int(c) for c in counts], _interleave(interleave))
+def layer_devices(counts: Sequence[int], interleave: Optional[int] = None,
+                  cpu_only: bool = True) -> Tuple[List[int], int]:
+    """Where each layer goes when device i holds counts[i] layers, and the interleave that is
+    (by default 2 only where the devices holding layers are all CPU devices: cpu_only)."""
+    devices, v = _native.layer_devices([int(c) for c in counts], _interleave(interleave), cpu_only)
     return list(devices), v
 
 

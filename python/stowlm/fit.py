@@ -614,7 +614,9 @@ class _Fitter:
     def _with_interleave(self, layout: _Layout, ctx: int, proj: Dict[int, dict]) -> Dict[int, dict]:
         """Each device's layers in chunks that take turns (shorter pipeline stages), when the exact
         projection of that fits too: they hold other layers than the contiguous ranges searched."""
-        _, v = layer_devices([layout.count(d) for d in self._used(layout)], self.wanted_interleave)
+        used = self._used(layout)
+        cpu_only = all(self.devs[d].cpu for d in used if layout.count(d))
+        _, v = layer_devices([layout.count(d) for d in used], self.wanted_interleave, cpu_only)
         if v == 1:
             return proj
         pipeline = self.pipeline
@@ -862,8 +864,8 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     MemoryError) says which device is short, by how much, and the largest context that fits.
     `placement` starts from a saved placement: all of its values count as set, so fitting a
     fitted placement gives it back. interleave: each device's layers in that many ranges that
-    take turns with the other devices' (default 2 where two or more devices hold layers and it
-    fits; 1: one range each). split_mode="tensor": every layer cut over the devices
+    take turns with the other devices' (default 2 where two or more CPU devices and no GPU hold
+    layers, and it fits; 1: one range each). split_mode="tensor": every layer cut over the devices
     (stowlm.tensor_split decides the shares unless tensor_split gives them). Allocates nothing."""
     path = os.fspath(model)
     if not os.path.exists(path):

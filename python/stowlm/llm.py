@@ -62,7 +62,7 @@ class LLM:
     n_copies: with the layers on several devices, copies of the tensors that cross devices, one per
         micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
     interleave: each device's layers in that many ranges taking turns with the other devices'
-        (shorter pipeline stages; default 2 with several devices, 1: one range each).
+        (shorter pipeline stages; default 2 where only CPU devices hold layers, 1: one range each).
     split_mode="tensor" (tensor_split: shares per device): every layer cut over the devices, which
         all work on every token (tensor parallelism; fit picks the shares from free memory).
     n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()

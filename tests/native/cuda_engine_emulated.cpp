@@ -38,17 +38,22 @@ struct Run {
     QType kv = QType::F16;
     int n_copies = 4;    // several devices: pipelined unless 1
     int pipelined = -1;  // out: the copy slots the context ran with
+    std::string not_pipelined = "";  // out: why not
+    int interleave = 0;  // out: the model's layer ranges per device
+    int ask_interleave = 0;  // what the model is loaded with (0: its default)
 };
 
 // All-position logits of the prompt, then n_decode greedy single-token steps (the tokens come
 // from `forced` when given, so two runs decode the same sequence).
 std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_t>& prompt, int n_decode,
                        int64_t n_ctx, int64_t n_ubatch, std::vector<int32_t>* forced) {
-    auto m = Model::load(path, r.devices, r.split, true, r.overrides);
+    auto m = Model::load(path, r.devices, r.split, true, r.overrides, {}, r.ask_interleave);
     ContextParams p;
     p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies;
     Context c(*m, p);
     r.pipelined = c.pipeline().n_copies;
+    r.not_pipelined = c.pipeline().reason;
+    r.interleave = m->interleave();
     const std::string why = c.check_plan_sound();
     if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
     std::vector<float> all = c.eval(prompt, {}, true);
@@ -89,6 +94,18 @@ void check(const std::string& model_dir, const std::string& name, Run r, const s
     for (size_t i = 0; i < ref.size(); i++) maxd = std::max(maxd, (double)std::fabs(ref[i] - got[i]));
     bool ok = got.size() == ref.size() && maxd <= 1e-3;
     std::string how = what;
+    if (r.ask_interleave > 1 && r.interleave != r.ask_interleave) {
+        printf("FAIL %s %s: interleave %d asked, the model has %d\n", name.c_str(), what.c_str(), r.ask_interleave,
+               r.interleave);
+        ok = false;
+    }
+    if (r.devices.size() > 1 && r.overrides.empty() && r.n_copies > 1 && r.pipelined <= 1) {
+        // A layer split is pipelined, interleaved ranges included (a GPU reads the positions it
+        // copied in each of its ranges' splits).
+        printf("FAIL %s %s: not pipelined (interleave %d): %s\n", name.c_str(), what.c_str(), r.interleave,
+               r.not_pipelined.c_str());
+        ok = false;
+    }
     if (r.devices.size() > 1 && r.pipelined > 1) {
         // Pipelined (copies pushed by the producing device's thread, events between streams):
         // the same bits as the same layout with the devices taking turns.
@@ -177,6 +194,9 @@ int main(int argc, char** argv) {
         check(dir, "smollm2-135m", cuda0, "cuda:0, 300 tokens then decode (split KV)", 300, 4, 640, 128);
         if (cuda::g_split_calls == before) printf("FAIL the decode steps never split the KV range\n"), failures++;
         check(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}}, "cpu:0 + cuda:0 [15, 15]");
+        Run two_ranges{{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}};
+        two_ranges.ask_interleave = 2;
+        check(dir, "smollm2-135m", two_ranges, "cpu:0 + cuda:0 [15, 15], two ranges each");
         check(dir, "smollm2-135m", {{spec("cuda", 0), spec("cpu", 0), spec("cuda", 1)}, {10, 10, 10}, {}},
               "cuda:0 + cpu:0 + cuda:1 [10, 10, 10]");
         check(dir, "qwen2.5-coder-0.5b", {{spec("cuda", 0), spec("cuda", 1)}, {12, 12}, {}}, "cuda:0 + cuda:1 [12, 12]",
