@@ -7,20 +7,13 @@
 #include <sched.h>
 #endif
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define STOWLM_PAUSE() _mm_pause()
-#else
-#define STOWLM_PAUSE() std::this_thread::yield()
-#endif
+#include "spin.h"
 
 namespace stowlm {
 
 namespace {
 // About 100-200 us of spinning before a worker sleeps: covers the gap between ops of a token.
 constexpr int kSpinIters = 20000;
-// Between pauses, yield every this many iterations so a busy machine can run the thread we wait for.
-constexpr uint32_t kYieldEvery = 256;
 }
 
 ThreadPool::ThreadPool(int n_threads) : n_threads_(n_threads < 1 ? 1 : n_threads) {
@@ -64,19 +57,12 @@ void ThreadPool::run_raw(JobFn fn, void* ctx) {
     }
     if (sleepers_.load() > 0) cv_.notify_all();
     take_parts();
-    // Spin (the others finish within microseconds on an idle machine) but yield the core now
-    // and then: on an oversubscribed machine the thread we wait for may need it.
-    for (uint32_t i = 1; parts_done_.load() != n_threads_; i++) {
-        if (i % kYieldEvery == 0) std::this_thread::yield();
-        else STOWLM_PAUSE();
-    }
+    // (the others finish within microseconds on an idle machine)
+    spin_until([&] { return parts_done_.load() == n_threads_; });
     // No worker may join from now on; one that joined already finds no part left and leaves.
     // (seq_cst on both sides: a worker either sees the job closed or is counted here.)
     open_.store(0);
-    for (uint32_t i = 1; joined_.load() != 0; i++) {
-        if (i % kYieldEvery == 0) std::this_thread::yield();
-        else STOWLM_PAUSE();
-    }
+    spin_until([&] { return joined_.load() == 0; });
 }
 
 void ThreadPool::worker() {
@@ -84,8 +70,8 @@ void ThreadPool::worker() {
     for (;;) {
         uint64_t g = generation_.load(std::memory_order_acquire);
         for (int i = 1; g == seen && i < kSpinIters; i++) {
-            if (i % kYieldEvery == 0) std::this_thread::yield();
-            else STOWLM_PAUSE();
+            if (i % kSpinYieldEvery == 0) std::this_thread::yield();
+            else cpu_pause();
             g = generation_.load(std::memory_order_acquire);
         }
         if (g == seen) {

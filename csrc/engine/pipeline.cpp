@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "error.h"
+#include "spin.h"
 
 namespace stowlm {
 
@@ -58,24 +59,6 @@ Pushes pushes_of(const Graph& g) {
     if (it == at.end()) throw InvalidInput("pipeline: no split computes the graph's output");
     p.output_split = it->second;
     return p;
-}
-
-// Checks done() with pauses (and a yield now and then, so a busy machine runs the thread that
-// will make it true) until it holds or `limit` has passed; whether it held.
-template <class F>
-bool spin_until(F done, std::chrono::microseconds limit) {
-    const auto until = std::chrono::steady_clock::now() + limit;
-    for (uint32_t i = 1;; i++) {
-        if (done()) return true;
-        if ((i & 255) == 0) {
-            if (std::chrono::steady_clock::now() > until) return false;
-            std::this_thread::yield();
-        } else {
-#if defined(__x86_64__) || defined(__i386__)
-            __builtin_ia32_pause();
-#endif
-        }
-    }
 }
 
 // Threads kept for the devices between calls: a generated token is one micro-batch, and new

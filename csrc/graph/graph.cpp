@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "error.h"
+#include "spin.h"
 
 namespace stowlm {
 
@@ -380,9 +381,7 @@ void Collective::wait_all() {
     for (int i = 0; i < 1 << 11; i++) {
         if (generation_.load(std::memory_order_acquire) != gen) return;
         if (aborted_.load(std::memory_order_relaxed)) break;
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
+        cpu_pause();
     }
     const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(2);
     while (!aborted_.load(std::memory_order_relaxed) && std::chrono::steady_clock::now() < until) {
