@@ -1,9 +1,10 @@
 """A Placement: what fit decided, as plain data that loads exactly as it says.
 
 Per device (in pipeline order: layers flow from the first to the last) its layer ranges (one,
-or `interleave` of them taking turns with the other devices'), the tensor overrides that put weights there, its free memory and margin, and the bytes
-the core projects for it; for the whole model n_ctx, n_ubatch, n_outputs, kv_type and the
-override list in the order it is applied. ``to_json()`` / ``from_json()`` round-trip it;
+or `interleave` of them taking turns with the other devices'), the tensor overrides that put
+weights there, its free memory and margin, and the bytes the core projects for it; for the
+whole model n_ctx, n_ubatch, n_outputs, kv_type and the override list in the order it is
+applied. ``to_json()`` / ``from_json()`` round-trip it;
 ``stowlm.Model(path, placement=...)``, ``stowlm.LLM(..., placement=...)`` and
 ``stowlm run --placement FILE`` load it.
 """
@@ -54,9 +55,9 @@ class DevicePlacement:
         return any(first <= layer <= last for first, last in self.layers)
 
     def describe_layers(self) -> str:
-        from .split import describe_layers
+        from .split import describe_runs
 
-        return describe_layers([l for a, b in self.layers for l in range(a, b + 1)])
+        return describe_runs(self.layers)
 
     @property
     def used(self) -> bool:

@@ -98,6 +98,11 @@ def runs(layers: Sequence[int]) -> List[Tuple[int, int]]:
     return out
 
 
+def describe_runs(ranges: Sequence[Tuple[int, int]]) -> str:
+    """[(0, 2), (5, 5), (7, 8)] -> "0-2, 5, 7-8"."""
+    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in ranges)
+
+
 def describe_layers(layers: Sequence[int]) -> str:
     """[0, 1, 2, 5, 7, 8] -> "0-2, 5, 7-8"."""
-    return ", ".join(f"{a}-{b}" if b > a else str(a) for a, b in runs(layers))
+    return describe_runs(runs(layers))
