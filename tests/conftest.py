@@ -10,7 +10,26 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED = Path(os.environ.get("STOWLM_SHARED", REPO.parent / "shared"))
+
+
+def _shared_dir() -> Path:
+    """../shared beside the checkout ($STOWLM_SHARED overrides); a clone of a local checkout
+    (`git clone . /tmp/x`) finds it beside the checkout it was cloned from."""
+    if "STOWLM_SHARED" in os.environ:
+        return Path(os.environ["STOWLM_SHARED"])
+    here = REPO.parent / "shared"
+    if here.is_dir():
+        return here
+    try:
+        origin = subprocess.run(["git", "-C", str(REPO), "config", "--get", "remote.origin.url"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        origin = ""
+    beside = Path(origin).resolve().parent / "shared" if origin and os.path.isdir(origin) else None
+    return beside if beside is not None and beside.is_dir() else here
+
+
+SHARED = _shared_dir()
 FIXTURES = SHARED / "fixtures"
 DENSE_MODELS = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 ARCH_MODELS = ["gptoss-tiny", "deepseek2-tiny", "glm4moe-tiny"]  # the big-MoE architectures in small
