@@ -12,6 +12,11 @@
 
 namespace stowlm {
 
+// Products of this many tokens or more take each kind of device's batched matmul kernels (the
+// CPU's GEMMs, the CUDA tiled kernel); below it a token's product is the same in any batch.
+constexpr int64_t kCpuBatchedMinTokens = 24;
+constexpr int64_t kCudaBatchedMinTokens = 9;
+
 HOST_DEVICE float bits_to_f32(uint32_t u) {
     float f;
     memcpy(&f, &u, 4);

@@ -222,7 +222,7 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
     if (scratch == nullptr) throw InvalidInput("cuda matmul: quantized weights need matmul_scratch_bytes() of scratch");
     quantize_q8_1(x, n_tok, w.cols, ldx, scratch, s);
     const block_q8_1* xq = (const block_q8_1*)scratch;
-    bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok > 8);
+    bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= kCudaBatchedMinTokens);
     if (tiled && current_cc_major() < 8) {
         if (path == MatmulPath::Tiled) throw Unsupported("cuda matmul: the tiled kernel needs compute capability 8.0+");
         tiled = false;

@@ -95,6 +95,7 @@ public:
     const std::string& name() const override { return name_; }
     int id() const override { return id_; }
     bool host_accessible() const override { return false; }
+    int64_t batched_min_tokens() const override { return kCudaBatchedMinTokens; }
     size_t memory_total() const override { return budget_; }
     size_t memory_used() const override { return dev_->memory_used(); }
 

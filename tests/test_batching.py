@@ -121,14 +121,63 @@ def test_a_follow_up_reuses_the_slot_cache(served):
     follow = long_prompt + first.tokens + served.tokenize(" And then?", add_special=False)
     again = served.generate(follow, max_tokens=8, temperature=0)
     evaluated = eng.stats()["prompt_tokens_evaluated"] - before
-    reused = len(long_prompt) - len(long_prompt) % eng.chunk
-    assert evaluated == len(follow) - reused < len(follow)
+    # the follow-up's last chunk (past 256) is large enough for the batched kernels, which the
+    # long prompt's tail used too: all but the smallest batched pass is reused
+    assert len(follow) - 256 >= eng.bounds[0] and evaluated == eng.bounds[0]
     # the reused cache gives the text a fresh slot gives
-    served.generate("unrelated", max_tokens=1)  # (any slot state)
-    for s in eng.slots:
-        s.cached, s.reusable = [], 0
-        served.ctx.clear(s.index)
+    _forget(served)
     assert served.generate(follow, max_tokens=8, temperature=0).text == again.text
+
+
+def _forget(llm):
+    for s in llm._engine.slots:
+        s.cached, s.kernels = [], []
+        llm.ctx.clear(s.index)
+
+
+def _logprobs(eng, tokens, n=6):
+    """Greedy tokens with their top-5 log-probabilities, and the prompt tokens evaluated."""
+    out, done = [], threading.Event()
+    before = eng.stats()["prompt_tokens_evaluated"]
+
+    def on_event(ev: Event):
+        if ev.kind == "piece" and ev.token is not None:
+            out.append((ev.token, ev.logprob, tuple(ev.top_logprobs)))
+        elif ev.kind == "done":
+            done.set()
+
+    eng.submit(tokens, SamplingParams(temperature=0, max_tokens=n), on_event, logprobs=5)
+    assert done.wait(60)
+    return out, eng.stats()["prompt_tokens_evaluated"] - before
+
+
+def test_a_shared_prefix_is_reused_mid_chunk_with_the_bits_of_a_fresh_slot(served):
+    """Prompts sharing a system prompt reuse it wherever the kernels allow, not only at chunk
+    boundaries, and every generated token's log-probabilities are bit-identical to a fresh slot's."""
+    eng = served._engine
+    system = served.tokenize("You are a careful assistant who answers in one short sentence. " * 3)
+    cats = system + served.tokenize(" Tell me about cats.", add_special=False)
+    longer = system + served.tokenize(" Tell me about dogs, and why they bark at night so often.", add_special=False)
+    short = cats[:eng.bounds[0] - 4]  # a prompt on the row kernels: the cached batched tokens don't fit it
+    assert len(system) > eng.bounds[0] and len(longer) < eng.chunk
+    fresh = {}
+    for name, toks in (("longer", longer), ("short", short), ("cats", cats)):
+        _forget(served)
+        fresh[name], n = _logprobs(eng, toks)
+        assert n == len(toks)
+    _forget(served)
+    _logprobs(eng, cats)
+    got, n = _logprobs(eng, longer)
+    assert got == fresh["longer"]
+    # the whole common prefix is kept when the rest is a batched pass by itself; else the pass is
+    # extended back to the smallest batched one
+    common = len(system) + 3
+    assert longer[:common] == cats[:common] and longer[common] != cats[common]
+    assert n == max(len(longer) - common, eng.bounds[0])
+    got, n = _logprobs(eng, short)  # to an empty slot: 'longer' stays cached
+    assert got == fresh["short"] and n == len(short)
+    got, n = _logprobs(eng, cats)
+    assert got == fresh["cats"] and n == max(len(cats) - common, eng.bounds[0]) < len(cats)
 
 
 def test_engine_errors_cancel_and_queue(served):
@@ -171,3 +220,20 @@ def test_a_script_that_never_closes_its_engine_exits_cleanly():
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "2", (r.stdout, r.stderr)
     assert "leak" not in r.stderr, r.stderr
+
+
+def test_with_routed_experts_a_prefix_is_reused_at_whole_chunks():
+    """An expert's kernels follow how many tokens of a pass picked it, so a pass that starts
+    mid-chunk could change a token's bits: an MoE model reuses whole chunks only."""
+    with stowlm.LLM(str(get_model("qwen3moe-tiny")), n_ctx=2 * 256, n_seq=2, n_ubatch=64, progress=False) as llm:
+        eng = llm.engine()
+        assert eng.whole_chunks and eng.chunk == 64
+        rng = np.random.default_rng(3)
+        a = list(map(int, rng.integers(10, 1000, 100)))
+        b = a[:90] + list(map(int, rng.integers(10, 1000, 20)))
+        fresh, n = _logprobs(eng, b)
+        assert n == len(b)
+        _forget(llm)
+        _logprobs(eng, a)
+        got, n = _logprobs(eng, b)
+        assert got == fresh and n == len(b) - 64

@@ -37,6 +37,9 @@ public:
     virtual const std::string& name() const = 0;  // "cpu:0"
     virtual int id() const = 0;                   // index in the model's device list
     virtual bool host_accessible() const = 0;     // can its kernels read host memory directly?
+    // Products of this many tokens or more may take batched kernels; below it a token's product
+    // is the same whatever else is in its batch (what batched decoding and prefix reuse rely on).
+    virtual int64_t batched_min_tokens() const = 0;
 
     virtual size_t memory_total() const = 0;  // the budget
     virtual size_t memory_used() const = 0;

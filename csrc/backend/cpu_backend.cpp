@@ -57,6 +57,7 @@ public:
     const std::string& name() const override { return name_; }
     int id() const override { return id_; }
     bool host_accessible() const override { return true; }
+    int64_t batched_min_tokens() const override { return kCpuBatchedMinTokens; }
     size_t memory_total() const override { return budget_; }
     size_t memory_used() const override { return used_; }
 

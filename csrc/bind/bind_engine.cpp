@@ -145,6 +145,8 @@ STOWLM_BIND(engine) {
         .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
         .def_prop_ro("n_layer", [](const BoundModel& s) { return s.m->hp().n_layer; })
         .def_prop_ro("n_vocab", [](const BoundModel& s) { return s.m->hp().n_vocab; })
+        .def_prop_ro("n_expert", [](const BoundModel& s) { return s.m->hp().n_expert; })
+        .def_prop_ro("batch_bounds", [](const BoundModel& s) { return s.m->batch_bounds(); })
         .def_prop_ro("n_embd", [](const BoundModel& s) { return s.m->hp().n_embd; })
         .def_prop_ro("n_ctx_train", [](const BoundModel& s) { return s.m->hp().n_ctx_train; })
         .def_prop_ro("layer_devices", [](const BoundModel& s) { return s.m->layer_devices(); })

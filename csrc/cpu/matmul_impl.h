@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "common.h"
 #include "cpu/cpu_features.h"
 #include "cpu/matmul.h"
 #include "quant/dot.h"
@@ -98,7 +99,7 @@ void quantize_act(Isa isa, DotFamily fam, const float* x, void* dst, int64_t n);
 // the row kernels give a token the same product in any batch, which prefix reuse and small
 // micro-batches rely on. (The GEMMs overtake the row kernels from about 16 tokens for every
 // format, bench-matmul --ntok 8,12,16,20; the bound stays where attention switches too.)
-constexpr int64_t kBatchMinTokens = 24;
+constexpr int64_t kBatchMinTokens = kCpuBatchedMinTokens;
 constexpr int64_t kAmxMinTokens = 24;
 // Whole product on AMX tiles (rows split over the pool); false when this type/shape is
 // better left to the AVX-512 path.

@@ -3,6 +3,7 @@
 #include <cstring>
 #include <exception>
 
+#include "common.h"
 #include "dist/mpi.h"
 #include "error.h"
 
@@ -19,6 +20,7 @@ public:
     const std::string& name() const override { return name_; }
     int id() const override { return id_; }
     bool host_accessible() const override { return host_; }
+    int64_t batched_min_tokens() const override { return host_ ? kCpuBatchedMinTokens : kCudaBatchedMinTokens; }
     size_t memory_total() const override { return budget_; }
     size_t memory_used() const override { return 0; }
     BufferPtr alloc_buffer(size_t bytes, const std::string& purpose) override { return placeholder(bytes, purpose); }

@@ -294,6 +294,14 @@ std::vector<Backend*> Model::backends() const {
     return r;
 }
 
+std::vector<int64_t> Model::batch_bounds() const {
+    std::vector<int64_t> r;
+    for (auto& b : backends_) r.push_back(b->batched_min_tokens());
+    std::sort(r.begin(), r.end());
+    r.erase(std::unique(r.begin(), r.end()), r.end());
+    return r;
+}
+
 std::vector<WeightInfo> Model::weight_infos() const {
     std::vector<WeightInfo> r;
     for (const auto& kv : weights_) {

@@ -187,6 +187,9 @@ public:
     Tensor* output() const { return output_; }  // == tok_embd() when tied
 
     std::vector<Backend*> backends() const;
+    // The token counts from which some device's products take batched kernels, ascending: a
+    // token's logits are the same in any batch whose size lies between the same two bounds.
+    std::vector<int64_t> batch_bounds() const;
     // Tensor parallelism: shards (1 without it), each on one device, and their parts of a layer.
     bool tensor_parallel() const { return !shard_device_.empty(); }
     int n_shards() const { return tensor_parallel() ? (int)shard_device_.size() : 1; }

@@ -1,7 +1,7 @@
 """Continuous batching: several requests share one context, each in its own sequence (slot).
 
-One engine thread runs the loop: waiting requests take free slots (the slot whose cached tokens
-share the longest prefix with the new prompt, so a follow-up turn only evaluates its new
+One engine thread runs the loop: waiting requests take free slots (the slot that can keep the
+longest prefix of its cache for the new prompt, so a follow-up turn only evaluates its new
 tokens); every step decodes one token for every generating slot in a single forward pass, then
 evaluates one chunk of one waiting prompt, so new prompts join between steps while the others
 keep generating. A finished or cancelled request frees its slot at once.
@@ -9,14 +9,20 @@ keep generating. A finished or cancelled request frees its slot at once.
 Batching does not change results, so the greedy text of a request is the same alone and among
 others: each slot owns an equal region of the KV cells and attention splits the cells on fixed
 boundaries (kv_cache.h); a prompt is evaluated in chunks of its own that end at multiples of
-`chunk` positions, so its chunks depend only on the prompt; decode tokens go in batches of fewer
-than 24 (the row kernels, which give a token the same product in any such batch); and a slot's
-cached prefix is reused only up to a chunk boundary of the prompt that filled it, so a reused
-cache holds exactly what evaluating the prompt afresh would.
+`chunk` positions; and a token's product depends on its batch only through which kernels the
+batch's size selects (the model's batch_bounds: below the first, the row kernels; from it, the
+batched ones, whose result for a token is the same in any batch that takes them). So decode
+tokens go in batches below the first bound, and a slot's cached prompt tokens are reused where
+they were made by the kernels a fresh evaluation of the new prompt would use for them, and the
+rest of that chunk is evaluated in one pass that takes those kernels too: a reused cache holds
+exactly what evaluating the prompt afresh would, and so do the tokens after it. (With routed
+experts an expert's kernels follow how many tokens of the pass picked it, so there a prefix is
+reused at whole chunks only, whose passes depend on the prompt alone.)
 """
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import math
 import threading
@@ -31,7 +37,6 @@ from .sampling import Sampler, SamplingParams, TextStream
 
 __all__ = ["BatchEngine", "Request", "QueueFull", "Event"]
 
-MAX_DECODE_BATCH = 23  # above this the batched kernels take over and a token's product may differ
 DEFAULT_CHUNK = 256    # prompt tokens per step (and the granularity of prefix reuse)
 
 
@@ -79,7 +84,7 @@ class _Slot:
     def __init__(self, index: int):
         self.index = index
         self.cached: List[int] = []   # tokens whose K/V this slot's sequence holds, in order
-        self.reusable = 0             # leading cached tokens evaluated in whole prompt chunks
+        self.kernels: List[int] = []  # per leading cached prompt token: its pass's kernel class
         self.req: Optional[Request] = None
         self.pos = 0                  # next prompt token to evaluate
         self.pending: Optional[int] = None  # sampled, not yet evaluated
@@ -103,6 +108,9 @@ class BatchEngine:
         self.slot_ctx = self.ctx.n_ctx // self.n_seq
         self.chunk = min(chunk or DEFAULT_CHUNK, self.ctx.n_ubatch)
         self.max_queue = max_queue
+        self.bounds = list(llm.model.batch_bounds)
+        self.max_decode = self.bounds[0] - 1 if self.bounds else 1 << 30  # decode batches stay on the row kernels
+        self.whole_chunks = llm.model.n_expert > 0  # prefixes reused at chunk boundaries only
         self.slots = [_Slot(i) for i in range(self.n_seq)]
         self.ctx.clear()  # the slots start empty, whatever the context held
         self.queue: Deque[Request] = collections.deque()
@@ -200,26 +208,51 @@ class BatchEngine:
             if req.cancelled:
                 req.on_event(Event("done", finish_reason="cancelled", prompt_tokens=len(req.tokens)))
                 continue
-            # the slot whose cache shares the longest prefix (a follow-up turn reuses it)
-            best = max(free, key=lambda s: (_common_prefix(s.cached, req.tokens), -s.index))
+            # the slot that keeps the most of its cache (a follow-up turn reuses it); else the one
+            # caching least, so that other caches stay for later requests
+            keep, _, best = max(((self._reusable(s, req.tokens), -len(s.cached), s) for s in free),
+                                key=lambda x: (x[0], x[1], -x[2].index))
             free.remove(best)
-            keep = min(_common_prefix(best.cached, req.tokens), best.reusable, len(req.tokens) - 1)
-            keep -= keep % self.chunk
             if keep < len(best.cached):
                 self.ctx.kv_truncate(keep, seq=best.index)
                 del best.cached[keep:]
-            best.req, best.pos, best.pending, best.reusable = req, keep, None, keep
+            del best.kernels[keep:]
+            best.req, best.pos, best.pending = req, keep, None
             best.history = list(req.tokens)
             best.sampler = Sampler(req.params, vocab_size=self.llm.model.n_vocab)
             best.stream = TextStream(self.llm.tokenizer, req.params)
             self.prompt_tokens_total += len(req.tokens)
 
+    def _kernels(self, n: int) -> int:
+        """Which kernels a pass of n tokens takes: the number of batch bounds it reaches."""
+        return bisect.bisect_right(self.bounds, n)
+
+    def _reusable(self, s: _Slot, tokens: List[int]) -> int:
+        """How many of slot s's cached tokens a request for `tokens` keeps: a common prefix of
+        prompt tokens, each made by the kernels that a fresh evaluation of `tokens` would use for
+        it (those of its chunk's size), cut so that the rest of its chunk, evaluated in one pass,
+        is still large enough to take the same kernels. At least one token is left to evaluate."""
+        k = min(_common_prefix(s.cached, tokens), len(s.kernels), len(tokens) - 1)
+        if self.whole_chunks:
+            return k - k % self.chunk
+        for c in range(0, k, self.chunk):
+            want = self._kernels(min(self.chunk, len(tokens) - c))
+            bad = next((i for i in range(c, min(c + self.chunk, k)) if s.kernels[i] != want), None)
+            if bad is not None:
+                k = bad
+                break
+        c0 = k - k % self.chunk
+        size = min(self.chunk, len(tokens) - c0)  # the fresh pass of k's chunk
+        cls = self._kernels(size)
+        smallest = self.bounds[cls - 1] if cls else 1  # the smallest pass taking the same kernels
+        return min(k, c0 + size - smallest)
+
     def _decode_step(self) -> None:
         gen = [s for s in self.slots if s.req and s.pending is not None]
         if not gen:
             return
-        for b in range(0, len(gen), MAX_DECODE_BATCH):
-            group = gen[b:b + MAX_DECODE_BATCH]
+        for b in range(0, len(gen), self.max_decode):
+            group = gen[b:b + self.max_decode]
             logits = self.ctx.eval_batch([s.pending for s in group], [s.index for s in group],
                                          rows=list(range(len(group))))
             with self.cv:
@@ -239,11 +272,10 @@ class BatchEngine:
         last = s.pos + len(toks) == len(s.req.tokens)
         logits = self.ctx.eval_batch(toks, [s.index] * len(toks), rows=[len(toks) - 1] if last else [])
         s.cached += toks
+        s.kernels += [self._kernels(len(toks))] * len(toks)
         s.pos += len(toks)
         with self.cv:
             self.prompt_tokens_evaluated += len(toks)
-        if s.pos % self.chunk == 0:
-            s.reusable = s.pos
         if last:
             self._next_token(s, logits[0])
 

@@ -189,6 +189,10 @@ class Model:
     arch = property(lambda self: self._m.arch)
     n_layer = property(lambda self: self._m.n_layer)
     n_vocab = property(lambda self: self._m.n_vocab)
+    n_expert = property(lambda self: self._m.n_expert)
+    # token counts from which some device takes batched kernels (a token's logits are the same
+    # in any batch whose size lies between the same two bounds)
+    batch_bounds = property(lambda self: list(self._m.batch_bounds))
     n_embd = property(lambda self: self._m.n_embd)
     n_ctx_train = property(lambda self: self._m.n_ctx_train)
     layer_devices = property(lambda self: list(self._m.layer_devices))
