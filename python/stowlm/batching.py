@@ -97,7 +97,8 @@ class BatchEngine:
     """Serves requests on `llm`'s context (an LLM made with n_seq slots) from its own thread.
 
     submit() may be called from any thread; events go to each request's on_event from the engine
-    thread. A prompt longer than a slot's share of the context (n_ctx / n_seq) is refused with
+    thread, and after each step every function of step_listeners is called (a consumer that
+    hands events to another thread can wake it once per step there). A prompt longer than a slot's share of the context (n_ctx / n_seq) is refused with
     ValueError naming both lengths; a request that would wait behind max_queue others while every
     slot is busy raises QueueFull."""
 
@@ -117,6 +118,7 @@ class BatchEngine:
         self.cv = threading.Condition()
         self.running = True
         self._rr = 0
+        self.step_listeners: List[Callable[[], None]] = []
         # metrics
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -188,6 +190,7 @@ class BatchEngine:
                             self._finish(s, "cancelled")
                     while self.queue:
                         self.queue.popleft().on_event(Event("done", finish_reason="cancelled"))
+                    self._step_done()
                     return
                 self._admit()
             for s in self.slots:
@@ -195,11 +198,17 @@ class BatchEngine:
                     self._finish(s, "cancelled")
             try:
                 self._decode_step()
+                self._step_done()
                 self._prompt_step()
             except Exception as e:  # a failed step ends the requests it touched, not the engine
                 for s in self.slots:
                     if s.req:
                         self._finish(s, "error", str(e))
+            self._step_done()
+
+    def _step_done(self) -> None:
+        for fn in list(self.step_listeners):
+            fn()
 
     def _admit(self) -> None:
         free = [s for s in self.slots if not s.req]

@@ -204,19 +204,25 @@ class _Metrics:
 
 
 class _Mailbox:
-    """Events from the engine thread to the event loop: appended under a lock, delivered by one
-    callback per batch (a decode step's events wake the loop once, not once per request)."""
+    """Events from the engine thread to the event loop: appended under a lock, and delivered by
+    one callback once the engine's step is done (flush), so a decode step's events wake the
+    loop once, and not while the engine still samples the step's other requests."""
 
     def __init__(self, loop):
         self.loop = loop
         self.lock = threading.Lock()
         self.items: List[tuple] = []
+        self.scheduled = False
 
     def post(self, q: asyncio.Queue, ev: Event) -> None:
         with self.lock:
             self.items.append((q, ev))
-            if len(self.items) > 1:
-                return  # a delivery is already scheduled
+
+    def flush(self) -> None:
+        with self.lock:
+            if not self.items or self.scheduled:
+                return
+            self.scheduled = True
         try:
             self.loop.call_soon_threadsafe(self._deliver)
         except RuntimeError:  # the loop is gone (shutdown): nobody is waiting
@@ -224,7 +230,7 @@ class _Mailbox:
 
     def _deliver(self) -> None:
         with self.lock:
-            items, self.items = self.items, []
+            items, self.items, self.scheduled = self.items, [], False
         for q, ev in items:
             q.put_nowait(ev)
 
@@ -312,7 +318,10 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         loop = asyncio.get_running_loop()
         box = boxes.get(id(loop))
         if box is None or box.loop is not loop:
+            if box is not None:
+                engine.step_listeners.remove(box.flush)
             box = boxes[id(loop)] = _Mailbox(loop)
+            engine.step_listeners.append(box.flush)
         return box
 
     def submit(tokens: List[int], params: SamplingParams, logprobs: Optional[int]) -> _Run:
