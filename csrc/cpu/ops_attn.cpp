@@ -136,6 +136,20 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         return;
     }
 #endif
+    // With sequence regions a token sees cells [lo, hi) of its own region, up to the region's
+    // last cell in use: the empty cells after it are invisible, so no unit scans them (a slot's
+    // region is mostly empty while its request is short).
+    std::vector<int64_t> reg(p.q_seq ? 2 * n_tok : 0);
+    for (int64_t t = 0; t < (p.q_seq ? n_tok : 0); t++) {
+        if (t > 0 && p.q_seq[t] == p.q_seq[t - 1]) {
+            reg[2 * t] = reg[2 * t - 2], reg[2 * t + 1] = reg[2 * t - 1];
+            continue;
+        }
+        const int64_t lo = (int64_t)p.q_seq[t] * p.seq_cells;
+        int64_t hi = p.seq_cells > 0 ? std::min(n_kv, lo + p.seq_cells) : n_kv;
+        while (hi > lo && kv_pos[hi - 1] < 0) hi--;
+        reg[2 * t] = lo, reg[2 * t + 1] = hi;
+    }
     const OpsKernels& kr = ops_kernels();
     const bool f16 = kv_type == QType::F16;
     const float scale = p.scale, cap = p.softcap;
@@ -174,12 +188,11 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
 
         const unsigned char* kbase = (const unsigned char*)kv.k + g * rb_k;
         const unsigned char* vbase = (const unsigned char*)kv.v + g * rb_v;
-        // with sequence regions, each token's cells are [lo, hi): other blocks are skipped unseen
+        // each token's cells are [lo, hi): other blocks are skipped unseen
         int64_t lo[kTokTile], hi[kTokTile];
         for (int64_t t = t0; t < t1; t++) {
-            const int64_t r = p.q_seq ? p.seq_cells : 0;
-            lo[t - t0] = r ? (int64_t)p.q_seq[t] * r : 0;
-            hi[t - t0] = r ? lo[t - t0] + r : n_kv;
+            lo[t - t0] = p.q_seq ? reg[2 * t] : 0;
+            hi[t - t0] = p.q_seq ? reg[2 * t + 1] : n_kv;
         }
         for (int64_t jb = j_begin; jb < j_end; jb += kKvBlock) {
             const int64_t je = std::min(j_end, jb + kKvBlock);
@@ -187,7 +200,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                 if (jb >= hi[t - t0] || je <= lo[t - t0]) continue;
                 const int32_t qp = q_pos[t];
                 int nv = 0;
-                for (int64_t j = jb; j < je; j++) {
+                for (int64_t j = std::max(jb, lo[t - t0]), j_to = std::min(je, hi[t - t0]); j < j_to; j++) {
                     const int32_t kp = kv_pos[j];
                     const bool ok = kp >= 0 && (!causal || kp <= qp) &&
                                     (window == 0 || (int64_t)qp - (int64_t)kp < (int64_t)window) &&
