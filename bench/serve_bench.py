@@ -199,7 +199,7 @@ def main() -> int:
     ap.add_argument("--parallel", type=int, default=4)
     ap.add_argument("--clients", type=int, default=32)
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
-    ap.add_argument("--baseline-requests", type=int, default=8, help="requests one at a time for the baseline")
+    ap.add_argument("--baseline-requests", type=int, default=16, help="requests one at a time for the baseline")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ctx-slot", type=int, default=1024, help="context per slot")
     ap.add_argument("-t", "--threads", type=int, default=None)

@@ -543,36 +543,29 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(runs))])
-            # the runs' events in arrival order
-            waiting = {asyncio.ensure_future(r.next()): i for i, r in enumerate(runs)}
-            while waiting:
-                done, _ = await asyncio.wait(set(waiting), return_when=asyncio.FIRST_COMPLETED)
-                for fut in done:
-                    i = waiting.pop(fut)
-                    ev = fut.result()
-                    if ev.kind == "done":
-                        if ev.finish_reason == "error":
-                            err = {"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
-                                             "param": None, "code": "internal_error"}}
-                            yield ("data: " + json.dumps(err) + "\n\n").encode()
-                        usage["prompt_tokens"] += ev.prompt_tokens if i % n == 0 else 0
-                        usage["completion_tokens"] += ev.completion_tokens
-                        delta = {"delta": {}} if chat else {"text": ""}
-                        yield chunk([{"index": i, **delta, "logprobs": None, "finish_reason": _finish(ev)}])
-                        continue
-                    if first and ev.token is not None:
-                        first = False
-                        _note_first(t_start)
-                    lp = None
-                    if logprobs is not None and ev.token is not None and ev.logprob is not None \
-                            and not tok.is_eog(ev.token):
-                        x = _lp_entry(ev)
-                        lp = {"content": [_chat_lp(x)]} if chat else _cmpl_lp([x], offsets[i])
-                    if ev.text or lp is not None:
-                        offsets[i] += len(ev.text)
-                        body = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
-                        yield chunk([{"index": i, **body, "logprobs": lp, "finish_reason": None}])
-                    waiting[asyncio.ensure_future(runs[i].next())] = i
+            async for i, ev in _arrivals(runs):
+                if ev.kind == "done":
+                    if ev.finish_reason == "error":
+                        err = {"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
+                                         "param": None, "code": "internal_error"}}
+                        yield ("data: " + json.dumps(err) + "\n\n").encode()
+                    usage["prompt_tokens"] += ev.prompt_tokens if i % n == 0 else 0
+                    usage["completion_tokens"] += ev.completion_tokens
+                    delta = {"delta": {}} if chat else {"text": ""}
+                    yield chunk([{"index": i, **delta, "logprobs": None, "finish_reason": _finish(ev)}])
+                    continue
+                if first and ev.token is not None:
+                    first = False
+                    _note_first(t_start)
+                lp = None
+                if logprobs is not None and ev.token is not None and ev.logprob is not None \
+                        and not tok.is_eog(ev.token):
+                    x = _lp_entry(ev)
+                    lp = {"content": [_chat_lp(x)]} if chat else _cmpl_lp([x], offsets[i])
+                if ev.text or lp is not None:
+                    offsets[i] += len(ev.text)
+                    body = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
+                    yield chunk([{"index": i, **body, "logprobs": lp, "finish_reason": None}])
             if include_usage:
                 usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
                 d = {"id": rid, "object": obj, "created": now, "model": model_id, "choices": [], "usage": usage}
@@ -581,6 +574,26 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         finally:  # also when the client disconnects: the slots are freed at once
             for r in runs:
                 r.cancel()
+
+    async def _arrivals(runs: List[_Run]):
+        """(index, event) of the runs' events in arrival order, until each run is done."""
+        if len(runs) == 1:  # the usual case: no task per event
+            while not runs[0].done:
+                yield 0, await runs[0].next()
+            return
+        waiting = {asyncio.ensure_future(r.next()): i for i, r in enumerate(runs)}
+        try:
+            while waiting:
+                done, _ = await asyncio.wait(set(waiting), return_when=asyncio.FIRST_COMPLETED)
+                for fut in done:
+                    i = waiting.pop(fut)
+                    ev = fut.result()
+                    if ev.kind != "done":
+                        waiting[asyncio.ensure_future(runs[i].next())] = i
+                    yield i, ev
+        finally:
+            for fut in waiting:
+                fut.cancel()
 
     def _finish(ev: Event) -> str:
         return ev.finish_reason if ev.finish_reason in ("stop", "length") else (ev.finish_reason or "stop")
