@@ -315,3 +315,19 @@ def test_a_full_queue_answers_503():
                 time.sleep(0.1)
     finally:
         assert _stop(proc) == 0
+
+
+def test_a_streamed_piece_is_the_event_json_dumps_makes():
+    """The stream's per-token event is assembled from pieces made once; it must be the bytes of
+    the general event (OpenAI's chunk shape) for any text: quotes, escapes, non-ASCII, newlines."""
+    from stowlm.server import _PieceJson, _chunk_json
+    for chat in (True, False):
+        for usage in (True, False):
+            head = {"id": 'chatcmpl-"7', "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": 1700000000, "model": "mé/\\x"}
+            piece = _PieceJson(head, chat, usage)
+            for text in ["a", ' "quoted" \\ back', "é中\n\t", "\u2028", " "]:
+                body = {"delta": {"content": text}} if chat else {"text": text}
+                want = _chunk_json(head, [{"index": 2, **body, "logprobs": None, "finish_reason": None}], usage)
+                assert piece(2, text) == want
+                assert json.loads(want[6:])["choices"][0]["index"] == 2
