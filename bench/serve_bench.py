@@ -1,6 +1,7 @@
 """Load on an OpenAI-compatible server over the loopback address: C concurrent clients x R
 requests each, streamed, greedy. Reports errors, aggregate generated tokens/s, and the time to
-first token (p50, p99); the baseline is the same requests one at a time.
+first token (p50, p99); the baseline is the same requests one at a time. Rounds of baseline then
+load (--rounds, default 3): the median ratio is the figure, the spread beside it.
 
     python bench/serve_bench.py -m ~/.cache/stowlm/models/smollm2-135m.gguf --parallel 4
     python bench/serve_bench.py -m ... --peer ~/peers/llama.cpp/build/bin/llama-server
@@ -173,22 +174,36 @@ def run_load(base: str, clients: int, per_client: int, max_tokens: int) -> dict:
 
 
 def measure(name, start, args) -> dict:
-    out = {}
-    for parallel, clients, per in ((1, 1, args.baseline_requests), (args.parallel, args.clients, args.requests)):
-        proc, base = start(parallel)
-        try:
-            _wait_ready(base, proc)
-            out[f"parallel {parallel}, {clients} client(s) x {per}"] = r = run_load(base, clients, per, args.max_tokens)
-            print(f"{name:10s} --parallel {parallel}: {clients} x {per}: {r}", flush=True)
-        finally:
-            proc.send_signal(signal.SIGINT)
+    """Rounds of (one at a time, then the load), each on a fresh server: the ratio of a round
+    compares runs a few seconds apart, and the median over rounds is the figure."""
+    out = {"rounds": []}
+    for rnd in range(args.rounds):
+        got = {}
+        for parallel, clients, per in ((1, 1, args.baseline_requests), (args.parallel, args.clients, args.requests)):
+            proc, base = start(parallel)
             try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-    (single, loaded) = out.values()
-    out["speedup"] = round(loaded["tokens_per_s"] / single["tokens_per_s"], 2)
-    print(f"{name:10s} aggregate tokens/s with --parallel {args.parallel} over one at a time: {out['speedup']}x",
+                _wait_ready(base, proc)
+                got[f"parallel {parallel}, {clients} client(s) x {per}"] = r = run_load(base, clients, per,
+                                                                                       args.max_tokens)
+                print(f"{name:10s} round {rnd + 1} --parallel {parallel}: {clients} x {per}: {r}", flush=True)
+            finally:
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+        single, loaded = got.values()
+        got["speedup"] = round(loaded["tokens_per_s"] / single["tokens_per_s"], 2)
+        out["rounds"].append(got)
+    speedups = [g["speedup"] for g in out["rounds"]]
+    out["speedup"] = statistics.median(speedups)
+    for key in out["rounds"][0]:
+        if key != "speedup":
+            out[key] = {m: statistics.median(g[key][m] for g in out["rounds"])
+                        for m in ("tokens_per_s", "ttft_p50_s", "ttft_p99_s")}
+            out[key]["errors"] = sum(g[key]["errors"] for g in out["rounds"])
+    print(f"{name:10s} aggregate tokens/s with --parallel {args.parallel} over one at a time: median {out['speedup']}x "
+          f"over {args.rounds} rounds {speedups}; medians {({k: v for k, v in out.items() if k.startswith('parallel')})}",
           flush=True)
     return out
 
@@ -201,6 +216,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=4, help="requests per client")
     ap.add_argument("--baseline-requests", type=int, default=16, help="requests one at a time for the baseline")
     ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of baseline then load; the median is reported")
     ap.add_argument("--ctx-slot", type=int, default=1024, help="context per slot")
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--peer", default=None, help="llama-server binary to run the same load against")
