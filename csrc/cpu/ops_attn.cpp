@@ -150,6 +150,10 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         while (hi > lo && kv_pos[hi - 1] < 0) hi--;
         reg[2 * t] = lo, reg[2 * t + 1] = hi;
     }
+    // whether split s holds any of token t's cells (always, without splits or regions)
+    auto in_split = [&](int64_t t, int64_t s) {
+        return n_split == 1 || !p.q_seq || (reg[2 * t] < (s + 1) * split_len && reg[2 * t + 1] > s * split_len);
+    };
     const OpsKernels& kr = ops_kernels();
     const bool f16 = kv_type == QType::F16;
     const float scale = p.scale, cap = p.softcap;
@@ -178,8 +182,19 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         auto acc_of = [&](int64_t t, int64_t h) -> float* {
             return n_split == 1 ? out + t * ld_out + h * hd_v : partial + ((t * n_head + h) * n_split + s) * slot;
         };
+        // each token's cells are [lo, hi): other blocks are skipped unseen, and a split none of
+        // them reaches leaves no state (the merge skips it: an empty state merges as a no-op)
+        int64_t lo[kTokTile], hi[kTokTile];
+        bool any = false;
+        for (int64_t t = t0; t < t1; t++) {
+            lo[t - t0] = p.q_seq ? reg[2 * t] : 0;
+            hi[t - t0] = p.q_seq ? reg[2 * t + 1] : n_kv;
+            any |= in_split(t, s);
+        }
+        if (!any) return;
         for (int64_t t = t0; t < t1; t++)
             for (int64_t r = 0; r < n_rep; r++) {
+                if (!in_split(t, s)) continue;
                 std::fill(acc_of(t, g * n_rep + r), acc_of(t, g * n_rep + r) + hd_v, 0.0f);
                 const int64_t i = ((t - t0) * n_rep + r) * 2;
                 ml[i] = -INFINITY;
@@ -188,12 +203,6 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
 
         const unsigned char* kbase = (const unsigned char*)kv.k + g * rb_k;
         const unsigned char* vbase = (const unsigned char*)kv.v + g * rb_v;
-        // each token's cells are [lo, hi): other blocks are skipped unseen
-        int64_t lo[kTokTile], hi[kTokTile];
-        for (int64_t t = t0; t < t1; t++) {
-            lo[t - t0] = p.q_seq ? reg[2 * t] : 0;
-            hi[t - t0] = p.q_seq ? reg[2 * t + 1] : n_kv;
-        }
         for (int64_t jb = j_begin; jb < j_end; jb += kKvBlock) {
             const int64_t je = std::min(j_end, jb + kKvBlock);
             for (int64_t t = t0; t < t1; t++) {
@@ -246,6 +255,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         }
         for (int64_t t = t0; t < t1; t++)
             for (int64_t r = 0; r < n_rep; r++) {
+                if (!in_split(t, s)) continue;
                 float* st = ml + ((t - t0) * n_rep + r) * 2;
                 float* acc = acc_of(t, g * n_rep + r);
                 if (n_split == 1) {
@@ -282,6 +292,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
                 float m = -INFINITY, l = 0.0f;
                 std::fill(o, o + hd_v, 0.0f);
                 for (int64_t s = 0; s < n_split; s++) {
+                    if (!in_split(t, s)) continue;  // no state: merging it would change nothing
                     const float* a = ps + s * slot;
                     float fa, fb;
                     online_softmax_merge(m, l, a[hd_v], a[hd_v + 1], &fa, &fb);
