@@ -269,3 +269,26 @@ def test_cuda_budget_refuses_past_it(model_path):
         stowlm.Model(path, devices=["cuda:0[mem=16MiB]"])
     model = stowlm.Model(path, devices=["cuda:0[mem=1GiB]"])
     assert model.plan(n_ctx=64, n_ubatch=8)[0]["budget"] == 1 << 30
+
+
+def test_the_batching_engine_on_cuda_keeps_a_requests_bits(model_path):
+    """The CUDA tiled kernel takes a batch from 9 tokens (its batch bound), so the engine's decode
+    batches stay at 8 there: 12 slots decoding at once give each request its text alone; and a
+    prompt that reuses a cached prefix mid-chunk gets the log-probabilities of a fresh slot."""
+    require_devices(CUDA)
+    from test_batching import _forget, _logprobs
+    with stowlm.LLM(model_path("smollm2-135m"), devices=[CUDA], n_ctx=12 * 256, n_seq=12, progress=False) as llm:
+        eng = llm.engine()
+        assert eng.bounds == [9] and eng.max_decode == 8
+        prompts = [f"Item {i}: the capital of country number {i} is" for i in range(12)]
+        together = [c.text for c in llm.generate_batch(prompts, max_tokens=12, temperature=0)]
+        assert together == [llm.generate(p, max_tokens=12, temperature=0).text for p in prompts]
+        system = llm.tokenize("You are a careful assistant who answers in one short sentence. " * 3)
+        a = system + llm.tokenize(" Tell me about cats.", add_special=False)
+        b = system + llm.tokenize(" Tell me about dogs, and why they bark at night so often.", add_special=False)
+        _forget(llm)
+        fresh, _ = _logprobs(eng, b)
+        _forget(llm)
+        _logprobs(eng, a)
+        got, n = _logprobs(eng, b)
+        assert got == fresh and n < len(b)
