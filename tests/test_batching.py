@@ -25,10 +25,12 @@ def _kl(a, b):
     return float((pa * (np.log(pa + 1e-30) - np.log(pb + 1e-30))).sum())
 
 
-@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b", "smollm2-moe", "qwen3moe-tiny"])
-def test_a_token_gets_the_same_logits_alone_and_among_other_sequences(name):
+@pytest.mark.parametrize("name,kv_type", [("smollm2-135m", "f16"), ("smollm2-135m", "q8_0"), ("gemma3-270m", "f16"),
+                                          ("qwen2.5-coder-0.5b", "q8_0"), ("smollm2-moe", "f16"),
+                                          ("qwen3moe-tiny", "f16")])
+def test_a_token_gets_the_same_logits_alone_and_among_other_sequences(name, kv_type):
     model = Model(str(get_model(name)))
-    ctx = Context(model, n_ctx=2048, n_seq=4, n_ubatch=64)
+    ctx = Context(model, n_ctx=2048, n_seq=4, n_ubatch=64, kv_type=kv_type)
     rng = np.random.default_rng(1)
     prompts = [list(map(int, rng.integers(10, 5000, n))) for n in (37, 80, 5, 130)]
 
@@ -49,12 +51,43 @@ def test_a_token_gets_the_same_logits_alone_and_among_other_sequences(name):
 
     # the same numbers as a context of one sequence, up to rounding (other KV splits), for the
     # sequences of the first and the last region
-    one = Context(model, n_ctx=512, n_ubatch=64)
+    one = Context(model, n_ctx=512, n_ubatch=64, kv_type=kv_type)
     for seq, tok, got in ((0, 42, alone), (3, 7, together[0])):
         one.clear()
         one.eval(prompts[seq])
         ref = one.eval([tok])
         assert _kl(ref, got) < 2e-3 and int(ref.argmax()) == int(got.argmax()), seq
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"])
+def test_a_prompts_tail_forced_onto_the_batched_kernels_gets_the_bits_of_its_chunk(name):
+    """eval_batch(batched=True): a tail of any length after a cached prefix gives the last token the
+    logits evaluating the whole prompt in one pass gives (on the other kernels it would not), in a
+    context of one sequence and in another sequence's region, for both KV cache types."""
+    model = Model(str(get_model(name)))
+    rng = np.random.default_rng(5)
+    ids = list(map(int, rng.integers(10, 5000, 47)))
+    for n_seq, kv_type in ((1, "f16"), (4, "f16"), (1, "q8_0"), (4, "q8_0")):
+        ctx = Context(model, n_ctx=512 * n_seq, n_seq=n_seq, n_ubatch=64, kv_type=kv_type)
+        assert ctx.can_force_batched
+        seq = n_seq - 1
+
+        def run(cuts, batched):
+            ctx.clear(seq)
+            b = 0
+            for e in cuts:
+                out = ctx.eval_batch(ids[b:e], [seq] * (e - b), rows=[e - b - 1], batched=batched)[0]
+                b = e
+            return out
+
+        whole = run([47], False)
+        for cuts in ([37, 47], [46, 47], [5, 30, 47], [1, 47]):
+            assert np.array_equal(run(cuts, True), whole), (name, n_seq, kv_type, cuts)
+        assert not np.array_equal(run([37, 47], False), whole)  # ten tokens on the row kernels differ
+    small = Context(model, n_ctx=256, n_ubatch=16)
+    assert not small.can_force_batched
+    with pytest.raises(ValueError, match="batched passes need"):
+        small.eval_batch([1, 2, 3], [0, 0, 0], batched=True)
 
 
 def test_sequences_are_isolated_truncated_and_bounded():
@@ -122,8 +155,10 @@ def test_a_follow_up_reuses_the_slot_cache(served):
     again = served.generate(follow, max_tokens=8, temperature=0)
     evaluated = eng.stats()["prompt_tokens_evaluated"] - before
     # the follow-up's last chunk (past 256) is large enough for the batched kernels, which the
-    # long prompt's tail used too: all but the smallest batched pass is reused
-    assert len(follow) - 256 >= eng.bounds[0] and evaluated == eng.bounds[0]
+    # long prompt's tail used too: the whole prompt is reused, and the new tokens go in a pass
+    # forced onto the batched kernels (CPU devices), else in the smallest batched pass
+    assert eng.forced and len(follow) - 256 >= eng.bounds[0]
+    assert evaluated == len(follow) - len(long_prompt)
     # the reused cache gives the text a fresh slot gives
     _forget(served)
     assert served.generate(follow, max_tokens=8, temperature=0).text == again.text
@@ -169,15 +204,15 @@ def test_a_shared_prefix_is_reused_mid_chunk_with_the_bits_of_a_fresh_slot(serve
     _logprobs(eng, cats)
     got, n = _logprobs(eng, longer)
     assert got == fresh["longer"]
-    # the whole common prefix is kept when the rest is a batched pass by itself; else the pass is
-    # extended back to the smallest batched one
+    # the whole common prefix is kept, the rest forced onto the batched kernels (without that
+    # the pass would be extended back to the smallest batched one)
     common = len(system) + 3
     assert longer[:common] == cats[:common] and longer[common] != cats[common]
-    assert n == max(len(longer) - common, eng.bounds[0])
+    assert eng.forced and n == len(longer) - common
     got, n = _logprobs(eng, short)  # to an empty slot: 'longer' stays cached
     assert got == fresh["short"] and n == len(short)
     got, n = _logprobs(eng, cats)
-    assert got == fresh["cats"] and n == max(len(cats) - common, eng.bounds[0]) < len(cats)
+    assert got == fresh["cats"] and n == len(cats) - common
 
 
 def test_engine_errors_cancel_and_queue(served):
@@ -220,6 +255,26 @@ def test_a_script_that_never_closes_its_engine_exits_cleanly():
                        timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "2", (r.stdout, r.stderr)
     assert "leak" not in r.stderr, r.stderr
+
+
+def test_without_forced_passes_a_tail_is_extended_to_the_smallest_batched_pass(served):
+    """Where the batched kernels cannot be forced (CUDA devices), the pass after a reused prefix is
+    extended back to the smallest that takes them: fewer tokens reused, the same bits."""
+    eng = served._engine
+    system = served.tokenize("You are a careful assistant who answers in one short sentence. " * 3)
+    cats = system + served.tokenize(" Tell me about cats.", add_special=False)
+    longer = system + served.tokenize(" Tell me about dogs, and why they bark at night so often.", add_special=False)
+    _forget(served)
+    fresh, _ = _logprobs(eng, longer)
+    eng.forced = False
+    try:
+        _forget(served)
+        _logprobs(eng, cats)
+        got, n = _logprobs(eng, longer)
+    finally:
+        eng.forced = served.ctx.can_force_batched
+    common = len(system) + 3
+    assert got == fresh and n == max(len(longer) - common, eng.bounds[0]) < len(longer)
 
 
 def test_with_routed_experts_a_prefix_is_reused_at_whole_chunks():

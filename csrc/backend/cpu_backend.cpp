@@ -93,14 +93,15 @@ public:
     bool supports(const Tensor& node) const override { return node.op != Op::NONE; }
 
     size_t scratch_bytes(const Tensor& n) const override {
-        if (n.op == Op::MUL_MAT) return cpu::matmul_scratch_bytes(n.src[0]->type, n.src[0]->ne[0], n.src[1]->n_rows());
+        if (n.op == Op::MUL_MAT)
+            return cpu::matmul_scratch_bytes(n.src[0]->type, n.src[0]->ne[0], n.src[1]->n_rows(), batched_node(n));
         if (n.op == Op::MUL_MAT_ID)
             return cpu::mul_mat_id_scratch_bytes(n.src[0]->type, n.src[0]->ne[1], n.src[0]->ne[0], n.src[0]->ne[2],
                                                  n.src[2]->ne[0], n.src[2]->ne[1]);
         if (n.op == Op::FLASH_ATTN) {
             const cpu::KvView kv = kv_view(n);
             return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], kv.hd_k, kv.hd_v, n_threads_, kv.n_kv,
-                                                 n.iparams[1]);
+                                                 n.iparams[1], batched_node(n));
         }
         return 0;
     }
@@ -197,7 +198,7 @@ private:
     std::vector<float> reduce_staging_;  // host bytes outside the budget, at most 1 MiB per remote partial
 
     static bool same_product_input(const Tensor* a, const Tensor* b) {
-        return b->op == Op::MUL_MAT && b->src[1]->data == a->src[1]->data && b->src[1]->ne[0] == a->src[1]->ne[0] &&
+        return b->op == Op::MUL_MAT && batched_node(*b) == batched_node(*a) && b->src[1]->data == a->src[1]->data && b->src[1]->ne[0] == a->src[1]->ne[0] &&
                b->src[1]->n_rows() == a->src[1]->n_rows();
     }
 
@@ -212,7 +213,7 @@ private:
             ldys[i] = ns[i]->ne[0];
         }
         Tensor* x = ns[0]->src[1];
-        cpu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, pool());
+        cpu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, pool(), batched_node(*ns[0]));
     }
 
     void run(Tensor* n, void* scratch) {
@@ -231,7 +232,7 @@ private:
                 return;
             case Op::MUL_MAT: {
                 cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0]};
-                cpu::matmul(w, f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, pool);
+                cpu::matmul(w, f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, pool, batched_node(*n));
                 return;
             }
             case Op::ADD:

@@ -21,6 +21,11 @@ inline cpu::RopeParams rope_params(const Tensor& n) {
     return p;
 }
 
+// A MUL_MAT or FLASH_ATTN node of a pass that takes the batched kernels however few its tokens
+// (build_scheduled_graph's `batched`; MUL_MAT's iparams[0], FLASH_ATTN's iparams[3]).
+inline bool batched_node(const Tensor& n) { return n.iparams[n.op == Op::FLASH_ATTN ? 3 : 0] != 0; }
+inline void mark_batched(Tensor& n) { n.iparams[n.op == Op::FLASH_ATTN ? 3 : 0] = 1; }
+
 inline cpu::AttnParams attn_params(const Tensor& n) {
     cpu::AttnParams p;
     p.scale = n.fparams[0];
@@ -32,6 +37,7 @@ inline cpu::AttnParams attn_params(const Tensor& n) {
     p.kv_seq = n.src[9] ? (const int32_t*)n.src[9]->data : nullptr;
     p.split_cells = n.iparams[1];
     p.seq_cells = n.iparams[2];
+    p.batched = batched_node(n);
     return p;
 }
 

@@ -202,17 +202,18 @@ STOWLM_BIND(engine) {
         // Tokens of several sequences (seqs[i] is token i's); logits of the rows listed, in order.
         .def("eval_batch",
              [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
-                const std::vector<int32_t>& positions, const std::vector<int32_t>& rows) {
+                const std::vector<int32_t>& positions, const std::vector<int32_t>& rows, bool batched) {
                  std::vector<float>* out = nullptr;
                  {
                      nb::gil_scoped_release nogil;
-                     out = new std::vector<float>(s.c->eval_batch(tokens, seqs, positions, rows));
+                     out = new std::vector<float>(s.c->eval_batch(tokens, seqs, positions, rows, batched));
                  }
                  const size_t n_vocab = (size_t)s.c->n_vocab();
                  nb::capsule owner(out, [](void* p) noexcept { delete (std::vector<float>*)p; });
                  return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {out->size() / n_vocab, n_vocab}, owner);
              },
-             nb::arg("tokens"), nb::arg("seqs"), nb::arg("positions"), nb::arg("rows"))
+             nb::arg("tokens"), nb::arg("seqs"), nb::arg("positions"), nb::arg("rows"), nb::arg("batched") = false)
+        .def_prop_ro("can_force_batched", [](const BoundContext& s) { return s.c->can_force_batched(); })
         .def("kv_truncate", [](BoundContext& s, int64_t n, int seq) { s.c->kv_truncate(n, seq); }, nb::arg("n"),
              nb::arg("seq") = 0)
         .def("clear", [](BoundContext& s, int seq) { s.c->clear(seq); }, nb::arg("seq") = -1)

@@ -77,13 +77,14 @@ size_t act_row_bytes(QType t, int64_t cols) {
 void matmul_check_type_cols(QType t, int64_t cols) { check_type_cols(t, cols); }
 size_t matmul_act_row_bytes(QType t, int64_t cols) { return act_row_bytes(t, cols); }
 
-size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
+size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok, bool batched) {
     check_type_cols(wtype, cols);
     n_tok = n_tok > 0 ? n_tok : 0;
     size_t bytes = act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
 #ifdef STOWLM_X86
     // after the activations: the batched kernels' data, or the row kernels' regrouped activations
-    if (dot_family(wtype) != DotFamily::Float && n_tok >= kBatchMinTokens) bytes += batched_scratch_extra(wtype, cols, n_tok);
+    if (dot_family(wtype) != DotFamily::Float && (n_tok >= kBatchMinTokens || batched))
+        bytes += batched_scratch_extra(wtype, cols, n_tok);
     else bytes += nib_act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
 #endif
     return bytes;
@@ -172,8 +173,8 @@ size_t batched_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
 }
 
 bool matmul_batched(const MatmulArgs& A, Isa isa, ThreadPool& pool) {
-    if (A.n_tok < kBatchMinTokens) return false;
-    if (isa == Isa::AMX && A.n_tok >= kAmxMinTokens && matmul_amx(A, pool)) return true;
+    if (A.n_tok < kBatchMinTokens && !A.batched) return false;
+    if (isa == Isa::AMX && (A.n_tok >= kAmxMinTokens || A.batched) && matmul_amx(A, pool)) return true;
     if (isa == Isa::AVX2) return matmul_gemm_avx2(A, pool);
     return (isa == Isa::AMX || isa == Isa::AVX512_VNNI) && matmul_gemm_vnni(A, pool);
 }
@@ -314,10 +315,11 @@ int64_t row_chunk(int64_t rows, int nth) {
 }  // namespace
 
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
-            ThreadPool& pool) {
+            ThreadPool& pool, bool batched) {
     check_call(w, x, n_tok, ldx, y, ldy, scratch);
     if (w.rows == 0 || n_tok == 0) return;
     MatmulArgs A = make_args(w, x, n_tok, ldx, y, ldy, scratch);
+    A.batched = batched;
     quantize_acts(A, pool);
     const Isa isa = active_isa();
 #ifdef STOWLM_X86
@@ -330,7 +332,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
 }
 
 void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
-                  const int64_t* ldys, void* scratch, ThreadPool& pool) {
+                  const int64_t* ldys, void* scratch, ThreadPool& pool, bool batched) {
     if (n_w <= 0) return;
     bool shared = n_w <= kMaxMulti;
     for (int i = 0; i < n_w && shared; i++) {
@@ -339,7 +341,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
                  dot_family(ws[i].type) == dot_family(ws[0].type) && ws[i].rows > 0;
     }
     if (!shared || n_tok == 0) {
-        for (int i = 0; i < n_w; i++) matmul(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch, pool);
+        for (int i = 0; i < n_w; i++) matmul(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch, pool, batched);
         return;
     }
     // One quantization (the activation format depends on the family only) and one pass of the
@@ -349,6 +351,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     first[0] = 0;
     for (int i = 0; i < n_w; i++) {
         A[i] = make_args(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
+        A[i].batched = batched;
         chunk[i] = row_chunk(ws[i].rows, pool.size());
         first[i + 1] = first[i] + (ws[i].rows + chunk[i] - 1) / chunk[i];
     }
@@ -356,7 +359,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     const Isa isa = active_isa();
     const RowsFn rows_fn = matmul_rows_for(isa);
 #ifdef STOWLM_X86
-    if (n_tok >= kBatchMinTokens) {
+    if (n_tok >= kBatchMinTokens || batched) {
         // a batch: the activations quantized once, each matrix through the batched kernel
         for (int i = 0; i < n_w; i++)
             if (!matmul_batched(A[i], isa, pool))

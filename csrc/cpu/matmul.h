@@ -29,12 +29,14 @@ struct WeightRef {
 // Bytes of scratch matmul() needs for n_tok activation rows of `cols` against this weight type
 // (on any path: it includes the AMX path's repacked activations when n_tok is large).
 // Throws InvalidInput like matmul() for an unsupported type or cols.
-size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
+size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok, bool batched = false);
 
 // y[t * ldy + r] = sum_c W[r, c] * x[t * ldx + c]  for t < n_tok, r < rows.
 // Throws InvalidInput for an unsupported type or a cols value that is not a block multiple.
+// batched: the batched kernels (the GEMMs) however few the tokens, which give each token the
+// product a larger batch gives it (a prompt's tail evaluated after a reused prefix).
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy,
-            void* scratch, ThreadPool& pool);
+            void* scratch, ThreadPool& pool, bool batched = false);
 
 // The activations as matmul() quantizes them for weight type `wtype` on the active path: n_tok
 // rows of cols floats (ldx apart), row t at dst + t * matmul_act_row_bytes(wtype, cols) bytes
@@ -48,7 +50,7 @@ void quantize_activations(QType wtype, int64_t cols, const float* x, int64_t n_t
 // same as matmul() on each in turn. At most kMaxMulti weights share. Results equal matmul()'s.
 constexpr int kMaxMulti = 4;
 void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
-                  const int64_t* ldys, void* scratch, ThreadPool& pool);
+                  const int64_t* ldys, void* scratch, ThreadPool& pool, bool batched = false);
 
 // Expert products (ggml's mul_mat_id). `w` describes one expert's matrix (rows x cols); the
 // n_expert matrices follow each other, expert e's at byte e * rows * row_bytes(type, cols).

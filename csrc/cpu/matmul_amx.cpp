@@ -198,7 +198,7 @@ size_t amx_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
 
 bool matmul_amx(const MatmulArgs& A, ThreadPool& pool) {
     const DotFamily fam = dot_family(A.type);
-    if (fam == DotFamily::Float || A.n_tok < kAmxMinTokens) return false;
+    if (fam == DotFamily::Float || (A.n_tok < kAmxMinTokens && !A.batched)) return false;
     const Layout lo = layout(A);
     const int step = lo.step;
     const int64_t nsteps = lo.nsteps;

@@ -138,7 +138,7 @@ void gemm_tile(const uint8_t* wp, const float* D, const float* M, int64_t nsteps
 bool matmul_gemm_avx2(const MatmulArgs& A, ThreadPool& pool) {
     const UnsignedForm form = unsigned_form(A.type);
     const int off = form.off;
-    if (off < 0 || A.n_tok < kBatchMinTokens) return false;
+    if (off < 0 || (A.n_tok < kBatchMinTokens && !A.batched)) return false;
     const GemmLayout lo = gemm_layout(A);
     auto run = [&](auto wide) {
         gemm_drive<PR>(A, lo, off, pool, [&](PanelBufs& bufs, int64_t r0) {

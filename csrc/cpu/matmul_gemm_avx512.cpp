@@ -141,7 +141,7 @@ size_t gemm_scratch_extra(QType t, int64_t cols, int64_t n_tok) {
 }
 
 bool matmul_gemm_vnni(const MatmulArgs& A, ThreadPool& pool) {
-    if (dot_family(A.type) == DotFamily::Float || A.n_tok < kBatchMinTokens) return false;
+    if (dot_family(A.type) == DotFamily::Float || (A.n_tok < kBatchMinTokens && !A.batched)) return false;
     const GemmLayout lo = gemm_layout(A);
     gemm_drive<PR>(A, lo, 128, pool, [&](PanelBufs& bufs, int64_t r0) {
         uint8_t* wp;

@@ -33,6 +33,8 @@ struct MatmulArgs {
     // caller made none.
     const void* act_nib = nullptr;
     size_t nib_stride = 0;
+    // The batched kernels whatever n_tok (a pass that must match the larger one it belongs to).
+    bool batched = false;
 };
 
 // Four 32-blocks of one token's quantized activations in the order of the nibbles of four

@@ -48,6 +48,8 @@ struct AttnParams {
     // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells) (KVCache regions), so
     // the kernels skip the KV blocks of other sequences without looking at them.
     int32_t seq_cells = 0;
+    // The path of a prompt-sized call however few the queries (matmul's `batched`).
+    bool batched = false;
 };
 
 // Where the keys and values of the visible cells are: cells of kv_type (F16 or Q8_0), cell j
@@ -69,7 +71,7 @@ struct KvView {
 // A query that sees no cell (and no sink) gets zeros. scratch: flash_attn_scratch_bytes(...,
 // pool.size()) bytes, or null to allocate per call.
 size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads,
-                                int64_t n_kv = 0, int32_t split_cells = 0);
+                                int64_t n_kv = 0, int32_t split_cells = 0, bool batched = false);
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,
                 const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out, void* scratch,
                 ThreadPool& pool);

@@ -26,23 +26,25 @@ constexpr int64_t kMinSplitCells = 256;  // a KV split is never smaller than thi
 int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 size_t align64(size_t n) { return (n + 63) & ~(size_t)63; }
 
-// Splits are considered only when the token tiles alone cannot keep the pool busy; the
-// bound depends on n_tok and the threads only, so the scratch size can be given up front.
-int64_t max_splits(int64_t n_tok, int n_threads) {
-    return (n_threads > 1 && cdiv(n_tok, kTokTile) < 4 * n_threads) ? n_threads : 1;
+// Free splits (no AttnParams::split_cells): a call of fewer tokens than a prompt tile cuts the
+// cells in one split per thread, a prompt-sized call runs each query over them in one pass.
+// Either way a query's result does not depend on how many others its call has, only on its
+// class (prefix reuse evaluates a prompt's tail apart from the chunk a fresh pass would take).
+int64_t max_splits(int64_t n_tok, int n_threads, bool batched = false) {
+    return n_threads > 1 && !batched && n_tok < kPrefillMinTokens ? n_threads : 1;
 }
 
 // The many-token path (attn_prefill.h) applies to these calls where the CPU has AVX-512.
-bool prefill_shape(int64_t n_tok, int64_t hd_k, int64_t hd_v) {
-    return n_tok >= kPrefillMinTokens && prefill_head_dim_ok(hd_k) && prefill_head_dim_ok(hd_v);
+bool prefill_shape(int64_t n_tok, int64_t hd_k, int64_t hd_v, bool batched = false) {
+    return (n_tok >= kPrefillMinTokens || batched) && prefill_head_dim_ok(hd_k) && prefill_head_dim_ok(hd_v);
 }
 
 // scores [n_rep][kKvBlock], visible-cell list, (m, l) per (token, head) of a unit, block maxima;
 // or the prefill path's workspace where that may run.
-size_t per_thread_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v) {
+size_t per_thread_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, bool batched) {
     const size_t b = align64(n_head * kKvBlock * sizeof(float)) + align64(kKvBlock * sizeof(int32_t)) +
                      align64(2 * kTokTile * n_head * sizeof(float)) + align64(n_head * sizeof(float));
-    return prefill_shape(n_tok, hd_k, hd_v) ? std::max(b, align64(prefill_ws_bytes(hd_k, hd_v))) : b;
+    return prefill_shape(n_tok, hd_k, hd_v, batched) ? std::max(b, align64(prefill_ws_bytes(hd_k, hd_v))) : b;
 }
 
 size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_split) {
@@ -53,21 +55,22 @@ size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_spli
 
 // Fixed splits (AttnParams::split_cells) apply to the calls of fewer tokens than a prompt
 // tile; a larger batch runs each query over the cells in one pass, also batch-independent.
-int64_t fixed_splits(int64_t n_tok, int64_t n_kv, int32_t split_cells) {
-    return n_tok < kPrefillMinTokens ? std::max<int64_t>(1, cdiv(n_kv, split_cells)) : 1;
+int64_t fixed_splits(int64_t n_tok, int64_t n_kv, int32_t split_cells, bool batched) {
+    return n_tok < kPrefillMinTokens && !batched ? std::max<int64_t>(1, cdiv(n_kv, split_cells)) : 1;
 }
 
 size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int64_t hd_v, int n_threads,
-                                int64_t n_kv, int32_t split_cells) {
+                                int64_t n_kv, int32_t split_cells, bool batched) {
     if (n_threads < 1) n_threads = 1;
     // The plan made for the largest call also serves the smaller ones of the same graph: with
     // fixed splits those are the ones with partial states (fewer than a prompt tile of tokens).
     const size_t partial =
         split_cells > 0
             ? partial_bytes(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_head, hd_v,
-                            fixed_splits(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_kv, split_cells))
-            : partial_bytes(n_tok, n_head, hd_v, max_splits(n_tok, n_threads));
-    return partial + (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v) + 64;
+                            fixed_splits(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_kv, split_cells, false))
+            : partial_bytes(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_head, hd_v,
+                            max_splits(std::min<int64_t>(n_tok, kPrefillMinTokens - 1), n_threads));
+    return partial + (size_t)n_threads * per_thread_bytes(n_tok, n_head, hd_k, hd_v, batched) + 64;
 }
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,
@@ -98,23 +101,26 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const bool small = n_tok * n_head * n_kv * hd_k < (1 << 16);
     int64_t n_split = 1;
     if (p.split_cells > 0)
-        n_split = fixed_splits(n_tok, n_kv, p.split_cells);
-    else if (n_tiles * n_head_kv < 4 * nth && !small)
-        n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth), n_kv / kMinSplitCells));
-    const int64_t split_len = p.split_cells > 0 ? (int64_t)p.split_cells : cdiv(std::max<int64_t>(n_kv, 1), n_split);
+        n_split = fixed_splits(n_tok, n_kv, p.split_cells, p.batched);
+    else
+        n_split = std::max<int64_t>(1, std::min<int64_t>(max_splits(n_tok, nth, p.batched), n_kv / kMinSplitCells));
+    // (one split is all the cells, fixed splits or not: a prompt-sized call of a sequence whose
+    // region starts past split_cells must still see its cells)
+    const int64_t split_len = p.split_cells > 0 && n_split > 1 ? (int64_t)p.split_cells
+                                                                : cdiv(std::max<int64_t>(n_kv, 1), n_split);
 
     std::vector<unsigned char> own;
     if (!scratch) {
-        own.resize(flash_attn_scratch_bytes(n_tok, n_head, hd_k, hd_v, nth, n_kv, p.split_cells));
+        own.resize(flash_attn_scratch_bytes(n_tok, n_head, hd_k, hd_v, nth, n_kv, p.split_cells, p.batched));
         scratch = own.data();
     }
     unsigned char* base = (unsigned char*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
     float* partial = (float*)base;
     unsigned char* thread_base = base + partial_bytes(n_tok, n_head, hd_v, n_split);
-    const size_t ptb = per_thread_bytes(n_tok, n_head, hd_k, hd_v);
+    const size_t ptb = per_thread_bytes(n_tok, n_head, hd_k, hd_v, p.batched);
 
 #ifdef STOWLM_X86
-    if (kv_type == QType::F16 && prefill_shape(n_tok, hd_k, hd_v) && n_rep <= kPrefillRows &&
+    if (kv_type == QType::F16 && prefill_shape(n_tok, hd_k, hd_v, p.batched) && n_rep <= kPrefillRows &&
         ops_isa() == OpsIsa::Avx512) {
         PrefillArgs a;
         a.q = q, a.ld_q = ld_q, a.n_rep = n_rep, a.hd_k = hd_k, a.hd_v = hd_v;

@@ -1,8 +1,11 @@
 #include "engine/context.h"
 
 #include <algorithm>
+#include <set>
 #include <string>
 
+#include "backend/node_params.h"
+#include "common.h"
 #include "dist/remote.h"
 #include "error.h"
 #include "graph/scheduler.h"
@@ -99,7 +102,7 @@ std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, 
 }  // namespace
 
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage) {
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched) {
     in.tokens = g.new_input("inp_tokens", QType::I32, n_tok);
     in.pos = g.new_input("inp_pos", QType::I32, n_tok);
     in.cells = g.new_input("inp_kv_cells", QType::I32, n_tok);
@@ -128,6 +131,12 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     }
     BuildContext c{g, model, kv, in, n_tok, n_kv, n_out};
     g.output = model.arch().build(c);
+    if (batched) {  // every product over the tokens and the attention; the logits' rows follow their count
+        std::set<const Tensor*> heads{model.output()};
+        for (int s = 0; s < model.n_shards(); s++) heads.insert(model.shard_output(s));
+        for (Tensor* t : g.nodes())
+            if ((t->op == Op::MUL_MAT && !heads.count(t->src[0])) || t->op == Op::FLASH_ATTN) mark_batched(*t);
+    }
     schedule(g, model.backends());
 }
 
@@ -205,12 +214,12 @@ std::vector<uint8_t> Context::kv_bytes(int il, bool v) const {
 
 std::vector<DeviceMemory> Context::memory_report() const { return report(model_, kv_->device_bytes(), plan_); }
 
-Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot) {
-    auto key = std::make_tuple(n_tok, n_kv, n_out, slot);
+Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot, bool batched) {
+    auto key = std::make_tuple(n_tok, n_kv, n_out, slot, batched);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) return *it->second;
     auto sg = std::make_unique<ShapeGraph>();
-    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage);
+    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage, batched);
     place_graph(sg->g, plan_, compute_, slot);
     return *graphs_.emplace(key, std::move(sg)).first->second;
 }
@@ -269,11 +278,22 @@ std::vector<float> Context::eval(const std::vector<int32_t>& tokens, const std::
     return eval_batch(tokens, std::vector<int32_t>((size_t)n, 0), positions, rows);
 }
 
+bool Context::can_force_batched() const {
+    if (link_ || params_.n_ubatch < kCpuBatchedMinTokens) return false;
+    for (Backend* b : backends_)
+        if (b->batched_min_tokens() != kCpuBatchedMinTokens || !b->host_accessible()) return false;
+    return true;
+}
+
 std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
-                                       const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows) {
+                                       const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows,
+                                       bool batched) {
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t n = (int64_t)tokens.size();
     if (n == 0) throw InvalidInput("eval: no tokens");
+    if (batched && !can_force_batched())
+        throw InvalidInput("eval: batched passes need every device to be a CPU of this process and n_ubatch >= " +
+                           std::to_string(kCpuBatchedMinTokens));
     if ((int64_t)seqs.size() != n)
         throw InvalidInput("eval: " + std::to_string(seqs.size()) + " sequence ids for " + std::to_string(n) + " tokens");
     if (!positions.empty() && (int64_t)positions.size() != n)
@@ -339,7 +359,7 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
         const Micro& m = micro[i];
         kv_->take(pos.data() + m.b0, seqs.data() + m.b0, m.nt, cells.data() + m.b0);
         const int64_t n_kv = std::min(params_.n_ctx, (kv_->span() + kKvBucket - 1) / kKvBucket * kKvBucket);
-        ShapeGraph& sg = graph_for(m.nt, n_kv, std::max<int64_t>(1, (int64_t)m.out.size()), slot);
+        ShapeGraph& sg = graph_for(m.nt, n_kv, std::max<int64_t>(1, (int64_t)m.out.size()), slot, batched);
         std::copy(cells.begin() + m.b0, cells.begin() + m.b0 + m.nt, (int32_t*)sg.in.cells->data);
         prepare(sg, tokens, seqs, pos, m.b0, m.nt, m.out);
         return sg;

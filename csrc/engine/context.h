@@ -71,9 +71,16 @@ public:
                             bool all_logits);
     // The general form: token i belongs to sequence seqs[i] (positions default to each sequence's
     // length, then on), and the logits of the tokens listed in out_rows (ascending) come back in
-    // that order. On any error every sequence is left as it was.
+    // that order. On any error every sequence is left as it was. batched: every product and the
+    // attention over the tokens take the kernels of a prompt-sized batch however few they are
+    // (routed experts keep choosing by their own token counts): a prompt's tail after a reused
+    // prefix gets the bits of the chunk it belongs to. CPU devices of this process only.
     std::vector<float> eval_batch(const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
-                                  const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows);
+                                  const std::vector<int32_t>& positions, const std::vector<int32_t>& out_rows,
+                                  bool batched = false);
+    // Whether eval_batch may be asked for `batched` passes (every device a CPU of this process, a
+    // micro-batch large enough for the batched kernels).
+    bool can_force_batched() const;
     void kv_truncate(int64_t n, int seq = 0);
     void clear(int seq = -1);  // -1: every sequence
     int64_t n_past(int seq = 0) const { return kv_->n_used(seq); }
@@ -102,7 +109,7 @@ private:
         BuildInputs in;
         std::vector<std::vector<int32_t>> input_storage;
     };
-    ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot);
+    ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot, bool batched);
     // Fills sg's inputs for the tokens [b0, b0 + nt) (out: the rows of them whose logits are
     // wanted, micro-batch relative) and takes their KV cells.
     void prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
@@ -118,13 +125,14 @@ private:
     ComputeBuffers compute_;
     PipelineMode pipeline_;
     PipelineStats stats_;
-    std::map<std::tuple<int64_t, int64_t, int64_t, int>, std::unique_ptr<ShapeGraph>> graphs_;
+    std::map<std::tuple<int64_t, int64_t, int64_t, int, bool>, std::unique_ptr<ShapeGraph>> graphs_;
     std::mutex mu_;  // eval runs without the GIL: one call at a time per context
     std::unique_ptr<dist::ContextLink> link_;
 };
 
-// Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg).
+// Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg);
+// batched: its products over the tokens and its attention marked for the batched kernels.
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage);
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched = false);
 
 }  // namespace stowlm

@@ -14,8 +14,9 @@ batch's size selects (the model's batch_bounds: below the first, the row kernels
 batched ones, whose result for a token is the same in any batch that takes them). So decode
 tokens go in batches below the first bound, and a slot's cached prompt tokens are reused where
 they were made by the kernels a fresh evaluation of the new prompt would use for them, and the
-rest of that chunk is evaluated in one pass that takes those kernels too: a reused cache holds
-exactly what evaluating the prompt afresh would, and so do the tokens after it. (With routed
+rest of that chunk is evaluated in one pass that takes those kernels too (forced onto the batched
+kernels however short it is, where the context offers that: CPU devices), so a reused cache
+holds exactly what evaluating the prompt afresh would, and so do the tokens after it. (With routed
 experts an expert's kernels follow how many tokens of the pass picked it, so there a prefix is
 reused at whole chunks only, whose passes depend on the prompt alone.)
 """
@@ -112,6 +113,8 @@ class BatchEngine:
         self.bounds = list(llm.model.batch_bounds)
         self.max_decode = self.bounds[0] - 1 if self.bounds else 1 << 30  # decode batches stay on the row kernels
         self.whole_chunks = llm.model.n_expert > 0  # prefixes reused at chunk boundaries only
+        # a prompt's tail after a reused prefix may go in a pass of any size on the batched kernels
+        self.forced = not self.whole_chunks and self.ctx.can_force_batched
         self.slots = [_Slot(i) for i in range(self.n_seq)]
         self.ctx.clear()  # the slots start empty, whatever the context held
         self.queue: Deque[Request] = collections.deque()
@@ -253,6 +256,8 @@ class BatchEngine:
         c0 = k - k % self.chunk
         size = min(self.chunk, len(tokens) - c0)  # the fresh pass of k's chunk
         cls = self._kernels(size)
+        if self.forced and cls == len(self.bounds):
+            return k  # the rest goes in a pass forced onto the batched kernels, however short
         smallest = self.bounds[cls - 1] if cls else 1  # the smallest pass taking the same kernels
         return min(k, c0 + size - smallest)
 
@@ -279,9 +284,13 @@ class BatchEngine:
         self._rr += 1
         toks = s.req.tokens[s.pos:(s.pos // self.chunk + 1) * self.chunk]  # up to the next chunk boundary
         last = s.pos + len(toks) == len(s.req.tokens)
-        logits = self.ctx.eval_batch(toks, [s.index] * len(toks), rows=[len(toks) - 1] if last else [])
+        # the kernels of the whole chunk, which a tail after a reused prefix is forced onto
+        chunk = self._kernels(s.pos % self.chunk + len(toks))
+        forced = self.forced and chunk == len(self.bounds) and self._kernels(len(toks)) < chunk
+        logits = self.ctx.eval_batch(toks, [s.index] * len(toks), rows=[len(toks) - 1] if last else [],
+                                     batched=forced)
         s.cached += toks
-        s.kernels += [self._kernels(len(toks))] * len(toks)
+        s.kernels += [chunk] * len(toks)
         s.pos += len(toks)
         with self.cv:
             self.prompt_tokens_evaluated += len(toks)

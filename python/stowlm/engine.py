@@ -356,16 +356,20 @@ class Context:
         out = self._c.eval(toks.astype(np.int64).tolist(), pos, logits == "all")
         return out if logits == "all" else out[0]
 
-    def eval_batch(self, tokens, seqs, positions=None, rows=None) -> np.ndarray:
+    def eval_batch(self, tokens, seqs, positions=None, rows=None, batched: bool = False) -> np.ndarray:
         """Tokens of several sequences in one pass (token i belongs to sequence seqs[i]; positions
         default to each sequence's next ones). Returns float32 logits [len(rows), n_vocab] of the
-        token indices in `rows` (ascending; default the last token)."""
+        token indices in `rows` (ascending; default the last token). batched: the kernels of a
+        prompt-sized pass however few the tokens (can_force_batched says where that is offered),
+        so a prompt's tail after a reused prefix gets the bits its whole chunk would."""
         toks = [int(t) for t in tokens]
         if not toks:
             raise ValueError("eval_batch: no tokens")
         rows = [len(toks) - 1] if rows is None else [int(r) for r in rows]
         pos = [] if positions is None else [int(p) for p in positions]
-        return self._c.eval_batch(toks, [int(s) for s in seqs], pos, rows)
+        return self._c.eval_batch(toks, [int(s) for s in seqs], pos, rows, bool(batched))
+
+    can_force_batched = property(lambda self: self._c.can_force_batched)
 
     def kv_truncate(self, n: int, seq: int = 0) -> None:
         """Keeps the first n tokens of a sequence in the KV cache."""
