@@ -17,8 +17,9 @@ they were made by the kernels a fresh evaluation of the new prompt would use for
 rest of that chunk is evaluated in one pass that takes those kernels too (forced onto the batched
 kernels however short it is, where the context offers that: CPU devices), so a reused cache
 holds exactly what evaluating the prompt afresh would, and so do the tokens after it. (With routed
-experts an expert's kernels follow how many tokens of the pass picked it, so there a prefix is
-reused at whole chunks only, whose passes depend on the prompt alone.)
+experts an expert's kernels follow how many tokens of the pass picked it, and a GPU context of
+one sequence splits the KV cells by the call's size, so there a prefix is reused at whole chunks
+only, whose passes depend on the prompt alone.)
 """
 from __future__ import annotations
 
@@ -112,9 +113,12 @@ class BatchEngine:
         self.max_queue = max_queue
         self.bounds = list(llm.model.batch_bounds)
         self.max_decode = self.bounds[0] - 1 if self.bounds else 1 << 30  # decode batches stay on the row kernels
-        self.whole_chunks = llm.model.n_expert > 0  # prefixes reused at chunk boundaries only
         # a prompt's tail after a reused prefix may go in a pass of any size on the batched kernels
-        self.forced = not self.whole_chunks and self.ctx.can_force_batched
+        self.forced = self.ctx.can_force_batched
+        # prefixes reused at chunk boundaries only: with routed experts, and in a context of one
+        # sequence on a GPU (its attention splits the cells by how many tokens the call has)
+        self.whole_chunks = llm.model.n_expert > 0 or (self.n_seq == 1 and not self.forced)
+        self.forced = self.forced and not self.whole_chunks
         self.slots = [_Slot(i) for i in range(self.n_seq)]
         self.ctx.clear()  # the slots start empty, whatever the context held
         self.queue: Deque[Request] = collections.deque()
