@@ -11,6 +11,7 @@ import pytest
 import stowlm
 from stowlm.batching import Event
 from stowlm.engine import Context, Model
+from stowlm.ops import cpu_info
 from stowlm.sampling import SamplingParams
 
 from conftest import get_model
@@ -83,7 +84,8 @@ def test_a_prompts_tail_forced_onto_the_batched_kernels_gets_the_bits_of_its_chu
         whole = run([47], False)
         for cuts in ([37, 47], [46, 47], [5, 30, 47], [1, 47]):
             assert np.array_equal(run(cuts, True), whole), (name, n_seq, kv_type, cuts)
-        assert not np.array_equal(run([37, 47], False), whole)  # ten tokens on the row kernels differ
+        if cpu_info()["active"] != "scalar":  # (the scalar path has no batched kernels)
+            assert not np.array_equal(run([37, 47], False), whole)  # ten tokens on the row kernels differ
     small = Context(model, n_ctx=256, n_ubatch=16)
     assert not small.can_force_batched
     with pytest.raises(ValueError, match="batched passes need"):
