@@ -100,9 +100,9 @@ class BatchEngine:
 
     submit() may be called from any thread; events go to each request's on_event from the engine
     thread, and after each step every function of step_listeners is called (a consumer that
-    hands events to another thread can wake it once per step there). A prompt longer than a slot's share of the context (n_ctx / n_seq) is refused with
-    ValueError naming both lengths; a request that would wait behind max_queue others while every
-    slot is busy raises QueueFull."""
+    hands events to another thread can wake it once per step there). A prompt longer than a
+    slot's share of the context (n_ctx / n_seq) is refused with ValueError naming both lengths; a
+    request that would wait behind max_queue others while every slot is busy raises QueueFull."""
 
     def __init__(self, llm, chunk: Optional[int] = None, max_queue: int = 64):
         self.llm = llm
@@ -113,12 +113,12 @@ class BatchEngine:
         self.max_queue = max_queue
         self.bounds = list(llm.model.batch_bounds)
         self.max_decode = self.bounds[0] - 1 if self.bounds else 1 << 30  # decode batches stay on the row kernels
-        # a prompt's tail after a reused prefix may go in a pass of any size on the batched kernels
-        self.forced = self.ctx.can_force_batched
+        can_force = self.ctx.can_force_batched
         # prefixes reused at chunk boundaries only: with routed experts, and in a context of one
         # sequence on a GPU (its attention splits the cells by how many tokens the call has)
-        self.whole_chunks = llm.model.n_expert > 0 or (self.n_seq == 1 and not self.forced)
-        self.forced = self.forced and not self.whole_chunks
+        self.whole_chunks = llm.model.n_expert > 0 or (self.n_seq == 1 and not can_force)
+        # a prompt's tail after a reused prefix may go in a pass of any size on the batched kernels
+        self.forced = can_force and not self.whole_chunks
         self.slots = [_Slot(i) for i in range(self.n_seq)]
         self.ctx.clear()  # the slots start empty, whatever the context held
         self.queue: Deque[Request] = collections.deque()
