@@ -127,12 +127,12 @@ def test_the_shards_cover_every_layer_once():
     # uneven: 3 KV heads of smollm2 over 2 devices go 2 + 1 (whole heads with their queries)
     s = _tp(str(get_model("smollm2-135m")), [1, 1]).shards
     assert [x["layers"][0]["kv_heads"] for x in s] == [2, 1] and [x["layers"][0]["q_heads"] for x in s] == [6, 3]
-    # the FFN rows, in whole blocks of the down projection (32 for Q4_1), even out the heads: the
-    # device with 2 of the 3 KV heads gets fewer FFN rows at 1:1, and about 3:1 of the bytes at 3:1
+    # the FFN rows follow the shares, in whole blocks of the down projection (32 for Q4_1): the
+    # devices meet after the FFN as after the attention, so each part is balanced on its own
     rows = [x["layers"][0]["ffn_rows"] for x in s]
-    assert sum(rows) == 1536 and all(r % 32 == 0 for r in rows) and rows[0] < rows[1]
+    assert rows == [768, 768]
     rows = [x["layers"][0]["ffn_rows"] for x in _tp(str(get_model("smollm2-135m")), [3, 1]).shards]
-    assert sum(rows) == 1536 and all(r % 32 == 0 for r in rows) and rows[0] > 2.5 * rows[1]
+    assert rows == [1152, 384]
 
 
 def test_projection_equals_allocation_and_budgets_hold():
@@ -198,11 +198,19 @@ def test_llm_and_cli_take_a_tensor_split():
     from conftest import subprocess_env
 
     path = str(get_model("smollm2-135m"))
+    prompt = "The capital of France is"
     with stowlm.LLM(path, devices=_devs(2), split_mode="tensor", progress=False, n_ctx=512) as llm:
         assert llm.model.split_mode == "tensor"
-        text = llm.generate("The capital of France is", max_tokens=8, temperature=0).text
+        got = llm.generate(prompt, max_tokens=8, temperature=0).tokens
     with stowlm.LLM(path, progress=False, n_ctx=512) as one:
-        assert one.generate("The capital of France is", max_tokens=8, temperature=0).text == text
+        want = one.generate(prompt, max_tokens=8, temperature=0).tokens
+        ids = one.tokenize(prompt)
+    # the same greedy tokens up to the first near tie of one device's (the split's sums round
+    # otherwise, so a tie may go either way; smollm2 has one at the 6th token, 0.13 apart)
+    logits = stowlm.Context(stowlm.Model(path), n_ctx=512).eval(ids + want, logits="all")[len(ids) - 1:]
+    top2 = np.sort(logits, -1)[:, -2:]
+    tie = next((i for i in range(len(want)) if top2[i, 1] - top2[i, 0] < 0.25), len(want))
+    assert tie >= 3 and got[:tie] == want[:tie], (got, want, tie)
     out = subprocess.run([sys.executable, "-m", "stowlm", "run", path, "-p", "The capital of France is", "-n", "8",
                           "--temp", "0", "-q", "--devices", "cpu:0[threads=1],cpu:1[threads=1]", "-sm", "tensor",
                           "-ts", "3,1"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
