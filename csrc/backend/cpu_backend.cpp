@@ -198,8 +198,8 @@ private:
     std::vector<float> reduce_staging_;  // host bytes outside the budget, at most 1 MiB per remote partial
 
     static bool same_product_input(const Tensor* a, const Tensor* b) {
-        return b->op == Op::MUL_MAT && batched_node(*b) == batched_node(*a) && b->src[1]->data == a->src[1]->data && b->src[1]->ne[0] == a->src[1]->ne[0] &&
-               b->src[1]->n_rows() == a->src[1]->n_rows();
+        return b->op == Op::MUL_MAT && batched_node(*b) == batched_node(*a) && b->src[1]->data == a->src[1]->data &&
+               b->src[1]->ne[0] == a->src[1]->ne[0] && b->src[1]->n_rows() == a->src[1]->n_rows();
     }
 
     void run_products(Tensor* const* ns, int n, void* scratch) {

@@ -151,14 +151,14 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
             reg[2 * t] = reg[2 * t - 2], reg[2 * t + 1] = reg[2 * t - 1];
             continue;
         }
-        const int64_t lo = (int64_t)p.q_seq[t] * p.seq_cells;
-        int64_t hi = p.seq_cells > 0 ? std::min(n_kv, lo + p.seq_cells) : n_kv;
-        while (hi > lo && kv_pos[hi - 1] < 0) hi--;
-        reg[2 * t] = lo, reg[2 * t + 1] = hi;
+        attn_seq_region(p.q_seq[t], p.seq_cells, n_kv, &reg[2 * t], &reg[2 * t + 1]);
+        while (reg[2 * t + 1] > reg[2 * t] && kv_pos[reg[2 * t + 1] - 1] < 0) reg[2 * t + 1]--;
     }
-    // whether split s holds any of token t's cells (always, without splits or regions)
+    // whether split s holds any of token t's cells (always, without splits or regions): the
+    // CUDA kernel's rule for the splits it neither computes nor folds
     auto in_split = [&](int64_t t, int64_t s) {
-        return n_split == 1 || !p.q_seq || (reg[2 * t] < (s + 1) * split_len && reg[2 * t + 1] > s * split_len);
+        int64_t jb, je;
+        return n_split == 1 || !p.q_seq || attn_split_cells(s, split_len, n_kv, reg[2 * t], reg[2 * t + 1], &jb, &je);
     };
     const OpsKernels& kr = ops_kernels();
     const bool f16 = kv_type == QType::F16;
