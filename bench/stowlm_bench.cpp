@@ -6,7 +6,7 @@
 //                [-ub 512] [-ctk f16|q8_0] [-o md|json|csv] [-v] [--no-warmup]
 //                [-dev cpu:0[threads=1],cpu:1[threads=1]] [--layer-split 15,15] [--n-copies 1,4]
 //                [--interleave N]
-//                [-sm tensor [-ts 1,1]]
+//                [-sm tensor|tensor-sum [-ts 1,1]]
 //
 // Each test runs once as warm-up, then -r times; the table gives mean ± standard deviation of
 // tokens per second over the repetitions. Token ids are random but valid (seeded).
@@ -53,7 +53,7 @@ struct Options {
     std::vector<DeviceSpec> devices{DeviceSpec()};  // cpu (default), cuda:N, or a list the layers are split over
     std::vector<int> layer_split;                   // layers per device (default: even)
     int interleave = 0;                             // chunks per device's layers (0: auto)
-    std::string split_mode = "layer";               // or "tensor": every layer cut over the devices
+    std::string split_mode = "layer";               // or "tensor" / "tensor-sum": every layer cut over the devices
     std::vector<double> tensor_split;               // shares per device (tensor; default equal)
     std::string dump_logits;  // hidden: last logits of every test's last repetition (tests)
     uint64_t seed = 1234;
@@ -86,9 +86,11 @@ void print_usage(FILE* f) {
             "  --layer-split N,N,...    layers per device of -dev (default: even)\n"
             "  --interleave N           each device's layers in N chunks, the devices taking turns (shorter\n"
             "                           pipeline stages; default 2 over CPU devices only, 1 = contiguous)\n"
-            "  -sm, --split-mode M      layer (default) or tensor: every layer cut over the devices of -dev,\n"
-            "                           which all work on every token (tensor parallelism)\n"
-            "  -ts, --tensor-split N,.. shares of the devices for -sm tensor (default equal)\n"
+            "  -sm, --split-mode M      layer (default), or tensor: every layer cut over the devices of -dev,\n"
+            "                           which all work on every token (tensor parallelism; rows gathered, the\n"
+            "                           logits one device's bit for bit), or tensor-sum: the same with partial\n"
+            "                           products summed (half the meetings, results within float rounding)\n"
+            "  -ts, --tensor-split N,.. shares of the devices for -sm tensor[-sum] (default equal)\n"
             "  --n-copies N             with several devices: copies of the tensors that cross them, one per\n"
             "                           micro-batch in flight (pipeline parallelism; default 4, 1 = off)\n"
             "  -ub, --ubatch-size N     tokens per micro-batch of prompt processing (default 512)\n"
@@ -238,8 +240,8 @@ Options parse_args(int argc, char** argv) {
             o.interleave = (int)parse_int(a, value(), 0);
         } else if (a == "-sm" || a == "--split-mode") {
             o.split_mode = value();
-            if (o.split_mode != "layer" && o.split_mode != "tensor")
-                throw UsageError(a + ": unknown split mode '" + o.split_mode + "' (use layer or tensor)");
+            if (o.split_mode != "layer" && o.split_mode != "tensor" && o.split_mode != "tensor-sum")
+                throw UsageError(a + ": unknown split mode '" + o.split_mode + "' (use layer, tensor or tensor-sum)");
         } else if (a == "-ts" || a == "--tensor-split") {
             o.tensor_split.clear();
             for (const std::string& n : split(value(), ',')) {
@@ -288,14 +290,14 @@ Options parse_args(int argc, char** argv) {
     if (!o.layer_split.empty() && o.layer_split.size() != o.devices.size())
         throw UsageError("--layer-split: " + std::to_string(o.layer_split.size()) + " counts for " +
                          std::to_string(o.devices.size()) + " devices");
-    if (o.split_mode == "tensor") {
-        if (!o.layer_split.empty()) throw UsageError("--layer-split and -sm tensor exclude each other");
+    if (o.split_mode != "layer") {
+        if (!o.layer_split.empty()) throw UsageError("--layer-split and -sm " + o.split_mode + " exclude each other");
         if (o.tensor_split.empty()) o.tensor_split.assign(o.devices.size(), 1.0);
         if (o.tensor_split.size() != o.devices.size())
             throw UsageError("-ts: " + std::to_string(o.tensor_split.size()) + " shares for " +
                              std::to_string(o.devices.size()) + " devices");
     } else if (!o.tensor_split.empty()) {
-        throw UsageError("-ts needs -sm tensor");
+        throw UsageError("-ts needs -sm tensor or tensor-sum");
     }
     if (o.threads.empty()) o.threads.push_back(default_threads());
     for (const std::string& m : o.models) {
@@ -754,15 +756,15 @@ int run(const Options& o) {
                 devices += (devices.empty() ? "" : "+") + spec.name();
             }
             std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split, true, {}, o.tensor_split,
-                                                       o.interleave);
-            if (o.split_mode == "tensor") {
+                                                       o.interleave, o.split_mode == "tensor-sum");
+            if (o.split_mode != "layer") {
                 std::string ts;
                 for (double s : o.tensor_split) {
                     char b[32];
                     snprintf(b, sizeof b, "%g", s);
                     ts += (ts.empty() ? "" : ":") + std::string(b);
                 }
-                devices += " (tensor " + ts + ")";
+                devices += " (" + o.split_mode + " " + ts + ")";
             }
             const ModelInfo info = describe(model->file());
             const std::string backend = backend_label(*model);

@@ -27,4 +27,15 @@ HOST_DEVICE float shard_order_sum(const float* const* parts, int n, int64_t i) {
     return v;
 }
 
+// ALL_GATHER: where element i of the gathered [d, cols] output comes from. Shard s holds rows
+// [row0[s], row0[s + 1]) of every column (row0 has n + 1 entries); returns that shard and sets
+// *at to the element's offset in its [row0[s + 1] - row0[s], cols] part.
+HOST_DEVICE int gather_source(const int64_t* row0, int n, int64_t d, int64_t i, int64_t* at) {
+    const int64_t col = i / d, r = i - col * d;
+    int s = 0;
+    while (s + 1 < n && row0[s + 1] <= r) s++;
+    *at = col * (row0[s + 1] - row0[s]) + (r - row0[s]);
+    return s;
+}
+
 }  // namespace stowlm

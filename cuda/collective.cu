@@ -1,5 +1,5 @@
-// Tensor parallelism on the device: LOCAL_IDS (the routed expert ids a shard holds) and the sum
-// of an all-reduce, both on the HOST_DEVICE arithmetic of collective_math.h that the CPU backend
+// Tensor parallelism on the device: LOCAL_IDS (the routed expert ids a shard holds), the sum of
+// an all-reduce and the placing of an all-gather's rows, all on the HOST_DEVICE arithmetic of collective_math.h that the CPU backend
 // runs too (a CPU shard and a CUDA shard get the same bits). Moving the partials between devices
 // is the engine's part (cuda_engine.cpp: peer copies, or NCCL below where it was found at build
 // time).
@@ -44,6 +44,29 @@ __global__ void __launch_bounds__(256) all_reduce_sum_kernel(Parts parts, int n_
         out[i] = shard_order_sum(p, n_parts, i);
 }
 
+// Row offsets by value too (kMaxShards + 1 entries).
+struct Rows {
+    int64_t r0[kMaxShards + 1];
+};
+
+__global__ void __launch_bounds__(256) all_gather_rows_kernel(Parts parts, Rows rows, int n_parts, int64_t d,
+                                                              int64_t n, float* __restrict__ out) {
+    __shared__ const float* p[kMaxShards];
+    __shared__ int64_t r0[kMaxShards + 1];
+    if (threadIdx.x == 0) {
+#pragma unroll
+        for (int j = 0; j < kMaxShards; j++) p[j] = parts.p[j];
+#pragma unroll
+        for (int j = 0; j <= kMaxShards; j++) r0[j] = rows.r0[j];
+    }
+    __syncthreads();
+    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
+        int64_t at;
+        const int s = gather_source(r0, n_parts, d, i, &at);
+        out[i] = p[s][at];
+    }
+}
+
 unsigned grid_for(int64_t n) { return (unsigned)std::min<int64_t>(ceil_div(n, 256), 4096); }
 
 }  // namespace
@@ -65,6 +88,22 @@ void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* ou
     for (int i = 0; i < n_parts; i++) p.p[i] = parts[i];
     all_reduce_sum_kernel<<<grid_for(n), 256, 0, (cudaStream_t)s>>>(p, n_parts, n, out);
     check_launch("all_reduce_sum_kernel");
+}
+
+void all_gather_rows(const float* const* parts, const int64_t* row0, int n_parts, int64_t d, int64_t cols, float* out,
+                     Stream s) {
+    if (n_parts <= 0 || n_parts > kMaxShards)
+        throw InvalidInput("cuda all_gather_rows: " + std::to_string(n_parts) + " parts (1 to " +
+                           std::to_string(kMaxShards) + ")");
+    if (d < 0 || cols < 0 || row0[0] != 0 || row0[n_parts] != d) throw InvalidInput("cuda all_gather_rows: bad rows");
+    const int64_t n = d * cols;
+    if (n == 0) return;
+    Parts p{};
+    Rows r{};
+    for (int i = 0; i < n_parts; i++) p.p[i] = parts[i];
+    for (int i = 0; i <= n_parts; i++) r.r0[i] = row0[i];
+    all_gather_rows_kernel<<<grid_for(n), 256, 0, (cudaStream_t)s>>>(p, r, n_parts, d, n, out);
+    check_launch("all_gather_rows_kernel");
 }
 
 #ifdef STOWLM_HAVE_NCCL
@@ -95,7 +134,8 @@ void* nccl_comm(const std::vector<int>& devices, int rank) {
 }
 
 void nccl_exchange(void* comm, const void* send, size_t bytes, const std::vector<int>& send_to,
-                   const std::vector<int>& recv_from, const std::vector<void*>& recv, Stream s) {
+                   const std::vector<int>& recv_from, const std::vector<void*>& recv,
+                   const std::vector<size_t>& recv_bytes, Stream s) {
     ncclComm_t c = (ncclComm_t)comm;
     const cudaStream_t st = (cudaStream_t)s;
     check_nccl(ncclGroupStart(), "ncclGroupStart");
@@ -103,7 +143,7 @@ void nccl_exchange(void* comm, const void* send, size_t bytes, const std::vector
         if (send)
             for (int peer : send_to) check_nccl(ncclSend(send, bytes, ncclUint8, peer, c, st), "ncclSend");
         for (size_t i = 0; i < recv_from.size(); i++)
-            check_nccl(ncclRecv(recv[i], bytes, ncclUint8, recv_from[i], c, st), "ncclRecv");
+            check_nccl(ncclRecv(recv[i], recv_bytes[i], ncclUint8, recv_from[i], c, st), "ncclRecv");
     } catch (...) {
         ncclGroupEnd();
         throw;

@@ -145,6 +145,11 @@ void local_ids(const int32_t* ids, int64_t n, int32_t first, int32_t count, int3
 // current device, at most kMaxShards) summed in shard order (collective_math.h
 // shard_order_sum), the bits a CPU shard gets. out may be one of the parts.
 void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* out, Stream s);
+// The all-gather's output [d, cols] on this device: part s (a device pointer, [row0[s + 1] -
+// row0[s], cols]) gives rows [row0[s], row0[s + 1]) of every column (collective_math.h
+// gather_source); row0 has n_parts + 1 entries, from 0 to d. Parts of no rows may be null.
+void all_gather_rows(const float* const* parts, const int64_t* row0, int n_parts, int64_t d, int64_t cols, float* out,
+                     Stream s);
 
 #ifdef STOWLM_HAVE_NCCL
 // NCCL moves the partials between the CUDA shards of an all-reduce (the gather only: NCCL's own
@@ -153,10 +158,11 @@ void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* ou
 // distinct CUDA devices, made for all its ranks on first use; `rank` is this device's position.
 void* nccl_comm(const std::vector<int>& devices, int rank);
 // In one NCCL group on this rank's stream: `send` (bytes, null: nothing) to each rank of
-// send_to, and from each rank of recv_from its partial into recv[i]. Every rank calls it for the
-// same all-reduce, in the same order.
+// send_to, and from each rank of recv_from its part (recv_bytes[i]) into recv[i]. Every rank calls
+// it for the same collective, in the same order.
 void nccl_exchange(void* comm, const void* send, size_t bytes, const std::vector<int>& send_to,
-                   const std::vector<int>& recv_from, const std::vector<void*>& recv, Stream s);
+                   const std::vector<int>& recv_from, const std::vector<void*>& recv,
+                   const std::vector<size_t>& recv_bytes, Stream s);
 #endif
 
 // ---- attention (flash_attn.cu) ----------------------------------------------------------

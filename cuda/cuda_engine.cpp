@@ -8,8 +8,8 @@
 // ordered without extra events; only a peer copy waits on the other device's stream. With
 // pipeline parallelism (engine/pipeline.h) the device that produced a tensor pushes it into
 // this device's copy slot from its own thread: the CudaDevice calls set the current device.
-// With tensor parallelism a shard's ALL_REDUCE meets the other shards' (CPU or CUDA) inside its
-// split and gathers their partials itself (all_reduce below); the sum is the kernel of
+// With tensor parallelism a shard's ALL_REDUCE / ALL_GATHER meets the other shards' (CPU or CUDA)
+// inside its split and fetches their parts itself (collective below); the sum is the kernel of
 // cuda/collective.cu, the CPU backend's arithmetic, so every shard holds the same bits.
 #include <algorithm>
 #include <cstdlib>
@@ -160,6 +160,7 @@ public:
                 return std::max(any_shape, attn_scratch(n));
             }
             case Op::ALL_REDUCE:
+            case Op::ALL_GATHER:
                 return reduce_scratch_bytes(n);
             default:
                 return 0;
@@ -279,6 +280,7 @@ private:
             case Op::LOCAL_IDS:
                 return "";
             case Op::ALL_REDUCE:
+            case Op::ALL_GATHER:
                 if (n.collective && (int)n.collective->parts.size() > kMaxShards)
                     return "more than " + std::to_string(kMaxShards) + " shards";
                 return "";
@@ -402,7 +404,8 @@ private:
                 cu::local_ids(i32(a), n->n_elements(), n->iparams[0], n->iparams[1], (int32_t*)n->data, s);
                 return;
             case Op::ALL_REDUCE:
-                all_reduce(n, scratch, scratch_bytes);
+            case Op::ALL_GATHER:
+                collective(n, scratch, scratch_bytes);
                 return;
             case Op::MOE_SUM: {
                 const int64_t d = a->ne[0], k = a->ne[1];
@@ -418,31 +421,33 @@ private:
     }
 
     // ---- tensor parallelism ----------------------------------------------------------------
-    // The other shards' partials are gathered into this device's scratch (one slot each, in
-    // shard order), then summed with this shard's own in place, in shard order.
+    // The other shards' parts are fetched into this device's scratch (one slot each, in shard
+    // order), then summed with this shard's own in shard order (ALL_REDUCE) or their rows placed
+    // in the output (ALL_GATHER).
     static size_t reduce_scratch_bytes(const Tensor& n) {
         const Collective& c = *n.collective;
-        size_t slots = 0;
-        for (size_t t = 0; t < c.parts.size(); t++) slots += c.parts[t] && (int)t != n.iparams[0];
-        return slots * n.nbytes();
+        size_t bytes = 0;
+        for (size_t t = 0; t < c.parts.size(); t++)
+            if (c.parts[t] && (int)t != n.iparams[0]) bytes += c.parts[t]->nbytes();
+        return bytes;
     }
 
-    // One shard's ALL_REDUCE (graph.h Collective). Before meeting: publish the partial (the
-    // node's src[0], on this device) with an event after the kernels that write it. After: fetch
-    // each other partial into a scratch slot on this stream (a CUDA shard's by a peer copy once
+    // One shard's ALL_REDUCE or ALL_GATHER (graph.h Collective). Before meeting: publish the part
+    // (the node's src[0], on this device) with an event after the kernels that write it. After:
+    // fetch each other part into a scratch slot on this stream (a CUDA shard's by a peer copy once
     // its event has passed, after which its stream waits for the copy before anything of its own
-    // may overwrite the partial; a host shard's by an upload, which returns when the host bytes
-    // have been read), sum them all in shard order, and leave: every read of this shard's partial
-    // by the others is then done (CPU shards read it with copy_to_host, synchronously) or ordered
-    // before this stream's next kernels. Nothing here waits on the host for the device except
-    // those CPU reads. With NCCL (found at build time, STOWLM_NCCL not 0) the CUDA shards' partials
-    // move by NCCL sends and receives instead of peer copies; the sum is the same kernel, so the
-    // bits do not change.
-    void all_reduce(Tensor* n, void* scratch, size_t scratch_bytes) {
+    // may overwrite the part; a host shard's by an upload, which returns when the host bytes
+    // have been read), sum them all in shard order or place their rows, and leave: every read of
+    // this shard's part by the others is then done (CPU shards read it with copy_to_host,
+    // synchronously) or ordered before this stream's next kernels. Nothing here waits on the host
+    // for the device except those CPU reads. With NCCL (found at build time, STOWLM_NCCL not 0)
+    // the CUDA shards' parts move by NCCL sends and receives instead of peer copies; the
+    // arithmetic is the same kernel, so the bits do not change.
+    void collective(Tensor* n, void* scratch, size_t scratch_bytes) {
         Collective& c = *n->collective;
+        const bool gather = n->op == Op::ALL_GATHER;
         const int me = n->iparams[0];
         const cu::Stream s = dev_->compute_stream();
-        const size_t bytes = n->nbytes();
         Collective::Published& mine = c.shards.at(me);
         if (mine.ready) dev_->release(mine.ready);  // left over by a run that failed before leaving
         mine.backend = this;
@@ -450,25 +455,31 @@ private:
         mine.ready = n->src[0] ? dev_->record(s) : nullptr;
         c.meet();
         const int n_shards = (int)c.shards.size();
-        for (const Collective::Published& p : c.shards)
-            if (p.part && p.part->nbytes() != bytes) throw InvalidInput(name_ + ": all_reduce partials differ in size");
+        for (int t = 0; t < n_shards; t++) {
+            const Tensor* p = c.shards[t].part;
+            if (!p) continue;
+            const bool fits = gather ? p->ne[0] == c.row0[t + 1] - c.row0[t] && p->n_rows() == n->n_rows()
+                                     : p->nbytes() == n->nbytes();
+            if (!fits) throw InvalidInput(name_ + ": " + op_name(n->op) + " parts differ in shape");
+        }
         if (reduce_scratch_bytes(*n) > scratch_bytes)
-            throw InvalidInput(name_ + ": all_reduce has less scratch than its partials need");
-        // the scratch slot of each other shard's partial
+            throw InvalidInput(name_ + ": " + op_name(n->op) + " has less scratch than its parts need");
+        // the scratch slot of each other shard's part
         std::vector<void*> slot(n_shards, nullptr);
         {
             char* at = (char*)scratch;
             for (int t = 0; t < n_shards; t++)
-                if (c.shards[t].part && t != me) slot[t] = at, at += bytes;
+                if (c.shards[t].part && t != me) slot[t] = at, at += c.shards[t].part->nbytes();
         }
         std::vector<char> moved(n_shards, 0);
 #ifdef STOWLM_HAVE_NCCL
-        nccl_gather(c, me, slot, bytes, moved);
+        nccl_gather(c, me, slot, moved);
 #endif
-        std::vector<char> host;  // a partial of another kind of device passes through here
+        std::vector<char> host;  // a part of another kind of device passes through here
         for (int t = 0; t < n_shards; t++) {
             const Collective::Published& p = c.shards[t];
             if (t == me || !p.part || moved[t]) continue;
+            const size_t bytes = p.part->nbytes();
             if (p.backend->host_accessible()) {
                 dev_->copy_to_device(slot[t], p.part->data, bytes, s);
             } else if (auto* other = dynamic_cast<CudaBackend*>(p.backend)) {
@@ -484,11 +495,17 @@ private:
             }
         }
         dev_->set_current();  // the waits above made the other devices current
-        const float* ptrs[kMaxShards];
+        const float* ptrs[kMaxShards] = {};
         int np = 0;
-        for (int t = 0; t < n_shards; t++)
-            if (c.shards[t].part) ptrs[np++] = t == me ? f32(c.shards[t].part) : (const float*)slot[t];
-        cu::all_reduce_sum(ptrs, np, n->n_elements(), f32(n), s);
+        for (int t = 0; t < n_shards; t++) {
+            const float* p = !c.shards[t].part ? nullptr : t == me ? f32(c.shards[t].part) : (const float*)slot[t];
+            if (gather) ptrs[t] = p;  // by shard: row0 says where each goes
+            else if (p) ptrs[np++] = p;
+        }
+        if (gather)
+            cu::all_gather_rows(ptrs, c.row0.data(), n_shards, n->ne[0], n->n_rows(), f32(n), s);
+        else
+            cu::all_reduce_sum(ptrs, np, n->n_elements(), f32(n), s);
         c.leave();
         // every shard has made its waits on the event by now (a recorded wait outlives it)
         if (mine.ready) dev_->release(mine.ready);
@@ -498,8 +515,7 @@ private:
 #ifdef STOWLM_HAVE_NCCL
     // The CUDA shards (two or more, on distinct devices) exchange their partials through NCCL:
     // each sends its own to every other and receives theirs into its slots (marked moved).
-    void nccl_gather(const Collective& c, int me, const std::vector<void*>& slot, size_t bytes,
-                     std::vector<char>& moved) {
+    void nccl_gather(const Collective& c, int me, const std::vector<void*>& slot, std::vector<char>& moved) {
         static const bool enabled = [] {
             const char* e = std::getenv("STOWLM_NCCL");
             return !(e && std::string(e) == "0");
@@ -517,6 +533,7 @@ private:
         int my_rank = -1;
         std::vector<int> peers, recv_from;
         std::vector<void*> recv;
+        std::vector<size_t> recv_bytes;
         for (int r = 0; r < (int)devices.size(); r++) {
             const int t = shard_of_rank[r];
             if (t == me) {
@@ -524,12 +541,15 @@ private:
                 continue;
             }
             peers.push_back(r);
-            if (c.shards[t].part) recv_from.push_back(r), recv.push_back(slot[t]), moved[t] = 1;
+            if (c.shards[t].part)
+                recv_from.push_back(r), recv.push_back(slot[t]), recv_bytes.push_back(c.shards[t].part->nbytes()),
+                    moved[t] = 1;
         }
         void* comm = cu::nccl_comm(devices, my_rank);
         dev_->set_current();
         const Tensor* own = c.shards[me].part;
-        cu::nccl_exchange(comm, own ? own->data : nullptr, bytes, peers, recv_from, recv, dev_->compute_stream());
+        cu::nccl_exchange(comm, own ? own->data : nullptr, own ? own->nbytes() : 0, peers, recv_from, recv, recv_bytes,
+                          dev_->compute_stream());
     }
 #endif
 

@@ -374,6 +374,19 @@ def test_all_reduce_sum_order_matters():
     np.testing.assert_array_equal(cm.shard_order_sum(parts[[0, 2, 1]]), [1.0, 0.0])
 
 
+@pytest.mark.parametrize("widths", [[5], [3, 0, 4], [0, 7], [1] * 16, [64, 32, 96]])
+def test_all_gather_places_each_shards_rows(widths):
+    """ALL_GATHER (the CUDA kernel's arithmetic; the CPU backend copies the same layout): every
+    column of the output is the shards' rows of that column in shard order, bits untouched."""
+    rng = np.random.default_rng(sum(widths))
+    cols = 37
+    parts = [rng.standard_normal((cols, w)).astype(np.float32) for w in widths]
+    parts[-1].reshape(-1)[:2] = [-0.0, np.nan]  # carried as they are
+    flat = np.concatenate([p.reshape(-1) for p in parts])
+    got = cm.gather_rows(flat, widths, cols)
+    np.testing.assert_array_equal(got.view(np.uint32), np.concatenate(parts, axis=1).view(np.uint32))
+
+
 def test_local_expert_ids():
     """LOCAL_IDS: the ids of experts [first, first + count) renumbered from 0, every other -1 (the
     -1 of a slot routed to no expert stays -1), without overflow near the int32 limits."""

@@ -355,8 +355,8 @@ def test_moe_matmul_gives_zero_rows_for_experts_elsewhere(dev, name):
 
 
 def test_local_ids_and_all_reduce_sum_match_the_host(dev):
-    """The tensor-parallel kernels run collective_math.h's HOST_DEVICE functions: the same ids and
-    the same bits as the host (which the CPU backend runs), over more elements than one grid pass."""
+    """The tensor-parallel kernels run collective_math.h's HOST_DEVICE functions: the same ids, sums
+    and gathered rows as the host (which the CPU backend runs), over more elements than one grid pass."""
     cuda_only(dev)
     cm = _core.cuda_math
     rng = np.random.default_rng(19)
@@ -368,6 +368,11 @@ def test_local_ids_and_all_reduce_sum_match_the_host(dev):
         parts = (rng.standard_normal((n_parts, 1 << 21)) * scale).astype(np.float32)
         got = _core.cuda_ops.all_reduce_sum(parts)
         np.testing.assert_array_equal(got.view(np.uint32), cm.shard_order_sum(parts).view(np.uint32))
+    for widths in ([576], [384, 0, 192], [16] * 16):
+        cols = 3000
+        flat = rng.standard_normal(sum(widths) * cols).astype(np.float32)
+        np.testing.assert_array_equal(_core.cuda_ops.all_gather_rows(flat, widths, cols),
+                                      cm.gather_rows(flat, widths, cols))
 
 
 # ---- the ops of gpt-oss, deepseek2 and glm4moe; several sequences ----------------------------

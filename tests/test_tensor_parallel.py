@@ -1,9 +1,13 @@
-"""Tensor parallelism: every layer cut over several devices, the partial sums all-reduced.
+"""Tensor parallelism: every layer cut over several devices. split_mode="tensor" gathers rows
+before and after each output projection, so every product is computed as on one device;
+"tensor-sum" sums the devices' partial products (an all-reduce).
 
-Oracles: one device running the same file (F32 synthetic models: the same logits up to float
-re-association; real quantized models: the same top-1 and a KL at the level of the activation
-quantization's rounding flips), the float64 reference, the shards' geometry against the model's
-shapes, and the planner's projection against what the devices allocate."""
+Oracles: one device running the same file ("tensor": the same logits bit for bit, prompts and
+decoding, every model, 2 to 4 devices, even and uneven; "tensor-sum": F32 synthetic models the
+same logits up to float re-association, real quantized models the same top-1 and a KL at the
+level of the activation quantization's rounding flips), the float64 reference, the shards'
+geometry against the model's shapes, and the planner's projection against what the devices
+allocate."""
 import numpy as np
 import pytest
 
@@ -27,8 +31,11 @@ def _kl(ref, got):
     return (np.exp(p) * (p - _logsoftmax(got.astype(np.float64)))).sum(-1)
 
 
-def _tp(path, shares, **kw):
-    return stowlm.Model(path, devices=_devs(len(shares)), split_mode="tensor", tensor_split=shares, **kw)
+def _tp(path, shares, mode="tensor", **kw):
+    return stowlm.Model(path, devices=_devs(len(shares)), split_mode=mode, tensor_split=shares, **kw)
+
+
+SHARES = ([1, 1], [3, 1], [2, 1, 1], [1, 1, 1, 1])
 
 
 @pytest.mark.parametrize("arch,tied", CASES + [("llama-moe", False), ("qwen3moe", False), ("qwen2moe", False)])
@@ -42,27 +49,55 @@ def test_f32_models_split_like_one_device(tmp_path, arch, tied):
         want = lambda ids: reference(path, ids)  # noqa: E731
     ids = [1, 5, 9, 150, 7, 3, 11, 42, 8, 100, 6, 2]
     one = stowlm.Context(stowlm.Model(path), n_ctx=64).eval(ids, logits="all")
-    for shares in ([1, 1], [3, 1], [2, 1, 1], [1, 1, 1, 1]):
-        model = _tp(path, shares)
-        got = stowlm.Context(model, n_ctx=64, n_ubatch=5).eval(ids, logits="all")
+    ref = want(ids)
+    for shares in SHARES:
+        exact = stowlm.Context(_tp(path, shares), n_ctx=64, n_ubatch=5).eval(ids, logits="all")
+        np.testing.assert_array_equal(exact, one, err_msg=f"{arch} {shares}")
+        got = stowlm.Context(_tp(path, shares, "tensor-sum"), n_ctx=64, n_ubatch=5).eval(ids, logits="all")
         # only the order of the sums differs (up to a rounding of the F16 KV cache)
         err = np.abs(got - one).max() / np.abs(one).max()
         assert err < 1e-3, (arch, shares, err)
-        ref = want(ids)
         assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-3
         assert (got.argmax(-1) == one.argmax(-1)).all()
 
 
+def _prompts(name):
+    return [r["ids"] for r in load_fixture(name) if r["kind"] == "logits"]
+
+
 @pytest.mark.parametrize("name", DENSE_MODELS + MOE_MODELS)
-def test_real_models_on_the_fixture_prompts(name):
-    """2, 3 and 4 devices, even and uneven: top-1 as on one device, KL at the noise level of a
-    re-associated sum under 8-bit activations, and the same split twice gives the same bits."""
+def test_real_models_split_give_one_devices_bits(name):
+    """Every model, 2, 3 and 4 devices, even and uneven: the fixture prompts' logits and those
+    of greedy decoding after them are one device's bit for bit (one device with 2 threads; the
+    split's devices have 1 each)."""
     path = str(get_model(name))
-    prompts = [r["ids"] for r in load_fixture(name) if r["kind"] == "logits"]
+    one = stowlm.Model(path)
+
+    def run(model, p):
+        ctx = stowlm.Context(model, n_ctx=256)
+        rows = [ctx.eval(p, logits="all")]
+        for _ in range(4):
+            rows.append(ctx.eval([int(rows[-1][-1].argmax())])[None])
+        return np.concatenate(rows)
+
+    refs = [run(one, p) for p in _prompts(name)]
+    for shares in SHARES:
+        model = _tp(path, shares)
+        for p, ref in zip(_prompts(name), refs):
+            np.testing.assert_array_equal(run(model, p), ref, err_msg=f"{name} {shares}")
+
+
+@pytest.mark.parametrize("name", DENSE_MODELS + MOE_MODELS)
+def test_real_models_summing_partial_products(name):
+    """split_mode="tensor-sum": top-1 as on one device (near ties aside), KL at the noise level of a
+    re-associated sum under 8-bit activations (the level of one device's AVX2 against its
+    AVX-512 kernels), and the same split twice gives the same bits."""
+    path = str(get_model(name))
+    prompts = _prompts(name)
     one = stowlm.Model(path)
     refs = [stowlm.Context(one, n_ctx=256).eval(p, logits="all") for p in prompts]
-    for shares in ([1, 1], [3, 1], [2, 1, 1], [1, 1, 1, 1]):
-        model = _tp(path, shares)
+    for shares in SHARES:
+        model = _tp(path, shares, "tensor-sum")
         ctx = stowlm.Context(model, n_ctx=256)
         kl, agree, near = [], [], []
         for p, ref in zip(prompts, refs):
@@ -82,8 +117,8 @@ def test_real_models_on_the_fixture_prompts(name):
 
 def test_decoding_after_a_prompt_matches_the_prompt_pass():
     path = str(get_model("smollm2-135m"))
-    ids = [r["ids"] for r in load_fixture("smollm2-135m") if r["kind"] == "logits"][0]
-    ctx = stowlm.Context(_tp(path, [1, 1]), n_ctx=256)
+    ids = _prompts("smollm2-135m")[0]
+    ctx = stowlm.Context(_tp(path, [1, 1], "tensor-sum"), n_ctx=256)
     whole = ctx.eval(ids, logits="all")
     ctx.clear()
     ctx.eval(ids[:5])
@@ -122,29 +157,33 @@ def test_the_shards_cover_every_layer_once():
         assert [s["device"] for s in shards] == [d for d, s in enumerate(shares) if s > 0]
         assert sum(s["vocab"] for s in shards) == whole["vocab"]
         for il, layer in enumerate(whole["layers"]):
-            for key in ("q_heads", "kv_heads", "ffn_rows", "expert_rows", "shexp_rows"):
+            for key in ("q_heads", "kv_heads", "ffn_rows", "expert_rows", "shexp_rows", "embd_rows"):
                 assert sum(s["layers"][il][key] for s in shards) == layer[key], (shares, il, key)
     # uneven: 3 KV heads of smollm2 over 2 devices go 2 + 1 (whole heads with their queries)
     s = _tp(str(get_model("smollm2-135m")), [1, 1]).shards
     assert [x["layers"][0]["kv_heads"] for x in s] == [2, 1] and [x["layers"][0]["q_heads"] for x in s] == [6, 3]
-    # the FFN rows follow the shares, in whole blocks of the down projection (32 for Q4_1): the
-    # devices meet after the FFN as after the attention, so each part is balanced on its own
-    rows = [x["layers"][0]["ffn_rows"] for x in s]
-    assert rows == [768, 768]
-    rows = [x["layers"][0]["ffn_rows"] for x in _tp(str(get_model("smollm2-135m")), [3, 1]).shards]
-    assert rows == [1152, 384]
+    # the FFN rows and the output projections' rows of n_embd follow the shares (in groups of 16
+    # rows; summing partial products, in whole blocks of the down projection, 32 for Q4_1): the
+    # devices meet around each projection, so each part is balanced on its own
+    for mode in ("tensor", "tensor-sum"):
+        for shares, want in (([1, 1], [768, 768]), ([3, 1], [1152, 384])):
+            s = _tp(str(get_model("smollm2-135m")), shares, mode).shards
+            assert [x["layers"][0]["ffn_rows"] for x in s] == want
+            assert [x["layers"][0]["embd_rows"] for x in s] == ([432, 144] if shares == [3, 1] else [288, 288]) \
+                if mode == "tensor" else [0, 0]
 
 
-def test_projection_equals_allocation_and_budgets_hold():
+@pytest.mark.parametrize("mode", ["tensor", "tensor-sum"])
+def test_projection_equals_allocation_and_budgets_hold(mode):
     path = str(get_model("smollm2-moe"))
-    model = _tp(path, [2, 1])
+    model = _tp(path, [2, 1], mode)
     planned = model.plan(n_ctx=512, n_ubatch=64)
     ctx = stowlm.Context(model, n_ctx=512, n_ubatch=64)
     report = ctx.memory_report()
     for p, r in zip(planned, report):
         assert p["total"] == r["total"] == r["allocated"], (p, r)
     assert planned[0]["weights"] > planned[1]["weights"] > 0
-    assert planned == stowlm.engine.plan(path, devices=_devs(2), n_ctx=512, n_ubatch=64, split_mode="tensor",
+    assert planned == stowlm.engine.plan(path, devices=_devs(2), n_ctx=512, n_ubatch=64, split_mode=mode,
                                          tensor_split=[2, 1])
     # a device too small for its share is named
     with pytest.raises(MemoryError, match="cpu:1"):
@@ -163,7 +202,7 @@ def test_bad_tensor_splits_are_refused():
         stowlm.Model(path, devices=_devs(2), split_mode="tensor", layer_split=[15, 15])
     with pytest.raises(ValueError, match="split_mode"):
         stowlm.Model(path, devices=_devs(2), split_mode="rows")
-    with pytest.raises(ValueError, match="needs split_mode='tensor'"):
+    with pytest.raises(ValueError, match="needs split_mode='tensor' or 'tensor-sum'"):
         stowlm.Model(path, devices=_devs(2), tensor_split=[1, 1])
 
 
@@ -202,15 +241,19 @@ def test_llm_and_cli_take_a_tensor_split():
     with stowlm.LLM(path, devices=_devs(2), split_mode="tensor", progress=False, n_ctx=512) as llm:
         assert llm.model.split_mode == "tensor"
         got = llm.generate(prompt, max_tokens=8, temperature=0).tokens
+    with stowlm.LLM(path, devices=_devs(2), split_mode="tensor-sum", progress=False, n_ctx=512) as llm:
+        summed = llm.generate(prompt, max_tokens=8, temperature=0).tokens
     with stowlm.LLM(path, progress=False, n_ctx=512) as one:
         want = one.generate(prompt, max_tokens=8, temperature=0).tokens
         ids = one.tokenize(prompt)
-    # the same greedy tokens up to the first near tie of one device's (the split's sums round
-    # otherwise, so a tie may go either way; smollm2 has one at the 6th token, 0.13 apart)
+    assert got == want
+    # summed partial products: the same greedy tokens up to the first near tie of one device's
+    # (the sums round otherwise, so a tie may go either way; smollm2 has one at the 6th token,
+    # 0.13 apart)
     logits = stowlm.Context(stowlm.Model(path), n_ctx=512).eval(ids + want, logits="all")[len(ids) - 1:]
     top2 = np.sort(logits, -1)[:, -2:]
     tie = next((i for i in range(len(want)) if top2[i, 1] - top2[i, 0] < 0.25), len(want))
-    assert tie >= 3 and got[:tie] == want[:tie], (got, want, tie)
+    assert tie >= 3 and summed[:tie] == want[:tie], (summed, want, tie)
     out = subprocess.run([sys.executable, "-m", "stowlm", "run", path, "-p", "The capital of France is", "-n", "8",
                           "--temp", "0", "-q", "--devices", "cpu:0[threads=1],cpu:1[threads=1]", "-sm", "tensor",
                           "-ts", "3,1"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
@@ -219,3 +262,6 @@ def test_llm_and_cli_take_a_tensor_split():
     bad = subprocess.run([sys.executable, "-m", "stowlm", "run", path, "-p", "x", "-ts", "1,1"],
                          capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert bad.returncode != 0 and "-sm tensor" in bad.stderr
+    out = subprocess.run([sys.executable, "-m", "stowlm", "fit", path, "--devices", "cpu:0,cpu:1", "-sm", "tensor-sum",
+                          "-ts", "1,1", "-c", "512"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert out.returncode == 0 and "tensor-sum split 50%:50%" in out.stdout, out.stdout + out.stderr

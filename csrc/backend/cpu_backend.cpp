@@ -194,6 +194,38 @@ private:
         }
         c.leave();
     }
+    // The shards' rows stacked in shard order, after all are written (meet); every column (token)
+    // of the output takes each shard's rows of that column in turn. Nothing is summed, so every
+    // shard holds exactly the bits of each part. A part another device holds is read out by its
+    // backend whole (copy_to_host) into a staging buffer.
+    void all_gather(Tensor* n, ThreadPool& pool) {
+        Collective& c = *n->collective;
+        const int me = n->iparams[0];
+        c.shards[me].backend = this;
+        c.shards[me].part = n->src[0];
+        c.shards[me].ready = nullptr;
+        c.meet();
+        const int64_t d = n->ne[0], cols = n->n_rows();
+        float* out = (float*)n->data;
+        for (size_t s = 0; s < c.shards.size(); s++) {
+            const Collective::Published& p = c.shards[s];
+            const int64_t r0 = c.row0[s], w = c.row0[s + 1] - r0;
+            if (!p.part || !w) continue;
+            if (p.part->ne[0] != w || p.part->n_rows() != cols) throw InvalidInput("all_gather: a part changed shape");
+            const float* src = (const float*)p.part->data;
+            if (!p.backend->host_accessible()) {
+                gather_staging_.resize((size_t)(w * cols));
+                p.backend->copy_to_host(*p.part, gather_staging_.data(), (size_t)(w * cols) * sizeof(float));
+                src = gather_staging_.data();
+            }
+            pool.parallel_for(cols, [&](int64_t b, int64_t e, int) {
+                for (int64_t t = b; t < e; t++) std::memcpy(out + t * d + r0, src + t * w, (size_t)w * sizeof(float));
+            });
+        }
+        c.leave();
+    }
+    std::vector<float> gather_staging_;  // host bytes outside the budget: a remote shard's part
+
     static constexpr int64_t kReduceChunk = 1 << 18;  // floats: 1 MiB of staging per remote partial
     std::vector<float> reduce_staging_;  // host bytes outside the budget, at most 1 MiB per remote partial
 
@@ -320,6 +352,9 @@ private:
             }
             case Op::ALL_REDUCE:
                 all_reduce(n, pool);
+                return;
+            case Op::ALL_GATHER:
+                all_gather(n, pool);
                 return;
         }
     }

@@ -301,6 +301,31 @@ Out<float, 1> shard_order_sum(F2 parts) {
     return make_out<float, 1>(std::move(out), {n});
 }
 
+// The all-gather (collective_math.h gather_source): parts laid end to end in `flat`, part s of
+// widths[s] rows by cols columns; the output [cols, sum of widths].
+Out<float, 2> gather_rows(F1 flat, const std::vector<int64_t>& widths, int64_t cols) {
+    if (widths.empty() || widths.size() > (size_t)stowlm::kMaxShards || cols < 0)
+        throw stowlm::InvalidInput("gather_rows: 1 to 16 parts and cols >= 0");
+    std::vector<int64_t> row0 = {0};
+    std::vector<const float*> ptrs;
+    int64_t at = 0;
+    for (int64_t w : widths) {
+        if (w < 0) throw stowlm::InvalidInput("gather_rows: a negative width");
+        ptrs.push_back(flat.data() + at);
+        at += w * cols;
+        row0.push_back(row0.back() + w);
+    }
+    if (at != (int64_t)flat.shape(0)) throw stowlm::InvalidInput("gather_rows: flat is not the parts' size");
+    const int64_t d = row0.back();
+    std::vector<float> out((size_t)(d * cols));
+    for (int64_t i = 0; i < d * cols; i++) {
+        int64_t off;
+        const int s = stowlm::gather_source(row0.data(), (int)widths.size(), d, i, &off);
+        out[i] = ptrs[s][off];
+    }
+    return make_out<float, 2>(std::move(out), {(size_t)cols, (size_t)d});
+}
+
 Out<int32_t, 1> local_expert_ids(nb::ndarray<const int32_t, nb::ndim<1>, nb::c_contig, nb::device::cpu> ids,
                                  int32_t first, int32_t count) {
     std::vector<int32_t> out(ids.shape(0));
@@ -342,5 +367,6 @@ STOWLM_BIND(cuda_math) {
     cm.def("top_k_moe_weights", &top_k_moe_weights, nb::arg("logits"), nb::arg("k"), nb::arg("sigmoid_gate") = false,
            nb::arg("normalize") = false, nb::arg("scale") = 0.0f);
     cm.def("shard_order_sum", &shard_order_sum, nb::arg("parts"));
+    cm.def("gather_rows", &gather_rows, nb::arg("flat"), nb::arg("widths"), nb::arg("cols"));
     cm.def("local_expert_ids", &local_expert_ids, nb::arg("ids"), nb::arg("first"), nb::arg("count"));
 }

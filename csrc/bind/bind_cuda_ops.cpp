@@ -513,6 +513,28 @@ STOWLM_BIND(cuda_ops) {
         cu::all_reduce_sum(ptrs.data(), (int)n_parts, n, ob.as<float>(), d.compute_stream());
         return download<float>(d, ob, {n});
     }, nb::arg("parts"), nb::arg("device") = 0);
+    // The all-gather's placing of rows: parts laid end to end in `flat` (part s: widths[s] rows by
+    // cols columns), each in an allocation of its own; the output [cols, sum of widths].
+    co.def("all_gather_rows", [](In<float> flat, const std::vector<int64_t>& widths, int64_t cols, int di) {
+        cu::CudaDevice& d = device(di);
+        std::vector<Buf> bufs;
+        std::vector<const float*> ptrs;
+        std::vector<int64_t> row0 = {0};
+        size_t at = 0;
+        for (int64_t w : widths) {
+            const size_t n = (size_t)(w * cols);
+            if (at + n > flat.size()) throw InvalidInput("all_gather_rows: flat is smaller than the parts");
+            if (n) bufs.emplace_back(d, flat.data() + at, n * 4);
+            else bufs.emplace_back(d, (size_t)4);  // a part of no rows: never read
+            ptrs.push_back(bufs.back().as<float>());
+            at += n;
+            row0.push_back(row0.back() + w);
+        }
+        Buf ob(d, std::max<size_t>((size_t)(row0.back() * cols), 1) * 4);
+        cu::all_gather_rows(ptrs.data(), row0.data(), (int)widths.size(), row0.back(), cols, ob.as<float>(),
+                            d.compute_stream());
+        return download<float>(d, ob, {(size_t)cols, (size_t)row0.back()});
+    }, nb::arg("flat"), nb::arg("widths"), nb::arg("cols"), nb::arg("device") = 0);
     co.def("open_device", [](int di) { return device(di).name(); }, nb::arg("device") = 0);
 }
 #endif  // STOWLM_HAVE_CUDA

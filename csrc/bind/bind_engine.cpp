@@ -110,7 +110,8 @@ nb::list shards_py(const Model& m) {
         nb::list layers;
         for (int il = 0; il < m.hp().n_layer; il++) {
             const ShardGeometry& g = m.shard_geometry(sh, il);
-            layers.append(nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff, g.experts * g.expert_ff));
+            layers.append(
+                nb::make_tuple(g.q_heads, g.kv_heads, g.ff, g.experts, g.shexp_ff, g.experts * g.expert_ff, g.embd));
         }
         const Tensor* head = m.shard_output(sh);
         nb::dict d;
@@ -129,17 +130,17 @@ STOWLM_BIND(engine) {
         .def("__init__",
              [](BoundModel* self, const std::string& path, const std::vector<SpecTuple>& devices,
                 const std::vector<int>& layer_split, const std::vector<OverrideTuple>& overrides,
-                const std::vector<double>& tensor_split, int interleave) {
+                const std::vector<double>& tensor_split, int interleave, bool tensor_sum) {
                  std::unique_ptr<Model> model;
                  {
                      nb::gil_scoped_release nogil;
                      model = Model::load(path, to_specs(devices), layer_split, true, to_overrides(overrides),
-                                         tensor_split, interleave);
+                                         tensor_split, interleave, tensor_sum);
                  }
                  new (self) BoundModel{std::move(model)};
              },
              nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"),
-             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0)
+             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0, nb::arg("tensor_sum") = false)
         .def_prop_ro("interleave", [](const BoundModel& s) { return s.m->interleave(); })
         .def_prop_ro("shards", [](const BoundModel& s) { return shards_py(*s.m); })
         .def_prop_ro("arch", [](const BoundModel& s) { return s.m->hp().arch; })
@@ -285,24 +286,25 @@ STOWLM_BIND(engine) {
              },
              nb::arg("n_ctx"), nb::arg("kv_type"))
         .def("shards",
-             [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<double>& tensor_split) {
-                 auto model = Model::load(s.file, to_specs(devices), {}, false, {}, tensor_split);
+             [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<double>& tensor_split,
+                bool tensor_sum) {
+                 auto model = Model::load(s.file, to_specs(devices), {}, false, {}, tensor_split, 0, tensor_sum);
                  return shards_py(*model);
              },
-             nb::arg("devices"), nb::arg("tensor_split"))
+             nb::arg("devices"), nb::arg("tensor_split"), nb::arg("tensor_sum") = false)
         .def("project",
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
                 const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq,
-                const std::vector<double>& tensor_split, int interleave) {
+                const std::vector<double>& tensor_split, int interleave, bool tensor_sum) {
                  auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides),
-                                          tensor_split, interleave);
+                                          tensor_split, interleave, tensor_sum);
                  return projection_py(
                      project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
              nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1,
-             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0);
+             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0, nb::arg("tensor_sum") = false);
 
     // MPI ranks other than 0 (stowlm.mpi): repeat rank 0's contexts over this model until rank 0
     // ends the job; returns the status it ends with. model None: this rank could not load its
@@ -320,14 +322,14 @@ STOWLM_BIND(engine) {
         [](const std::string& path, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
            const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
            const std::string& kv_type, int64_t n_outputs, int n_copies, const std::vector<double>& tensor_split,
-           int interleave) {
+           int interleave, bool tensor_sum) {
             auto model = Model::load(path, to_specs(devices), layer_split, false, to_overrides(overrides), tensor_split,
-                                     interleave);
+                                     interleave, tensor_sum);
             return projection_py(project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies)));
         },
         nb::arg("path"), nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
         nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("tensor_split") = std::vector<double>(),
-        nb::arg("interleave") = 0);
+        nb::arg("interleave") = 0, nb::arg("tensor_sum") = false);
 
     // Which device each layer goes to, and the interleave that is (Model::load's rule).
     e.def(

@@ -35,6 +35,7 @@ const char* op_name(Op op) {
         case Op::MOE_SUM: return "moe_sum";
         case Op::LOCAL_IDS: return "local_ids";
         case Op::ALL_REDUCE: return "all_reduce";
+        case Op::ALL_GATHER: return "all_gather";
     }
     return "?";
 }
@@ -352,6 +353,36 @@ std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, con
     for (size_t s = 0; s < parts.size(); s++) {
         Tensor* t = g.new_tensor("all_reduce", QType::F32, ne0, ne1);
         t->op = Op::ALL_REDUCE;
+        t->src[0] = parts[s];
+        t->device = devices[s];
+        t->iparams[0] = (int32_t)s;
+        t->collective = c;
+        g.add_node(t);
+        c->outs.push_back(t);
+    }
+    return c->outs;
+}
+
+std::vector<Tensor*> all_gather(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices) {
+    if (parts.size() != devices.size() || parts.empty())
+        throw InvalidInput("graph: all_gather needs one part (or null) per device");
+    const Tensor* shape = nullptr;
+    for (Tensor* p : parts)
+        if (p && !shape) shape = p;
+    if (!shape) throw InvalidInput("graph: all_gather of no parts");
+    Collective* c = g.new_collective();
+    c->parts = parts;
+    c->shards.resize(parts.size());
+    c->row0 = {0};
+    for (Tensor* p : parts) {
+        if (p) check(p->type == QType::F32 && p->is_contiguous() && p->ne[1] == shape->ne[1] &&
+                         p->ne[2] == shape->ne[2] && p->ne[3] == shape->ne[3],
+                     "all_gather", p, "parts must be contiguous F32 alike but for their rows");
+        c->row0.push_back(c->row0.back() + (p ? p->ne[0] : 0));
+    }
+    for (size_t s = 0; s < parts.size(); s++) {
+        Tensor* t = g.new_tensor("all_gather", QType::F32, c->row0.back(), shape->ne[1], shape->ne[2], shape->ne[3]);
+        t->op = Op::ALL_GATHER;
         t->src[0] = parts[s];
         t->device = devices[s];
         t->iparams[0] = (int32_t)s;

@@ -29,6 +29,7 @@ class Backend;
 struct Collective {
     std::vector<Tensor*> parts;  // per shard, null where a shard adds nothing
     std::vector<Tensor*> outs;   // per shard
+    std::vector<int64_t> row0;   // ALL_GATHER: shard s's rows are [row0[s], row0[s + 1]) of each column
     // What each shard publishes before meet() (its own entry only; the others read it after):
     // where its partial is. The partial the ALL_REDUCE node reads (its src[0]: parts[s], or the
     // scheduler's copy of it onto the shard's device) is in the memory of `backend`, which
@@ -119,6 +120,11 @@ Tensor* local_ids(Graph& g, Tensor* ids, int64_t first, int64_t n);
 // ALL_REDUCE node per shard, shape [ne0, ne1].
 std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices,
                                 int64_t ne0, int64_t ne1);
+// The rows of parts[s] ([d_s, ...] alike but for d_s; null: none) stacked in shard order, on each
+// of devices[s]: one ALL_GATHER node per shard, shape [sum of d_s, ...]. Nothing is summed: every
+// shard gets exactly the bits each part had.
+std::vector<Tensor*> all_gather(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices);
+inline bool is_collective(Op op) { return op == Op::ALL_REDUCE || op == Op::ALL_GATHER; }
 Tensor* swiglu_oai(Graph& g, Tensor* gate, Tensor* up, float alpha, float limit);
 // x [d, k, n] + the bias column of each slot's expert: bias [d, n_expert], ids [k, n].
 Tensor* add_id(Graph& g, Tensor* x, Tensor* bias, Tensor* ids);

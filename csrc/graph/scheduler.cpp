@@ -21,9 +21,10 @@ int fallback_device(const std::vector<Backend*>& backends) {
 using NodeIndex = std::map<const Tensor*, int>;
 
 int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
-    if (n->op == Op::ALL_REDUCE) {  // one node per shard, on that shard's device
+    if (is_collective(n->op)) {  // one node per shard, on that shard's device
         if (!backends.at(n->device)->supports(*n))
-            throw Unsupported("tensor parallelism: " + backends[n->device]->name() + " has no all-reduce yet");
+            throw Unsupported("tensor parallelism: " + backends[n->device]->name() + " has no " + op_name(n->op) +
+                              " yet");
         return n->device;
     }
     int dev = -1;
@@ -72,7 +73,7 @@ void schedule(Graph& g, const std::vector<Backend*>& backends) {
             const Tensor* s = n->src[i] ? n->src[i]->storage_root() : nullptr;
             waits = s && s->role == TensorRole::COMPUTE && s->device != dev && !copies.count({n->src[i], dev});
         }
-        if (g.splits.empty() || g.splits.back().device != dev || n->op == Op::ALL_REDUCE ||
+        if (g.splits.empty() || g.splits.back().device != dev || is_collective(n->op) ||
             (waits && !g.splits.back().nodes.empty())) {
             g.splits.emplace_back();
             g.splits.back().device = dev;

@@ -57,6 +57,8 @@ enum class Op : uint8_t {
     // Tensor parallelism:
     ALL_REDUCE,  // one node per shard (its device pinned), src0 this shard's partial F32 [d, n] or
                  // null: every shard gets the sum of all partials in shard order (collective, graph.h)
+    ALL_GATHER,  // one node per shard (its device pinned), src0 this shard's rows F32 [d_s, n] or null:
+                 // every shard gets [sum of d_s, n], the shards' rows in shard order (collective, graph.h)
 };
 
 const char* op_name(Op op);
@@ -90,7 +92,7 @@ struct Tensor {
     int device = kHostDevice;
     Tensor* view_src = nullptr;
     size_t view_offset = 0;
-    Collective* collective = nullptr;  // ALL_REDUCE: the shards it meets (graph-owned)
+    Collective* collective = nullptr;  // ALL_REDUCE/ALL_GATHER: the shards it meets (graph-owned)
 
     int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
     int64_t n_rows() const { return ne[1] * ne[2] * ne[3]; }

@@ -163,70 +163,86 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* a = named(flash_attn(g, q, k_cells, v_cells, attn_mask(c), k_stored, v_stored, kq_scale,
                                  hp.attn_softcap, swa ? hp.sliding_window : 0, w.attn_sinks),
                       il, "attn");
-    return named(mul_mat(g, w.wo, a), il, "attn_out");  // its bias goes on after the shards' sum
+    return a;  // the decoder applies the output projection (build_decoder)
 }
 
-Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
+SubBlock build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
     const LayerWeights& w = c.w(il);
-    Tensor* gate = named(mul_mat(c.g, w.ffn_gate, x), il, "ffn_gate");
-    Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
-    Tensor* h = named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act");
-    return named(mul_mat(c.g, w.ffn_down, h), il, "ffn_out");
-}
-
-Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x) {
-    const HParams& hp = c.model.hp();
-    const LayerWeights& w = c.w(il);
-    const ShardGeometry& geom = c.geom(il);
-    Graph& g = c.g;
-    const int64_t n = c.n_tok, k = hp.n_expert_used;
-    Tensor* out = geom.experts > 0 ? build_routed_experts(c, il, x) : nullptr;
-    if (!w.ffn_up_shexp) return out;
-    Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");
-    Tensor* su = named(mul_mat(g, w.ffn_up_shexp, x), il, "ffn_shexp_up");
-    Tensor* shared = named(mul_mat(g, w.ffn_down_shexp, named(swiglu(g, sg, su), il, "ffn_shexp_act")), il,
-                           "ffn_shexp");
-    if (w.ffn_gate_inp_shexp) {
-        // The sigmoid gate as a one-expert routing: top-1 of one logit is index 0, its sigmoid
-        // weight scales the shared expert's output (moe_sum over k = 1).
-        Tensor* gl = named(mul_mat(g, w.ffn_gate_inp_shexp, x), il, "ffn_shexp_gate_logit");
-        Tensor* zero = named(top_k(g, gl, 1), il, "ffn_shexp_id");
-        Tensor* gw = named(moe_weights(g, gl, zero, /*sigmoid*/ 1, false, 0.0f), il, "ffn_shexp_gate_w");
-        shared = named(moe_sum(g, reshape(g, shared, hp.n_embd, 1, n), gw), il, "ffn_shexp_out");
+    SubBlock sb;
+    if (c.geom(il).ff > 0) {
+        Tensor* gate = named(mul_mat(c.g, w.ffn_gate, x), il, "ffn_gate");
+        Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
+        sb.mid = {named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act")};
+    } else {
+        sb.mid = {nullptr};
     }
-    (void)k;
-    return out ? named(add(g, out, shared), il, "ffn_moe_shexp_out") : shared;
+    sb.out = [&c, il, down = w.ffn_down](const std::vector<Tensor*>& v) -> Tensor* {
+        return v[0] && down ? named(mul_mat(c.g, down, v[0]), il, "ffn_out") : nullptr;
+    };
+    return sb;
 }
 
-// The routed experts this shard holds (all of them without tensor parallelism): the router and
-// the selection run whole on every shard (same bits everywhere); a shard computes only its
-// experts' products, the others' slots give zero rows, so its weighted sum is its share.
-Tensor* build_routed_experts(BuildContext& c, int il, Tensor* x) {
+// Mixture-of-experts FFN: the router and the selection run whole on every shard (same bits
+// everywhere); a shard computes its part of the picked experts (whole experts: the others'
+// slots give zero rows) and of the shared expert. The weighted sum over the picked experts and
+// the shared expert's gate come after the meeting, so one meeting serves them all.
+SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
     const LayerWeights& w = c.w(il);
     const ShardGeometry& geom = c.geom(il);
+    const bool has_shexp = c.model.layers()[il].ffn_up_shexp != nullptr;
     Graph& g = c.g;
     const int64_t n = c.n_tok, k = hp.n_expert_used;
-    Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
-    if (w.ffn_gate_inp_b) logits = named(add(g, logits, w.ffn_gate_inp_b), il, "ffn_moe_logits_biased");
-    Tensor* ids = named(top_k(g, logits, k, hp.expert_gating, w.ffn_exp_probs_b, hp.n_expert_groups, hp.n_group_used),
-                        il, "ffn_moe_topk");
-    Tensor* weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm,
-                                        hp.expert_weights_scale),
-                            il, "ffn_moe_weights");
-    Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
-    Tensor* mine = geom.experts == hp.n_expert ? ids : named(local_ids(g, ids, geom.expert0, geom.experts), il,
-                                                               "ffn_moe_local_ids");
-    auto experts = [&](Tensor* stack, Tensor* bias, Tensor* in, const char* what) {
-        Tensor* y = named(mul_mat_id(g, stack, in, mine), il, what);
-        return bias ? named(add_id(g, y, bias, mine), il, (std::string(what) + "_biased").c_str()) : y;
+    Tensor *weights = nullptr, *mine = nullptr, *act = nullptr;
+    if (geom.experts > 0) {
+        Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
+        if (w.ffn_gate_inp_b) logits = named(add(g, logits, w.ffn_gate_inp_b), il, "ffn_moe_logits_biased");
+        Tensor* ids = named(top_k(g, logits, k, hp.expert_gating, w.ffn_exp_probs_b, hp.n_expert_groups,
+                                  hp.n_group_used),
+                            il, "ffn_moe_topk");
+        weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm, hp.expert_weights_scale),
+                        il, "ffn_moe_weights");
+        mine = geom.experts == hp.n_expert ? ids : named(local_ids(g, ids, geom.expert0, geom.experts), il,
+                                                         "ffn_moe_local_ids");
+    }
+    auto experts = [&c, il, mine](Tensor* stack, Tensor* bias, Tensor* in, const char* what) {
+        Tensor* y = named(mul_mat_id(c.g, stack, in, mine), il, what);
+        return bias ? named(add_id(c.g, y, bias, mine), il, (std::string(what) + "_biased").c_str()) : y;
     };
-    Tensor* gate = experts(w.ffn_gate_exps, w.ffn_gate_exps_b, x3, "ffn_moe_gate");
-    Tensor* up = experts(w.ffn_up_exps, w.ffn_up_exps_b, x3, "ffn_moe_up");
-    Tensor* h = named(hp.expert_act_oai ? swiglu_oai(g, gate, up, 1.702f, 7.0f) : swiglu(g, gate, up), il,
-                      "ffn_moe_act");
-    Tensor* down = experts(w.ffn_down_exps, w.ffn_down_exps_b, h, "ffn_moe_down");
-    return named(moe_sum(g, down, weights), il, "ffn_moe_out");
+    if (geom.experts > 0 && geom.expert_ff > 0) {
+        Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
+        Tensor* gate = experts(w.ffn_gate_exps, w.ffn_gate_exps_b, x3, "ffn_moe_gate");
+        Tensor* up = experts(w.ffn_up_exps, w.ffn_up_exps_b, x3, "ffn_moe_up");
+        act = named(hp.expert_act_oai ? swiglu_oai(g, gate, up, 1.702f, 7.0f) : swiglu(g, gate, up), il, "ffn_moe_act");
+    }
+    Tensor* sh_act = nullptr;
+    if (geom.shexp_ff > 0) {
+        Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");
+        Tensor* su = named(mul_mat(g, w.ffn_up_shexp, x), il, "ffn_shexp_up");
+        sh_act = named(swiglu(g, sg, su), il, "ffn_shexp_act");
+    }
+    SubBlock sb;
+    sb.mid = {act};
+    if (has_shexp) sb.mid.push_back(sh_act);
+    sb.out = [&c, il, x, w, weights, experts](const std::vector<Tensor*>& v) -> Tensor* {
+        Graph& g = c.g;
+        Tensor* out = nullptr;
+        if (v[0] && w.ffn_down_exps)
+            out = named(moe_sum(g, experts(w.ffn_down_exps, w.ffn_down_exps_b, v[0], "ffn_moe_down"), weights), il,
+                        "ffn_moe_out");
+        if (v.size() < 2 || !v[1] || !w.ffn_down_shexp) return out;
+        Tensor* shared = named(mul_mat(g, w.ffn_down_shexp, v[1]), il, "ffn_shexp");
+        if (w.ffn_gate_inp_shexp) {
+            // The sigmoid gate as a one-expert routing: top-1 of one logit is index 0, its sigmoid
+            // weight scales the shared expert's output (moe_sum over k = 1).
+            Tensor* gl = named(mul_mat(g, w.ffn_gate_inp_shexp, x), il, "ffn_shexp_gate_logit");
+            Tensor* zero = named(top_k(g, gl, 1), il, "ffn_shexp_id");
+            Tensor* gw = named(moe_weights(g, gl, zero, /*sigmoid*/ 1, false, 0.0f), il, "ffn_shexp_gate_w");
+            shared = named(moe_sum(g, reshape(g, shared, shared->ne[0], 1, c.n_tok), gw), il, "ffn_shexp_out");
+        }
+        return out ? named(add(g, out, shared), il, "ffn_moe_shexp_out") : shared;
+    };
+    return sb;
 }
 
 Tensor* build_output(BuildContext& c, const std::vector<Tensor*>& xs) {
@@ -245,36 +261,57 @@ Tensor* build_output(BuildContext& c, const std::vector<Tensor*>& xs) {
     return logits;
 }
 
-// Tensor parallelism's meeting point: the shards' partial outputs summed (in shard order, the
-// same bits on every shard); with one shard, its output.
-static std::vector<Tensor*> reduce_shards(BuildContext& c, int il, const std::vector<Tensor*>& parts,
-                                          const char* what) {
-    if (parts.size() == 1) return parts;
+// Tensor parallelism's meetings, on each shard's device: the parts summed in shard order, or
+// their rows gathered in shard order (the same bits on every shard either way). A gather of no
+// rows at all gives nulls.
+static std::vector<Tensor*> meet(BuildContext& c, int il, const std::vector<Tensor*>& parts, bool gather,
+                                 const std::string& what) {
     std::vector<int> devices;
-    for (int s = 0; s < (int)parts.size(); s++) devices.push_back(c.model.shard_device(s, il));
-    std::vector<Tensor*> out = all_reduce(c.g, parts, devices, c.model.hp().n_embd, c.n_tok);
-    for (Tensor* t : out) named(t, il, what);
+    bool any = false;
+    for (int s = 0; s < (int)parts.size(); s++) devices.push_back(c.model.shard_device(s, il)), any |= parts[s] != nullptr;
+    if (!any) return parts;
+    std::vector<Tensor*> out = gather ? all_gather(c.g, parts, devices)
+                                      : all_reduce(c.g, parts, devices, c.model.hp().n_embd, c.n_tok);
+    for (Tensor* t : out) named(t, il, what.c_str());
     return out;
 }
 
 Tensor* build_decoder(BuildContext& c, AttentionFn attention) {
     const HParams& hp = c.model.hp();
     const int S = c.model.n_shards();
+    const bool gathers = S > 1 && c.model.tp_gathers();
     Graph& g = c.g;
     c.shard = 0;
-    std::vector<Tensor*> xs(S, build_embedding(c)), parts(S);
-    // Each sub-block: norm, this shard's part, the sum over shards, its bias and post-norm, the
-    // residual. Shards are built last to first so that the first device's embedding is sent off
-    // before it starts on layer 0.
+    std::vector<Tensor*> xs(S, build_embedding(c)), rows(S);
+    std::vector<SubBlock> subs(S);
+    // Each sub-block: norm, this shard's part up to its last projection, the meeting, its bias
+    // and post-norm, the residual. With gathers the shards meet twice: the parts the last
+    // projection reads are gathered whole, each shard computes its rows of n_embd, those are
+    // gathered. Otherwise once: each shard projects its own part and the products are summed.
+    // Shards are built last to first so that the first device's embedding is sent off before
+    // it starts on layer 0.
     auto block = [&](int il, Tensor* LayerWeights::*norm, Tensor* LayerWeights::*post, const char* what,
-                     const std::function<Tensor*(Tensor*)>& part) {
+                     const std::function<SubBlock(Tensor*)>& part) {
         for (int s = S - 1; s >= 0; s--) {
             c.shard = s;
             const LayerWeights& w = c.w(il);
             Tensor* h = named(rms_norm(g, xs[s], w.*norm, hp.eps), il, (std::string(what) + "_normed").c_str());
-            parts[s] = part(h);
+            subs[s] = part(h);
         }
-        std::vector<Tensor*> sum = reduce_shards(c, il, parts, (std::string(what) + "_sum").c_str());
+        std::vector<std::vector<Tensor*>> in(S);
+        for (int s = 0; s < S; s++) in[s] = subs[s].mid;
+        if (gathers)
+            for (size_t j = 0; j < subs[0].mid.size(); j++) {
+                std::vector<Tensor*> parts;
+                for (int s = 0; s < S; s++) parts.push_back(subs[s].mid[j]);
+                std::vector<Tensor*> whole = meet(c, il, parts, true, std::string(what) + "_mid");
+                for (int s = 0; s < S; s++) in[s][j] = whole[s];
+            }
+        for (int s = 0; s < S; s++) {
+            c.shard = s;
+            rows[s] = subs[s].out(in[s]);
+        }
+        std::vector<Tensor*> sum = S == 1 ? rows : meet(c, il, rows, gathers, std::string(what) + "_sum");
         for (int s = 0; s < S; s++) {
             c.shard = s;
             const LayerWeights& w = c.w(il);
@@ -285,13 +322,17 @@ Tensor* build_decoder(BuildContext& c, AttentionFn attention) {
         }
     };
     for (int il = 0; il < hp.n_layer; il++) {
-        block(il, &LayerWeights::attn_norm, &LayerWeights::post_attn_norm, "attn", [&](Tensor* h) -> Tensor* {
-            return c.geom(il).q_heads > 0 ? attention(c, il, h) : nullptr;
+        block(il, &LayerWeights::attn_norm, &LayerWeights::post_attn_norm, "attn", [&](Tensor* h) {
+            SubBlock sb;
+            sb.mid = {c.geom(il).q_heads > 0 ? attention(c, il, h) : nullptr};
+            sb.out = [&c, il, wo = c.w(il).wo](const std::vector<Tensor*>& v) -> Tensor* {
+                return v[0] && wo ? named(mul_mat(c.g, wo, v[0]), il, "attn_out") : nullptr;
+            };
+            return sb;
         });
-        block(il, &LayerWeights::ffn_norm, &LayerWeights::post_ffn_norm, "ffn", [&](Tensor* h) -> Tensor* {
-            const ShardGeometry& geom = c.geom(il);
-            if (c.model.layers()[il].ffn_gate_inp) return geom.experts > 0 || geom.shexp_ff > 0 ? build_moe_ffn(c, il, h) : nullptr;
-            return geom.ff > 0 ? build_ffn(c, il, h, hp.ffn_gelu ? FfnAct::GELU : FfnAct::SILU) : nullptr;
+        block(il, &LayerWeights::ffn_norm, &LayerWeights::post_ffn_norm, "ffn", [&](Tensor* h) {
+            if (c.model.layers()[il].ffn_gate_inp) return build_moe_ffn(c, il, h);
+            return build_ffn(c, il, h, hp.ffn_gelu ? FfnAct::GELU : FfnAct::SILU);
         });
     }
     c.shard = 0;

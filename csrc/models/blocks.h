@@ -2,6 +2,8 @@
 // (projections, optional biases and per-head q/k norms, RoPE, KV store, flash attention,
 // output projection), the gated FFN, and the output head.
 #pragma once
+#include <functional>
+
 #include "models/model.h"
 
 namespace stowlm {
@@ -11,16 +13,24 @@ Tensor* build_embedding(BuildContext& c);
 RopeSpec rope_spec(const HParams& hp, bool swa);
 // Which cached cells the micro-batch's tokens see (positions; sequences when there are several).
 AttnMask attn_mask(const BuildContext& c);
-// x: the normed hidden state [n_embd, n_tok]. Returns the attention output [n_embd, n_tok].
+// x: the normed hidden state [n_embd, n_tok]. Returns this shard's heads' output [head_dim_v *
+// q_heads, n_tok], before the output projection (the decoder applies it).
 Tensor* build_attention(BuildContext& c, int il, Tensor* x);
+// A sub-block cut around tensor parallelism's meeting: `mid` is what this shard computes of
+// what the sub-block's last projections read (null where it has no part), `out` those
+// projections on what it is given (this shard's own mids when the shards' products are summed,
+// the gathered wholes when their rows are gathered). One device: out(mid).
+struct SubBlock {
+    std::vector<Tensor*> mid;
+    std::function<Tensor*(const std::vector<Tensor*>&)> out;
+};
 enum class FfnAct { SILU, GELU };
-Tensor* build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act);
+SubBlock build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act);
 // Mixture-of-experts FFN: router logits (+ bias), top-k experts (by the gated scores + the
 // selection bias, within the best groups where there are groups), their routing weights
 // (gating, renormalisation and scale from HParams), the expert products (+ per-expert biases,
 // SwiGLU or gpt-oss's clamped SwiGLU), weighted sum, plus a shared expert when the layer has one.
-Tensor* build_moe_ffn(BuildContext& c, int il, Tensor* x);
-Tensor* build_routed_experts(BuildContext& c, int il, Tensor* x);
+SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x);
 // Per shard: picks the wanted rows, final norm, its rows of the LM head, optional softcap; the
 // shards' rows gathered in order: logits [n_vocab, n_out].
 Tensor* build_output(BuildContext& c, const std::vector<Tensor*>& xs);

@@ -108,7 +108,7 @@ Tensor* build_mla_attention(BuildContext& c, int il, Tensor* x) {
                    "attn");
     // Back out of the compressed space, per head: [dv, H, n].
     Tensor* o = nm(mul_mat_id(g, w.wv_b, reshape(g, a, L, H, n), head_ids), "attn_v");
-    return nm(mul_mat(g, w.wo, reshape(g, o, hp.head_dim_v_mla * H, n)), "attn_out");
+    return reshape(g, o, hp.head_dim_v_mla * H, n);  // the decoder applies the output projection
 }
 
 Tensor* deepseek2_build(BuildContext& c) { return build_decoder(c, build_mla_attention); }

@@ -133,15 +133,15 @@ std::vector<int> layer_devices(const std::vector<int>& counts, int interleave) {
 std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
                                    const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split,
-                                   int interleave) {
+                                   int interleave, bool tp_sum) {
     return load(std::shared_ptr<const GGUFFile>(GGUFFile::open(path)), devices, layer_split, count_weights, overrides,
-                tensor_split, interleave);
+                tensor_split, interleave, tp_sum);
 }
 
 std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
                                    const std::vector<int>& layer_split, bool count_weights,
                                    const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split,
-                                   int interleave) {
+                                   int interleave, bool tp_sum) {
     if (devices.empty()) throw InvalidInput("Model: devices is empty");
     const bool tp = !tensor_split.empty();
     if (tp) {
@@ -251,6 +251,7 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
     }
 
     if (tp) {
+        m->tp_sum_ = tp_sum;
         m->build_shards(tensor_split);
         m->place_shard_weights(count_weights);
         return m;

@@ -83,6 +83,7 @@ struct ShardGeometry {
     int64_t expert0 = 0, experts = 0;    // routed experts [expert0, expert0 + experts)
     int64_t expert_ff0 = 0, expert_ff = 0; // and the rows of each of them (all of them: whole experts)
     int64_t shexp_ff0 = 0, shexp_ff = 0; // shared expert rows
+    int64_t embd0 = 0, embd = 0;         // rows of n_embd the output projections give (gathers)
 };
 
 class Model;
@@ -171,12 +172,14 @@ public:
     static std::unique_ptr<Model> load(const std::string& path, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights = true,
                                        const std::vector<TensorOverride>& overrides = {},
-                                       const std::vector<double>& tensor_split = {}, int interleave = 0);
+                                       const std::vector<double>& tensor_split = {}, int interleave = 0,
+                                       bool tp_sum = false);
     // The same over a file opened once (fit projects many placements of one file).
     static std::unique_ptr<Model> load(std::shared_ptr<const GGUFFile> file, const std::vector<DeviceSpec>& devices,
                                        const std::vector<int>& layer_split, bool count_weights,
                                        const std::vector<TensorOverride>& overrides,
-                                       const std::vector<double>& tensor_split = {}, int interleave = 0);
+                                       const std::vector<double>& tensor_split = {}, int interleave = 0,
+                                       bool tp_sum = false);
 
     const GGUFFile& file() const { return *file_; }
     const HParams& hp() const { return hp_; }
@@ -192,6 +195,10 @@ public:
     std::vector<int64_t> batch_bounds() const;
     // Tensor parallelism: shards (1 without it), each on one device, and their parts of a layer.
     bool tensor_parallel() const { return !shard_device_.empty(); }
+    // How the shards meet: by gathering rows (every product computed as on one device, so the
+    // logits are one device's bit for bit; the default), or with tp_sum by summing partial
+    // products (half the meetings and fewer bytes, results within float re-association).
+    bool tp_gathers() const { return tensor_parallel() && !tp_sum_; }
     int n_shards() const { return tensor_parallel() ? (int)shard_device_.size() : 1; }
     int shard_device(int s, int il) const { return tensor_parallel() ? shard_device_.at(s) : layer_device_.at(il); }
     const ShardGeometry& shard_geometry(int s, int il) const;
@@ -231,6 +238,7 @@ private:
     void build_shards(const std::vector<double>& shares);
     void place_shard_weights(bool count_weights);
     std::vector<int> shard_device_;                        // per shard
+    bool tp_sum_ = false;
     std::vector<std::vector<ShardGeometry>> shard_geom_;   // [shard][layer]
     std::vector<std::vector<LayerWeights>> shard_layers_;  // [shard][layer]
     std::vector<Tensor*> shard_output_, shard_output_norm_;

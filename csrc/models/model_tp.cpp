@@ -70,6 +70,7 @@ const ShardGeometry& Model::shard_geometry(int s, int il) const {
     whole.experts = w.ffn_gate_exps ? hp_.n_expert : 0;
     whole.expert_ff = w.ffn_gate_exps ? w.ffn_gate_exps->ne[1] : 0;
     whole.shexp_ff = w.ffn_gate_shexp ? w.ffn_gate_shexp->ne[1] : 0;
+    whole.embd = hp_.n_embd;
     return whole;
 }
 
@@ -134,18 +135,23 @@ void Model::build_shards(const std::vector<double>& shares_all) {
         return t;
     };
 
+    const bool gathers = !tp_sum_;
+    // With gathers every cut is by rows (of a weight matrix, or of a vector that is gathered),
+    // so no cut needs to fall on a block; in groups of kRowGroup rows for the kernels' sake.
+    constexpr int64_t kRowGroup = 16;
+    const auto embr = ranges(hp.n_embd, kRowGroup, shares);
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerWeights& L = layers_[il];
         const bool mla = hp.kv_lora_rank > 0;
         // attention: whole KV heads with their query heads (MLA: query heads), in groups whose
-        // output-projection columns fall on its blocks
+        // output-projection columns fall on its blocks (summed partial products only)
         std::vector<std::pair<int64_t, int64_t>> qr, kvr;
         if (mla) {
-            qr = ranges(hp.n_head, items_per_block(hp.head_dim_v_mla, block_elems(L.wo)), shares);
+            qr = ranges(hp.n_head, gathers ? 1 : items_per_block(hp.head_dim_v_mla, block_elems(L.wo)), shares);
             for (auto& q : qr) kvr.push_back({0, q.second ? 1 : 0});
         } else {
             const int64_t n_rep = hp.n_head / hp.n_head_kv;
-            kvr = ranges(hp.n_head_kv, items_per_block(n_rep * hp.head_dim_v, block_elems(L.wo)), shares);
+            kvr = ranges(hp.n_head_kv, gathers ? 1 : items_per_block(n_rep * hp.head_dim_v, block_elems(L.wo)), shares);
             for (auto& k : kvr) qr.push_back({k.first * n_rep, k.second * n_rep});
         }
         // The FFN rows by the shares, like everything else that can be cut finely: the devices meet
@@ -153,25 +159,26 @@ void Model::build_shards(const std::vector<double>& shares_all) {
         // that evened out the heads' imbalance in bytes made the other device wait at the FFN's
         // meeting instead: smollm2, 3 KV heads 1:1, pp512 2950 -> 3090 and tg128 311 -> 322 t/s.)
         const int64_t n_ff = L.ffn_gate ? L.ffn_gate->ne[1] : 0;
-        const auto ffr = ranges(n_ff, block_elems(L.ffn_down), shares);
+        const auto ffr = ranges(n_ff, gathers ? kRowGroup : block_elems(L.ffn_down), shares);
         // Routed experts: every expert's rows cut alike when they make enough blocks of the down
         // projection (a token's picked experts then load every shard evenly); else whole experts.
         const int64_t n_ffe = L.ffn_gate_exps ? L.ffn_gate_exps->ne[1] : 0;
-        const bool cut_experts = n_ffe > 0 && n_ffe / block_elems(L.ffn_down_exps) >= S;
+        const bool cut_experts = n_ffe > 0 && (gathers || n_ffe / block_elems(L.ffn_down_exps) >= S);
         const auto exr = ranges(L.ffn_gate_exps && !cut_experts ? hp.n_expert : 0, 1, shares);
-        const auto efr = ranges(cut_experts ? n_ffe : 0, block_elems(L.ffn_down_exps), shares);
+        const auto efr = ranges(cut_experts ? n_ffe : 0, gathers ? kRowGroup : block_elems(L.ffn_down_exps), shares);
         int bias_shard = 0;  // the shard that adds a picked expert's down bias (once)
         while (bias_shard < S - 1 && cut_experts && efr[bias_shard].second == 0) bias_shard++;
         const int64_t n_sh = L.ffn_gate_shexp ? L.ffn_gate_shexp->ne[1] : 0;
-        const auto shr = ranges(n_sh, block_elems(L.ffn_down_shexp), shares);
+        const auto shr = ranges(n_sh, gathers ? kRowGroup : block_elems(L.ffn_down_shexp), shares);
 
         for (int s = 0; s < S; s++) {
             ShardGeometry& g = shard_geom_[s][il];
             g.q_head0 = qr[s].first, g.q_heads = qr[s].second;
             g.kv_head0 = kvr[s].first, g.kv_heads = kvr[s].second;
             g.ff0 = ffr[s].first, g.ff = ffr[s].second;
+            if (gathers) g.embd0 = embr[s].first, g.embd = embr[s].second;
             if (cut_experts) {
-                g.expert0 = 0, g.experts = efr[s].second ? hp.n_expert : 0;
+                g.expert0 = 0, g.experts = efr[s].second || (gathers && g.embd) ? hp.n_expert : 0;
                 g.expert_ff0 = efr[s].first, g.expert_ff = efr[s].second;
             } else {
                 g.expert0 = exr[s].first, g.experts = exr[s].second;
@@ -180,17 +187,22 @@ void Model::build_shards(const std::vector<double>& shares_all) {
             g.shexp_ff0 = shr[s].first, g.shexp_ff = shr[s].second;
             LayerWeights& w = shard_layers_[s][il];
             const bool attn = g.q_heads > 0;
+            // what the output projections read: the gathered whole (rows of n_embd), or this
+            // shard's heads / FFN rows (columns)
+            auto out_proj = [&](const Tensor* full, int64_t c0, int64_t n) {
+                return gathers ? slice(full, s, 1, g.embd0, g.embd) : columns(full, s, c0, n);
+            };
             w.attn_norm = repeat(L.attn_norm, s);
             w.ffn_norm = repeat(L.ffn_norm, s);
             w.post_attn_norm = repeat(L.post_attn_norm, s);
             w.post_ffn_norm = repeat(L.post_ffn_norm, s);
-            w.bo = repeat(L.bo, s);  // added after the reduction, on every shard alike
+            w.bo = repeat(L.bo, s);  // added after the meeting, on every shard alike
             if (attn) {
                 w.q_norm = repeat(L.q_norm, s);
                 w.k_norm = repeat(L.k_norm, s);
                 w.attn_sinks = slice(L.attn_sinks, s, 0, g.q_head0, g.q_heads);
                 if (mla) {
-                    const int64_t dq = hp.head_dim_qk_mla, dv = hp.head_dim_v_mla;
+                    const int64_t dq = hp.head_dim_qk_mla;
                     w.wq_a = repeat(L.wq_a, s);
                     w.q_a_norm = repeat(L.q_a_norm, s);
                     w.wq_b = slice(L.wq_b, s, 1, g.q_head0 * dq, g.q_heads * dq);
@@ -199,7 +211,6 @@ void Model::build_shards(const std::vector<double>& shares_all) {
                     w.kv_a_norm = repeat(L.kv_a_norm, s);
                     w.wk_b = slice(L.wk_b, s, 2, g.q_head0, g.q_heads);
                     w.wv_b = slice(L.wv_b, s, 2, g.q_head0, g.q_heads);
-                    w.wo = columns(L.wo, s, g.q_head0 * dv, g.q_heads * dv);
                 } else {
                     const int64_t hk = hp.head_dim_k, hv = hp.head_dim_v;
                     w.wq = slice(L.wq, s, 1, g.q_head0 * hk, g.q_heads * hk);
@@ -208,15 +219,18 @@ void Model::build_shards(const std::vector<double>& shares_all) {
                     w.bq = slice(L.bq, s, 0, g.q_head0 * hk, g.q_heads * hk);
                     w.bk = slice(L.bk, s, 0, g.kv_head0 * hk, g.kv_heads * hk);
                     w.bv = slice(L.bv, s, 0, g.kv_head0 * hv, g.kv_heads * hv);
-                    w.wo = columns(L.wo, s, g.q_head0 * hv, g.q_heads * hv);
                 }
+            }
+            if (attn || gathers) {
+                const int64_t hv = mla ? hp.head_dim_v_mla : hp.head_dim_v;
+                w.wo = out_proj(L.wo, g.q_head0 * hv, g.q_heads * hv);
             }
             // dense FFN
             w.ffn_gate = slice(L.ffn_gate, s, 1, g.ff0, g.ff);
             w.ffn_up = slice(L.ffn_up, s, 1, g.ff0, g.ff);
-            w.ffn_down = columns(L.ffn_down, s, g.ff0, g.ff);
+            w.ffn_down = g.ff || gathers ? out_proj(L.ffn_down, g.ff0, g.ff) : nullptr;
             // routed experts, whole
-            if (g.experts > 0 || g.shexp_ff > 0) {
+            if (g.experts > 0 || g.shexp_ff > 0 || (gathers && g.embd)) {
                 w.ffn_gate_inp = repeat(L.ffn_gate_inp, s);
                 w.ffn_gate_inp_b = repeat(L.ffn_gate_inp_b, s);
                 w.ffn_exp_probs_b = repeat(L.ffn_exp_probs_b, s);
@@ -224,11 +238,16 @@ void Model::build_shards(const std::vector<double>& shares_all) {
             if (cut_experts) {
                 w.ffn_gate_exps = stack_rows(L.ffn_gate_exps, s, g.expert_ff0, g.expert_ff);
                 w.ffn_up_exps = stack_rows(L.ffn_up_exps, s, g.expert_ff0, g.expert_ff);
-                w.ffn_down_exps = columns(L.ffn_down_exps, s, g.expert_ff0, g.expert_ff);
                 w.ffn_gate_exps_b = columns(L.ffn_gate_exps_b, s, g.expert_ff0, g.expert_ff);
                 w.ffn_up_exps_b = columns(L.ffn_up_exps_b, s, g.expert_ff0, g.expert_ff);
-                // the down bias of a picked expert goes in once: with the first shard's part
-                w.ffn_down_exps_b = s == bias_shard ? repeat(L.ffn_down_exps_b, s) : nullptr;
+                if (gathers) {  // rows of n_embd of every expert's down projection, and of its bias
+                    w.ffn_down_exps = stack_rows(L.ffn_down_exps, s, g.embd0, g.embd);
+                    w.ffn_down_exps_b = columns(L.ffn_down_exps_b, s, g.embd0, g.embd);
+                } else {
+                    w.ffn_down_exps = columns(L.ffn_down_exps, s, g.expert_ff0, g.expert_ff);
+                    // the down bias of a picked expert goes in once: with the first shard's part
+                    w.ffn_down_exps_b = s == bias_shard ? repeat(L.ffn_down_exps_b, s) : nullptr;
+                }
             } else {
                 w.ffn_gate_exps = slice(L.ffn_gate_exps, s, 2, g.expert0, g.experts);
                 w.ffn_up_exps = slice(L.ffn_up_exps, s, 2, g.expert0, g.experts);
@@ -238,10 +257,10 @@ void Model::build_shards(const std::vector<double>& shares_all) {
                 w.ffn_down_exps_b = slice(L.ffn_down_exps_b, s, 1, g.expert0, g.experts);
             }
             // shared expert, cut like a dense FFN
-            if (g.shexp_ff > 0) w.ffn_gate_inp_shexp = repeat(L.ffn_gate_inp_shexp, s);
+            if (g.shexp_ff > 0 || (gathers && g.embd)) w.ffn_gate_inp_shexp = repeat(L.ffn_gate_inp_shexp, s);
             w.ffn_gate_shexp = slice(L.ffn_gate_shexp, s, 1, g.shexp_ff0, g.shexp_ff);
             w.ffn_up_shexp = slice(L.ffn_up_shexp, s, 1, g.shexp_ff0, g.shexp_ff);
-            w.ffn_down_shexp = columns(L.ffn_down_shexp, s, g.shexp_ff0, g.shexp_ff);
+            w.ffn_down_shexp = L.ffn_down_shexp && (g.shexp_ff || gathers) ? out_proj(L.ffn_down_shexp, g.shexp_ff0, g.shexp_ff) : nullptr;
         }
     }
     // the LM head by vocabulary rows; the embedding lookup stays whole on the first shard

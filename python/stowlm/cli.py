@@ -50,11 +50,13 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
     g.add_argument("--kv-type", default=None, choices=["f16", "q8_0"], help="KV cache type (default f16)")
     g.add_argument("--layer-split", default=None, metavar="N,N,...",
                    help="layers per device, in the order of --devices")
-    g.add_argument("-sm", "--split-mode", default=None, choices=["layer", "tensor"],
+    g.add_argument("-sm", "--split-mode", default=None, choices=["layer", "tensor", "tensor-sum"],
                    help="layer: ranges of layers per device (default); tensor: every layer cut over the "
-                        "devices, which all work on every token (tensor parallelism)")
+                        "devices, which all work on every token (tensor parallelism; the logits one device's "
+                        "bit for bit); tensor-sum: the same, the devices' partial products summed (half the "
+                        "meetings and fewer bytes between devices; results within float rounding)")
     g.add_argument("-ts", "--tensor-split", default=None, metavar="N,N,...",
-                   help="with -sm tensor: the devices' shares (default: from their free memory)")
+                   help="with -sm tensor[-sum]: the devices' shares (default: from their free memory)")
     g.add_argument("-ot", "--override-tensor", action="append", default=None, metavar="REGEX=DEVICE",
                    help="put the weights whose names match REGEX on DEVICE (repeatable; first match wins)")
     g.add_argument("--cpu-moe", action="store_true", help="keep every expert tensor on the CPU")
@@ -82,8 +84,8 @@ def _placement_kwargs(a: argparse.Namespace) -> dict:
     devices = a.devices.strip() if a.devices else None
     split = _number_list(a.layer_split, "--layer-split", int, "integers")
     shares = _number_list(a.tensor_split, "--tensor-split", float, "numbers")
-    if shares is not None and a.split_mode != "tensor":
-        raise ValueError("--tensor-split needs -sm tensor")
+    if shares is not None and a.split_mode not in ("tensor", "tensor-sum"):
+        raise ValueError("--tensor-split needs -sm tensor or tensor-sum")
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
                 n_copies=a.n_copies, margin=_margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares,

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import _core
 from .devices import DeviceSpec, parse_devices
+from .placement import SPLIT_MODES
 
 _native = _core.engine
 _log = logging.getLogger("stowlm")
@@ -139,10 +140,14 @@ class Model:
 
     split_mode="tensor" (tensor parallelism) cuts every layer over the devices instead, in the
     proportions tensor_split gives (one share per device, default equal; 0 leaves a device out):
-    attention by whole KV heads with their query heads, FFNs by rows, routed experts whole, the
-    LM head by vocabulary rows; after each attention and FFN the devices' partial sums are
-    added (an all-reduce, always in the same order, so results are deterministic). `shards` says
-    what each device got."""
+    attention by whole KV heads with their query heads, FFNs and every expert by rows, the
+    output projections by rows of n_embd, the LM head by vocabulary rows. The devices gather
+    each other's rows before and after each output projection (all-gathers), so every product
+    is computed as on one device and the logits are one device's bit for bit.
+    split_mode="tensor-sum" cuts the output projections by columns instead and adds the
+    devices' partial products after each attention and FFN (an all-reduce, always in the same
+    order, so results are deterministic): half the meetings and fewer bytes between devices,
+    results one device's up to float rounding. `shards` says what each device got."""
 
     def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
                  tensor_overrides: Optional[Sequence[str]] = None, placement=None,
@@ -175,16 +180,16 @@ class Model:
         self.split_mode = split_mode
         self._m = _native.Model(path, [d.as_tuple() for d in self.devices], _layer_split(layer_split),
                                 _native_overrides(path, tensor_overrides, overrides, self.devices), shares,
-                                _interleave(interleave))
+                                _interleave(interleave), split_mode == "tensor-sum")
 
     @property
     def shards(self) -> List[dict]:
         """Per shard (tensor parallelism; one shard otherwise): its device index, the vocabulary
         rows of its LM head, and per layer the query heads, KV heads, FFN rows, routed experts it
-        computes part of, shared-expert rows, and expert rows (over all its experts)."""
+        computes part of, shared-expert rows, expert rows (over all its experts), and the rows of
+        n_embd its output projections give (split_mode="tensor"; 0 with "tensor-sum")."""
         return [{"device": d["device"], "vocab": d["vocab"],
-                 "layers": [dict(zip(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows"), l))
-                            for l in d["layers"]]} for d in self._m.shards]
+                 "layers": [dict(zip(SHARD_FIELDS, l)) for l in d["layers"]]} for d in self._m.shards]
 
     arch = property(lambda self: self._m.arch)
     n_layer = property(lambda self: self._m.n_layer)
@@ -224,22 +229,26 @@ def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int 
                            _native_overrides(path, tensor_overrides, overrides, specs), int(n_ctx),
                            int(n_ubatch), kv_type, _n_outputs(n_outputs),
                            _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares,
-                           _interleave(interleave))["devices"]
+                           _interleave(interleave), split_mode == "tensor-sum")["devices"]
+
+
+SHARD_FIELDS = ("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows", "embd_rows")
 
 
 def _tensor_split(split_mode: str, tensor_split, n_dev: int, layer_split=None, overrides=None,
                   tensor_overrides=None) -> List[float]:
     """The shares the core takes: [] for a layer split; one per device for a tensor split."""
-    if split_mode not in ("layer", "tensor"):
-        raise ValueError(f"split_mode must be 'layer' or 'tensor', got {split_mode!r}")
+    if split_mode not in SPLIT_MODES:
+        raise ValueError(f"split_mode must be one of {', '.join(map(repr, SPLIT_MODES))}, got {split_mode!r}")
     if split_mode == "layer":
         if tensor_split is not None:
-            raise ValueError("tensor_split needs split_mode='tensor'")
+            raise ValueError("tensor_split needs split_mode='tensor' or 'tensor-sum'")
         return []
     if layer_split is not None:
-        raise ValueError("split_mode='tensor' cuts every layer over the devices: give tensor_split, not layer_split")
+        raise ValueError(f"split_mode={split_mode!r} cuts every layer over the devices: give tensor_split, not "
+                         "layer_split")
     if overrides or tensor_overrides:
-        raise ValueError("tensor overrides are not supported with split_mode='tensor' yet")
+        raise ValueError(f"tensor overrides are not supported with split_mode={split_mode!r} yet")
     shares = [1.0] * n_dev if tensor_split is None else list(tensor_split)
     if len(shares) != n_dev:
         raise ValueError(f"tensor_split has {len(shares)} shares for {n_dev} devices")

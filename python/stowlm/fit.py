@@ -49,7 +49,7 @@ from . import _core
 from . import split as splitting
 from .devices import DeviceSpec, cuda_devices, parse_bytes, parse_devices
 from .engine import DEFAULT_N_COPIES, _interleave, _n_copies, _tensor_overrides, layer_devices, tensor_names
-from .placement import DevicePlacement, Placement, format_size, slot_context
+from .placement import SPLIT_MODES, DevicePlacement, Placement, format_size, slot_context
 
 __all__ = ["fit", "FitError", "Placement", "default_margin", "DEFAULT_MAX_CTX", "DEFAULT_FIT_CTX", "CTX_STEP"]
 
@@ -865,8 +865,9 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     `placement` starts from a saved placement: all of its values count as set, so fitting a
     fitted placement gives it back. interleave: each device's layers in that many ranges that
     take turns with the other devices' (default 2 where two or more CPU devices and no GPU hold
-    layers, and it fits; 1: one range each). split_mode="tensor": every layer cut over the devices
-    (stowlm.tensor_split decides the shares unless tensor_split gives them). Allocates nothing."""
+    layers, and it fits; 1: one range each). split_mode="tensor" or "tensor-sum": every layer cut
+    over the devices (stowlm.tensor_split decides the shares unless tensor_split gives them).
+    Allocates nothing."""
     path = os.fspath(model)
     if not os.path.exists(path):
         raise ValueError(f"model file {path!r} does not exist")
@@ -883,15 +884,15 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     if n_cpu_moe is not None:
         set_by["n_cpu_moe"] = f"set by the user (--n-cpu-moe {n_cpu_moe})"
     split_mode = split_mode or "layer"
-    if split_mode not in ("layer", "tensor"):
-        raise ValueError(f"split_mode must be 'layer' or 'tensor', got {split_mode!r}")
-    if tensor_split is not None and split_mode != "tensor":
-        raise ValueError("tensor_split needs split_mode='tensor'")
+    if split_mode not in SPLIT_MODES:
+        raise ValueError(f"split_mode must be one of {', '.join(map(repr, SPLIT_MODES))}, got {split_mode!r}")
+    if tensor_split is not None and split_mode == "layer":
+        raise ValueError("tensor_split needs split_mode='tensor' or 'tensor-sum'")
     if placement is not None:
         if not isinstance(placement, Placement):
             placement = Placement.load(placement)
-        if placement.split_mode == "tensor":
-            split_mode, tensor_split = "tensor", placement.tensor_split
+        if placement.split_mode != "layer":
+            split_mode, tensor_split = placement.split_mode, placement.tensor_split
             devices = [d.spec for d in placement.used_devices]
             placement_margins = [d.margin for d in placement.used_devices]
             n_ctx, n_ubatch, n_outputs, kv_type = placement.n_ctx, placement.n_ubatch, placement.n_outputs, \
@@ -940,17 +941,17 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         n_seq = placement.n_seq
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise ValueError(f"n_seq must be a positive integer, got {n_seq!r}")
-    if split_mode == "tensor":
+    if split_mode != "layer":
         from .engine import _tensor_split
         from .tensor_split import fit_tensor
 
         if cpu_moe or n_cpu_moe is not None:
             raise ValueError("--cpu-moe / --n-cpu-moe place experts by layers: not with a tensor split")
-        shares = None if tensor_split is None else _tensor_split("tensor", tensor_split, len(specs), layer_split,
+        shares = None if tensor_split is None else _tensor_split(split_mode, tensor_split, len(specs), layer_split,
                                                                  None, tensor_overrides)
         if shares is None:
-            _tensor_split("tensor", None, len(specs), layer_split, None, tensor_overrides)
-        return fit_tensor(path, devs, host_free, host_margin, shares=shares,
+            _tensor_split(split_mode, None, len(specs), layer_split, None, tensor_overrides)
+        return fit_tensor(path, devs, host_free, host_margin, split_mode=split_mode, shares=shares,
                           n_ctx=None if n_ctx is None else slot_context(n_ctx, n_seq), n_ubatch=n_ubatch,
                           n_outputs=n_outputs, kv_type=kv_type, n_seq=n_seq, max_ctx=int(max_ctx),
                           fit_ctx=int(fit_ctx), set_by=set_by, fingerprint=fingerprint(path),

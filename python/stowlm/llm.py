@@ -64,7 +64,9 @@ class LLM:
     interleave: each device's layers in that many ranges taking turns with the other devices'
         (shorter pipeline stages; default 2 where only CPU devices hold layers, 1: one range each).
     split_mode="tensor" (tensor_split: shares per device): every layer cut over the devices, which
-        all work on every token (tensor parallelism; fit picks the shares from free memory).
+        all work on every token (tensor parallelism; fit picks the shares from free memory; the
+        logits are one device's bit for bit). "tensor-sum": the devices' partial products summed
+        instead (half the meetings, fewer bytes between devices; results within float rounding).
     n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()
         may then be called from several threads, and generate_batch() runs many prompts together;
         each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells;

@@ -17,6 +17,10 @@ from typing import Dict, List, Optional, Tuple
 
 from .devices import DeviceSpec, parse_device
 
+# layer: whole layers per device; tensor: every layer cut over the devices, rows gathered (each
+# product as on one device); tensor-sum: every layer cut, partial products summed
+SPLIT_MODES = ("layer", "tensor", "tensor-sum")
+
 PROJECTED_KEYS = ("weights", "kv", "compute", "copies", "total")
 FORMAT = "stowlm-placement/1"
 
@@ -91,7 +95,7 @@ class Placement:
     n_copies: int = 4                      # asked for: copies of the tensors that cross devices
     n_seq: int = 1                         # sequences (server slots) sharing the context
     pipeline: Optional[Dict[str, object]] = None  # what the core makes of it: n_copies, reason (off)
-    split_mode: str = "layer"              # "tensor": every layer cut over the used devices
+    split_mode: str = "layer"              # "tensor"/"tensor-sum": every layer cut over the used devices
     tensor_split: Optional[List[float]] = None  # tensor mode: share per used device
     interleave: int = 1                    # layer ranges per device, the devices taking turns
 
@@ -158,8 +162,9 @@ class Placement:
         for key in ("arch", "fingerprint"):
             r.str(model.get(key), f"model.{key}")
         r.int(model.get("n_layer"), "model.n_layer", 1)
-        if data.get("split_mode", "layer") not in ("layer", "tensor"):
-            raise ValueError(f"{source}: split_mode {data.get('split_mode')!r} is not 'layer' or 'tensor'")
+        if data.get("split_mode", "layer") not in SPLIT_MODES:
+            raise ValueError(f"{source}: split_mode {data.get('split_mode')!r} is not one of "
+                             f"{', '.join(map(repr, SPLIT_MODES))}")
         devices = []
         items = r.list(data.get("devices"), "devices")
         if not items:
@@ -234,8 +239,9 @@ class Placement:
         if host is not None:
             r.dict(host, "host")
             host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
-        if split_mode not in ("layer", "tensor"):
-            raise ValueError(f"placement: split_mode must be 'layer' or 'tensor', got {split_mode!r}")
+        if split_mode not in SPLIT_MODES:
+            raise ValueError(f"placement: split_mode must be one of {', '.join(map(repr, SPLIT_MODES))}, got "
+                             f"{split_mode!r}")
         tensor_split = data.get("tensor_split")
         if tensor_split is not None:
             tensor_split = [float(x) for x in r.list(tensor_split, "tensor_split")]
@@ -256,7 +262,7 @@ class Placement:
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:
-        if self.split_mode == "tensor":
+        if self.split_mode != "layer":
             return self._tensor_table()
         head = ["device", "layers", "expert layers", "weights", "KV", "compute", "copies", "total", "free after",
                 "margin"]
@@ -301,10 +307,10 @@ class Placement:
     def summary(self) -> str:
         from .split import describe_layers
 
-        if self.split_mode == "tensor":
+        if self.split_mode != "layer":
             used = [d for d in self.devices if d.shard is not None]
             total = sum(d.projected["total"] for d in used)
-            return (f"fit: n_ctx {self.n_ctx}, tensor split " +
+            return (f"fit: n_ctx {self.n_ctx}, {'tensor split' if self.split_mode == 'tensor' else 'tensor-sum split'} " +
                     ":".join(f"{d.shard['share']:.0%}" for d in used) + " over " + ", ".join(d.name for d in used) +
                     f"; {format_size(total)} in all")
         parts = []

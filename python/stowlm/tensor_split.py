@@ -1,5 +1,5 @@
 """Fit for a tensor split: the devices' shares of every layer, and the context, from the core's
-exact projections (fit.fit routes here for split_mode="tensor").
+exact projections (fit.fit routes here for split_mode="tensor" or "tensor-sum").
 
 1. Shares: as the user gave them, or in proportion to each device's room (free memory less its
    margin). What the shares cannot move (the whole input embedding on the first device, the
@@ -17,6 +17,7 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from . import _core
+from .engine import SHARD_FIELDS
 from .placement import DevicePlacement, Placement, format_size, slot_context
 
 _ROUNDS = 8  # share corrections per context
@@ -45,12 +46,13 @@ def fit_tensor(path: str, devs, host_free: int, host_margin: int, **kw):
         raise
 
 
-def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Optional[Sequence[float]],
+def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode: str, shares: Optional[Sequence[float]],
                 n_ctx: Optional[int], n_ubatch: int, n_outputs: int, kv_type: str, n_seq: int, max_ctx: int,
                 fit_ctx: int, set_by: Dict[str, str], fingerprint: str, ctx_step: int):
     from .fit import FitError, largest_fitting
 
     projector = _core.engine.Projector(os.fspath(path))
+    tensor_sum = split_mode == "tensor-sum"
     specs = [d.spec.as_tuple() for d in devs]
     decisions: List[str] = []
     given = shares is not None
@@ -67,7 +69,8 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
     def project(ctx: int, sh: List[float]) -> List[dict]:
         nonlocal n_proj
         n_proj += 1
-        return projector.project(specs, [], [], ctx, n_ubatch, kv_type, n_outputs, 1, n_seq, tensor_split=sh)["devices"]
+        return projector.project(specs, [], [], ctx, n_ubatch, kv_type, n_outputs, 1, n_seq, tensor_split=sh,
+                                 tensor_sum=tensor_sum)["devices"]
 
     def over(proj: List[dict]) -> Dict[str, int]:
         short = {d.name: p["total"] - d.room for d, p in zip(devs, proj) if p["total"] > d.room}
@@ -135,10 +138,9 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
         decisions.append(f"n_ctx {ctx} ({set_by.get('n_ctx', 'set')})")
     decisions.append(f"{n_proj} projections by the core's planner; the last one is this placement")
 
-    shards = projector.shards(specs, sh)
-    whole = projector.shards(specs[:1], [1.0])[0]
-    total = {k: sum(l[i] for l in whole["layers"]) for i, k in
-             enumerate(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows"))}
+    shards = projector.shards(specs, sh, tensor_sum)
+    whole = projector.shards(specs[:1], [1.0], tensor_sum)[0]
+    total = {k: sum(l[i] for l in whole["layers"]) for i, k in enumerate(SHARD_FIELDS)}
     total["vocab"] = whole["vocab"]
     by_dev = {s["device"]: s for s in shards}
     devices = []
@@ -150,8 +152,7 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
             dp.note = "share 0"
         else:
             dp.projected = {k: p[k] for k in dp.projected}
-            part = {k: sum(l[j] for l in s["layers"]) for j, k in
-                    enumerate(("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows"))}
+            part = {k: sum(l[j] for l in s["layers"]) for j, k in enumerate(SHARD_FIELDS)}
             part["vocab"] = s["vocab"]
             dp.shard = {"share": sh[i] / norm, **{k: (part[k], total[k]) for k in part}}
         devices.append(dp)
@@ -165,4 +166,4 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, shares: Op
                      n_ctx=ctx, n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, devices=devices, host=host,
                      n_copies=1, n_seq=n_seq, pipeline={"n_copies": 1, "reason": "a tensor split runs every device "
                                                                                   "on every token"},
-                     split_mode="tensor", tensor_split=used, decisions=decisions)
+                     split_mode=split_mode, tensor_split=used, decisions=decisions)

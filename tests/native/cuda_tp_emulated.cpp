@@ -1,9 +1,9 @@
-// Tensor parallelism with CUDA devices (cuda/cuda_engine.cpp's LOCAL_IDS and ALL_REDUCE, the
-// shard weights uploaded by models/model_tp.cpp) on the emulated device of
+// Tensor parallelism with CUDA devices (cuda/cuda_engine.cpp's LOCAL_IDS, ALL_GATHER and
+// ALL_REDUCE, the shard weights uploaded by models/model_tp.cpp), both split modes, on the emulated device of
 // tests/native/emulated_cuda.cpp, without a GPU. A split over [cuda:0, cuda:1], [cuda:0, cpu:0],
 // [cpu:0, cuda:0] and three shards [cuda:0, cpu:0, cuda:1] must give the logits of the same split
-// over CPU devices bit for bit: the emulation runs the CPU kernels and the collective's
-// HOST_DEVICE sum, so what differs is only the plumbing (partials gathered by peer copies,
+// over CPU devices bit for bit: the emulation runs the CPU kernels and the collectives'
+// HOST_DEVICE arithmetic, so what differs is only the plumbing (partials gathered by peer copies,
 // uploads and copy_to_host into scratch, events, uploads of the shard weights), and a wrong
 // pointer, size, order or a partial read before it is written shows up as different bits (device
 // memory starts as NaNs). Dense, MoE and MLA models, even and uneven; gemma3, gpt-oss and
@@ -11,7 +11,8 @@
 // close to one device's logits (a sanity bound: the CPU split itself is held to one device on
 // the fixture prompts by tests/test_tensor_parallel.py; these prompts are random tokens, with
 // more near ties, gemma3's the most), every device allocating exactly what the planner
-// projected, the CUDA all-reduce and local-ids launchers having run, and the same bits twice.
+// projected, the CUDA all-gather / all-reduce and local-ids launchers having run, and the same
+// bits twice.
 // Built and run by tests/test_cuda_tp_emulated.py: argv[1] is the models directory.
 #include <cmath>
 #include <cstdio>
@@ -24,12 +25,14 @@
 using namespace stowlm;
 namespace stowlm::cuda {
 extern int g_all_reduce_calls;
+extern int g_all_gather_calls;
 extern int g_local_ids_calls;
 }  // namespace stowlm::cuda
 
 namespace {
 
 int failures = 0;
+bool g_sum = false;  // the shards meet by summing partial products (tensor-sum) instead of gathering rows
 
 DeviceSpec spec(const std::string& kind, int index) {
     DeviceSpec s;
@@ -42,7 +45,7 @@ DeviceSpec spec(const std::string& kind, int index) {
 std::vector<float> run(const std::string& path, const std::vector<DeviceSpec>& devices, const std::vector<double>& shares,
                        const std::vector<int32_t>& prompt, int n_decode, std::vector<int32_t>* forced,
                        int64_t n_ubatch = 16, std::vector<size_t>* weights = nullptr) {
-    auto m = Model::load(path, devices, {}, true, {}, shares);
+    auto m = Model::load(path, devices, {}, true, {}, shares, 0, g_sum);
     if (weights) *weights = m->weight_bytes();
     ContextParams p;
     p.n_ctx = ((int64_t)prompt.size() + n_decode + 127) / 128 * 128, p.n_ubatch = n_ubatch, p.kv_type = QType::F16;
@@ -129,41 +132,46 @@ void check(const std::string& dir, const std::string& name, const std::vector<st
     const std::vector<float> one = run(path, {spec("cpu", 0)}, {}, prompt, 3, &tokens, n_ubatch);
     std::vector<DeviceSpec> cpus;
     for (size_t i = 0; i < shares.size(); i++) cpus.push_back(spec("cpu", (int)i));
-    std::vector<size_t> cpu_weights;
-    const std::vector<float> ref = run(path, cpus, shares, prompt, 3, &tokens, n_ubatch, &cpu_weights);
     const int64_t nv = Model::load(path, {spec("cpu", 0)}, {}, false)->hp().n_vocab;
-    for (const auto& devs : layouts) {
-        const int reduces = cuda::g_all_reduce_calls;
-        std::vector<size_t> weights;
-        const std::vector<float> got = run(path, devs, shares, prompt, 3, &tokens, n_ubatch, &weights);
-        // a CUDA device holds what a CPU device of the same shard holds, its tensors padded to 256
-        // bytes (a tied head's rows read the uploaded embedding: no second copy)
-        for (size_t d = 0; d < devs.size(); d++)
-            if (devs[d].kind == "cuda" && weights[d] > cpu_weights[d] + (cpu_weights[d] >> 8) + (64 << 10)) {
-                printf("FAIL %s %s: %s holds %zu weight bytes, a CPU device of that shard %zu\n", name.c_str(),
-                       describe(devs, shares).c_str(), devs[d].name().c_str(), weights[d], cpu_weights[d]);
-                failures++;
-            }
-        const std::vector<float> again = run(path, devs, shares, prompt, 3, &tokens, n_ubatch);
-        const bool same = got.size() == ref.size() && std::equal(got.begin(), got.end(), ref.begin());
-        const bool twice = again.size() == got.size() && std::equal(got.begin(), got.end(), again.begin());
-        const Agreement a = agreement(one, got, nv);
-        const bool ran = cuda::g_all_reduce_calls > reduces;
-        const bool ok = same && twice && a.kl < 0.1 && a.top1 >= 0.85 && ran;
-        printf("%s %-15s %-46s = CPU split's bits: %s, twice: %s; vs one device: KL %.2e, top-1 %.3f%s\n",
-               ok ? "ok  " : "FAIL", name.c_str(),
-               (describe(devs, shares) + (n_prompt != 40 ? ", " + std::to_string(n_prompt) + " tokens" : "")).c_str(),
-               same ? "yes" : "NO",
-               twice ? "yes" : "NO", a.kl, a.top1, ran ? "" : ", the CUDA all-reduce never ran");
-        if (!same) printf("     max rel diff from the CPU split %.3g\n", max_rel(ref, got));
-        if (!ok) failures++;
+    for (bool sum : {false, true}) {
+        g_sum = sum;
+        std::vector<size_t> cpu_weights;
+        const std::vector<float> ref = run(path, cpus, shares, prompt, 3, &tokens, n_ubatch, &cpu_weights);
+        for (const auto& devs : layouts) {
+            int& calls = sum ? cuda::g_all_reduce_calls : cuda::g_all_gather_calls;
+            const int before = calls;
+            std::vector<size_t> weights;
+            const std::vector<float> got = run(path, devs, shares, prompt, 3, &tokens, n_ubatch, &weights);
+            // a CUDA device holds what a CPU device of the same shard holds, its tensors padded to 256
+            // bytes (a tied head's rows read the uploaded embedding: no second copy)
+            for (size_t d = 0; d < devs.size(); d++)
+                if (devs[d].kind == "cuda" && weights[d] > cpu_weights[d] + (cpu_weights[d] >> 8) + (64 << 10)) {
+                    printf("FAIL %s %s: %s holds %zu weight bytes, a CPU device of that shard %zu\n", name.c_str(),
+                           describe(devs, shares).c_str(), devs[d].name().c_str(), weights[d], cpu_weights[d]);
+                    failures++;
+                }
+            const std::vector<float> again = run(path, devs, shares, prompt, 3, &tokens, n_ubatch);
+            const bool same = got.size() == ref.size() && std::equal(got.begin(), got.end(), ref.begin());
+            const bool twice = again.size() == got.size() && std::equal(got.begin(), got.end(), again.begin());
+            const Agreement a = agreement(one, got, nv);
+            const bool ran = calls > before;
+            const bool ok = same && twice && a.kl < 0.1 && a.top1 >= 0.85 && ran;
+            printf("%s %-15s %-10s %-46s = CPU split's bits: %s, twice: %s; vs one device: KL %.2e, top-1 %.3f%s\n",
+                   ok ? "ok  " : "FAIL", name.c_str(), sum ? "tensor-sum" : "tensor",
+                   (describe(devs, shares) + (n_prompt != 40 ? ", " + std::to_string(n_prompt) + " tokens" : "")).c_str(),
+                   same ? "yes" : "NO", twice ? "yes" : "NO", a.kl, a.top1,
+                   ran ? "" : sum ? ", the CUDA all-reduce never ran" : ", the CUDA all-gather never ran");
+            if (!same) printf("     max rel diff from the CPU split %.3g\n", max_rel(ref, got));
+            if (!ok) failures++;
+        }
     }
+    g_sum = false;
 }
 
 // Whether a [1, 1] split gives some layer's shards whole experts each (then LOCAL_IDS
 // renumbers the routed ids; experts cut by rows need none).
 bool whole_experts_split(const std::string& path) {
-    auto m = Model::load(path, {spec("cpu", 0), spec("cpu", 1)}, {}, false, {}, {1, 1});
+    auto m = Model::load(path, {spec("cpu", 0), spec("cpu", 1)}, {}, false, {}, {1, 1}, 0, /*tp_sum*/ true);
     for (int il = 0; il < m->hp().n_layer; il++)
         for (int s = 0; s < m->n_shards(); s++) {
             const ShardGeometry& g = m->shard_geometry(s, il);

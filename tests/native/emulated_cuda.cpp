@@ -381,6 +381,25 @@ void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* ou
     }
     for (int64_t i = 0; i < n; i++) out[i] = shard_order_sum(parts, n_parts, i);
 }
+int g_all_gather_calls = 0;
+void all_gather_rows(const float* const* parts, const int64_t* row0, int n_parts, int64_t d, int64_t cols, float* out,
+                     Stream) {
+    if (n_parts <= 0 || n_parts > kMaxShards || row0[0] != 0 || row0[n_parts] != d)
+        throw InvalidInput("all_gather_rows: bad parts");
+    for (int i = 0; i < n_parts; i++)
+        if (row0[i + 1] > row0[i])
+            dev_ptr(parts[i], span(cols, row0[i + 1] - row0[i], row0[i + 1] - row0[i]), "all_gather_rows part");
+    dev_ptr(out, span(cols, d, d), "all_gather_rows out");
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        g_all_gather_calls++;
+    }
+    for (int64_t i = 0; i < d * cols; i++) {
+        int64_t at;
+        const int s = gather_source(row0, n_parts, d, i, &at);
+        out[i] = parts[s][at];
+    }
+}
 
 void f32_to_f16(const float*, uint16_t*, int64_t, Stream) { unused("f32_to_f16"); }
 void f16_to_f32(const uint16_t*, float*, int64_t, Stream) { unused("f16_to_f32"); }
