@@ -334,81 +334,66 @@ inline void prefetch_ahead(const unsigned char* base, size_t stride, const int32
     for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// nv vectors of 8 cover head_dim (a multiple of 8).
-template <class Row>
-void scores_mh2(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
+// H heads (1 or 2) at a time; nv vectors of 8 cover head_dim (a multiple of 8). A head's
+// arithmetic is the same whatever H, so its output does not depend on how many heads share the
+// call (a tensor split by query heads attends part of a KV head's group).
+template <class Row, int H>
+void scores_mhn(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
                 int64_t nv, float scale, float* out, int64_t ldo, float* mx,
                 float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
     const __m128 vs = _mm_set1_ps(scale);
-    __m128 m0 = _mm_set1_ps(-INFINITY), m1 = m0;
-    const float* q1 = q + ldq;
+    __m128 m[H];
+    for (int h = 0; h < H; h++) m[h] = _mm_set1_ps(-INFINITY);
     int j = 0;
     for (; j + 4 <= n; j += 4) {
         for (int c = 0; c < 4; c++) prefetch_ahead(base, stride, idx, j + c, n, (int)(nv * 8 * Row::kElemBytes));
         const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
             r3(base + idx[j + 3] * stride);
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        __m256 a[H][4];
+        for (int h = 0; h < H; h++)
+            for (int c = 0; c < 4; c++) a[h][c] = _mm256_setzero_ps();
         for (int64_t i = 0; i < nv; i++) {
             const __m256 k0 = r0.load(i), k1 = r1.load(i), k2 = r2.load(i), k3 = r3.load(i);
-            const __m256 qa = _mm256_loadu_ps(q + 8 * i), qb = _mm256_loadu_ps(q1 + 8 * i);
-            a0 = _mm256_fmadd_ps(qa, k0, a0);
-            a1 = _mm256_fmadd_ps(qa, k1, a1);
-            a2 = _mm256_fmadd_ps(qa, k2, a2);
-            a3 = _mm256_fmadd_ps(qa, k3, a3);
-            b0 = _mm256_fmadd_ps(qb, k0, b0);
-            b1 = _mm256_fmadd_ps(qb, k1, b1);
-            b2 = _mm256_fmadd_ps(qb, k2, b2);
-            b3 = _mm256_fmadd_ps(qb, k3, b3);
+            for (int h = 0; h < H; h++) {
+                const __m256 qv = _mm256_loadu_ps(q + h * ldq + 8 * i);
+                a[h][0] = _mm256_fmadd_ps(qv, k0, a[h][0]);
+                a[h][1] = _mm256_fmadd_ps(qv, k1, a[h][1]);
+                a[h][2] = _mm256_fmadd_ps(qv, k2, a[h][2]);
+                a[h][3] = _mm256_fmadd_ps(qv, k3, a[h][3]);
+            }
         }
-        const __m128 sa = _mm_mul_ps(reduce4(a0, a1, a2, a3), vs), sb = _mm_mul_ps(reduce4(b0, b1, b2, b3), vs);
-        m0 = _mm_max_ps(m0, sa);
-        m1 = _mm_max_ps(m1, sb);
-        _mm_storeu_ps(out + j, sa);
-        _mm_storeu_ps(out + ldo + j, sb);
+        for (int h = 0; h < H; h++) {
+            const __m128 sv = _mm_mul_ps(reduce4(a[h][0], a[h][1], a[h][2], a[h][3]), vs);
+            m[h] = _mm_max_ps(m[h], sv);
+            _mm_storeu_ps(out + h * ldo + j, sv);
+        }
     }
-    float t0 = -INFINITY, t1 = -INFINITY;
-    if (j < n) {
-        t0 = one(q, base, stride, idx + j, n - j, 8 * nv, scale, out + j);
-        t1 = one(q1, base, stride, idx + j, n - j, 8 * nv, scale, out + ldo + j);
+    for (int h = 0; h < H; h++) {
+        const float t = j < n ? one(q + h * ldq, base, stride, idx + j, n - j, 8 * nv, scale, out + h * ldo + j)
+                              : -INFINITY;
+        mx[h] = max4(m[h], t);
     }
-    mx[0] = max4(m0, t0);
-    mx[1] = max4(m1, t1);
 }
 
-// acc[0:32) of two heads += sum_j w[j] * row_j[0:32)
-template <class Row>
-void accum_mh2(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
+// acc[0:32) of H heads (1 or 2) += sum_j w[j] * row_j[0:32)
+template <class Row, int H>
+void accum_mhn(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
                const int32_t* idx, int n) {
-    float* c = acc + lda;
-    __m256 a0 = _mm256_loadu_ps(acc), a1 = _mm256_loadu_ps(acc + 8), a2 = _mm256_loadu_ps(acc + 16),
-           a3 = _mm256_loadu_ps(acc + 24);
-    __m256 b0 = _mm256_loadu_ps(c), b1 = _mm256_loadu_ps(c + 8), b2 = _mm256_loadu_ps(c + 16),
-           b3 = _mm256_loadu_ps(c + 24);
+    __m256 a[H][4];
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < 4; i++) a[h][i] = _mm256_loadu_ps(acc + h * lda + 8 * i);
     for (int j = 0; j < n; j++) {
         prefetch_ahead(base, stride, idx, j, n, (int)(32 * Row::kElemBytes));
         const Row r(base + idx[j] * stride);
-        const __m256 wa = _mm256_set1_ps(w[j]), wb = _mm256_set1_ps(w[ldw + j]);
-        __m256 v = r.load(0);
-        a0 = _mm256_fmadd_ps(wa, v, a0);
-        b0 = _mm256_fmadd_ps(wb, v, b0);
-        v = r.load(1);
-        a1 = _mm256_fmadd_ps(wa, v, a1);
-        b1 = _mm256_fmadd_ps(wb, v, b1);
-        v = r.load(2);
-        a2 = _mm256_fmadd_ps(wa, v, a2);
-        b2 = _mm256_fmadd_ps(wb, v, b2);
-        v = r.load(3);
-        a3 = _mm256_fmadd_ps(wa, v, a3);
-        b3 = _mm256_fmadd_ps(wb, v, b3);
+        __m256 wv[H];
+        for (int h = 0; h < H; h++) wv[h] = _mm256_set1_ps(w[h * ldw + j]);
+        for (int i = 0; i < 4; i++) {
+            const __m256 v = r.load(i);
+            for (int h = 0; h < H; h++) a[h][i] = _mm256_fmadd_ps(wv[h], v, a[h][i]);
+        }
     }
-    _mm256_storeu_ps(acc, a0);
-    _mm256_storeu_ps(acc + 8, a1);
-    _mm256_storeu_ps(acc + 16, a2);
-    _mm256_storeu_ps(acc + 24, a3);
-    _mm256_storeu_ps(c, b0);
-    _mm256_storeu_ps(c + 8, b1);
-    _mm256_storeu_ps(c + 16, b2);
-    _mm256_storeu_ps(c + 24, b3);
+    for (int h = 0; h < H; h++)
+        for (int i = 0; i < 4; i++) _mm256_storeu_ps(acc + h * lda + 8 * i, a[h][i]);
 }
 
 template <class Row>
@@ -416,9 +401,12 @@ void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, s
                int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx,
                float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
     int h = 0;
-    if (hd % 8 == 0)
+    if (hd % 8 == 0) {
         for (; h + 2 <= nq; h += 2)
-            scores_mh2<Row>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+            scores_mhn<Row, 2>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+        if (h < nq) scores_mhn<Row, 1>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+        return;
+    }
     for (; h < nq; h++) mx[h] = one(q + h * ldq, base, stride, idx, n, hd, scale, out + h * ldo);
 }
 
@@ -428,14 +416,17 @@ void accum_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, cons
               const int32_t* idx, int n, int64_t hd, size_t elem_bytes_x32,
               void (*one)(float*, const float*, const unsigned char*, size_t, const int32_t*, int, int64_t)) {
     const int64_t hd32 = hd / 32 * 32;
-    int h = 0;
-    for (; h + 2 <= nq; h += 2)
-        for (int64_t d0 = 0; d0 < hd32; d0 += 32)
-            accum_mh2<Row>(acc + h * lda + d0, lda, w + h * ldw, ldw, base + d0 / 32 * elem_bytes_x32, stride, idx, n);
+    for (int h = 0; h < nq; h += 2) {
+        const bool two = h + 2 <= nq;
+        for (int64_t d0 = 0; d0 < hd32; d0 += 32) {
+            float* a = acc + h * lda + d0;
+            const unsigned char* b = base + d0 / 32 * elem_bytes_x32;
+            if (two) accum_mhn<Row, 2>(a, lda, w + h * ldw, ldw, b, stride, idx, n);
+            else accum_mhn<Row, 1>(a, lda, w + h * ldw, ldw, b, stride, idx, n);
+        }
+    }
     if (hd32 < hd)  // F16 rows whose length is not a multiple of 32: the rest one head at a time
-        for (int hh = 0; hh < h; hh++)
-            one(acc + hh * lda + hd32, w + hh * ldw, base + hd32 * 2, stride, idx, n, hd - hd32);
-    for (; h < nq; h++) one(acc + h * lda, w + h * ldw, base, stride, idx, n, hd);
+        for (int h = 0; h < nq; h++) one(acc + h * lda + hd32, w + h * ldw, base + hd32 * 2, stride, idx, n, hd - hd32);
 }
 
 void scores_f16_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,

@@ -480,7 +480,9 @@ void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsi
 }
 
 // Heads in groups of up to 4 (3 when a row needs more than 4 vectors: registers). Shapes without
-// an instance take the one-head kernels.
+// an instance take the one-head kernels. A head's arithmetic is the same in any group (a group
+// of 1 included), so its output does not depend on how many heads share the call (a tensor
+// split by query heads attends part of a KV head's group).
 template <class Row>
 void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, size_t stride, const int32_t* idx,
                int n, int64_t hd, float scale, float* out, int64_t ldo, float* mx,
@@ -519,7 +521,7 @@ void accum_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, cons
             const float* wh = w + h0 * ldw;
 #define CASE(NV_, G_) \
     if (nv == NV_ && g == G_) accum_mh_t<Row, NV_, G_>(ah, lda, wh, ldw, b, stride, idx, n, last); else
-            CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
+            CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
             CASE(8, 1) CASE(8, 2) CASE(8, 3)
 #undef CASE
             for (int h = 0; h < g; h++) one(ah + h * lda, wh + h * ldw, b, stride, idx, n, len);

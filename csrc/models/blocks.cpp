@@ -160,10 +160,27 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     Tensor* k_cells = view_rows(g, c.kv.k(il, c.shard), c.n_kv);
     Tensor* v_cells = view_rows(g, c.kv.v(il, c.shard), c.n_kv);
     const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
-    Tensor* a = named(flash_attn(g, q, k_cells, v_cells, attn_mask(c), k_stored, v_stored, kq_scale,
-                                 hp.attn_softcap, swa ? hp.sliding_window : 0, w.attn_sinks),
-                      il, "attn");
-    return a;  // the decoder applies the output projection (build_decoder)
+    // Query heads [j0, j0 + nh) of this shard over its KV heads [k0, k0 + nk), nh a multiple of nk.
+    auto attend = [&](int64_t j0, int64_t nh, int64_t k0, int64_t nk) {
+        if (nh == geom.q_heads)
+            return flash_attn(g, q, k_cells, v_cells, attn_mask(c), k_stored, v_stored, kq_scale, hp.attn_softcap,
+                              swa ? hp.sliding_window : 0, w.attn_sinks);
+        const int64_t hv = hp.head_dim_v;
+        Tensor* qs = reshape(g, cont(g, view_cols(g, reshape(g, q, hd * geom.q_heads, n), hd * nh, hd * j0)), hd, nh, n);
+        return flash_attn(g, qs, view_cols(g, k_cells, hd * nk, hd * k0), view_cols(g, v_cells, hv * nk, hv * k0),
+                          attn_mask(c), k_stored, v_stored, kq_scale, hp.attn_softcap, swa ? hp.sliding_window : 0,
+                          w.attn_sinks ? view_cols(g, w.attn_sinks, nh, j0) : nullptr);
+    };
+    // A shard's query heads may begin or end inside a KV head's group (a tensor split by query
+    // heads): those partial groups are attended apart from the whole ones.
+    const int64_t n_rep = hp.n_head / hp.n_head_kv, lead = (n_rep - geom.q_head0 % n_rep) % n_rep;
+    const int64_t first = std::min(lead, geom.q_heads), whole = (geom.q_heads - first) / n_rep * n_rep;
+    Tensor* a = nullptr;
+    auto append = [&](Tensor* part) { a = a ? concat(g, a, part) : part; };
+    if (first) append(attend(0, first, 0, 1));
+    if (whole) append(attend(first, whole, first ? 1 : 0, whole / n_rep));
+    if (first + whole < geom.q_heads) append(attend(first + whole, geom.q_heads - first - whole, geom.kv_heads - 1, 1));
+    return named(a, il, "attn");  // the decoder applies the output projection (build_decoder)
 }
 
 SubBlock build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {

@@ -143,15 +143,26 @@ void Model::build_shards(const std::vector<double>& shares_all) {
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerWeights& L = layers_[il];
         const bool mla = hp.kv_lora_rank > 0;
-        // attention: whole KV heads with their query heads (MLA: query heads), in groups whose
-        // output-projection columns fall on its blocks (summed partial products only)
+        // attention: query heads with the KV heads they read (MLA: query heads); summing partial
+        // products, whole KV heads with their query heads, in groups whose output-projection
+        // columns fall on its blocks
         std::vector<std::pair<int64_t, int64_t>> qr, kvr;
         if (mla) {
             qr = ranges(hp.n_head, gathers ? 1 : items_per_block(hp.head_dim_v_mla, block_elems(L.wo)), shares);
             for (auto& q : qr) kvr.push_back({0, q.second ? 1 : 0});
+        } else if (gathers) {
+            // query heads by the shares; a shard computes and caches the KV heads its query heads
+            // read, so a KV head whose query heads two shards share is on both (3 KV heads over 2
+            // devices went 2 + 1, and one device waited for the other's extra head at every layer)
+            const int64_t n_rep = hp.n_head / hp.n_head_kv;
+            qr = ranges(hp.n_head, 1, shares);
+            for (auto& q : qr) {
+                const int64_t k0 = q.first / n_rep, k1 = (q.first + q.second + n_rep - 1) / n_rep;
+                kvr.push_back({k0, q.second ? k1 - k0 : 0});
+            }
         } else {
             const int64_t n_rep = hp.n_head / hp.n_head_kv;
-            kvr = ranges(hp.n_head_kv, gathers ? 1 : items_per_block(n_rep * hp.head_dim_v, block_elems(L.wo)), shares);
+            kvr = ranges(hp.n_head_kv, items_per_block(n_rep * hp.head_dim_v, block_elems(L.wo)), shares);
             for (auto& k : kvr) qr.push_back({k.first * n_rep, k.second * n_rep});
         }
         // The FFN rows by the shares, like everything else that can be cut finely: the devices meet
