@@ -152,16 +152,27 @@ def test_contexts_on_several_threads_at_once_repeat_their_bits():
 def test_the_shards_cover_every_layer_once():
     path = str(get_model("qwen3moe-tiny"))
     whole = stowlm.Model(path).shards[0]
-    for shares in ([1, 1], [3, 1], [2, 0, 1, 1], [5, 1, 1]):
-        shards = _tp(path, shares).shards
-        assert [s["device"] for s in shards] == [d for d, s in enumerate(shares) if s > 0]
-        assert sum(s["vocab"] for s in shards) == whole["vocab"]
-        for il, layer in enumerate(whole["layers"]):
-            for key in ("q_heads", "kv_heads", "ffn_rows", "expert_rows", "shexp_rows", "embd_rows"):
-                assert sum(s["layers"][il][key] for s in shards) == layer[key], (shares, il, key)
-    # uneven: 3 KV heads of smollm2 over 2 devices go 2 + 1 (whole heads with their queries)
-    s = _tp(str(get_model("smollm2-135m")), [1, 1]).shards
-    assert [x["layers"][0]["kv_heads"] for x in s] == [2, 1] and [x["layers"][0]["q_heads"] for x in s] == [6, 3]
+    for mode in ("tensor", "tensor-sum"):
+        for shares in ([1, 1], [3, 1], [2, 0, 1, 1], [5, 1, 1]):
+            shards = _tp(path, shares, mode).shards
+            assert [s["device"] for s in shards] == [d for d, s in enumerate(shares) if s > 0]
+            assert sum(s["vocab"] for s in shards) == whole["vocab"]
+            for il, layer in enumerate(whole["layers"]):
+                for key in ("q_heads", "ffn_rows", "expert_rows", "shexp_rows") + (
+                        ("embd_rows",) if mode == "tensor" else ("kv_heads",)):
+                    assert sum(s["layers"][il][key] for s in shards) == layer[key], (mode, shares, il, key)
+                # by query heads: each shard has the KV heads its query heads read
+                n_rep, q0 = layer["q_heads"] // layer["kv_heads"], 0
+                for s in shards:
+                    nq = s["layers"][il]["q_heads"]
+                    want = (q0 + nq - 1) // n_rep - q0 // n_rep + 1 if nq else 0
+                    assert s["layers"][il]["kv_heads"] == want, (mode, shares, il)
+                    q0 += nq
+    # 3 KV heads of smollm2 over 2 devices: query heads 5 + 4, the middle KV head on both;
+    # summing partial products, whole KV heads with their queries, 2 + 1
+    for mode, q, kv in (("tensor", [5, 4], [2, 2]), ("tensor-sum", [6, 3], [2, 1])):
+        s = _tp(str(get_model("smollm2-135m")), [1, 1], mode).shards
+        assert [x["layers"][0]["kv_heads"] for x in s] == kv and [x["layers"][0]["q_heads"] for x in s] == q
     # the FFN rows and the output projections' rows of n_embd follow the shares (in groups of 16
     # rows; summing partial products, in whole blocks of the down projection, 32 for Q4_1): the
     # devices meet around each projection, so each part is balanced on its own
@@ -221,7 +232,7 @@ def test_fit_picks_shares_from_free_memory_and_they_load(tmp_path):
         assert r["allocated"] == d.projected["total"] <= d.free - d.margin
     # what it cannot split (the whole embedding on the first device, the gathered logits on the
     # last) may force the roomiest device first
-    p = fit.fit(path, "cpu:0[mem=24MiB],cpu:1[mem=64MiB]", split_mode="tensor", max_ctx=4096)
+    p = fit.fit(path, "cpu:0[mem=18MiB],cpu:1[mem=64MiB]", split_mode="tensor", max_ctx=4096)
     assert [d.name for d in p.used_devices][0] == "cpu:1" and "reordered" in p.explain()
     with pytest.raises(fit.FitError, match="cpu:0 is short"):
         fit.fit(path, "cpu:0[mem=8MiB],cpu:1[mem=8MiB]", split_mode="tensor")

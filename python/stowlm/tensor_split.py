@@ -82,6 +82,7 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode
     def settle(ctx: int):
         """Shares with which every device fits at ctx (None: none found), and the projection."""
         sh = list(base)
+        seen = []  # (shares as fractions, totals) of the rounds so far
         for _ in range(_ROUNDS):
             proj = project(ctx, sh)
             short = over(proj)
@@ -89,8 +90,23 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode
                 return sh, proj
             if given or "host RAM" in short or all(d.name in short for d in devs):
                 return None, proj
-            # shrink the devices that are short, in proportion to how far over they are
-            sh = [s * (min(1.0, d.room / p["total"]) if p["total"] else 1.0) for s, d, p in zip(sh, devs, proj)]
+            frac = [s / sum(sh) for s in sh]
+            totals = [p["total"] for p in proj]
+            nxt = []
+            for i, (f, d, t) in enumerate(zip(frac, devs, totals)):
+                if t <= d.room:
+                    nxt.append(f)
+                    continue
+                # A device's total is what it holds whatever its share (the gathered activations,
+                # the input embedding) plus bytes in proportion to its share: the line through an
+                # earlier round with another share says where it meets the room (a step at most
+                # twice the proportional one); without one, shrink in proportion to how far over.
+                prev = next(((pf[i], pt[i]) for pf, pt in reversed(seen) if pf[i] != f), None)
+                slope = (t - prev[1]) / (f - prev[0]) if prev else 0.0
+                step = f * d.room / t
+                nxt.append(max(step * d.room / t, f - (t - d.room) / slope * 1.02) if slope > 0 else step)
+            seen.append((frac, totals))
+            sh = nxt
             if sum(sh) <= 0:
                 return None, proj
         return None, proj
