@@ -1,13 +1,17 @@
 """Tensor parallelism on this machine's cores: two CPU devices of one thread each with an even
-tensor split, against one device with one thread and one device with two, through stowlm-bench
-(pp512 and tg128, alternating the configurations each round so drift treats them alike).
+tensor split (-sm tensor: rows gathered, one device's bits; -sm tensor-sum: partial products
+summed), against one device with one thread and one device with two, and a layer split, through
+stowlm-bench (pp512 and tg128, alternating the configurations each round so drift treats them
+alike).
 
     python bench/tp_bench.py [-m MODEL.gguf ...] [--bench build/stowlm-bench] [--rounds 3]
 
-Prints tokens/s per configuration and the ratios the tensor split is held to, and what the
-all-reduces move: per generated token 2 x n_layer reductions of an n_embd row of floats per
-shard; a mixture-of-experts layer reduces once after its experts' weighted sum (and a shared
-expert's part), not once per picked expert, which would be n_expert_used times the traffic.
+Prints tokens/s per configuration, the ratios the tensor split is held to, and what the shards'
+meetings move per generated token: -sm tensor gathers, per layer, the heads' attention output,
+the output projection's rows, the FFN's activations and the down projection's rows (4
+meetings); -sm tensor-sum reduces an n_embd row twice per layer (2 meetings). A mixture-of-
+experts layer meets once after its picked experts' weighted sum (and a shared expert's part),
+not once per picked expert, which would move n_expert_used times as much.
 """
 import argparse
 import json
@@ -23,6 +27,7 @@ CONFIGS = {
     "1 device, 1 thread": ["-dev", "cpu:0[threads=1]"],
     "1 device, 2 threads": ["-dev", "cpu:0[threads=2]"],
     "tensor 1:1, 1+1 threads": ["-dev", "cpu:0[threads=1],cpu:1[threads=1]", "-sm", "tensor", "-ts", "1,1"],
+    "tensor-sum 1:1, 1+1 threads": ["-dev", "cpu:0[threads=1],cpu:1[threads=1]", "-sm", "tensor-sum", "-ts", "1,1"],
     "layers 1:1, 1+1 threads": ["-dev", "cpu:0[threads=1],cpu:1[threads=1]"],
 }
 
@@ -63,23 +68,39 @@ def main():
         print(f"\n{os.path.basename(model)}:")
         for c, m in med.items():
             print(f"  {c:26s} pp{a.p} {m['pp']:8.1f} t/s   tg{a.n} {m['tg']:7.1f} t/s")
-        tp, one, two = med["tensor 1:1, 1+1 threads"], med["1 device, 1 thread"], med["1 device, 2 threads"]
-        print(f"  tensor split: tg {tp['tg'] / one['tg']:.2f}x one thread (target 1.7), "
-              f"{tp['tg'] / two['tg']:.2f}x two threads (target 0.9); pp {tp['pp'] / two['pp']:.2f}x two threads "
-              f"(target 0.85)")
-        p = _core.engine.Projector(model)
-        meta = json.loads(subprocess.run([sys.executable, "-c", f"import stowlm; m = stowlm.Model({model!r}); "
-                                          "print(__import__('json').dumps([m.n_embd, m.n_layer]))"],
-                                         capture_output=True, text=True, check=True,
-                                         env=dict(os.environ, PYTHONPATH=os.path.join(HERE, "..", "python"))).stdout)
-        n_embd, n_layer = meta
-        row = n_embd * 4
-        print(f"  all-reduce: {2 * n_layer} per token, each shard's partial {row} B (an n_embd row of floats); "
-              f"with 2 shards each reads the other's: {2 * n_layer * row} B per shard per token")
-        if p.n_expert:
-            k = p.n_expert_used
-            print(f"  experts: one reduction after the weighted sum of the {k} picked experts instead of {k}: "
-                  f"{n_layer * row * (k - 1)} B per shard per token saved ({k}x less for the FFN)")
+        one, two = med["1 device, 1 thread"], med["1 device, 2 threads"]
+        for mode in ("tensor", "tensor-sum"):
+            tp = med[f"{mode} 1:1, 1+1 threads"]
+            print(f"  {mode}: tg {tp['tg'] / one['tg']:.2f}x one thread (target 1.7), {tp['tg'] / two['tg']:.2f}x two "
+                  f"threads (target 0.9); pp {tp['pp'] / two['pp']:.2f}x two threads (target 0.85)")
+        traffic(model)
+
+
+def traffic(model):
+    """Bytes each of two shards reads of the other's per generated token, by split mode."""
+    from stowlm import gguffile
+
+    f = gguffile.open(model)
+    shapes = {t.name: t.shape for t in f.tensors}
+    meta = f.metadata
+    arch = meta["general.architecture"]
+    n_layer, n_embd = meta[f"{arch}.block_count"], meta[f"{arch}.embedding_length"]
+    k = meta.get(f"{arch}.expert_used_count", 0)
+    gathered = summed = saved_g = saved_s = 0
+    for il in range(n_layer):
+        w = lambda n: shapes.get(f"blk.{il}.{n}.weight")  # noqa: E731
+        act = w("ffn_down")[-1] if w("ffn_down") else 0  # shapes in numpy order: [-1] is ne0
+        if w("ffn_down_exps"):
+            act = k * w("ffn_down_exps")[-1] + (w("ffn_down_shexp")[-1] if w("ffn_down_shexp") else 0)
+            saved_g += (k - 1) * n_embd * 4 // 2
+            saved_s += (k - 1) * n_embd * 4
+        gathered += (w("attn_output")[-1] + n_embd + act + n_embd) * 4 // 2
+        summed += 2 * n_embd * 4
+    print(f"  per token and shard, read of the other shard: tensor {gathered} B ({4 * n_layer} gathers), "
+          f"tensor-sum {summed} B ({2 * n_layer} all-reduces)")
+    if k:
+        print(f"  experts: one meeting after the weighted sum of the {k} picked experts instead of {k}: "
+              f"{saved_g} B (tensor) / {saved_s} B (tensor-sum) per shard per token saved")
 
 
 if __name__ == "__main__":

@@ -225,15 +225,16 @@ def test_split_between_cpu_and_cuda(model_path, name, devices, split, overrides)
         assert report[1]["weights"] > 0 and report[1]["copies"] > 0
 
 
+@pytest.mark.parametrize("mode", ["tensor", "tensor-sum"])
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3moe-tiny", "deepseek2-tiny"])
 @pytest.mark.parametrize("devices,shares", [([CUDA, CPU], [1, 1]), ([CPU, CUDA], [3, 1]),
                                             ([CUDA, "cuda:1"], [1, 1]), ([CUDA, CPU, "cuda:1"], [1, 1, 1])])
-def test_tensor_split_over_cuda_and_cpu(model_path, name, devices, shares):
-    """Tensor parallelism with CUDA shards (the all-reduce gathering partials by peer copies,
-    uploads and reads back, summed in shard order on each device): the fixture prompts give one
-    device's distributions as test_tensor_parallel.py asks of CPU splits, the same bits twice, and
-    exact memory accounting. (Without a GPU, tests/test_cuda_tp_emulated.py checks the same
-    plumbing against the CPU split bit for bit.)"""
+def test_tensor_split_over_cuda_and_cpu(model_path, name, devices, shares, mode):
+    """Tensor parallelism with CUDA shards (the all-gathers' and all-reduces' parts fetched by peer
+    copies, uploads and reads back, placed or summed in shard order on each device): the fixture
+    prompts give one device's distributions (a CUDA and a CPU shard round differently, so not one
+    device's bits), the same bits twice, and exact memory accounting. (Without a GPU,
+    tests/test_cuda_tp_emulated.py checks the same plumbing against the CPU split bit for bit.)"""
     from stowlm import _core
     from test_tensor_parallel import _kl
 
@@ -243,7 +244,7 @@ def test_tensor_split_over_cuda_and_cpu(model_path, name, devices, shares):
     path = model_path(name)
     prompts = [r["ids"] for r in load_fixture(name) if r["kind"] == "logits"]
     one = stowlm.Model(path, devices=[CPU])
-    model = stowlm.Model(path, devices=devices, split_mode="tensor", tensor_split=shares)
+    model = stowlm.Model(path, devices=devices, split_mode=mode, tensor_split=shares)
     ctx = stowlm.Context(model, n_ctx=256)
     assert ctx._c.check_plan() == ""
     kl, agree = [], []
@@ -256,7 +257,7 @@ def test_tensor_split_over_cuda_and_cpu(model_path, name, devices, shares):
         kl += list(_kl(ref, got))
         top = np.sort(ref, -1)
         agree += list((ref.argmax(-1) == got.argmax(-1)) | (top[:, -1] - top[:, -2] < 0.1))
-    print(f"{name} {devices} {shares}: mean KL {np.mean(kl):.2e}, top-1 {np.mean(agree):.3f}")
+    print(f"{name} {mode} {devices} {shares}: mean KL {np.mean(kl):.2e}, top-1 {np.mean(agree):.3f}")
     kl_bar, top1_bar = (0.02, 0.95) if name in LOOSE and any(d.startswith("cuda") for d in devices) else (0.01, 0.97)
     assert np.mean(kl) < kl_bar and np.mean(agree) >= top1_bar, (name, devices, np.mean(kl), np.mean(agree))
     assert_exact_accounting(ctx)

@@ -282,9 +282,11 @@ class Placement:
         return _render(head, rows, 3) + "\n" + self.summary()
 
     def _tensor_table(self) -> str:
-        """Each device's share of every kind of tensor and of the KV cache, and its bytes."""
-        head = ["device", "share", "heads", "KV heads", "FFN rows", "experts", "vocab", "weights", "KV", "compute",
-                "total", "free after", "margin"]
+        """Each device's share of every kind of tensor and of the KV cache, and its bytes. "out rows":
+        the rows of n_embd the output projections give (split_mode="tensor"; "-" when the partial
+        products are summed instead)."""
+        head = ["device", "share", "heads", "KV heads", "FFN rows", "experts", "out rows", "vocab", "weights", "KV",
+                "compute", "total", "free after", "margin"]
         kv_all = sum(d.projected["kv"] for d in self.devices) or 1
         rows = []
 
@@ -294,11 +296,12 @@ class Placement:
 
         for d in self.devices:
             if d.shard is None:
-                rows.append([d.name, "left out"] + ["-"] * 9 + [format_size(d.free), format_size(d.margin)])
+                rows.append([d.name, "left out"] + ["-"] * 10 + [format_size(d.free), format_size(d.margin)])
                 continue
             s, p = d.shard, d.projected
             row = [d.name, f"{s['share']:.1%}", pct(s["q_heads"]), f"{p['kv'] / kv_all:.0%}" if s["kv_heads"][1] else "-",
-                   pct(s["ffn_rows"]), pct(s.get("expert_rows", s["experts"])), pct(s["vocab"])] + \
+                   pct(s["ffn_rows"]), pct(s.get("expert_rows", s["experts"])), pct(s.get("embd_rows", (0, 0))),
+                   pct(s["vocab"])] + \
                   [format_size(p[k]) for k in ("weights", "kv", "compute", "total")] + \
                   [format_size(d.free - p["total"]), format_size(d.margin)]
             rows.append(row + _allocated(d))
