@@ -162,14 +162,15 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     const float kq_scale = hp.attn_scale > 0 ? hp.attn_scale : 1.0f / std::sqrt((float)hd);
     // Query heads [j0, j0 + nh) of this shard over its KV heads [k0, k0 + nk), nh a multiple of nk.
     auto attend = [&](int64_t j0, int64_t nh, int64_t k0, int64_t nk) {
-        if (nh == geom.q_heads)
-            return flash_attn(g, q, k_cells, v_cells, attn_mask(c), k_stored, v_stored, kq_scale, hp.attn_softcap,
-                              swa ? hp.sliding_window : 0, w.attn_sinks);
+        const bool all = nh == geom.q_heads;
         const int64_t hv = hp.head_dim_v;
-        Tensor* qs = reshape(g, cont(g, view_cols(g, reshape(g, q, hd * geom.q_heads, n), hd * nh, hd * j0)), hd, nh, n);
-        return flash_attn(g, qs, view_cols(g, k_cells, hd * nk, hd * k0), view_cols(g, v_cells, hv * nk, hv * k0),
-                          attn_mask(c), k_stored, v_stored, kq_scale, hp.attn_softcap, swa ? hp.sliding_window : 0,
-                          w.attn_sinks ? view_cols(g, w.attn_sinks, nh, j0) : nullptr);
+        Tensor* qs = all ? q : reshape(g, cont(g, view_cols(g, reshape(g, q, hd * geom.q_heads, n), hd * nh, hd * j0)),
+                                       hd, nh, n);
+        Tensor* ks = all ? k_cells : view_cols(g, k_cells, hd * nk, hd * k0);
+        Tensor* vs = all ? v_cells : view_cols(g, v_cells, hv * nk, hv * k0);
+        Tensor* sinks = all || !w.attn_sinks ? w.attn_sinks : view_cols(g, w.attn_sinks, nh, j0);
+        return flash_attn(g, qs, ks, vs, attn_mask(c), k_stored, v_stored, kq_scale, hp.attn_softcap,
+                          swa ? hp.sliding_window : 0, sinks);
     };
     // A shard's query heads may begin or end inside a KV head's group (a tensor split by query
     // heads): those partial groups are attended apart from the whole ones.
@@ -241,7 +242,7 @@ SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     SubBlock sb;
     sb.mid = {act};
     if (has_shexp) sb.mid.push_back(sh_act);
-    sb.out = [&c, il, x, w, weights, experts](const std::vector<Tensor*>& v) -> Tensor* {
+    sb.out = [&c, il, x, &w, weights, experts](const std::vector<Tensor*>& v) -> Tensor* {
         Graph& g = c.g;
         Tensor* out = nullptr;
         if (v[0] && w.ffn_down_exps)
