@@ -1,7 +1,8 @@
 // Tensor parallelism: every layer cut over the devices with a share (model.h: ShardGeometry).
 // Row ranges of a file tensor are contiguous, so those shards are views into the mapping;
-// column ranges (the attention output projection, FFN down) are copied into their device's
-// buffer at load. Small tensors every shard needs (norms, the router) are repeated.
+// column ranges (the output projections when the shards sum partial products) and the rows of
+// every matrix of an expert stack are copied into their device's buffer at load. Small tensors
+// every shard needs (norms, the router) are repeated.
 #include <cmath>
 #include <cstring>
 #include <numeric>
