@@ -239,6 +239,16 @@ def test_fit_picks_shares_from_free_memory_and_they_load(tmp_path):
     # shares the user gives are kept
     p = fit.fit(path, "cpu:0,cpu:1", split_mode="tensor", tensor_split=[3, 1], n_ctx=1024)
     assert [round(d.shard["share"], 3) for d in p.devices] == [0.75, 0.25] and p.n_ctx == 1024
+    # the summing split: its own projection (column copies, no gathered activations), kept by the
+    # saved placement
+    q = fit.fit(path, "cpu:0,cpu:1", split_mode="tensor-sum", tensor_split=[3, 1], n_ctx=1024)
+    assert q.split_mode == "tensor-sum" and "tensor-sum split" in q.table()
+    assert [d.projected["total"] for d in q.devices] != [d.projected["total"] for d in p.devices]
+    q.save(tmp_path / "q.json")
+    model = stowlm.Model(path, placement=str(tmp_path / "q.json"))
+    assert model.split_mode == "tensor-sum"
+    for d, r in zip(q.used_devices, stowlm.Context(model).memory_report()):
+        assert r["allocated"] == d.projected["total"]
 
 
 def test_llm_and_cli_take_a_tensor_split():
