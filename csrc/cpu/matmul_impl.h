@@ -102,7 +102,9 @@ void quantize_act(Isa isa, DotFamily fam, const float* x, void* dst, int64_t n);
 // micro-batches rely on. (The GEMMs overtake the row kernels from about 16 tokens for every
 // format, bench-matmul --ntok 8,12,16,20; the bound stays where attention switches too.)
 constexpr int64_t kBatchMinTokens = kCpuBatchedMinTokens;
-constexpr int64_t kAmxMinTokens = 24;
+// AMX is one of those batched kernels: the same bound, or a token's product would change class
+// inside one of Model::batch_bounds' ranges on an AMX CPU.
+constexpr int64_t kAmxMinTokens = kBatchMinTokens;
 // Whole product on AMX tiles (rows split over the pool); false when this type/shape is
 // better left to the AVX-512 path.
 bool matmul_amx(const MatmulArgs& a, ThreadPool& pool);
