@@ -340,19 +340,18 @@ Tensor* local_ids(Graph& g, Tensor* ids, int64_t first, int64_t n) {
     return t;
 }
 
-std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices,
-                                int64_t ne0, int64_t ne1) {
-    if (parts.size() != devices.size() || parts.empty())
-        throw InvalidInput("graph: all_reduce needs one part (or null) per device");
-    for (Tensor* p : parts)
-        if (p) check(p->type == QType::F32 && p->is_contiguous() && p->ne[0] == ne0 && p->n_rows() == ne1, "all_reduce",
-                     p, "parts must be contiguous F32 of the reduced shape");
+// A collective over parts (one per shard, null where a shard gives nothing) and its nodes: one
+// per shard, on devices[s], of shape ne, reading that shard's part.
+static std::vector<Tensor*> collective_nodes(Graph& g, Op op, const std::vector<Tensor*>& parts,
+                                             const std::vector<int>& devices, const int64_t (&ne)[4],
+                                             std::vector<int64_t> row0 = {}) {
     Collective* c = g.new_collective();
     c->parts = parts;
     c->shards.resize(parts.size());
+    c->row0 = std::move(row0);
     for (size_t s = 0; s < parts.size(); s++) {
-        Tensor* t = g.new_tensor("all_reduce", QType::F32, ne0, ne1);
-        t->op = Op::ALL_REDUCE;
+        Tensor* t = g.new_tensor(op_name(op), QType::F32, ne[0], ne[1], ne[2], ne[3]);
+        t->op = op;
         t->src[0] = parts[s];
         t->device = devices[s];
         t->iparams[0] = (int32_t)s;
@@ -363,34 +362,35 @@ std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, con
     return c->outs;
 }
 
-std::vector<Tensor*> all_gather(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices) {
+static void check_shards(const std::vector<Tensor*>& parts, const std::vector<int>& devices, const char* what) {
     if (parts.size() != devices.size() || parts.empty())
-        throw InvalidInput("graph: all_gather needs one part (or null) per device");
+        throw InvalidInput(std::string("graph: ") + what + " needs one part (or null) per device");
+}
+
+std::vector<Tensor*> all_reduce(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices,
+                                int64_t ne0, int64_t ne1) {
+    check_shards(parts, devices, "all_reduce");
+    for (Tensor* p : parts)
+        if (p) check(p->type == QType::F32 && p->is_contiguous() && p->ne[0] == ne0 && p->n_rows() == ne1, "all_reduce",
+                     p, "parts must be contiguous F32 of the reduced shape");
+    return collective_nodes(g, Op::ALL_REDUCE, parts, devices, {ne0, ne1, 1, 1});
+}
+
+std::vector<Tensor*> all_gather(Graph& g, const std::vector<Tensor*>& parts, const std::vector<int>& devices) {
+    check_shards(parts, devices, "all_gather");
     const Tensor* shape = nullptr;
     for (Tensor* p : parts)
         if (p && !shape) shape = p;
     if (!shape) throw InvalidInput("graph: all_gather of no parts");
-    Collective* c = g.new_collective();
-    c->parts = parts;
-    c->shards.resize(parts.size());
-    c->row0 = {0};
+    std::vector<int64_t> row0 = {0};
     for (Tensor* p : parts) {
         if (p) check(p->type == QType::F32 && p->is_contiguous() && p->ne[1] == shape->ne[1] &&
                          p->ne[2] == shape->ne[2] && p->ne[3] == shape->ne[3],
                      "all_gather", p, "parts must be contiguous F32 alike but for their rows");
-        c->row0.push_back(c->row0.back() + (p ? p->ne[0] : 0));
+        row0.push_back(row0.back() + (p ? p->ne[0] : 0));
     }
-    for (size_t s = 0; s < parts.size(); s++) {
-        Tensor* t = g.new_tensor("all_gather", QType::F32, c->row0.back(), shape->ne[1], shape->ne[2], shape->ne[3]);
-        t->op = Op::ALL_GATHER;
-        t->src[0] = parts[s];
-        t->device = devices[s];
-        t->iparams[0] = (int32_t)s;
-        t->collective = c;
-        g.add_node(t);
-        c->outs.push_back(t);
-    }
-    return c->outs;
+    const int64_t ne[4] = {row0.back(), shape->ne[1], shape->ne[2], shape->ne[3]};
+    return collective_nodes(g, Op::ALL_GATHER, parts, devices, ne, std::move(row0));
 }
 
 // A barrier of outs.size() shards: the last to arrive opens it for all. Waiters spin a little

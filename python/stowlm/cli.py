@@ -10,6 +10,7 @@ import time
 from typing import List, Optional
 
 from . import __version__
+from .placement import SPLIT_MODES
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -50,7 +51,7 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
     g.add_argument("--kv-type", default=None, choices=["f16", "q8_0"], help="KV cache type (default f16)")
     g.add_argument("--layer-split", default=None, metavar="N,N,...",
                    help="layers per device, in the order of --devices")
-    g.add_argument("-sm", "--split-mode", default=None, choices=["layer", "tensor", "tensor-sum"],
+    g.add_argument("-sm", "--split-mode", default=None, choices=SPLIT_MODES,
                    help="layer: ranges of layers per device (default); tensor: every layer cut over the "
                         "devices, which all work on every token (tensor parallelism; the logits one device's "
                         "bit for bit); tensor-sum: the same, the devices' partial products summed (half the "
@@ -84,7 +85,7 @@ def _placement_kwargs(a: argparse.Namespace) -> dict:
     devices = a.devices.strip() if a.devices else None
     split = _number_list(a.layer_split, "--layer-split", int, "integers")
     shares = _number_list(a.tensor_split, "--tensor-split", float, "numbers")
-    if shares is not None and a.split_mode not in ("tensor", "tensor-sum"):
+    if shares is not None and a.split_mode in (None, "layer"):
         raise ValueError("--tensor-split needs -sm tensor or tensor-sum")
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _core
 from .devices import DeviceSpec, parse_devices
-from .placement import SPLIT_MODES
+from .placement import check_split_mode
 
 _native = _core.engine
 _log = logging.getLogger("stowlm")
@@ -238,8 +238,7 @@ SHARD_FIELDS = ("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "exp
 def _tensor_split(split_mode: str, tensor_split, n_dev: int, layer_split=None, overrides=None,
                   tensor_overrides=None) -> List[float]:
     """The shares the core takes: [] for a layer split; one per device for a tensor split."""
-    if split_mode not in SPLIT_MODES:
-        raise ValueError(f"split_mode must be one of {', '.join(map(repr, SPLIT_MODES))}, got {split_mode!r}")
+    check_split_mode(split_mode)
     if split_mode == "layer":
         if tensor_split is not None:
             raise ValueError("tensor_split needs split_mode='tensor' or 'tensor-sum'")

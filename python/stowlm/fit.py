@@ -49,7 +49,7 @@ from . import _core
 from . import split as splitting
 from .devices import DeviceSpec, cuda_devices, parse_bytes, parse_devices
 from .engine import DEFAULT_N_COPIES, _interleave, _n_copies, _tensor_overrides, layer_devices, tensor_names
-from .placement import SPLIT_MODES, DevicePlacement, Placement, format_size, slot_context
+from .placement import DevicePlacement, Placement, check_split_mode, format_size, slot_context
 
 __all__ = ["fit", "FitError", "Placement", "default_margin", "DEFAULT_MAX_CTX", "DEFAULT_FIT_CTX", "CTX_STEP"]
 
@@ -884,8 +884,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     if n_cpu_moe is not None:
         set_by["n_cpu_moe"] = f"set by the user (--n-cpu-moe {n_cpu_moe})"
     split_mode = split_mode or "layer"
-    if split_mode not in SPLIT_MODES:
-        raise ValueError(f"split_mode must be one of {', '.join(map(repr, SPLIT_MODES))}, got {split_mode!r}")
+    check_split_mode(split_mode)
     if tensor_split is not None and split_mode == "layer":
         raise ValueError("tensor_split needs split_mode='tensor' or 'tensor-sum'")
     if placement is not None:

@@ -432,7 +432,7 @@ def _command(job: Job, a, cli) -> int:
     if getattr(a, "placement", None):
         raise ValueError("--placement is not supported under mpirun yet: give --devices (each rank its own) and "
                          "--layer-split (every device of the job) or let the ranks split the layers")
-    if a.split_mode in ("tensor", "tensor-sum"):
+    if a.split_mode not in (None, "layer"):
         raise ValueError(f"-sm {a.split_mode} cuts every layer over the devices of one process; under mpirun the "
                          "ranks split the layers")
     if getattr(a, "threads", None) and not a.devices:

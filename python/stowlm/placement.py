@@ -21,6 +21,12 @@ from .devices import DeviceSpec, parse_device
 # product as on one device); tensor-sum: every layer cut, partial products summed
 SPLIT_MODES = ("layer", "tensor", "tensor-sum")
 
+
+def check_split_mode(mode, where: str = "split_mode") -> str:
+    if mode not in SPLIT_MODES:
+        raise ValueError(f"{where} must be one of {', '.join(map(repr, SPLIT_MODES))}, got {mode!r}")
+    return mode
+
 PROJECTED_KEYS = ("weights", "kv", "compute", "copies", "total")
 FORMAT = "stowlm-placement/1"
 
@@ -162,9 +168,7 @@ class Placement:
         for key in ("arch", "fingerprint"):
             r.str(model.get(key), f"model.{key}")
         r.int(model.get("n_layer"), "model.n_layer", 1)
-        if data.get("split_mode", "layer") not in SPLIT_MODES:
-            raise ValueError(f"{source}: split_mode {data.get('split_mode')!r} is not one of "
-                             f"{', '.join(map(repr, SPLIT_MODES))}")
+        check_split_mode(data.get("split_mode", "layer"), f"{source}: split_mode")
         devices = []
         items = r.list(data.get("devices"), "devices")
         if not items:
@@ -239,9 +243,6 @@ class Placement:
         if host is not None:
             r.dict(host, "host")
             host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
-        if split_mode not in SPLIT_MODES:
-            raise ValueError(f"placement: split_mode must be one of {', '.join(map(repr, SPLIT_MODES))}, got "
-                             f"{split_mode!r}")
         tensor_split = data.get("tensor_split")
         if tensor_split is not None:
             tensor_split = [float(x) for x in r.list(tensor_split, "tensor_split")]
