@@ -68,6 +68,8 @@ PipelineMode pipeline_mode(const Model& m, const Graph& worst, int n_copies) {
         mode.reason = "n_copies is 1";
     else if (devices.size() < 2)
         mode.reason = "one device computes everything";
+    else if (m.tensor_parallel())  // (and a device would meet another micro-batch's shards)
+        mode.reason = "tensor parallelism: every device works on every layer";
     else
         mode.reason = pipeline_blocker(worst, m.backends());
     mode.n_copies = mode.reason.empty() ? n_copies : 1;

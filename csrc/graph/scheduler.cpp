@@ -52,6 +52,40 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
     return dev;
 }
 
+// Joins each split that receives no copy to its device's previous split when that one sends none:
+// nothing crosses devices between them, so the hand-over between them only costs time (a tensor
+// split's devices meet 4 times a layer inside their splits, and each meeting started a split).
+void join_quiet_splits(Graph& g) {
+    std::map<const Tensor*, int> split_at;
+    for (int j = 0; j < (int)g.splits.size(); j++)
+        for (const Tensor* n : g.splits[j].nodes) split_at[n] = j;
+    std::vector<char> sends(g.splits.size(), 0), receives(g.splits.size(), 0);
+    for (int j = 0; j < (int)g.splits.size(); j++)
+        for (const Tensor* n : g.splits[j].nodes) {
+            if (n->op != Op::COPY) continue;
+            receives[j] = 1;
+            auto it = split_at.find(n->src[0]->storage_root());
+            if (it != split_at.end()) sends[it->second] = 1;
+        }
+    std::vector<Split> joined;
+    std::map<int, int> last_of_device;  // device -> index in joined
+    std::vector<char> joined_sends;
+    for (int j = 0; j < (int)g.splits.size(); j++) {
+        Split& s = g.splits[j];
+        auto prev = last_of_device.find(s.device);
+        if (!receives[j] && prev != last_of_device.end() && !joined_sends[prev->second]) {
+            Split& p = joined[prev->second];
+            p.nodes.insert(p.nodes.end(), s.nodes.begin(), s.nodes.end());
+            joined_sends[prev->second] = sends[j];
+            continue;
+        }
+        last_of_device[s.device] = (int)joined.size();
+        joined.push_back(std::move(s));
+        joined_sends.push_back(sends[j]);
+    }
+    g.splits = std::move(joined);
+}
+
 }  // namespace
 
 void schedule(Graph& g, const std::vector<Backend*>& backends) {
@@ -102,6 +136,7 @@ void schedule(Graph& g, const std::vector<Backend*>& backends) {
         }
         split.nodes.push_back(n);
     }
+    join_quiet_splits(g);
 }
 
 }  // namespace stowlm
