@@ -42,8 +42,14 @@ struct Collective {
         void* ready = nullptr;
     };
     std::vector<Published> shards;
+    // False where every shard is in host memory: a shard then goes on without waiting for the
+    // others to have read its part, which the planner keeps unwritten until that shard's next
+    // collective (last_uses), where no shard arrives before it has read them all.
+    bool leave_waits = true;
     void meet() { wait_all(); }
-    void leave() { wait_all(); }
+    void leave() {
+        if (leave_waits) wait_all();
+    }
     void abort();
     void reset();  // before a run: forget an abort
 

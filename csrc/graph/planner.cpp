@@ -83,6 +83,30 @@ bool may_run_in_place(Op op) {
 
 bool is_placed(const Tensor* t) { return t->op != Op::NONE && t->op != Op::VIEW && t->nbytes() > 0; }
 
+// Last use of every placed tensor (through any view of it). A collective's part whose shard
+// leaves without waiting (Collective::leave_waits) is kept to its device's next collective, or
+// to the end: the other shards may still read it until they meet there.
+std::unordered_map<const Tensor*, int> last_uses(const std::vector<Tensor*>& order) {
+    std::unordered_map<const Tensor*, int> last_use;
+    std::map<int, const Tensor*> open_part;  // device -> part of its last collective that did not wait
+    auto close = [&](int dev, int i) {
+        auto it = open_part.find(dev);
+        if (it == open_part.end()) return;
+        last_use[it->second] = std::max(last_use[it->second], i);
+        open_part.erase(it);
+    };
+    for (int i = 0; i < (int)order.size(); i++) {
+        const Tensor* n = order[i];
+        for (int s = 0; s < n->n_src(); s++)
+            if (Tensor* src = n->src[s]) last_use[src->storage_root()] = i;
+        if (!is_collective(n->op)) continue;
+        close(n->device, i);
+        if (!n->collective->leave_waits && n->src[0]) open_part[n->device] = n->src[0]->storage_root();
+    }
+    for (auto& [dev, part] : open_part) last_use[part] = (int)order.size() - 1;
+    return last_use;
+}
+
 }  // namespace
 
 size_t DeviceComputePlan::copy_area_offset() const { return align_up(tensor_bytes); }
@@ -101,15 +125,14 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
     plan.sizes.assign(order.size(), 0);
     plan.ops.resize(order.size());
 
-    // Liveness: last use of every placed tensor (through any view of it).
-    std::unordered_map<const Tensor*, int> index, last_use;
+    std::unordered_map<const Tensor*, int> index;
     for (int i = 0; i < (int)order.size(); i++) {
         index[order[i]] = i;
         plan.ops[i] = order[i]->op;
     }
-    for (int i = 0; i < (int)order.size(); i++)
-        for (int s = 0; s < order[i]->n_src(); s++)
-            if (Tensor* src = order[i]->src[s]) last_use[src->storage_root()] = i;
+    std::unordered_map<const Tensor*, int> last_use = last_uses(order);
+    std::vector<std::vector<const Tensor*>> dies_at(order.size());
+    for (const auto& [t, i] : last_use) dies_at[i].push_back(t);
     const Tensor* out_root = g.output ? g.output->storage_root() : nullptr;
 
     std::vector<OffsetAllocator> alloc(backends.size());
@@ -156,12 +179,10 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
             if (n->op == Op::COPY) dp.copy_bytes += size;
             held[n] = (size_t)off;
         }
-        // Free inputs that die here (never the graph output). A copy's source too: its producer
+        // Free what dies here (never the graph output). A copy's source too: its producer
         // pushes it into the slot as its split ends, before that device runs anything else.
-        for (int s = 0; s < n->n_src(); s++) {
-            if (!n->src[s]) continue;
-            const Tensor* r = n->src[s]->storage_root();
-            if (r == out_root || last_use[r] != i) continue;
+        for (const Tensor* r : dies_at[i]) {
+            if (r == out_root) continue;
             auto h = held.find(r);
             if (h == held.end()) continue;  // not in the liveness region (a copy slot) or already freed
             alloc[r->device].release(h->second, plan.sizes[index[r]]);
@@ -179,11 +200,7 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
 
 std::string check_plan(const Graph& g, const ComputePlan& plan) {
     const std::vector<Tensor*> order = g.exec_order();
-    std::unordered_map<const Tensor*, int> index, last_use;
-    for (int i = 0; i < (int)order.size(); i++) index[order[i]] = i;
-    for (int i = 0; i < (int)order.size(); i++)
-        for (int s = 0; s < order[i]->n_src(); s++)
-            if (Tensor* src = order[i]->src[s]) last_use[src->storage_root()] = i;
+    std::unordered_map<const Tensor*, int> last_use = last_uses(order);
     const Tensor* out_root = g.output ? g.output->storage_root() : nullptr;
     struct Live {
         int i, birth, death, dev;
@@ -223,6 +240,24 @@ std::string check_plan(const Graph& g, const ComputePlan& plan) {
             }
             return "tensors " + order[x.i]->name + " and " + order[y.i]->name + " share bytes while both live";
         }
+    // (Stated apart from last_uses:) a part whose shard leaves its collective without waiting is
+    // read by the other shards until they all meet again, so nothing its device computes up to
+    // its next collective may take its bytes.
+    std::unordered_map<const Tensor*, size_t> live_of;
+    for (size_t k = 0; k < live.size(); k++) live_of[order[live[k].i]] = k;
+    for (int i = 0; i < (int)order.size(); i++) {
+        const Tensor* n = order[i];
+        if (!is_collective(n->op) || n->collective->leave_waits || !n->src[0]) continue;
+        auto it = live_of.find(n->src[0]->storage_root());
+        if (it == live_of.end()) continue;
+        const Live& x = live[it->second];
+        int next = i + 1;
+        while (next < (int)order.size() && !(is_collective(order[next]->op) && order[next]->device == n->device)) next++;
+        for (const Live& y : live)
+            if (y.dev == x.dev && y.birth > i && y.birth <= next && x.lo < y.hi && y.lo < x.hi)
+                return "tensor " + order[y.i]->name + " takes the bytes of " + order[x.i]->name +
+                       " while another shard of " + n->name + " may still read it";
+    }
     return "";
 }
 

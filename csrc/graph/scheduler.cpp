@@ -137,6 +137,10 @@ void schedule(Graph& g, const std::vector<Backend*>& backends) {
         split.nodes.push_back(n);
     }
     join_quiet_splits(g);
+    for (const auto& c : g.collectives()) {
+        c->leave_waits = false;
+        for (const Tensor* o : c->outs) c->leave_waits = c->leave_waits || !backends[o->device]->host_accessible();
+    }
 }
 
 }  // namespace stowlm
