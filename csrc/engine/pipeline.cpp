@@ -25,42 +25,6 @@ std::unordered_map<const Tensor*, int> split_of(const Graph& g) {
     return at;
 }
 
-bool is_input(const Tensor* t) { return t->storage_root()->role == TensorRole::INPUT; }
-
-// What a graph's splits push when they finish, what each waits for, and which split computes
-// the output.
-struct Pushes {
-    std::vector<std::vector<Tensor*>> after;  // per split: COPY nodes whose source it computed
-    std::vector<std::vector<int>> deps;       // per split: the splits that push into it, and the
-                                              // previous split of its device
-    int output_split = -1;
-};
-
-Pushes pushes_of(const Graph& g) {
-    Pushes p;
-    const auto at = split_of(g);
-    p.after.resize(g.splits.size());
-    p.deps.resize(g.splits.size());
-    std::map<int, int> last_of_device;
-    for (int j = 0; j < (int)g.splits.size(); j++) {
-        const Split& s = g.splits[j];
-        auto prev = last_of_device.find(s.device);
-        if (prev != last_of_device.end()) p.deps[j].push_back(prev->second);
-        last_of_device[s.device] = j;
-        for (Tensor* n : s.nodes) {
-            if (n->op != Op::COPY || is_input(n->src[0])) continue;
-            auto it = at.find(n->src[0]->storage_root());
-            if (it == at.end()) throw InvalidInput("pipeline: the source of " + n->name + " is computed by no split");
-            p.after[it->second].push_back(n);
-            p.deps[j].push_back(it->second);
-        }
-    }
-    auto it = at.find(g.output->storage_root());
-    if (it == at.end()) throw InvalidInput("pipeline: no split computes the graph's output");
-    p.output_split = it->second;
-    return p;
-}
-
 // Threads kept for the devices between calls: a generated token is one micro-batch, and new
 // threads for each (created, placed on a core, joined) cost more than its all-reduces. Between
 // calls they look for work for ~2 ms (a token's host work fits in that), then sleep.
@@ -172,24 +136,20 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
     std::condition_variable cv;
     std::atomic<uint64_t> progress{0};  // bumped under mu at every change a waiting device looks for
     std::vector<Graph*> graphs(n_micro, nullptr);
-    std::map<const Graph*, Pushes> pushes;   // per distinct graph; nodes never move once inserted
-    std::vector<const Pushes*> micro_pushes(n_micro, nullptr);
     std::vector<std::vector<char>> done(n_micro);
     std::vector<int> remaining(n_micro, 0);
     std::exception_ptr error;
     std::vector<double> busy(backends.size(), 0.0);
 
     auto release = [&](int i, Graph* g) {  // under mu
-        auto it = pushes.find(g);
-        if (it == pushes.end()) it = pushes.emplace(g, pushes_of(*g)).first;
         for (const auto& c : g->collectives()) c->reset();
-        micro_pushes[i] = &it->second;
         graphs[i] = g;
         done[i].assign(g->splits.size(), 0);
         remaining[i] = (int)g->splits.size();
         progress.fetch_add(1, std::memory_order_release);
     };
     Graph* first = prepare(0);
+    if (first->output_split < 0) throw InvalidInput("pipeline: no split computes the graph's output");
     std::vector<int> split_device;
     for (const Split& s : first->splits) split_device.push_back(s.device);
     release(0, first);
@@ -210,7 +170,6 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
         while (left) {
             int pick = -1;
             Graph* g = nullptr;
-            const Pushes* p = nullptr;
             {
                 auto can_go = [&] {  // under mu
                     if (error) return true;
@@ -220,7 +179,7 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
                         const Task& k = tasks[t];
                         if (!graphs[k.micro]) continue;
                         bool ready = true;
-                        for (int d : micro_pushes[k.micro]->deps[k.split]) ready = ready && done[k.micro][d];
+                        for (int d : graphs[k.micro]->splits[k.split].deps) ready = ready && done[k.micro][d];
                         if (ready) {
                             pick = (int)t;
                             return true;
@@ -241,7 +200,6 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
                 }
                 if (error) return;
                 g = graphs[tasks[pick].micro];
-                p = micro_pushes[tasks[pick].micro];
             }
             taken[pick] = 1;
             left--;
@@ -254,11 +212,11 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
                     run_split(*g, s);
                     // Into the consumers' copy slots of this micro-batch, before this device's next
                     // split may overwrite what they copy.
-                    for (Tensor* c : p->after[k.split])
+                    for (Tensor* c : s.pushes)
                         if (link && link->remote[c->device]) link->send(k.micro, *g, *c);
                         else backends[c->device]->copy_from_peer(*c, *c->src[0], *backends[device]);
                 }
-                if (k.split == p->output_split) finish(k.micro, *g);
+                if (k.split == g->output_split) finish(k.micro, *g);
             } catch (...) {
                 std::lock_guard<std::mutex> lock(mu);
                 if (!error) error = std::current_exception();
@@ -297,7 +255,8 @@ void run_pipeline(int n_micro, int n_slots, const std::vector<Backend*>& backend
                 g = prepare(i);
                 std::vector<int> devs;
                 for (const Split& s : g->splits) devs.push_back(s.device);
-                if (devs != split_device) throw InvalidInput("pipeline: micro-batch graphs differ in their splits");
+                if (devs != split_device || g->output_split != first->output_split)
+                    throw InvalidInput("pipeline: micro-batch graphs differ in their splits");
             } catch (...) {
                 std::lock_guard<std::mutex> lock(mu);
                 if (!error) error = std::current_exception();

@@ -18,6 +18,10 @@ namespace stowlm {
 struct Split {
     int device = 0;
     std::vector<Tensor*> nodes;  // COPY nodes first, then the computing nodes
+    // Filled by the scheduler: the COPY nodes of other splits whose source this split computes
+    // (pushed as it ends), and the splits it waits for: those, and its device's previous split.
+    std::vector<Tensor*> pushes;
+    std::vector<int> deps;
 };
 
 class Backend;
@@ -80,6 +84,7 @@ public:
 
     // Filled by the scheduler: the execution order is the concatenation of the splits.
     std::vector<Split> splits;
+    int output_split = -1;  // the split that computes `output`
     std::vector<Tensor*> exec_order() const;
 
     void add_node(Tensor* t) { nodes_.push_back(t); }

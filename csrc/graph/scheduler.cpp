@@ -52,38 +52,56 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
     return dev;
 }
 
+// Who pushes into whom (Split::pushes, Split::deps) and which split computes the output.
+void link_splits(Graph& g) {
+    std::map<const Tensor*, int> split_at;
+    for (int j = 0; j < (int)g.splits.size(); j++)
+        for (const Tensor* n : g.splits[j].nodes) split_at[n] = j;
+    std::map<int, int> last_of_device;
+    for (Split& s : g.splits) s.pushes.clear(), s.deps.clear();
+    for (int j = 0; j < (int)g.splits.size(); j++) {
+        Split& s = g.splits[j];
+        auto prev = last_of_device.find(s.device);
+        if (prev != last_of_device.end()) s.deps.push_back(prev->second);
+        last_of_device[s.device] = j;
+        for (Tensor* n : s.nodes) {
+            if (n->op != Op::COPY || n->src[0]->storage_root()->role == TensorRole::INPUT) continue;
+            auto it = split_at.find(n->src[0]->storage_root());
+            if (it == split_at.end()) throw InvalidInput("scheduler: the source of " + n->name + " is computed by no split");
+            g.splits[it->second].pushes.push_back(n);
+            s.deps.push_back(it->second);
+        }
+    }
+    auto out = g.output ? split_at.find(g.output->storage_root()) : split_at.end();
+    g.output_split = out == split_at.end() ? -1 : out->second;
+}
+
+bool receives_copies(const Split& s) {
+    for (const Tensor* n : s.nodes)
+        if (n->op == Op::COPY) return true;
+    return false;
+}
+
 // Joins each split that receives no copy to its device's previous split when that one sends none:
 // nothing crosses devices between them, so the hand-over between them only costs time (a tensor
 // split's devices meet 4 times a layer inside their splits, and each meeting started a split).
 void join_quiet_splits(Graph& g) {
-    std::map<const Tensor*, int> split_at;
-    for (int j = 0; j < (int)g.splits.size(); j++)
-        for (const Tensor* n : g.splits[j].nodes) split_at[n] = j;
-    std::vector<char> sends(g.splits.size(), 0), receives(g.splits.size(), 0);
-    for (int j = 0; j < (int)g.splits.size(); j++)
-        for (const Tensor* n : g.splits[j].nodes) {
-            if (n->op != Op::COPY) continue;
-            receives[j] = 1;
-            auto it = split_at.find(n->src[0]->storage_root());
-            if (it != split_at.end()) sends[it->second] = 1;
-        }
+    link_splits(g);
     std::vector<Split> joined;
     std::map<int, int> last_of_device;  // device -> index in joined
-    std::vector<char> joined_sends;
-    for (int j = 0; j < (int)g.splits.size(); j++) {
-        Split& s = g.splits[j];
+    for (Split& s : g.splits) {
         auto prev = last_of_device.find(s.device);
-        if (!receives[j] && prev != last_of_device.end() && !joined_sends[prev->second]) {
+        if (!receives_copies(s) && prev != last_of_device.end() && joined[prev->second].pushes.empty()) {
             Split& p = joined[prev->second];
             p.nodes.insert(p.nodes.end(), s.nodes.begin(), s.nodes.end());
-            joined_sends[prev->second] = sends[j];
+            p.pushes = std::move(s.pushes);
             continue;
         }
         last_of_device[s.device] = (int)joined.size();
         joined.push_back(std::move(s));
-        joined_sends.push_back(sends[j]);
     }
     g.splits = std::move(joined);
+    link_splits(g);
 }
 
 }  // namespace
