@@ -147,8 +147,8 @@ private:
 
     // The shards' partials, in shard order, after all are written (meet), summed by the
     // HOST_DEVICE shard_order_sum the CUDA kernel runs too, so CPU and CUDA shards get the same
-    // bits; nobody goes on (and may overwrite its partial) before every shard has read them all
-    // (leave). Partials in host memory (CPU devices) are read in place; one on a device the CPU
+    // bits; nobody overwrites its partial before every shard has read them all (leave, or the
+    // planner keeping it to the next meeting). Partials in host memory (CPU devices) are read in place; one on a device the CPU
     // cannot read (a CUDA shard's) is read out by its backend (copy_to_host, which waits for the
     // kernels that write it) in chunks of at most kReduceChunk floats into a staging buffer.
     void all_reduce(Tensor* n, ThreadPool& pool) {

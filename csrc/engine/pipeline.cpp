@@ -17,14 +17,6 @@ namespace stowlm {
 
 namespace {
 
-// Split index of every node of g, by storage.
-std::unordered_map<const Tensor*, int> split_of(const Graph& g) {
-    std::unordered_map<const Tensor*, int> at;
-    for (int j = 0; j < (int)g.splits.size(); j++)
-        for (const Tensor* n : g.splits[j].nodes) at[n] = j;
-    return at;
-}
-
 // Threads kept for the devices between calls: a generated token is one micro-batch, and new
 // threads for each (created, placed on a core, joined) cost more than its all-reduces. Between
 // calls they look for work for ~2 ms (a token's host work fits in that), then sleep.
@@ -105,7 +97,7 @@ class DeviceThreads {
 }  // namespace
 
 std::string pipeline_blocker(const Graph& g, const std::vector<Backend*>& backends) {
-    const auto at = split_of(g);
+    const auto at = g.split_of();
     for (int j = 0; j < (int)g.splits.size(); j++)
         for (const Tensor* n : g.splits[j].nodes)
             for (int k = 0; k < n->n_src(); k++) {

@@ -82,6 +82,13 @@ std::vector<Tensor*> Graph::exec_order() const {
     return out;
 }
 
+std::unordered_map<const Tensor*, int> Graph::split_of() const {
+    std::unordered_map<const Tensor*, int> at;
+    for (int j = 0; j < (int)splits.size(); j++)
+        for (const Tensor* n : splits[j].nodes) at[n] = j;
+    return at;
+}
+
 namespace {
 
 Tensor* node(Graph& g, Op op, const Tensor* shape_of, QType type, std::initializer_list<Tensor*> srcs) {

@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "graph/tensor.h"
@@ -28,8 +29,9 @@ class Backend;
 
 // The shards of one all-reduce: each shard's device thread calls meet() from its ALL_REDUCE
 // node, sums the partials in shard order (so every shard gets the same bits), then leave():
-// nobody proceeds (and may overwrite its partial) until every shard has read them all. Reused
-// by every run of the graph; abort() wakes every waiter with an error (another device failed).
+// nobody proceeds (and may overwrite its partial) until every shard has read them all, or, where
+// leave_waits is false, its partial stays unwritten until it meets the others again. Reused by
+// every run of the graph; abort() wakes every waiter with an error (another device failed).
 struct Collective {
     std::vector<Tensor*> parts;  // per shard, null where a shard adds nothing
     std::vector<Tensor*> outs;   // per shard
@@ -86,6 +88,7 @@ public:
     std::vector<Split> splits;
     int output_split = -1;  // the split that computes `output`
     std::vector<Tensor*> exec_order() const;
+    std::unordered_map<const Tensor*, int> split_of() const;  // the split index of every node
 
     void add_node(Tensor* t) { nodes_.push_back(t); }
     Collective* new_collective() {

@@ -54,9 +54,7 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
 
 // Who pushes into whom (Split::pushes, Split::deps) and which split computes the output.
 void link_splits(Graph& g) {
-    std::map<const Tensor*, int> split_at;
-    for (int j = 0; j < (int)g.splits.size(); j++)
-        for (const Tensor* n : g.splits[j].nodes) split_at[n] = j;
+    const auto split_at = g.split_of();
     std::map<int, int> last_of_device;
     for (Split& s : g.splits) s.pushes.clear(), s.deps.clear();
     for (int j = 0; j < (int)g.splits.size(); j++) {

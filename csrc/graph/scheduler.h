@@ -4,7 +4,9 @@
 // cannot run falls back to the first host-accessible device.
 // A tensor used on a device other than its own gets a COPY node at the start of the split
 // that needs it (one copy per tensor and device). Graph inputs live in host memory and are
-// read in place by host-accessible devices.
+// read in place by host-accessible devices. Each split records what it pushes to other splits
+// and which it waits for; a device's consecutive splits with nothing crossing between them are
+// one split.
 #pragma once
 #include <vector>
 
