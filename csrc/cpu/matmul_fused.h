@@ -60,6 +60,44 @@ inline void prefetch_next(const void* p, size_t dist) {
     for (int off = 0; off < BYTES; off += 64) _mm_prefetch((const char*)p + dist + off, _MM_HINT_T0);
 }
 
+// The prologue and epilogue every tile kernel shares. TileRows: RT weight rows of blocks B from
+// r0 (w[i][b] is block b of row i) and the prefetch distance (prefetch_next). TileActs: TT rows
+// of a quantized activation buffer from t0 (A.act / act_stride, or the regrouped A.act_nib /
+// nib_stride). zero_acc clears accumulators; store_tile writes y[t0 + j][r0 + i] = value(i, j).
+template <class B, int RT>
+struct TileRows {
+    const B* w[RT];
+    size_t pf;
+    TileRows(const MatmulArgs& A, int64_t r0) : pf(RT * A.w_stride) {
+#pragma GCC unroll 4
+        for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
+    }
+    const B* operator[](int i) const { return w[i]; }
+};
+template <class Act, int TT>
+struct TileActs {
+    const Act* a[TT];
+    TileActs(const void* base, size_t stride, int64_t t0) {
+#pragma GCC unroll 4
+        for (int j = 0; j < TT; j++) a[j] = (const Act*)((const uint8_t*)base + (t0 + j) * stride);
+    }
+    const Act* operator[](int j) const { return a[j]; }
+};
+template <class V, int RT, int TT>
+inline void zero_acc(V (&acc)[RT][TT], V zero) {
+#pragma GCC unroll 4
+    for (int i = 0; i < RT; i++)
+#pragma GCC unroll 4
+        for (int j = 0; j < TT; j++) acc[i][j] = zero;
+}
+template <int RT, int TT, class F>
+inline void store_tile(const MatmulArgs& A, int64_t r0, int64_t t0, F&& value) {
+#pragma GCC unroll 4
+    for (int j = 0; j < TT; j++)
+#pragma GCC unroll 4
+        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = value(i, j);
+}
+
 // 32-element formats as unsigned bytes u = q + OFF (so vpdpbusd applies), w = d * q + m.
 struct LQ4_0 {
     using B = block_q4_0;
@@ -141,15 +179,12 @@ template <class L, int RT, int TT>
 void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
     const int64_t nb = A.cols / QK;
-    const B* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_a* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const TileRows<B, RT> w(A, r0);
+    const TileActs<block_q8_a, TT> a(A.act, A.act_stride, t0);
     __m256 acc[RT][TT];
     float macc[RT][TT];
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps(), macc[i][j] = 0;
+    zero_acc(acc, _mm256_setzero_ps());
+    zero_acc(macc, 0.0f);
     const __m256i offv = _mm256_set1_epi8((char)L::OFF);
     for (int64_t b = 0; b < nb; b++) {
         __m256i av[TT], neg[TT];
@@ -164,7 +199,7 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const B& blk = w[i][b];
-            prefetch_next<(int)sizeof(B)>(&blk, pf);
+            prefetch_next<(int)sizeof(B)>(&blk, w.pf);
             const __m256i wu = L::u(blk);
             const __m256 dw = _mm256_set1_ps(block_d(blk));
             float mw = 0;
@@ -186,8 +221,7 @@ void fused_q32(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
         }
     }
-    for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]) + macc[i][j];
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]) + macc[i][j]; });
 }
 
 #if STOWLM_FUSED_VNNI
@@ -273,8 +307,7 @@ void fused_q32_x2_r1(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
     const int64_t nb = A.cols / QK;
     const B* w = (const B*)(A.w + r0 * A.w_stride);
-    const block_q8_a* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const TileActs<block_q8_a, TT> a(A.act, A.act_stride, t0);
     __m512 acc[TT];
     float macc[TT];
     for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps(), macc[j] = 0;
@@ -341,38 +374,28 @@ void fused_q32_x2_r4(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename L::B;
     static_assert(fp16_scale_first<B>(), "the rows' d read at byte 0 of their blocks");
     const int64_t nb = A.cols / QK;
-    const B* w[4];
-    for (int i = 0; i < 4; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = 4 * A.w_stride;
-    const block_q8_a* a[TT];
-    const PairGroup* g[TT];
-#pragma GCC unroll 4
-    for (int j = 0; j < TT; j++) {
-        a[j] = (const block_q8_a*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-        g[j] = (const PairGroup*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
-    }
+    const TileRows<B, 4> w(A, r0);
+    const TileActs<block_q8_a, TT> a(A.act, A.act_stride, t0);
+    const TileActs<PairGroup, TT> g(A.act_nib, A.nib_stride, t0);
     __m512 acc[4][TT];
     __m256 macc[TT];
+    zero_acc(acc, _mm512_setzero_ps());
 #pragma GCC unroll 4
-    for (int j = 0; j < TT; j++) {
-        macc[j] = _mm256_setzero_ps();
-#pragma GCC unroll 4
-        for (int i = 0; i < 4; i++) acc[i][j] = _mm512_setzero_ps();
-    }
+    for (int j = 0; j < TT; j++) macc[j] = _mm256_setzero_ps();
     const __m512i offv = _mm512_set1_epi8((char)L::OFF);
     for (int64_t b = 0; b < nb; b += 2) {
         __m256 d8;  // [rows b | rows b+1]
         if constexpr (kE8M0<B>)
             d8 = e8m0_half_ps(_mm256_setr_epi32(w[0][b].e, w[1][b].e, w[2][b].e, w[3][b].e, w[0][b + 1].e, w[1][b + 1].e,
                                                 w[2][b + 1].e, w[3][b + 1].e));
-        else d8 = _mm256_cvtph_ps(rows_halves4<0>(w, b));
+        else d8 = _mm256_cvtph_ps(rows_halves4<0>(w.w, b));
         const __m512 D = _mm512_shuffle_f32x4(_mm512_castps256_ps512(d8), _mm512_castps256_ps512(d8), 0x50);
         __m256 M = _mm256_setzero_ps();
-        if constexpr (L::HAS_M) M = _mm256_cvtph_ps(rows_halves4<offsetof(B, m)>(w, b));
+        if constexpr (L::HAS_M) M = _mm256_cvtph_ps(rows_halves4<offsetof(B, m)>(w.w, b));
         __m512i wu[4];
 #pragma GCC unroll 4
         for (int i = 0; i < 4; i++) {
-            prefetch_next<2 * (int)sizeof(B)>(&w[i][b], pf);
+            prefetch_next<2 * (int)sizeof(B)>(&w[i][b], w.pf);
             wu[i] = L::u2(w[i][b], w[i][b + 1]);
         }
 #pragma GCC unroll 4
@@ -453,20 +476,12 @@ void fused_q4_nib(const MatmulArgs& A, int64_t r0, int64_t t0) {
     static_assert(RT >= 1 && RT <= 4, "rows packed four to a ZMM");
     using N = Nib4<B>;
     const int64_t nb = A.cols / QK, ng = (nb + 3) / 4;
-    const uint8_t* w[RT];
-    #pragma GCC unroll 4
-    for (int i = 0; i < RT; i++) w[i] = A.w + (r0 + i) * A.w_stride;
-    const size_t pf = RT * A.w_stride;
-    const NibGroup* g[TT];
-    #pragma GCC unroll 4
-    for (int j = 0; j < TT; j++) g[j] = (const NibGroup*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
+    const TileRows<uint8_t, RT> w(A, r0);
+    const TileActs<NibGroup, TT> g(A.act_nib, A.nib_stride, t0);
     __m512 acc[RT][TT], macc[TT];
+    zero_acc(acc, _mm512_setzero_ps());
     #pragma GCC unroll 4
-    for (int j = 0; j < TT; j++) {
-        macc[j] = _mm512_setzero_ps();
-        #pragma GCC unroll 4
-        for (int i = 0; i < RT; i++) acc[i][j] = _mm512_setzero_ps();
-    }
+    for (int j = 0; j < TT; j++) macc[j] = _mm512_setzero_ps();
     const __m512i qidx = N::qs_idx(), didx = N::dm_idx(), m4 = _mm512_set1_epi8(0x0f);
     // one group of four blocks; the last may be partial (FULL false: masked loads)
     auto group = [&](int64_t gi, auto full) __attribute__((always_inline)) {
@@ -479,7 +494,7 @@ void fused_q4_nib(const MatmulArgs& A, int64_t r0, int64_t t0) {
         #pragma GCC unroll 4
         for (int i = 0; i < RT; i++) {
             const uint8_t* p = w[i] + 4 * gi * sizeof(B);
-            prefetch_next<4 * (int)sizeof(B)>(p, pf);
+            prefetch_next<4 * (int)sizeof(B)>(p, w.pf);
             // a full group spans 72 or 80 bytes; in the last, bytes past the row load as zeros
             __m512i a, b;
             if constexpr (FULL) {
@@ -585,14 +600,10 @@ inline void k4_scales_all(const uint8_t* s, uint8_t* out) {
 template <int RT, int TT>
 void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
-    const block_q4_K* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const block_q4_K*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_K32* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const TileRows<block_q4_K, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
     __m256 acc[RT][TT];
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    zero_acc(acc, _mm256_setzero_ps());
     const __m256i m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nsb; b++) {
         __m256 bpf[TT];  // per 32-group: activation sum times activation scale
@@ -604,7 +615,7 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const block_q4_K& x = w[i][b];
-            prefetch_next<(int)sizeof(block_q4_K)>(&x, pf);
+            prefetch_next<(int)sizeof(block_q4_K)>(&x, w.pf);
             alignas(16) uint8_t sm[16];
             k4_scales_all(x.scales, sm);
             int16_t sc[8];
@@ -630,8 +641,7 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
         }
     }
-    for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]); });
 }
 
 #if STOWLM_FUSED_VNNI
@@ -669,22 +679,11 @@ template <bool Q5, int RT, int TT, bool PRE = false>
 void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using BK = std::conditional_t<Q5, block_q5_K, block_q4_K>;
     const int64_t nsb = A.cols / QK_K;
-    const BK* w[RT];
-#pragma GCC unroll 4
-    for (int i = 0; i < RT; i++) w[i] = (const BK*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_K32* a[TT];
-    const K4Group* g[TT];
-#pragma GCC unroll 4
-    for (int j = 0; j < TT; j++) {
-        a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-        g[j] = (const K4Group*)((const uint8_t*)A.act_nib + (t0 + j) * A.nib_stride);
-    }
+    const TileRows<BK, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
+    const TileActs<K4Group, TT> g(A.act_nib, A.nib_stride, t0);
     __m512 acc[RT][TT];
-#pragma GCC unroll 4
-    for (int i = 0; i < RT; i++)
-#pragma GCC unroll 4
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    zero_acc(acc, _mm512_setzero_ps());
     const __m512i m4 = _mm512_set1_epi8(0x0f);
     const __m512i halves = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
     for (int64_t b = 0; b < nsb; b++) {
@@ -711,7 +710,7 @@ void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
 #pragma GCC unroll 4
         for (int i = 0; i < RT; i++) {
             const BK& x = w[i][b];
-            prefetch_next<(int)sizeof(BK)>(&x, pf);
+            prefetch_next<(int)sizeof(BK)>(&x, w.pf);
             uint32_t ddm;
             memcpy(&ddm, &x, 4);  // d, dmin
             const __m512 dd = _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128((int)ddm))));
@@ -747,10 +746,7 @@ void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
         }
     }
-#pragma GCC unroll 4
-    for (int j = 0; j < TT; j++)
-#pragma GCC unroll 4
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]);
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum512(acc[i][j]); });
 }
 #endif
 
@@ -759,19 +755,15 @@ void fused_q45_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
 template <int RT, int TT>
 void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
-    const block_q6_K* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_K32* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const TileRows<block_q6_K, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
     __m256 acc[RT][TT];
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    zero_acc(acc, _mm256_setzero_ps());
     const __m256i m4 = _mm256_set1_epi8(0x0f), m2 = _mm256_set1_epi8(3);
     for (int64_t b = 0; b < nsb; b++) {
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
-            prefetch_next<(int)sizeof(block_q6_K)>(&x, pf);
+            prefetch_next<(int)sizeof(block_q6_K)>(&x, w.pf);
             const __m256i sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales));
             __m256i q[8], scv[8];
             for (int n = 0; n < 2; n++) {
@@ -811,8 +803,7 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
         }
     }
-    for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]); });
 }
 
 #if STOWLM_FUSED_VNNI
@@ -824,14 +815,10 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 template <int RT, int TT>
 void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
-    const block_q6_K* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const block_q6_K*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_K32* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const TileRows<block_q6_K, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
     __m512 acc[RT][TT];
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm512_setzero_ps();
+    zero_acc(acc, _mm512_setzero_ps());
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     // words of the first 32 bytes shift by (4 | 0), of the second by (2 | 2): bits (0-1 | 4-5)
     // of qh for elements 0-31, bits (2-3 | 6-7) for 32-63, to bits 4-5
@@ -850,7 +837,7 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
         }
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
-            prefetch_next<(int)sizeof(block_q6_K)>(&x, pf);
+            prefetch_next<(int)sizeof(block_q6_K)>(&x, w.pf);
             const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)x.scales))),
                                              _mm512_set1_ps(h2f(x.d)));
             __m512i qz[4];
@@ -872,8 +859,7 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
         }
     }
-    for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum512(acc[i][j]);
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum512(acc[i][j]); });
 }
 #endif
 

@@ -27,18 +27,14 @@ template <class D, int RT, int TT>
 void fused_iq(const MatmulArgs& A, int64_t r0, int64_t t0) {
     using B = typename D::B;
     const int64_t nsb = A.cols / QK_K;
-    const B* w[RT];
-    for (int i = 0; i < RT; i++) w[i] = (const B*)(A.w + (r0 + i) * A.w_stride);
-    const size_t pf = RT * A.w_stride;
-    const block_q8_K32* a[TT];
-    for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+    const TileRows<B, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
     __m256 acc[RT][TT];
-    for (int i = 0; i < RT; i++)
-        for (int j = 0; j < TT; j++) acc[i][j] = _mm256_setzero_ps();
+    zero_acc(acc, _mm256_setzero_ps());
     for (int64_t b = 0; b < nsb; b++) {
         __m256i isum[RT][TT];
         for (int i = 0; i < RT; i++) {
-            prefetch_next<(int)sizeof(B)>(&w[i][b], pf);
+            prefetch_next<(int)sizeof(B)>(&w[i][b], w.pf);
             for (int j = 0; j < TT; j++) isum[i][j] = _mm256_setzero_si256();
         }
         for (int ib = 0; ib < QK_K / 32; ib++) {
@@ -64,8 +60,7 @@ void fused_iq(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i][j]), _mm256_set1_ps(dw * a[j][b].d[0]), acc[i][j]);
         }
     }
-    for (int j = 0; j < TT; j++)
-        for (int i = 0; i < RT; i++) A.y[(t0 + j) * A.ldy + r0 + i] = hsum256(acc[i][j]);
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]); });
 }
 
 template <int RT, int TT>
