@@ -34,23 +34,30 @@ def cuda_build_dir():
     return None
 
 
-def test_cuda_engine_on_an_emulated_device(model_path, tmp_path):
+def build_and_run(program, models, model_path, tmp_path, timeout):
+    """Builds tests/native/<program>.cpp with the emulated device and cuda/cuda_engine.cpp against a
+    CUDA-enabled build's core library, runs it on the models' directory, and checks that it reports
+    no failure (skipped, with the reason, where there is no such build or no C++ compiler)."""
     build = cuda_build_dir()
     if build is None:
         pytest.skip("no CUDA-enabled build directory (cmake -S . -B build-cuda -DSTOWLM_CUDA=ON)")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path / "cuda_engine_emulated"
+    exe = tmp_path / program
     cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter", f"-I{REPO / 'csrc'}",
-           f"-I{REPO / 'cuda'}", str(REPO / "tests/native/cuda_engine_emulated.cpp"),
+           f"-I{REPO / 'cuda'}", str(REPO / f"tests/native/{program}.cpp"),
            str(REPO / "tests/native/emulated_cuda.cpp"), str(REPO / "cuda/cuda_engine.cpp"),
            str(build / "libstowlm_core.a"), "-lpthread", "-ldl", "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0 and not r.stderr.strip(), f"build failed or warned:\n{r.stderr}"
-    model_dir = {str(model_path(m).parent) for m in MODELS}
+    model_dir = {str(model_path(m).parent) for m in models}
     assert len(model_dir) == 1
-    r = subprocess.run([str(exe), model_dir.pop()], capture_output=True, text=True, timeout=300)
+    r = subprocess.run([str(exe), model_dir.pop()], capture_output=True, text=True, timeout=timeout)
     print(r.stdout)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "0 failure(s)" in r.stdout
+
+
+def test_cuda_engine_on_an_emulated_device(model_path, tmp_path):
+    build_and_run("cuda_engine_emulated", MODELS, model_path, tmp_path, timeout=300)

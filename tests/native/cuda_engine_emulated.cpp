@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "emulated_run.h"
 #include "engine/context.h"
 #include "error.h"
 
@@ -54,29 +55,7 @@ std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_
     r.pipelined = c.pipeline().n_copies;
     r.not_pipelined = c.pipeline().reason;
     r.interleave = m->interleave();
-    const std::string why = c.check_plan_sound();
-    if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
-    std::vector<float> all = c.eval(prompt, {}, true);
-    const int64_t nv = m->hp().n_vocab;
-    std::vector<float> last(all.end() - nv, all.end());
-    for (int i = 0; i < n_decode; i++) {
-        if ((int)forced->size() <= i) {
-            int64_t best = 0;
-            for (int64_t j = 0; j < nv; j++)
-                if (last[j] > last[best]) best = j;
-            forced->push_back((int32_t)best);
-        }
-        last = c.eval({(*forced)[i]}, {}, false);
-        all.insert(all.end(), last.begin(), last.end());
-    }
-    const auto rep = c.memory_report();
-    for (size_t i = 0; i < rep.size(); i++)
-        if (m->backends()[i]->memory_used() != rep[i].total) {
-            printf("FAIL accounting on %s: allocated %zu, planned %zu\n", rep[i].name.c_str(),
-                   m->backends()[i]->memory_used(), rep[i].total);
-            failures++;
-        }
-    return all;
+    return emulated::prompt_then_greedy(*m, c, prompt, n_decode, forced, failures);
 }
 
 void check(const std::string& model_dir, const std::string& name, Run r, const std::string& what,

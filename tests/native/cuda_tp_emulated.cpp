@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "emulated_run.h"
 #include "engine/context.h"
 #include "error.h"
 
@@ -50,29 +51,7 @@ std::vector<float> run(const std::string& path, const std::vector<DeviceSpec>& d
     ContextParams p;
     p.n_ctx = ((int64_t)prompt.size() + n_decode + 127) / 128 * 128, p.n_ubatch = n_ubatch, p.kv_type = QType::F16;
     Context c(*m, p);
-    const std::string why = c.check_plan_sound();
-    if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
-    std::vector<float> all = c.eval(prompt, {}, true);
-    const int64_t nv = m->hp().n_vocab;
-    std::vector<float> last(all.end() - nv, all.end());
-    for (int i = 0; i < n_decode; i++) {
-        if ((int)forced->size() <= i) {
-            int64_t best = 0;
-            for (int64_t j = 0; j < nv; j++)
-                if (last[j] > last[best]) best = j;
-            forced->push_back((int32_t)best);
-        }
-        last = c.eval({(*forced)[i]}, {}, false);
-        all.insert(all.end(), last.begin(), last.end());
-    }
-    const auto rep = c.memory_report();
-    for (size_t i = 0; i < rep.size(); i++)
-        if (m->backends()[i]->memory_used() != rep[i].total) {
-            printf("FAIL accounting on %s: allocated %zu, planned %zu\n", rep[i].name.c_str(),
-                   m->backends()[i]->memory_used(), rep[i].total);
-            failures++;
-        }
-    return all;
+    return emulated::prompt_then_greedy(*m, c, prompt, n_decode, forced, failures);
 }
 
 std::string describe(const std::vector<DeviceSpec>& devs, const std::vector<double>& shares) {
