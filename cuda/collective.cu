@@ -1,8 +1,8 @@
 // Tensor parallelism on the device: LOCAL_IDS (the routed expert ids a shard holds), the sum of
-// an all-reduce and the placing of an all-gather's rows, all on the HOST_DEVICE arithmetic of collective_math.h that the CPU backend
-// runs too (a CPU shard and a CUDA shard get the same bits). Moving the partials between devices
-// is the engine's part (cuda_engine.cpp: peer copies, or NCCL below where it was found at build
-// time).
+// an all-reduce and the placing of an all-gather's rows, all on the HOST_DEVICE arithmetic of
+// collective_math.h that the CPU backend runs too (a CPU shard and a CUDA shard get the same
+// bits). Moving the parts between devices is the engine's part (cuda_engine.cpp: peer copies,
+// or NCCL below where it was found at build time).
 #include <map>
 #include <mutex>
 #include <vector>

@@ -145,19 +145,28 @@ private:
         used_ += bytes;
     }
 
+    // A collective node's first step: publish this shard's part (the node's src[0], on this device:
+    // the scheduler copies it here otherwise; final once we meet, the CPU computing synchronously),
+    // then wait until every shard has published its own.
+    Collective& publish_and_meet(Tensor* n) {
+        Collective& c = *n->collective;
+        Collective::Published& mine = c.shards[n->iparams[0]];
+        mine.backend = this;
+        mine.part = n->src[0];
+        mine.ready = nullptr;
+        c.meet();
+        return c;
+    }
+
     // The shards' partials, in shard order, after all are written (meet), summed by the
     // HOST_DEVICE shard_order_sum the CUDA kernel runs too, so CPU and CUDA shards get the same
     // bits; nobody overwrites its partial before every shard has read them all (leave, or the
-    // planner keeping it to the next meeting). Partials in host memory (CPU devices) are read in place; one on a device the CPU
-    // cannot read (a CUDA shard's) is read out by its backend (copy_to_host, which waits for the
-    // kernels that write it) in chunks of at most kReduceChunk floats into a staging buffer.
+    // planner keeping it to the next meeting). Partials in host memory (CPU devices) are read in
+    // place; one on a device the CPU cannot read (a CUDA shard's) is read out by its backend
+    // (copy_to_host, which waits for the kernels that write it) in chunks of at most kReduceChunk
+    // floats into a staging buffer.
     void all_reduce(Tensor* n, ThreadPool& pool) {
-        Collective& c = *n->collective;
-        const int me = n->iparams[0];
-        c.shards[me].backend = this;
-        c.shards[me].part = n->src[0];  // on this device (the scheduler copies it here otherwise)
-        c.shards[me].ready = nullptr;   // the CPU computes synchronously: final once we meet
-        c.meet();
+        Collective& c = publish_and_meet(n);
         float* out = (float*)n->data;
         const int64_t m = n->n_elements();
         std::vector<const Collective::Published*> from;
@@ -199,12 +208,7 @@ private:
     // shard holds exactly the bits of each part. A part another device holds is read out by its
     // backend whole (copy_to_host) into a staging buffer.
     void all_gather(Tensor* n, ThreadPool& pool) {
-        Collective& c = *n->collective;
-        const int me = n->iparams[0];
-        c.shards[me].backend = this;
-        c.shards[me].part = n->src[0];
-        c.shards[me].ready = nullptr;
-        c.meet();
+        Collective& c = publish_and_meet(n);
         const int64_t d = n->ne[0], cols = n->n_rows();
         float* out = (float*)n->data;
         for (size_t s = 0; s < c.shards.size(); s++) {

@@ -401,8 +401,8 @@ std::vector<Tensor*> all_gather(Graph& g, const std::vector<Tensor*>& parts, con
 }
 
 // A barrier of outs.size() shards: the last to arrive opens it for all. Waiters spin a little
-// first (a generated token meets here twice per layer, and a sleep costs more than the wait),
-// then sleep.
+// first (a generated token meets here two or four times a layer, and a sleep costs more than
+// the wait), then sleep.
 void Collective::wait_all() {
     const uint64_t gen = generation_.load(std::memory_order_acquire);
     if (aborted_.load()) throw InvalidInput("all_reduce: another device failed");
