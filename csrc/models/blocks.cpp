@@ -184,20 +184,24 @@ Tensor* build_attention(BuildContext& c, int il, Tensor* x) {
     return named(a, il, "attn");  // the decoder applies the output projection (build_decoder)
 }
 
+SubBlock projected(BuildContext& c, int il, Tensor* mid, Tensor* proj, const char* name) {
+    SubBlock sb;
+    sb.mid = {mid};
+    sb.out = [&c, il, proj, name](const std::vector<Tensor*>& v) -> Tensor* {
+        return v[0] && proj ? named(mul_mat(c.g, proj, v[0]), il, name) : nullptr;
+    };
+    return sb;
+}
+
 SubBlock build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
     const LayerWeights& w = c.w(il);
-    SubBlock sb;
+    Tensor* h = nullptr;
     if (c.geom(il).ff > 0) {
         Tensor* gate = named(mul_mat(c.g, w.ffn_gate, x), il, "ffn_gate");
         Tensor* up = named(mul_mat(c.g, w.ffn_up, x), il, "ffn_up");
-        sb.mid = {named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act")};
-    } else {
-        sb.mid = {nullptr};
+        h = named(act == FfnAct::SILU ? swiglu(c.g, gate, up) : geglu(c.g, gate, up), il, "ffn_act");
     }
-    sb.out = [&c, il, down = w.ffn_down](const std::vector<Tensor*>& v) -> Tensor* {
-        return v[0] && down ? named(mul_mat(c.g, down, v[0]), il, "ffn_out") : nullptr;
-    };
-    return sb;
+    return projected(c, il, h, w.ffn_down, "ffn_out");
 }
 
 // Mixture-of-experts FFN: the router and the selection run whole on every shard (same bits
@@ -341,12 +345,7 @@ Tensor* build_decoder(BuildContext& c, AttentionFn attention) {
     };
     for (int il = 0; il < hp.n_layer; il++) {
         block(il, &LayerWeights::attn_norm, &LayerWeights::post_attn_norm, "attn", [&](Tensor* h) {
-            SubBlock sb;
-            sb.mid = {c.geom(il).q_heads > 0 ? attention(c, il, h) : nullptr};
-            sb.out = [&c, il, wo = c.w(il).wo](const std::vector<Tensor*>& v) -> Tensor* {
-                return v[0] && wo ? named(mul_mat(c.g, wo, v[0]), il, "attn_out") : nullptr;
-            };
-            return sb;
+            return projected(c, il, c.geom(il).q_heads > 0 ? attention(c, il, h) : nullptr, c.w(il).wo, "attn_out");
         });
         block(il, &LayerWeights::ffn_norm, &LayerWeights::post_ffn_norm, "ffn", [&](Tensor* h) {
             if (c.model.layers()[il].ffn_gate_inp) return build_moe_ffn(c, il, h);

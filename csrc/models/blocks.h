@@ -24,6 +24,8 @@ struct SubBlock {
     std::vector<Tensor*> mid;
     std::function<Tensor*(const std::vector<Tensor*>&)> out;
 };
+// mid, and out(v) = proj . v[0] (named `name`; null where there is no part or no projection).
+SubBlock projected(BuildContext& c, int il, Tensor* mid, Tensor* proj, const char* name);
 enum class FfnAct { SILU, GELU };
 SubBlock build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act);
 // Mixture-of-experts FFN: router logits (+ bias), top-k experts (by the gated scores + the
