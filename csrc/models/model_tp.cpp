@@ -140,6 +140,8 @@ void Model::build_shards(const std::vector<double>& shares_all) {
     // With gathers every cut is by rows (of a weight matrix, or of a vector that is gathered),
     // so no cut needs to fall on a block; in groups of kRowGroup rows for the kernels' sake.
     constexpr int64_t kRowGroup = 16;
+    // the step of a cut of rows whose columns `down` projects: summing, whole blocks of `down`
+    auto row_step = [&](const Tensor* down) { return gathers ? kRowGroup : block_elems(down); };
     const auto embr = ranges(hp.n_embd, kRowGroup, shares);
     for (int il = 0; il < hp.n_layer; il++) {
         const LayerWeights& L = layers_[il];
@@ -171,17 +173,17 @@ void Model::build_shards(const std::vector<double>& shares_all) {
         // that evened out the heads' imbalance in bytes made the other device wait at the FFN's
         // meeting instead: smollm2, 3 KV heads 1:1, pp512 2950 -> 3090 and tg128 311 -> 322 t/s.)
         const int64_t n_ff = L.ffn_gate ? L.ffn_gate->ne[1] : 0;
-        const auto ffr = ranges(n_ff, gathers ? kRowGroup : block_elems(L.ffn_down), shares);
+        const auto ffr = ranges(n_ff, row_step(L.ffn_down), shares);
         // Routed experts: every expert's rows cut alike when they make enough blocks of the down
         // projection (a token's picked experts then load every shard evenly); else whole experts.
         const int64_t n_ffe = L.ffn_gate_exps ? L.ffn_gate_exps->ne[1] : 0;
         const bool cut_experts = n_ffe > 0 && (gathers || n_ffe / block_elems(L.ffn_down_exps) >= S);
         const auto exr = ranges(L.ffn_gate_exps && !cut_experts ? hp.n_expert : 0, 1, shares);
-        const auto efr = ranges(cut_experts ? n_ffe : 0, gathers ? kRowGroup : block_elems(L.ffn_down_exps), shares);
+        const auto efr = ranges(cut_experts ? n_ffe : 0, row_step(L.ffn_down_exps), shares);
         int bias_shard = 0;  // the shard that adds a picked expert's down bias (once)
         while (bias_shard < S - 1 && cut_experts && efr[bias_shard].second == 0) bias_shard++;
         const int64_t n_sh = L.ffn_gate_shexp ? L.ffn_gate_shexp->ne[1] : 0;
-        const auto shr = ranges(n_sh, gathers ? kRowGroup : block_elems(L.ffn_down_shexp), shares);
+        const auto shr = ranges(n_sh, row_step(L.ffn_down_shexp), shares);
 
         for (int s = 0; s < S; s++) {
             ShardGeometry& g = shard_geom_[s][il];
@@ -272,7 +274,8 @@ void Model::build_shards(const std::vector<double>& shares_all) {
             if (g.shexp_ff > 0 || (gathers && g.embd)) w.ffn_gate_inp_shexp = repeat(L.ffn_gate_inp_shexp, s);
             w.ffn_gate_shexp = slice(L.ffn_gate_shexp, s, 1, g.shexp_ff0, g.shexp_ff);
             w.ffn_up_shexp = slice(L.ffn_up_shexp, s, 1, g.shexp_ff0, g.shexp_ff);
-            w.ffn_down_shexp = L.ffn_down_shexp && (g.shexp_ff || gathers) ? out_proj(L.ffn_down_shexp, g.shexp_ff0, g.shexp_ff) : nullptr;
+            w.ffn_down_shexp =
+                L.ffn_down_shexp && (g.shexp_ff || gathers) ? out_proj(L.ffn_down_shexp, g.shexp_ff0, g.shexp_ff) : nullptr;
         }
     }
     // the LM head by vocabulary rows; the embedding lookup stays whole on the first shard
