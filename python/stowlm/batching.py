@@ -74,6 +74,8 @@ class Request:
     params: SamplingParams
     on_event: Callable[[Event], None]
     logprobs: Optional[int] = None  # None: no logprobs; N: the chosen token's and the best N
+    grammar: Optional[object] = None  # stowlm.grammar.Grammar (or anything with start()): the text it allows
+    special: bool = False  # control tokens stay in the text (a tool format's markers)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
@@ -93,6 +95,7 @@ class _Slot:
         self.history: List[int] = []
         self.sampler: Optional[Sampler] = None
         self.stream: Optional[TextStream] = None
+        self.constraint = None        # the request's grammar, where it has one
 
 
 class BatchEngine:
@@ -138,7 +141,7 @@ class BatchEngine:
 
     # -- from any thread ------------------------------------------------------------------------
     def submit(self, tokens: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None],
-               logprobs: Optional[int] = None) -> Request:
+               logprobs: Optional[int] = None, grammar=None, special: bool = False) -> Request:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("the prompt is empty (no tokens)")
@@ -147,7 +150,7 @@ class BatchEngine:
                              f"tokens (n_ctx {self.ctx.n_ctx} / {self.n_seq} slots), with room for at least one "
                              "generated token")
         Sampler(params, vocab_size=self.llm.model.n_vocab)  # validate now, in the caller's thread
-        req = Request(tokens, params, on_event, logprobs)
+        req = Request(tokens, params, on_event, logprobs, grammar, special)
         with self.cv:
             if not self.running:
                 raise RuntimeError("the engine is stopped")
@@ -236,7 +239,8 @@ class BatchEngine:
             best.req, best.pos, best.pending = req, keep, None
             best.history = list(req.tokens)
             best.sampler = Sampler(req.params, vocab_size=self.llm.model.n_vocab)
-            best.stream = TextStream(self.llm.tokenizer, req.params)
+            best.stream = TextStream(self.llm.tokenizer, req.params, skip_special=not req.special)
+            best.constraint = req.grammar.start() if req.grammar is not None else None
             self.prompt_tokens_total += len(req.tokens)
 
     def _kernels(self, n: int) -> int:
@@ -275,10 +279,11 @@ class BatchEngine:
                                          rows=list(range(len(group))))
             with self.cv:
                 self._recent.append((time.perf_counter(), len(group)))
+            masks = _masks(group)
             for s, row in zip(group, logits):
                 s.cached.append(s.pending)
                 s.pending = None
-                self._next_token(s, row)
+                self._next_token(s, row, masks.get(s.index))
 
     def _prompt_step(self) -> None:
         pre = [s for s in self.slots if s.req and s.pending is None and s.pos < len(s.req.tokens)]
@@ -299,15 +304,17 @@ class BatchEngine:
         with self.cv:
             self.prompt_tokens_evaluated += len(toks)
         if last:
-            self._next_token(s, logits[0])
+            self._next_token(s, logits[0], _masks([s]).get(s.index))
 
-    def _next_token(self, s: _Slot, logits: np.ndarray) -> None:
+    def _next_token(self, s: _Slot, logits: np.ndarray, allowed: Optional[np.ndarray] = None) -> None:
         req = s.req
         if req.cancelled:
             self._finish(s, "cancelled")
             return
-        tok = s.sampler.sample(logits, s.history)
+        tok = s.sampler.sample(logits, s.history, allowed)
         s.history.append(tok)
+        if s.constraint is not None and not self.llm.tokenizer.is_eog(tok):
+            s.constraint.accept(tok)
         if req.first_token_at is None:
             req.first_token_at = time.perf_counter()
         ev = Event("piece", token=tok)
@@ -324,6 +331,8 @@ class BatchEngine:
             self.completion_tokens_total += 1
         if s.stream.finished:
             self._finish(s, s.stream.finish_reason)
+        elif s.constraint is not None and s.constraint.done:
+            self._finish(s, "stop")  # the grammar is complete: only the end could follow
         elif len(s.cached) + 1 >= self.slot_ctx:
             self._finish(s, "length")  # the request's share of the context is full
         else:
@@ -337,7 +346,18 @@ class BatchEngine:
         req.on_event(Event("done", finish_reason=reason, prompt_tokens=len(req.tokens),
                            completion_tokens=s.stream.n_tokens if s.stream else 0, error=error))
         # What the slot evaluated stays in its cache for a later prefix match; nothing is pending.
-        s.req, s.pending, s.sampler, s.stream = None, None, None, None
+        s.req, s.pending, s.sampler, s.stream, s.constraint = None, None, None, None, None
+
+
+def _masks(slots: Sequence[_Slot]) -> Dict[int, np.ndarray]:
+    """slot index -> the tokens its grammar allows next, for the slots that have one (filled
+    together, off the GIL)."""
+    constrained = [s for s in slots if s.constraint is not None and s.constraint.active]
+    if not constrained:
+        return {}
+    from .grammar import fill_masks
+
+    return {s.index: m for s, m in zip(constrained, fill_masks([s.constraint for s in constrained]))}
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

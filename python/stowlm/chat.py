@@ -77,7 +77,7 @@ def _environment():
     return env
 
 
-def _check_messages(messages) -> List[dict]:
+def check_messages(messages) -> List[dict]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Iterable):
         raise ValueError("messages must be a list of {'role': ..., 'content': ...} dicts")
     out = []
@@ -137,7 +137,7 @@ class ChatTemplate:
                tools: Optional[list] = None, **kwargs) -> str:
         from jinja2 import TemplateError
 
-        msgs = _check_messages(messages)
+        msgs = check_messages(messages)
         try:
             return self._template.render(messages=msgs, add_generation_prompt=add_generation_prompt,
                                          bos_token=self.bos_token, eos_token=self.eos_token,

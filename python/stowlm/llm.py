@@ -8,22 +8,23 @@ The KV cache is kept between calls: a prompt that starts with the tokens already
 re-uses them and only evaluates the rest."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
 from . import fit as fitting
-from .chat import ChatTemplate
+from .chat import ChatTemplate, check_messages
 from .devices import parse_devices
 from .engine import Context, Model
 from .gguffile import GGUFFile
 from .placement import slot_context
 from .pull import pull
-from .sampling import Sampler, SamplingParams, StopChecker
+from .sampling import Sampler, SamplingParams, TextStream
 from .tokenizer import Tokenizer
 
 LOGIT_ROWS = fitting.DEFAULT_N_OUTPUTS  # rows of logits a micro-batch returns: one to generate, a few for logits()
@@ -40,6 +41,7 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     tokens: List[int] = field(default_factory=list)
+    tool_calls: Optional[List[dict]] = None  # chat with tools: [{"id", "type": "function", "function": {...}}]
 
     def __str__(self) -> str:
         return self.text
@@ -135,6 +137,7 @@ class LLM:
                                n_ubatch=n_ubatch, n_seq=n_seq,
                                kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
+        self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._engine = None
         if self.ctx.n_seq > 1:
             self.engine()
@@ -176,9 +179,15 @@ class LLM:
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
                  presence_penalty: float = 0.0, seed: Optional[int] = None, stop=None,
                  logit_bias: Optional[Mapping[int, float]] = None, stream: bool = False,
-                 add_special: bool = True):
+                 add_special: bool = True, response_format=None, grammar=None, json_schema=None,
+                 _special: bool = False):
         """Continue ``prompt`` (text, or token ids). Returns a Completion, or with stream=True
-        an iterator of text pieces whose ``completion`` attribute holds the Completion at the end."""
+        an iterator of text pieces whose ``completion`` attribute holds the Completion at the end.
+
+        Structured output (needs ``pip install "stowlm[structured]"``): ``response_format`` as
+        OpenAI's ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
+        ...}}), ``json_schema`` (a schema dict), or ``grammar`` (llama.cpp's GBNF text, or a
+        stowlm.grammar.Grammar): only text they allow is generated."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -189,7 +198,9 @@ class LLM:
         else:
             tokens = list(prompt)
         tokens = self._check_tokens(tokens)
-        it = _Generation(self, tokens, params) if self._engine is None else _Served(self._engine, tokens, params)
+        g = self.grammar(response_format=response_format, grammar=grammar, json_schema=json_schema)
+        it = _Generation(self, tokens, params, g, _special) if self._engine is None else \
+            _Served(self._engine, tokens, params, g, _special)
         if stream:
             return it
         for _ in it:
@@ -214,16 +225,98 @@ class LLM:
                 pass
         return [r.completion for r in runs]
 
-    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, **kwargs):
+    def chat(self, messages: Sequence[Mapping[str, str]], stream: bool = False, tools=None, tool_choice=None,
+             parallel_tool_calls: Optional[bool] = None, **kwargs):
         """Answer a conversation rendered with the model's chat template (GGUF
-        ``tokenizer.chat_template``). Same sampling options as generate()."""
-        return self.generate(self.chat_tokens(messages), stream=stream, **kwargs)
+        ``tokenizer.chat_template``). Same sampling and structured-output options as generate().
+
+        tools (OpenAI's [{"type": "function", "function": {"name", "description", "parameters"}}])
+        are rendered through the template; tool_choice "auto" (default), "none", "required" or
+        {"type": "function", "function": {"name": ...}} (the last two forced by a grammar). The
+        Completion's tool_calls then holds the calls the model made (OpenAI's shape, arguments
+        as a JSON string) and its finish_reason is "tool_calls"; its text is the rest."""
+        tokens, req = self.chat_prompt(messages, tools, tool_choice, parallel_tool_calls)
+        if req is None:
+            return self.generate(tokens, stream=stream, **kwargs)
+        given = [k for k in ("response_format", "grammar", "json_schema") if kwargs.get(k) is not None]
+        if given:
+            raise ValueError(f"{given[0]} cannot be combined with tools (give tool_choice='none', or no tools)")
+        from .grammar import Grammar
+
+        text = req.grammar(self.tokenizer)
+        g = None if text is None else Grammar(self.tokenizer, text, self.model.n_vocab, "tools")
+        it = _ToolCalls(self.generate(tokens, stream=True, grammar=g, _special=req.needs_special, **kwargs), req)
+        if stream:
+            return it
+        for _ in it:
+            pass
+        return it.completion
+
+    def chat_prompt(self, messages: Sequence[Mapping], tools=None, tool_choice=None,
+                    parallel_tool_calls: Optional[bool] = None):
+        """(prompt tokens, stowlm.toolcalls.ToolRequest or None): the conversation rendered with the
+        template, the tools in the template's format (FieldError, a ValueError, names a bad one)."""
+        from . import toolcalls
+
+        if self._template is None:
+            raise ValueError(self._template_error)
+        messages = check_messages(messages)
+        req = toolcalls.parse_tool_request(tools, tool_choice, parallel_tool_calls, self._template.source)
+        msgs = toolcalls.template_messages(messages, req.format if req else self.tool_format)
+        if req is not None:
+            msgs = req.prompt_messages(msgs)
+        tokens = self._template.encode(self.tokenizer, msgs, add_generation_prompt=True,
+                                       tools=req.template_tools() if req else None)
+        return tokens, req
+
+    @property
+    def tool_format(self) -> str:
+        """How this model's chat template writes tool calls (stowlm.toolcalls.FORMATS)."""
+        from .toolcalls import detect_format
+
+        return detect_format(self._template.source if self._template else None)
+
+    def create_completion(self, prompt, **kwargs):
+        """llama-cpp-python's Llama.create_completion: an OpenAI text_completion dict (an iterator of
+        chunk dicts with stream=True), checked and made as the server makes them."""
+        from .compat import create
+
+        return create(self, dict(kwargs, prompt=prompt), chat=False)
+
+    __call__ = create_completion
+
+    def create_chat_completion(self, messages, **kwargs):
+        """llama-cpp-python's Llama.create_chat_completion: an OpenAI chat.completion dict (chunks
+        with stream=True), with tools, tool_choice and response_format as the server takes them."""
+        from .compat import create
+
+        return create(self, dict(kwargs, messages=messages), chat=True)
+
+    def grammar(self, response_format=None, grammar=None, json_schema=None):
+        """The compiled Grammar (stowlm.grammar) of these request fields, None for free text;
+        GrammarError (a ValueError) names the field that is wrong. Kept for the next request."""
+        from . import grammar as gm
+
+        if isinstance(grammar, gm.Grammar):
+            if response_format is not None or json_schema is not None:
+                raise gm.GrammarError("give one of response_format, grammar, json_schema, not several", "grammar")
+            return grammar
+        key = json.dumps([response_format, grammar, json_schema], sort_keys=True, default=str)
+        hit = self._grammars.get(key)
+        if hit is not None:
+            return hit
+        text = gm.from_request(response_format, grammar, json_schema)
+        if text is None:
+            return None
+        g = gm.Grammar(self.tokenizer, text, self.model.n_vocab)
+        if len(self._grammars) >= 32:
+            self._grammars.pop(next(iter(self._grammars)))
+        self._grammars[key] = g
+        return g
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str]]) -> List[int]:
         """The prompt tokens of a conversation, rendered with the chat template."""
-        if self._template is None:
-            raise ValueError(self._template_error)
-        return self._template.encode(self.tokenizer, messages, add_generation_prompt=True)
+        return self.chat_prompt(messages)[0]
 
     # -- lifetime -------------------------------------------------------------------------------
     def close(self) -> None:
@@ -293,10 +386,12 @@ class LLM:
 class _Generation:
     """Iterator of text pieces for one generate() call."""
 
-    def __init__(self, llm: LLM, prompt: List[int], params: SamplingParams):
+    def __init__(self, llm: LLM, prompt: List[int], params: SamplingParams, grammar=None, special: bool = False):
         self.llm = llm
         self.prompt = prompt
         self.params = params
+        self.grammar = grammar
+        self.special = special
         self.completion: Optional[Completion] = None
         self._gen = self._run()
 
@@ -309,39 +404,34 @@ class _Generation:
     def _run(self) -> Iterator[str]:
         llm, p = self.llm, self.params
         sampler = Sampler(p, vocab_size=llm.model.n_vocab)
-        detok = llm.tokenizer.detokenizer(skip_special=True)
-        stops = StopChecker(p.stop)
+        stream = TextStream(llm.tokenizer, p, skip_special=not self.special)  # end, stop strings, max_tokens
         logits = llm._prefill(self.prompt)
         history = list(self.prompt)
-        out_tokens: List[int] = []
-        text: List[str] = []
+        constraint = self.grammar.start() if self.grammar is not None else None
         finish = "length"
-        limit = p.max_tokens if p.max_tokens is not None else llm.n_ctx
-        while len(out_tokens) < limit:
-            tok = sampler.sample(logits, history)
-            if llm.tokenizer.is_eog(tok):
-                finish = "stop"
-                break
-            out_tokens.append(tok)
-            history.append(tok)
-            piece, stopped = stops.feed(detok.feed(tok))
+        while True:
+            allowed = constraint.allowed() if constraint is not None and constraint.active else None
+            tok = sampler.sample(logits, history, allowed)
+            eog = llm.tokenizer.is_eog(tok)
+            if constraint is not None and not eog:
+                constraint.accept(tok)
+            piece = stream.feed(tok)
             if piece:
-                text.append(piece)
                 yield piece
-            if stopped:
+            if stream.finished:
+                break
+            history.append(tok)
+            if constraint is not None and constraint.done:  # the grammar is complete: only the end may follow
                 finish = "stop"
                 break
             if len(history) >= llm.n_ctx:  # the context is full
                 break
-            if len(out_tokens) < limit:
-                logits = llm._step(tok)
-        if finish != "stop":
-            tail, _ = stops.feed(detok.flush())
-            tail += stops.flush()
-            if tail:
-                text.append(tail)
-                yield tail
-        self.completion = Completion("".join(text), finish, len(self.prompt), len(out_tokens), out_tokens)
+            logits = llm._step(tok)
+        tail = stream.close()
+        if tail:
+            yield tail
+        self.completion = Completion(stream.text, stream.finish_reason or finish, len(self.prompt), stream.n_tokens,
+                                     stream.ids)
 
 
 def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:
@@ -365,7 +455,7 @@ class _Served:
     """Iterator of text pieces of one request served by the batch engine (LLM with n_seq > 1):
     submitted at once, so several of them run together."""
 
-    def __init__(self, engine, prompt: List[int], params: SamplingParams):
+    def __init__(self, engine, prompt: List[int], params: SamplingParams, grammar=None, special: bool = False):
         import queue
 
         self.completion: Optional[Completion] = None
@@ -373,7 +463,7 @@ class _Served:
         self._tokens: List[int] = []
         self._text: List[str] = []
         self._engine = engine
-        self._req = engine.submit(prompt, params, self._events.put)
+        self._req = engine.submit(prompt, params, self._events.put, grammar=grammar, special=special)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -398,6 +488,41 @@ class _Served:
         req = getattr(self, "_req", None)  # None: submit() refused the request
         if self.completion is None and req is not None:
             self._engine.cancel(req)
+
+
+class _ToolCalls:
+    """Text pieces of a chat with tools: the content as it comes, the calls in the completion."""
+
+    def __init__(self, it, req):
+        from .toolcalls import new_call_id
+
+        self._it, self._req, self._parser, self._new_id = it, req, req.parser(), new_call_id
+        self._text: List[str] = []
+        self._calls: List[dict] = []
+        self.completion: Optional[Completion] = None
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        while self.completion is None:
+            try:
+                items = self._parser.feed(next(self._it))
+                last = False
+            except StopIteration:
+                items, last = self._parser.finish(), True
+            text = "".join(x for k, x in items if k == "content")
+            self._calls += [{"id": self._new_id(self._req.format), "type": "function", "function": x}
+                            for k, x in items if k == "call"]
+            self._text.append(text)
+            if last:
+                c = self._it.completion
+                finish = "tool_calls" if self._calls and c.finish_reason == "stop" else c.finish_reason
+                self.completion = Completion("".join(self._text), finish, c.prompt_tokens, c.completion_tokens,
+                                             c.tokens, self._calls)
+            if text:
+                return text
+        raise StopIteration
 
 
 def _as_list(stop) -> List[str]:

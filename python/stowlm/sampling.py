@@ -156,10 +156,12 @@ class Sampler:
         logits[ids] += np.fromiter(self.params.logit_bias.values(), dtype=np.float32)
         return logits
 
-    def candidates(self, logits, history: Sequence[int] = ()) -> Tuple[np.ndarray, np.ndarray]:
+    def candidates(self, logits, history: Sequence[int] = (),
+                   allowed: Optional[np.ndarray] = None) -> Tuple[np.ndarray, np.ndarray]:
         """The filtered distribution the next token is drawn from: (ids, probabilities), best first.
 
-        Greedy (temperature 0) gives the single argmax with probability 1.
+        Greedy (temperature 0) gives the single argmax with probability 1. ``allowed`` (booleans
+        over the vocabulary, from a grammar) leaves only those tokens in the running.
         """
         x = np.asarray(logits)
         if x.ndim != 1 or x.shape[0] == 0:
@@ -170,6 +172,10 @@ class Sampler:
         x = self.apply_logit_bias(x)
         if np.isnan(x).any():
             raise ValueError("logits contain NaN")
+        if allowed is not None:
+            x[~allowed[:x.shape[0]]] = -np.inf
+            if not np.isfinite(x.max()):
+                raise ValueError("the grammar allows no token here")
         p = self.params
         if p.temperature == 0.0:
             best = int(np.argmax(x))
@@ -203,8 +209,8 @@ class Sampler:
         vals = vals.astype(np.float64) / p.temperature
         return ids, _softmax(vals)
 
-    def sample(self, logits, history: Sequence[int] = ()) -> int:
-        ids, probs = self.candidates(logits, history)
+    def sample(self, logits, history: Sequence[int] = (), allowed: Optional[np.ndarray] = None) -> int:
+        ids, probs = self.candidates(logits, history, allowed)
         if len(ids) == 1:
             return int(ids[0])
         cum = np.cumsum(probs)
@@ -327,10 +333,10 @@ class TextStream:
     Call ``close()`` at the end for any held-back text.
     """
 
-    def __init__(self, tokenizer, params: Optional[SamplingParams] = None):
+    def __init__(self, tokenizer, params: Optional[SamplingParams] = None, skip_special: bool = True):
         self.params = params or SamplingParams()
         self.tokenizer = tokenizer
-        self._detok = tokenizer.detokenizer(skip_special=True)
+        self._detok = tokenizer.detokenizer(skip_special=skip_special)
         self._stop = StopChecker(self.params.stop)
         self.n_tokens = 0
         self.ids: List[int] = []

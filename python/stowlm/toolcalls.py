@@ -1,0 +1,530 @@
+"""Tool calls: how a model's chat template asks for them, the grammar that forces one, and the
+parser that finds them in the generated text.
+
+The format is recognised from the template's source:
+
+- ``hermes``: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` (Qwen 2.5/3, Hermes);
+- ``llama3``: a bare JSON object ``{"name": ..., "parameters": {...}}`` (Llama 3.1-3.3);
+- ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}]``, or in newer templates
+  ``[TOOL_CALLS]name[ARGS]{...}`` (``mistral-args``);
+- ``harmony``: gpt-oss's ``<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}``;
+- ``generic``: a template that knows no tools. As llama-server does, the tools and a JSON answer
+  format are described in a system message, and the answer is always JSON, forced by the grammar:
+  ``{"tool_call": {"name", "arguments"}}`` (``"tool_calls": [...]`` with parallel calls) or
+  ``{"response": "..."}``. The server names the format in its ``X-Stowlm-Tool-Format`` header.
+
+``tool_choice`` "required" and a named function are forced by a grammar in every format; "auto"
+lets the model choose (the generic format still forces its JSON); "none" renders no tools.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any, List, Mapping, Optional, Sequence, Tuple
+
+from .grammar import JSON_OPTIONS, FieldError, tightened
+
+__all__ = ["FORMATS", "detect_format", "ToolRequest", "ToolParser", "parse_tool_request", "new_call_id"]
+
+FORMATS = ("hermes", "llama3", "mistral", "mistral-args", "harmony", "generic")
+_NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
+
+
+def detect_format(template_source: Optional[str]) -> str:
+    src = template_source or ""
+    if "<tool_call>" in src:
+        return "hermes"
+    if "[TOOL_CALLS]" in src:
+        return "mistral-args" if "[ARGS]" in src else "mistral"
+    if "<|channel|>" in src and "to=functions" in src:
+        return "harmony"
+    if "<|start_header_id|>" in src and "tools" in src:
+        return "llama3"
+    return "generic"
+
+
+def new_call_id(fmt: str = "") -> str:
+    if fmt.startswith("mistral"):  # Mistral's templates take nine letters and digits only
+        return uuid.uuid4().hex[:9]
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+# -- the request's tools ------------------------------------------------------------------------------
+
+@dataclass
+class Tool:
+    name: str
+    description: str
+    parameters: dict
+    raw: dict  # as the client sent it, for the template
+
+
+def _check_tools(tools: Any) -> List[Tool]:
+    if not isinstance(tools, list):
+        raise FieldError("must be a list of {\"type\": \"function\", \"function\": {...}}", "tools")
+    out, seen = [], set()
+    for i, t in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(t, Mapping) or t.get("type") != "function" or not isinstance(t.get("function"), Mapping):
+            raise FieldError("must be {\"type\": \"function\", \"function\": {\"name\", \"parameters\"}}", where)
+        bad = set(t) - {"type", "function"}
+        if bad:
+            raise FieldError(f"unknown field {sorted(bad)[0]!r}", where)
+        f = t["function"]
+        bad = set(f) - {"name", "description", "parameters", "strict"}
+        if bad:
+            raise FieldError(f"unknown field {sorted(bad)[0]!r}", f"{where}.function")
+        name = f.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise FieldError("must be 1-64 letters, digits, '_', '-' or '.'", f"{where}.function.name")
+        if name in seen:
+            raise FieldError(f"the function {name!r} is defined twice", f"{where}.function.name")
+        seen.add(name)
+        desc = f.get("description", "")
+        if not isinstance(desc, str):
+            raise FieldError("must be a string", f"{where}.function.description")
+        params = f.get("parameters")
+        if params is None:
+            params = {"type": "object", "properties": {}}
+        if not isinstance(params, Mapping):
+            raise FieldError("must be a JSON schema object", f"{where}.function.parameters")
+        strict = f.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise FieldError("must be true or false", f"{where}.function.strict")
+        out.append(Tool(name, desc, tightened(params), {"type": "function", "function": dict(f)}))
+    return out
+
+
+def _check_choice(choice: Any, tools: List[Tool]) -> str:
+    """'auto' | 'none' | 'required' | a function's name."""
+    if choice is None:
+        return "auto" if tools else "none"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise FieldError(f"must be 'auto', 'none', 'required' or {{\"type\": \"function\", ...}}, got {choice!r}",
+                             "tool_choice")
+        if choice == "required" and not tools:
+            raise FieldError("'required' needs 'tools'", "tool_choice")
+        return choice
+    if isinstance(choice, Mapping) and choice.get("type") == "function" and isinstance(choice.get("function"), Mapping):
+        name = choice["function"].get("name")
+        if not any(t.name == name for t in tools):
+            raise FieldError(f"names the function {name!r}, which 'tools' does not define", "tool_choice")
+        return name
+    raise FieldError("must be 'auto', 'none', 'required' or {\"type\": \"function\", \"function\": {\"name\"}}",
+                     "tool_choice")
+
+
+def parse_tool_request(tools: Any, tool_choice: Any, parallel: Any, template_source: Optional[str]) \
+        -> Optional["ToolRequest"]:
+    """The request's tools, or None where it has none (or tool_choice 'none')."""
+    if tools is None:
+        if tool_choice not in (None, "none", "auto"):
+            raise FieldError("needs 'tools'", "tool_choice")
+        if parallel is not None and not isinstance(parallel, bool):
+            raise FieldError("must be true or false", "parallel_tool_calls")
+        return None
+    checked = _check_tools(tools)
+    choice = _check_choice(tool_choice, checked)
+    if parallel is not None and not isinstance(parallel, bool):
+        raise FieldError("must be true or false", "parallel_tool_calls")
+    if choice == "none" or not checked:
+        return None
+    # One call per turn unless asked for more, as llama-server does: small models asked for a
+    # list of calls tend to repeat the first.
+    return ToolRequest(detect_format(template_source), checked, choice, parallel is True)
+
+
+class ToolRequest:
+    """The tools of one request in one template's format: the prompt, the grammar, the parser."""
+
+    def __init__(self, fmt: str, tools: List[Tool], choice: str, parallel: bool):
+        self.format, self.tools, self.choice, self.parallel = fmt, tools, choice, parallel
+
+    @property
+    def forced(self) -> bool:
+        return self.choice != "auto"
+
+    @property
+    def needs_special(self) -> bool:
+        """The format's markers are control tokens, which the text must keep for the parser."""
+        return self.format in ("mistral", "mistral-args", "harmony", "llama3")
+
+    def _chosen(self) -> List[Tool]:
+        return [t for t in self.tools if t.name == self.choice] if self.forced and self.choice != "required" \
+            else self.tools
+
+    # -- the prompt ---------------------------------------------------------------------------------
+    def template_tools(self) -> Optional[list]:
+        """What the template's `tools` variable gets (the generic format describes them itself)."""
+        return None if self.format == "generic" else [t.raw for t in self.tools]
+
+    def prompt_messages(self, messages: List[dict]) -> List[dict]:
+        if self.format != "generic":
+            return messages
+        note = ("You can call these tools:\n" + "\n".join(json.dumps(t.raw["function"], ensure_ascii=False)
+                                                        for t in self.tools) +
+                "\n\nAnswer with one JSON object: " +
+                ('{"tool_calls": [{"name": <tool name>, "arguments": {<its arguments>}}, ...]}'
+                 if self.parallel else '{"tool_call": {"name": <tool name>, "arguments": {<its arguments>}}}') +
+                " to call " + ("tools" if self.parallel else "a tool") +
+                ("" if self.forced else ', or {"response": <your answer as a string>} to answer directly') + ".")
+        out = [dict(m) for m in messages]
+        if out and out[0]["role"] == "system":
+            out[0]["content"] = (out[0].get("content") or "") + "\n\n" + note
+        else:
+            out.insert(0, {"role": "system", "content": note})
+        return out
+
+    # -- the grammar ------------------------------------------------------------------------------------
+    def grammar(self, tokenizer) -> Optional[str]:
+        """llguidance grammar text: forced calls, or (generic format) the JSON answer; None: free text."""
+        from . import grammar as gm
+
+        if not self.forced and self.format != "generic":
+            return None
+        tools = self._chosen()
+        many = self.parallel and self.choice == "required"
+        if self.format == "generic":
+            call = {"anyOf": [_call_schema(t, "arguments") for t in tools]}
+            calls = ({"type": "object", "properties": {"tool_calls": {"type": "array", "items": call, "minItems": 1}},
+                      "required": ["tool_calls"], "additionalProperties": False} if self.parallel else
+                     {"type": "object", "properties": {"tool_call": call}, "required": ["tool_call"],
+                      "additionalProperties": False})
+            if not self.forced:
+                answer = {"type": "object", "properties": {"response": {"type": "string"}}, "required": ["response"],
+                          "additionalProperties": False}
+                calls = {"anyOf": [calls, answer]}
+            return gm.json_schema(calls, param="tools")
+        sp = _Specials(tokenizer)
+        if self.format == "hermes":
+            call = {"anyOf": [_call_schema(t, "arguments") for t in tools]}
+            more = ' ("\\n" call)*' if many else ""
+            lark = f'start: call{more}\ncall: "<tool_call>\\n" {_json(call)} "\\n</tool_call>"\n'
+        elif self.format == "llama3":
+            lark = "start: " + _json({"anyOf": [_call_schema(t, "parameters") for t in tools]}) + "\n"
+        elif self.format == "mistral":
+            arr = {"type": "array", "items": {"anyOf": [_call_schema(t, "arguments") for t in tools]}, "minItems": 1}
+            if not many:
+                arr["maxItems"] = 1
+            lark = f"start: {sp.ref('[TOOL_CALLS]')} {_json(arr)}\n"
+        elif self.format == "mistral-args":
+            alts = " | ".join(f"{sp.ref('[TOOL_CALLS]')} {json.dumps(t.name)} {sp.ref('[ARGS]')} {_json(t.parameters)}"
+                              for t in tools)
+            lark = f"start: call{'+' if many else ''}\ncall: {alts}\n"
+        elif self.format == "harmony":
+            alts = " | ".join(f"{json.dumps(t.name)} \" \" {sp.ref('<|constrain|>')} \"json\" {sp.ref('<|message|>')} "
+                              f"{_json(t.parameters)}" for t in tools)
+            lark = f"start: {sp.ref('<|channel|>')} \"commentary to=functions.\" call\ncall: {alts}\n"
+        else:
+            raise AssertionError(self.format)
+        return gm.lark(lark, param="tools")
+
+    def parser(self) -> "ToolParser":
+        return ToolParser(self.format, {t.name for t in self.tools}, self.parallel)
+
+
+def _call_schema(t: Tool, key: str) -> dict:
+    return {"type": "object", "properties": {"name": {"const": t.name}, key: t.parameters},
+            "required": ["name", key], "additionalProperties": False}
+
+
+def _json(schema: dict) -> str:
+    """A JSON-schema rule inside a Lark grammar, written as our other JSON is."""
+    return "%json " + json.dumps(dict(schema, **{"x-guidance": dict(JSON_OPTIONS)}))
+
+
+class _Specials:
+    """Lark references to control tokens (`<[id]>`), or their text where the vocabulary has no such token."""
+
+    def __init__(self, tokenizer):
+        self.tok = tokenizer
+
+    def ref(self, text: str) -> str:
+        i = self.tok.token_to_id(text) if self.tok is not None else None
+        if i is not None and self.tok.is_special(i):
+            return f"<[{i}]>"
+        return json.dumps(text)
+
+
+# -- messages for the template ----------------------------------------------------------------------------
+
+def template_messages(messages: Sequence[Mapping], fmt: str) -> List[dict]:
+    """OpenAI messages as chat templates expect them: tool call arguments as objects (templates
+    write them with tojson), no None content; for the generic format, calls and tool results as
+    the JSON text the model was asked for (its template knows no tool roles)."""
+    out = []
+    for m in messages:
+        if not isinstance(m, Mapping):
+            out.append(m)  # the template's own check names it
+            continue
+        m = dict(m)
+        if m.get("content") is None:
+            m["content"] = ""
+        calls = m.get("tool_calls")
+        if calls:
+            m["tool_calls"] = [_template_call(c) for c in calls]
+        if fmt == "generic":
+            if calls:
+                items = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in m["tool_calls"]]
+                m = {"role": "assistant", "content": json.dumps({"tool_calls": items} if len(items) > 1 else
+                                                                {"tool_call": items[0]}, ensure_ascii=False)}
+            elif m["role"] == "tool":
+                m = {"role": "user", "content": json.dumps({"tool_response": {
+                    k: v for k, v in (("tool_call_id", m.get("tool_call_id")), ("name", m.get("name")),
+                                      ("content", m["content"])) if v is not None}}, ensure_ascii=False)}
+        out.append(m)
+    return out
+
+
+def _template_call(c: Mapping) -> dict:
+    c = copy.deepcopy(dict(c))
+    f = c.get("function")
+    if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+        try:
+            args = json.loads(f["arguments"])
+            if isinstance(args, dict):
+                f["arguments"] = args
+        except ValueError:
+            pass  # the template gets the string as it was
+    return c
+
+
+# -- parsing the output ------------------------------------------------------------------------------------
+
+class ToolParser:
+    """Generated text in, content and tool calls out. feed(piece) returns what is certain so far:
+    ("content", text) and ("call", {"name", "arguments"}) items, arguments as a JSON string;
+    finish() the rest. Text that may still become a call is held back, as stop strings are."""
+
+    def __init__(self, fmt: str, names: set, parallel: bool = True):
+        self.format, self.names, self.parallel = fmt, names, parallel
+        self.buf = ""
+        self.started = False  # content has been given out (a bare JSON call must come first)
+        self.calls = 0
+
+    def feed(self, piece: str) -> List[Tuple[str, Any]]:
+        self.buf += piece
+        f = self.format
+        if f == "hermes":
+            return self._hermes(final=False)
+        if f in ("mistral", "mistral-args"):
+            return self._marker("[TOOL_CALLS]", final=False)
+        if f == "harmony" or f == "generic":
+            return []  # decided at the end
+        if f == "llama3":
+            return self._llama3(final=False)
+        raise AssertionError(f)
+
+    def finish(self) -> List[Tuple[str, Any]]:
+        f = self.format
+        if f == "hermes":
+            return self._hermes(final=True)
+        if f in ("mistral", "mistral-args"):
+            return self._marker("[TOOL_CALLS]", final=True)
+        if f == "harmony":
+            return self._harmony()
+        if f == "generic":
+            return self._generic()
+        return self._llama3(final=True)
+
+    def parse(self, text: str) -> Tuple[str, List[dict]]:
+        """The whole text at once: (content, calls)."""
+        items = self.feed(text) + self.finish()
+        content = "".join(x for k, x in items if k == "content")
+        return content, [x for k, x in items if k == "call"]
+
+    # -- the formats -------------------------------------------------------------------------------
+    def _content(self, text: str) -> List[Tuple[str, Any]]:
+        if text:
+            self.started = True
+            return [("content", text)]
+        return []
+
+    def _call(self, name: Any, args: Any) -> List[Tuple[str, Any]]:
+        if not isinstance(name, str) or name not in self.names:
+            return []
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                return []
+        if not isinstance(args, dict):
+            return []
+        if self.calls and not self.parallel:
+            return []
+        self.calls += 1
+        return [("call", {"name": name, "arguments": json.dumps(args, ensure_ascii=False)})]
+
+    def _hermes(self, final: bool) -> List[Tuple[str, Any]]:
+        out: List[Tuple[str, Any]] = []
+        open_, close = "<tool_call>", "</tool_call>"
+        if self._bare_json_ahead():
+            if not final:
+                return []
+            calls = self._bare_calls(self.buf)
+            if calls:
+                self.buf = ""
+                return calls
+        while True:
+            i = self.buf.find(open_)
+            if i < 0:
+                keep = 0 if final else _held(self.buf, open_)
+                text = self.buf[:len(self.buf) - keep]
+                self.buf = self.buf[len(self.buf) - keep:]
+                if self.calls:
+                    text = text.strip() if final else text.lstrip()  # separators between calls
+                out += self._content(text)
+                return out
+            out += self._content(self.buf[:i].rstrip() if self.calls == 0 else self.buf[:i].strip())
+            j = self.buf.find(close, i)
+            body = self.buf[i + len(open_):j if j >= 0 else len(self.buf)]
+            if j < 0 and not final:
+                self.buf = self.buf[i:]
+                return out
+            call = _loads(body.strip())
+            got = self._call(call.get("name"), call.get("arguments", call.get("parameters"))) \
+                if isinstance(call, dict) else []
+            if not got:  # not a call after all: keep it as text
+                out += self._content(self.buf[i:j + len(close)] if j >= 0 else self.buf[i:])
+            out += got
+            self.buf = self.buf[j + len(close):] if j >= 0 else ""
+
+    def _bare_json_ahead(self) -> bool:
+        """Nothing given out yet and the text opens like a JSON object or a fenced block: small
+        models often write the call without its tags. Held back until the end decides."""
+        if self.started or self.calls:
+            return False
+        s = self.buf.lstrip()
+        return s.startswith("{") or s.startswith("```") or (s != "" and "```".startswith(s)) or s == ""
+
+    def _bare_calls(self, text: str) -> List[Tuple[str, Any]]:
+        """Calls written as bare JSON ({"name", "arguments"}), alone or in one ```json block."""
+        s = text.strip()
+        m = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", s, re.S)
+        if m:
+            s = m.group(1)
+        objs = _json_objects(s)
+        if not objs or not all(isinstance(o, dict) and o.get("name") in self.names for o in objs):
+            return []
+        out: List[Tuple[str, Any]] = []
+        for o in objs:
+            out += self._call(o.get("name"), o.get("arguments", o.get("parameters")))
+        return out
+
+    def _marker(self, marker: str, final: bool) -> List[Tuple[str, Any]]:
+        i = self.buf.find(marker)
+        if i < 0:
+            keep = 0 if final else _held(self.buf, marker)
+            text, self.buf = self.buf[:len(self.buf) - keep], self.buf[len(self.buf) - keep:]
+            return self._content(text)
+        out = self._content(self.buf[:i].rstrip())
+        self.buf = self.buf[i:]
+        if not final:
+            return out
+        rest, self.buf = self.buf, ""
+        calls: List[Tuple[str, Any]] = []
+        if self.format == "mistral":
+            arr = _loads(rest[len(marker):].strip())
+            for c in arr if isinstance(arr, list) else []:
+                if isinstance(c, dict):
+                    calls += self._call(c.get("name"), c.get("arguments"))
+        else:  # [TOOL_CALLS]name[ARGS]{...} repeated
+            for part in rest.split(marker)[1:]:
+                name, sep, args = part.partition("[ARGS]")
+                if sep:
+                    calls += self._call(name.strip(), _loads(args.strip()))
+        return out + (calls or self._content(rest))
+
+    def _llama3(self, final: bool) -> List[Tuple[str, Any]]:
+        s = self.buf.lstrip()
+        looks = not self.started and (s.startswith("{") or s.startswith("<|python_tag|>") or
+                                      (not s and not final) or "<|python_tag|>".startswith(s))
+        if not looks:
+            text, self.buf = self.buf, ""
+            return self._content(text)
+        if not final:
+            return []
+        body = s[len("<|python_tag|>"):] if s.startswith("<|python_tag|>") else s
+        calls: List[Tuple[str, Any]] = []
+        for part in _json_objects(body):
+            if isinstance(part, dict):
+                calls += self._call(part.get("name"), part.get("parameters", part.get("arguments")))
+        text, self.buf = self.buf, ""
+        return calls or self._content(text)
+
+    def _harmony(self) -> List[Tuple[str, Any]]:
+        text, self.buf = self.buf, ""
+        content: List[str] = []
+        calls: List[Tuple[str, Any]] = []
+        for msg in re.split(r"<\|start\|>", text):
+            header, sep, body = msg.partition("<|message|>")
+            if not sep:
+                continue
+            body = re.split(r"<\|end\|>|<\|return\|>|<\|call\|>", body)[0]
+            m = re.search(r"to=functions\.([^\s<]+)", header)
+            if m:
+                calls += self._call(m.group(1), _loads(body.strip()))
+            elif "<|channel|>final" in header:
+                content.append(body)
+        if not calls and not content and "<|message|>" not in text:
+            return self._content(text)  # no channels at all: the text as it is
+        return self._content("".join(content)) + calls
+
+    def _generic(self) -> List[Tuple[str, Any]]:
+        text, self.buf = self.buf, ""
+        obj = _loads(text.strip())
+        if isinstance(obj, dict):
+            if isinstance(obj.get("response"), str):
+                return self._content(obj["response"])
+            calls = obj.get("tool_calls") if "tool_calls" in obj else [obj.get("tool_call")]
+            out: List[Tuple[str, Any]] = []
+            for c in calls if isinstance(calls, list) else []:
+                if isinstance(c, dict):
+                    out += self._call(c.get("name"), c.get("arguments"))
+            if out:
+                return out
+        return self._content(text)
+
+
+def _loads(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+def _json_objects(text: str) -> List[Any]:
+    """JSON values one after the other (separated by whitespace or ';', as Llama 3 writes several
+    calls); [] unless the whole text is made of them."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while i < len(text):
+        while i < len(text) and text[i] in " \t\r\n;":
+            i += 1
+        if i >= len(text):
+            break
+        try:
+            v, i = dec.raw_decode(text, i)
+        except ValueError:
+            return []
+        out.append(v)
+    return out
+
+
+def _held(buf: str, marker: str) -> int:
+    """How much of buf's tail to hold back: what may start the marker, and the whitespace before
+    it (content before a call is given without its trailing whitespace)."""
+    n = _partial(buf, marker)
+    return n + len(buf[:len(buf) - n]) - len(buf[:len(buf) - n].rstrip())
+
+
+def _partial(buf: str, marker: str) -> int:
+    """Length of the longest tail of buf that is a proper prefix of marker."""
+    for n in range(min(len(marker) - 1, len(buf)), 0, -1):
+        if buf.endswith(marker[:n]):
+            return n
+    return 0
