@@ -28,6 +28,11 @@ def _add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s = p.add_argument_group("structured output (pip install \"stowlm[structured]\")")
+    s.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="generate only JSON valid against the JSON schema in FILE")
+    s.add_argument("--grammar-file", default=None, metavar="FILE",
+                   help="generate only text the grammar in FILE allows (llama.cpp's GBNF, or Lark)")
 
 
 def _sampling_kwargs(a: argparse.Namespace) -> dict:
@@ -35,6 +40,54 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
                 repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
                 frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
                 seed=a.seed, stop=a.stop)
+
+
+def _structured_kwargs(a: argparse.Namespace) -> dict:
+    """--json-schema / --grammar-file, read and checked before the model loads."""
+    from . import grammar
+
+    if a.json_schema and a.grammar_file:
+        raise ValueError("give --json-schema or --grammar-file, not both")
+    if a.json_schema:
+        import json
+
+        try:
+            with open(a.json_schema, encoding="utf-8") as f:
+                schema = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"--json-schema {a.json_schema}: not valid JSON: {e}") from None
+        try:
+            grammar.json_schema(schema, param="--json-schema")
+        except grammar.FieldError as e:
+            raise ValueError(f"--json-schema {a.json_schema}: {e.reason}") from None
+        return {"json_schema": schema}
+    if a.grammar_file:
+        with open(a.grammar_file, encoding="utf-8") as f:
+            text = f.read()
+        try:
+            grammar.gbnf(text, param="--grammar-file")
+        except grammar.FieldError as e:
+            raise ValueError(f"--grammar-file {a.grammar_file}: {e.reason}") from None
+        return {"grammar": text}
+    return {}
+
+
+def _add_model(p: argparse.ArgumentParser, default: Optional[str], what: str = "model name or .gguf path") -> None:
+    """MODEL as a positional argument, or -m/--model as llama.cpp users type it."""
+    p.add_argument("model", nargs="?", default=None,
+                   help=what + (f" (default {default})" if default else "") + "; -m/--model works too")
+    p.add_argument("-m", "--model", dest="model_option", default=None, metavar="MODEL", help=argparse.SUPPRESS)
+    p.set_defaults(model_default=default)
+
+
+def _resolve_model(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    if not hasattr(a, "model_option"):
+        return
+    if a.model is not None and a.model_option is not None and a.model != a.model_option:
+        p.error(f"two models given: {a.model} and -m {a.model_option}")
+    a.model = a.model or a.model_option or a.model_default
+    if a.model is None:
+        p.error(f"{a.command}: a model is needed (MODEL or -m MODEL)")
 
 
 def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
@@ -136,8 +189,7 @@ def _parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("run", help="generate text, or chat when no prompt is given",
                        description="Generate a completion of PROMPT, or chat interactively when no prompt is given.")
-    r.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                   help=f"model name (see `stowlm pull --list`) or .gguf path (default {DEFAULT_MODEL})")
+    _add_model(r, DEFAULT_MODEL, "model name (see `stowlm pull --list`) or .gguf path")
     r.add_argument("-p", "--prompt", help="prompt to complete (no prompt: interactive chat)")
     r.add_argument("-n", "--n-predict", type=int, default=256, help="maximum tokens to generate (default 256)")
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -151,7 +203,7 @@ def _parser() -> argparse.ArgumentParser:
                        description="Fit MODEL on the devices: the context (when -c is not given), which layers "
                                    "and experts go on which device, and every device's bytes as the core projects "
                                    "them. Nothing is loaded unless --verify. Exit status 0 when it fits, 2 when not.")
-    f.add_argument("model", help="model name or .gguf path")
+    _add_model(f, None)
     _add_placement(f, for_fit=True)
     f.add_argument("--max-ctx", type=int, default=None, metavar="N", help="cap on the training context (default 131072)")
     f.add_argument("--json", action="store_true", help="print the placement as JSON instead of the table")
@@ -165,8 +217,7 @@ def _parser() -> argparse.ArgumentParser:
                         description="Serve MODEL at http://HOST:PORT/v1 (chat/completions, completions, models), "
                                     "/health and /metrics, PARALLEL requests at once (continuous batching); "
                                     "more wait in a queue. Ctrl-C stops.")
-    sv.add_argument("model", nargs="?", default=DEFAULT_MODEL,
-                    help=f"model name or .gguf path (default {DEFAULT_MODEL})")
+    _add_model(sv, DEFAULT_MODEL)
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     sv.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 = any free port)")
     sv.add_argument("-np", "--parallel", type=int, default=4,
@@ -185,7 +236,7 @@ def _parser() -> argparse.ArgumentParser:
     pl.add_argument("--verify", action="store_true", help="re-check the checksum of a cached file")
 
     i = sub.add_parser("info", help="show a model's architecture, metadata and tensors")
-    i.add_argument("model", help="model name or .gguf path")
+    _add_model(i, None)
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.add_argument("-c", "--ctx-size", type=int, default=4096, help="context for the memory projection")
 
@@ -208,6 +259,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         a = argparse.Namespace(command="bench", args=list(argv[1:]))
     else:
         a = p.parse_args(argv)
+        _resolve_model(a, p)
     if a.command is None:
         p.print_help()
         return 0
@@ -235,6 +287,7 @@ def _run(a: argparse.Namespace) -> int:
     from .sampling import SamplingParams
 
     SamplingParams(max_tokens=a.n_predict, **kw)
+    kw.update(_structured_kwargs(a))
     llm = _load(a)
     with llm:
         if a.prompt is None:

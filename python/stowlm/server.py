@@ -7,186 +7,26 @@ thread (stowlm.batching); handlers only submit requests and await the events it 
 event loop, so the loop never waits on a forward pass.
 
 Endpoints: POST /v1/chat/completions, POST /v1/completions (both streamed as server-sent events
-or not), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+or not; request checks and result shapes in stowlm.protocol), POST /tokenize and /detokenize
+(llama-server's shapes), GET /v1/models, GET /health, GET /metrics (Prometheus text).
 """
 from __future__ import annotations
 
 import asyncio
 import json
-import math
 import os
 import socket
 import sys
 import threading
 import time
 import uuid
-from typing import Any, Dict, List, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 from .batching import Event, QueueFull
-from .sampling import SamplingParams
 
 __all__ = ["make_app", "serve", "APIError"]
 
-MAX_STOP = 16          # stop strings per request
-MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5; we allow 20 for both)
-MAX_N = 16             # choices per request
-
-
-class APIError(Exception):
-    """An error answered as OpenAI's JSON with an HTTP status."""
-
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: Optional[str] = None,
-                 code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-
-# -- request checking ------------------------------------------------------------------------------
-
-def _bad(param: str, why: str) -> APIError:
-    return APIError(400, f"'{param}': {why}", param=param, code="invalid_value")
-
-
-def _num(body: Mapping, key: str, lo: float, hi: float, default=None, integer: bool = False):
-    v = body.get(key)
-    if v is None:
-        return default
-    ok = isinstance(v, int) if integer else isinstance(v, (int, float))
-    if isinstance(v, bool) or not ok or (isinstance(v, float) and not math.isfinite(v)):
-        raise _bad(key, f"must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:40]}")
-    if not lo <= v <= hi:
-        raise _bad(key, f"must be in [{lo}, {hi}], got {v}")
-    return v
-
-
-def _bool(body: Mapping, key: str, default: bool = False) -> bool:
-    v = body.get(key)
-    if v is None:
-        return default
-    if not isinstance(v, bool):
-        raise _bad(key, f"must be true or false, got {json.dumps(v)[:40]}")
-    return v
-
-
-def _stop(body: Mapping) -> List[str]:
-    v = body.get("stop")
-    if v is None:
-        return []
-    if isinstance(v, str):
-        v = [v]
-    if not isinstance(v, list) or not all(isinstance(s, str) for s in v):
-        raise _bad("stop", "must be a string or a list of strings")
-    if len(v) > MAX_STOP:
-        raise _bad("stop", f"at most {MAX_STOP} stop strings, got {len(v)}")
-    return [s for s in v if s]
-
-
-def _logit_bias(body: Mapping, n_vocab: int) -> Dict[int, float]:
-    v = body.get("logit_bias")
-    if v is None:
-        return {}
-    if not isinstance(v, dict):
-        raise _bad("logit_bias", "must be an object mapping token ids to biases")
-    out = {}
-    for k, b in v.items():
-        try:
-            tok = int(k)
-        except (TypeError, ValueError):
-            raise _bad("logit_bias", f"key {k!r} is not a token id") from None
-        if not 0 <= tok < n_vocab:
-            raise _bad("logit_bias", f"token id {tok} is outside the vocabulary [0, {n_vocab})")
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not -100 <= b <= 100:
-            raise _bad("logit_bias", f"the bias of token {tok} must be a number in [-100, 100]")
-        out[tok] = -math.inf if b <= -100 else float(b)  # -100 bans the token, as OpenAI's does
-    return out
-
-
-def _sampling(body: Mapping, n_vocab: int, max_tokens_default: Optional[int], chat: bool) -> SamplingParams:
-    d = SamplingParams()
-    max_tokens = _num(body, "max_tokens", 1, 1 << 30, None, integer=True)
-    if chat:
-        max_tokens = _num(body, "max_completion_tokens", 1, 1 << 30, max_tokens, integer=True)
-    return SamplingParams(
-        temperature=_num(body, "temperature", 0.0, 2.0, d.temperature),
-        top_p=max(_num(body, "top_p", 0.0, 1.0, d.top_p), 1e-9),  # 0: the best token only
-        top_k=_num(body, "top_k", 0, 1 << 30, d.top_k, integer=True),
-        min_p=_num(body, "min_p", 0.0, 1.0, d.min_p),
-        repeat_penalty=_num(body, "repeat_penalty", 0.01, 100.0, d.repeat_penalty),
-        presence_penalty=_num(body, "presence_penalty", -2.0, 2.0, 0.0),
-        frequency_penalty=_num(body, "frequency_penalty", -2.0, 2.0, 0.0),
-        seed=_seed(_num(body, "seed", -(1 << 63), (1 << 64) - 1, None, integer=True)),
-        max_tokens=max_tokens if max_tokens is not None else max_tokens_default,
-        stop=_stop(body),
-        logit_bias=_logit_bias(body, n_vocab))
-
-
-def _seed(v: Optional[int]) -> Optional[int]:
-    return None if v is None else v % (1 << 64)  # OpenAI's seeds may be negative
-
-
-def _text_of(content, where: str) -> str:
-    """A message's content: a string, or OpenAI's list of parts (text parts only)."""
-    if isinstance(content, str):
-        return content
-    if content is None:
-        return ""
-    if isinstance(content, list):
-        out = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise _bad(where, "content parts must be {\"type\": \"text\", \"text\": ...} (this model reads text only)")
-            out.append(part["text"])
-        return "".join(out)
-    raise _bad(where, "content must be a string or a list of text parts")
-
-
-def _messages(body: Mapping) -> List[Dict[str, str]]:
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _bad("messages", "must be a non-empty list of {\"role\", \"content\"} objects")
-    out = []
-    for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-            raise _bad(f"messages[{i}]", "must be an object with a string 'role'")
-        if m["role"] not in ("system", "developer", "user", "assistant", "tool"):
-            raise _bad(f"messages[{i}].role", f"unknown role {m['role']!r}")
-        role = "system" if m["role"] == "developer" else m["role"]
-        out.append({"role": role, "content": _text_of(m.get("content"), f"messages[{i}].content")})
-    return out
-
-
-def _prompts(body: Mapping, llm) -> List[List[int]]:
-    """/v1/completions' prompt: a string, a list of strings, a list of token ids, or a list of those."""
-    p = body.get("prompt")
-    n_vocab = llm.model.n_vocab
-
-    def ids(x, where):
-        if not x:
-            raise _bad(where, "is empty")
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in x):
-            raise _bad(where, "must be a string or a list of token ids")
-        bad = [t for t in x if not 0 <= t < n_vocab]
-        if bad:
-            raise _bad(where, f"token id {bad[0]} is outside the vocabulary [0, {n_vocab})")
-        return list(x)
-
-    def text(s, where):
-        if not s:
-            raise _bad(where, "is empty")
-        return llm.tokenize(s)
-
-    if isinstance(p, str):
-        return [text(p, "prompt")]
-    if isinstance(p, list) and p:
-        if all(isinstance(x, str) for x in p):
-            return [text(x, f"prompt[{i}]") for i, x in enumerate(p)]
-        if all(isinstance(x, list) for x in p):
-            return [ids(x, f"prompt[{i}]") for i, x in enumerate(p)]
-        return [ids(p, "prompt")]
-    raise _bad("prompt", "must be a non-empty string, list of strings or list of token ids")
+from .protocol import APIError, ChoiceOut, Job, parse_chat, parse_completion, usage as _usage  # noqa: F401
 
 
 # -- the app -----------------------------------------------------------------------------------
@@ -261,13 +101,13 @@ class _Mailbox:
 class _Run:
     """One submitted request: its events, moved from the engine thread onto the event loop."""
 
-    def __init__(self, engine, mailbox: _Mailbox, tokens: List[int], params: SamplingParams,
-                 logprobs: Optional[int]):
+    def __init__(self, engine, mailbox: _Mailbox, tokens: List[int], params, job: Job):
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
         self.engine = engine
         q = self.queue
-        self.req = engine.submit(tokens, params, lambda ev: mailbox.post(q, ev), logprobs)
+        self.req = engine.submit(tokens, params, lambda ev: mailbox.post(q, ev), job.logprobs, job.grammar,
+                                 job.special)
 
     async def next(self) -> Event:
         ev = await self.queue.get()
@@ -323,7 +163,7 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         if m is None:
             return
         if not isinstance(m, str):
-            raise _bad("model", "must be a string")
+            raise APIError(400, "'model': must be a string", param="model", code="invalid_value")
         if m not in (model_id, os.path.basename(os.fspath(llm.path))):
             raise APIError(404, f"The model '{m}' does not exist; this server serves '{model_id}'.", param="model",
                            code="model_not_found")
@@ -347,17 +187,14 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
             engine.step_listeners.append(box.flush)
         return box
 
-    def submit(tokens: List[int], params: SamplingParams, logprobs: Optional[int]) -> _Run:
+    def submit(tokens: List[int], params, job: Job) -> _Run:
         try:
-            return _Run(engine, mailbox(), tokens, params, logprobs)
+            return _Run(engine, mailbox(), tokens, params, job)
         except QueueFull as e:
             raise APIError(503, f"The server is busy: {e}. Retry later.", type_="server_error",
                            code="server_busy") from None
         except ValueError as e:
             raise APIError(400, str(e)) from None
-
-    def piece_of(t: int) -> str:
-        return tok.decode([t])
 
     # -- handlers -----------------------------------------------------------------------------
     async def health(request: Request):
@@ -415,6 +252,57 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
             lines.append(f'stowlm_http_responses_total{{path="{path}",status="{status}"}} {n}')
         return PlainTextResponse("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
+    def _only(body: Mapping, allowed: set) -> None:
+        for k in body:
+            if k not in allowed:
+                raise APIError(400, f"'{k}': is not a field of this endpoint ({', '.join(sorted(allowed))})",
+                               param=k, code="unsupported_parameter")
+
+    def _flag(body: Mapping, key: str, default: bool) -> bool:
+        v = body.get(key, default)
+        if not isinstance(v, bool):
+            raise APIError(400, f"'{key}': must be true or false", param=key, code="invalid_value")
+        return v
+
+    async def tokenize(request: Request):
+        """llama-server's POST /tokenize: {"content", "add_special", "parse_special", "with_pieces"}."""
+        check_key(request)
+        body = await read_json(request)
+        _only(body, {"content", "add_special", "parse_special", "with_pieces", "model"})
+        check_model(body)
+        text = body.get("content")
+        if not isinstance(text, str):
+            raise APIError(400, "'content': must be a string", param="content", code="invalid_value")
+        ids = await asyncio.to_thread(tok.encode, text, _flag(body, "add_special", False),
+                                      _flag(body, "parse_special", True))
+        if _flag(body, "with_pieces", False):
+            pieces = []
+            for t in ids:
+                b = tok.token_bytes(t)
+                try:
+                    pieces.append({"id": t, "piece": b.decode("utf-8")})
+                except UnicodeDecodeError:  # part of a character: its bytes, as llama-server gives them
+                    pieces.append({"id": t, "piece": list(b)})
+            ids = pieces
+        metrics.count("/tokenize", 200)
+        return JSONResponse({"tokens": ids})
+
+    async def detokenize(request: Request):
+        """llama-server's POST /detokenize: {"tokens"} -> {"content"}."""
+        check_key(request)
+        body = await read_json(request)
+        _only(body, {"tokens", "model"})
+        check_model(body)
+        ids = body.get("tokens")
+        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise APIError(400, "'tokens': must be a list of token ids", param="tokens", code="invalid_value")
+        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
+        if bad:
+            raise APIError(400, f"'tokens': token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})",
+                           param="tokens", code="invalid_value")
+        metrics.count("/detokenize", 200)
+        return JSONResponse({"content": tok.decode(ids)})
+
     async def completions(request: Request):
         return await _generate(request, chat=False)
 
@@ -426,140 +314,82 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         check_key(request)
         body = await read_json(request)
         check_model(body)
-        n = _num(body, "n", 1, MAX_N, 1, integer=True)
-        stream = _bool(body, "stream")
-        so = body.get("stream_options")
-        if so is not None and not isinstance(so, dict):
-            raise _bad("stream_options", "must be an object")
-        include_usage = stream and _bool(so or {}, "include_usage")
-        if chat:
-            want_lp = _bool(body, "logprobs")
-            top = _num(body, "top_logprobs", 0, MAX_TOP_LOGPROBS, 0, integer=True)
-            if top and not want_lp:
-                raise _bad("top_logprobs", "needs 'logprobs': true")
-            logprobs = top if want_lp else None
-            msgs = _messages(body)
-            try:
-                prompts = [await asyncio.to_thread(llm.chat_tokens, msgs)]
-            except ValueError as e:
-                raise APIError(400, str(e), param="messages") from None
-        else:
-            logprobs = _num(body, "logprobs", 0, MAX_TOP_LOGPROBS, None, integer=True)
-            if _bool(body, "echo"):
-                raise _bad("echo", "is not supported")
-            prompts = await asyncio.to_thread(_prompts, body, llm)
-        try:
-            params = _sampling(body, llm.model.n_vocab, None if chat else 16, chat)
-        except ValueError as e:
-            raise APIError(400, str(e)) from None
-        for p in prompts:
+        job = await asyncio.to_thread(parse_chat if chat else parse_completion, body, llm)
+        for p in job.prompts:
             check_length(p)
-        # one run per (prompt, n): choice index i * n + j; a seeded request gives choice j seed + j
-        jobs = []
-        for p in prompts:
-            for j in range(n):
-                pj = params if j == 0 or params.seed is None else SamplingParams(**{**params.__dict__,
-                                                                                     "seed": params.seed + j})
-                jobs.append((p, pj))
         runs: List[_Run] = []
         try:
-            for p, pj in jobs:
-                runs.append(submit(p, pj, logprobs))
+            for p, pj in job.runs():
+                runs.append(submit(p, pj, job))
         except APIError:
             for r in runs:
                 r.cancel()
             raise
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         now = int(time.time())
-        obj = "chat.completion" if chat else "text_completion"
+        outs = [ChoiceOut(job, i, tok) for i in range(len(runs))]
         t_start = time.perf_counter()
-        if stream:
+        if job.stream:
             metrics.count(path, 200)
-            return StreamingResponse(_sse(request, runs, n, rid, now, chat, include_usage, logprobs, t_start),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return StreamingResponse(_sse(request, runs, outs, job, rid, now, t_start), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no", **job.headers})
         try:
-            results = await _collect_all(request, runs, t_start)
+            ok = await _collect_all(request, runs, outs, t_start)
         finally:
             for r in runs:
                 r.cancel()
-        if results is None:  # the client left
+        if not ok:  # the client left
             metrics.count(path, 499)
             return Response(status_code=499)
-        choices, usage = [], {"prompt_tokens": 0, "completion_tokens": 0}
-        for i, (text, finish, pt, ct, lps, err) in enumerate(results):
-            if err:
-                raise APIError(500, f"generation failed: {err}", type_="server_error", code="internal_error")
-            usage["prompt_tokens"] += pt if i % n == 0 else 0
-            usage["completion_tokens"] += ct
-            if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": text},
-                                "logprobs": None if logprobs is None else {"content": [_chat_lp(e) for e in lps]},
-                                "finish_reason": finish})
-            else:
-                choices.append({"index": i, "text": text, "logprobs": None if logprobs is None else _cmpl_lp(lps),
-                                "finish_reason": finish})
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
         metrics.count(path, 200)
-        return JSONResponse({"id": rid, "object": obj, "created": now, "model": model_id, "choices": choices,
-                             "usage": usage})
-
-    def _lp_entry(e: Event) -> dict:
-        return {"token": piece_of(e.token), "logprob": e.logprob,
-                "top": [(piece_of(t), lp) for t, lp in (e.top_logprobs or [])]}
-
-    def _chat_lp(x: dict) -> dict:
-        return {"token": x["token"], "logprob": x["logprob"], "bytes": list(x["token"].encode("utf-8")),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in x["top"]]}
-
-    def _cmpl_lp(lps: List[dict], offset: int = 0) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for x in lps:
-            out["tokens"].append(x["token"])
-            out["token_logprobs"].append(x["logprob"])
-            out["top_logprobs"].append({t: lp for t, lp in x["top"]})
-            out["text_offset"].append(offset)
-            offset += len(x["token"])
-        return out
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion", "created": now,
+                             "model": model_id, "choices": [o.result() for o in outs], "usage": _usage(outs, job.n)},
+                            headers=job.headers)
 
     def _note_first(t_start: float) -> None:
         metrics.ttft_sum += time.perf_counter() - t_start
         metrics.ttft_count += 1
 
-    async def _collect(request: Request, run: _Run, t_start: float):
-        text, lps, first = [], [], True
+    def _failed(ev: Event) -> APIError:
+        return APIError(500, f"generation failed: {ev.error}", type_="server_error", code="internal_error")
+
+    async def _collect(run: _Run, out: ChoiceOut, t_start: float) -> None:
+        first = True
         while True:
             ev = await run.next()
             if ev.kind == "done":
-                return "".join(text), _finish(ev), ev.prompt_tokens, ev.completion_tokens, lps, ev.error
+                if ev.finish_reason == "error":
+                    raise _failed(ev)
+                out.done(ev)
+                return
             if first and ev.token is not None:
                 first = False
                 _note_first(t_start)
-            if ev.token is not None and ev.logprob is not None and not tok.is_eog(ev.token):
-                lps.append(_lp_entry(ev))
-            text.append(ev.text)
+            out.piece(ev)
 
-    async def _collect_all(request: Request, runs: List[_Run], t_start: float):
-        tasks = [asyncio.ensure_future(_collect(request, r, t_start)) for r in runs]
+    async def _collect_all(request: Request, runs: List[_Run], outs: List[ChoiceOut], t_start: float) -> bool:
+        tasks = [asyncio.ensure_future(_collect(r, o, t_start)) for r, o in zip(runs, outs)]
         pending = set(tasks)
         while pending:
             _, pending = await asyncio.wait(pending, timeout=0.5)
             if pending and await request.is_disconnected():
                 for t in tasks:
                     t.cancel()
-                return None
-        return [t.result() for t in tasks]
+                return False
+        for t in tasks:
+            t.result()  # a failed generation raises its APIError here
+        return True
 
-    async def _sse(request, runs: List[_Run], n, rid, now, chat, include_usage, logprobs, t_start):
+    async def _sse(request, runs: List[_Run], outs: List[ChoiceOut], job: Job, rid, now, t_start):
+        chat = job.chat
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion", "created": now,
                 "model": model_id}
-        piece = _PieceJson(head, chat, include_usage)
+        fast = job.tools is None and job.logprobs is None  # a piece is plain text: the event made from parts
+        piece = _PieceJson(head, chat, job.include_usage)
 
         def chunk(choices, usage=None):
-            return _chunk_json(head, choices, include_usage, usage)
+            return _chunk_json(head, choices, job.include_usage, usage)
 
-        usage = {"prompt_tokens": 0, "completion_tokens": 0}
-        offsets = [0] * len(runs)
         first = True
         try:
             if chat:
@@ -568,32 +398,23 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
             async for i, ev in _arrivals(runs):
                 if ev.kind == "done":
                     if ev.finish_reason == "error":
-                        err = {"error": {"message": f"generation failed: {ev.error}", "type": "server_error",
-                                         "param": None, "code": "internal_error"}}
-                        yield ("data: " + json.dumps(err) + "\n\n").encode()
-                    usage["prompt_tokens"] += ev.prompt_tokens if i % n == 0 else 0
-                    usage["completion_tokens"] += ev.completion_tokens
-                    delta = {"delta": {}} if chat else {"text": ""}
-                    yield chunk([{"index": i, **delta, "logprobs": None, "finish_reason": _finish(ev)}])
+                        yield ("data: " + json.dumps(_failed(ev).body()) + "\n\n").encode()
+                    for c in outs[i].done(ev):
+                        yield chunk([c])
                     continue
                 if first and ev.token is not None:
                     first = False
                     _note_first(t_start)
-                lp = None
-                if logprobs is not None and ev.token is not None and ev.logprob is not None \
-                        and not tok.is_eog(ev.token):
-                    x = _lp_entry(ev)
-                    lp = {"content": [_chat_lp(x)]} if chat else _cmpl_lp([x], offsets[i])
-                if ev.text or lp is not None:
-                    offsets[i] += len(ev.text)
-                    if lp is None:
+                if fast:
+                    if ev.text:
+                        outs[i].text.append(ev.text)
                         yield piece(i, ev.text)
-                        continue
-                    body = {"delta": {"content": ev.text}} if chat else {"text": ev.text}
-                    yield chunk([{"index": i, **body, "logprobs": lp, "finish_reason": None}])
-            if include_usage:
-                usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-                yield _chunk_json(head, [], True, usage)
+                    continue
+                c = outs[i].piece(ev)
+                if c is not None:
+                    yield chunk([c])
+            if job.include_usage:
+                yield _chunk_json(head, [], True, _usage(outs, job.n))
             yield b"data: [DONE]\n\n"
         finally:  # also when the client disconnects: the slots are freed at once
             for r in runs:
@@ -619,9 +440,6 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
             for fut in waiting:
                 fut.cancel()
 
-    def _finish(ev: Event) -> str:
-        return ev.finish_reason if ev.finish_reason in ("stop", "length") else (ev.finish_reason or "stop")
-
     async def on_api_error(request: Request, exc: APIError):
         return error(exc, request.url.path)
 
@@ -644,6 +462,8 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/completions", completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/detokenize", detokenize, methods=["POST"]),
         Route("/chat/completions", chat_completions, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
