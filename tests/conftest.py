@@ -97,6 +97,47 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
+def start_server(model, *args):
+    """`stowlm serve MODEL --port 0 -q ARGS` as a subprocess of the same stowlm: (process, port).
+    Its stderr is drained from then on (proc.rest_of_stderr) so it never blocks on a full pipe."""
+    import re
+    import threading
+    import time
+
+    env = subprocess_env()
+    env.pop("STOWLM_API_KEY", None)
+    proc = subprocess.Popen([sys.executable, "-m", "stowlm", "serve", str(model), "--port", "0", "-q", *args],
+                            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
+    deadline = time.time() + 120
+    lines = []
+    while time.time() < deadline:
+        line = proc.stderr.readline()
+        if not line:
+            break
+        lines.append(line)
+        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
+        if m:
+            rest = []
+            threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True).start()
+            proc.rest_of_stderr = rest
+            return proc, int(m.group(1))
+    proc.kill()
+    raise RuntimeError("the server did not start:\n" + "".join(lines))
+
+
+def stop_server(proc) -> int:
+    """Ctrl-C, as a user stops it; the exit status."""
+    import signal
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return rc
+
+
 # ---- CUDA devices in tests -------------------------------------------------------------------
 # Tests parametrised over devices skip their CUDA cases, printing why, where stowlm was built
 # without CUDA or no device is present; STOWLM_REQUIRE_GPU=1 (GPU CI) turns that skip into a

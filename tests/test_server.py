@@ -6,13 +6,8 @@ answers one at a time against concurrent ones, the tokenizer's counts, and log-p
 the in-process logits."""
 import concurrent.futures as cf
 import json
-import os
 import random
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 
 import numpy as np
@@ -23,43 +18,18 @@ httpx = pytest.importorskip("httpx")
 
 import stowlm  # noqa: E402
 
-from conftest import get_model, subprocess_env  # noqa: E402
+from conftest import get_model, start_server, stop_server  # noqa: E402
 
 KEY = "test-key-123"
 PARALLEL, N_CTX = 4, 4 * 512
 
 
 def _start(*args):
-    env = subprocess_env()  # the same stowlm as this run: installed in CI, python/ in a dev build
-    env.pop("STOWLM_API_KEY", None)
-    proc = subprocess.Popen([sys.executable, "-m", "stowlm", "serve", str(get_model("smollm2-135m")), "--port", "0",
-                             "-q", *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    deadline = time.time() + 120
-    lines = []
-    while time.time() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = re.search(r"http://127\.0\.0\.1:(\d+)/v1", line)
-        if m:
-            # keep draining stderr so the server never blocks on a full pipe
-            rest = []
-            threading.Thread(target=lambda: rest.extend(proc.stderr), daemon=True).start()
-            proc.rest_of_stderr = rest
-            return proc, int(m.group(1))
-    proc.kill()
-    raise RuntimeError("the server did not start:\n" + "".join(lines))
+    return start_server(get_model("smollm2-135m"), *args)
 
 
 def _stop(proc):
-    proc.send_signal(signal.SIGINT)  # Ctrl-C
-    try:
-        rc = proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return rc
+    return stop_server(proc)
 
 
 @pytest.fixture(scope="module")

@@ -78,7 +78,7 @@ def json_schema(schema: Any, strict: bool = True, param: str = "json_schema") ->
         schema = {} if schema else {"not": {}}
     if not isinstance(schema, dict):
         raise GrammarError(f"the schema must be a JSON object, got {type(schema).__name__}", param)
-    _check_schema(schema, param)
+    check_schema(schema, param)
     if strict:
         schema = tightened(schema)
     try:
@@ -110,7 +110,7 @@ def tightened(schema: Any) -> Any:
     return out
 
 
-def _check_schema(schema: dict, param: str) -> None:
+def check_schema(schema: dict, param: str) -> None:
     """What jsonschema's own meta-schema check says, where jsonschema is installed (llguidance
     checks only the keywords it compiles)."""
     try:

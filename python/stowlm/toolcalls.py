@@ -25,7 +25,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
-from .grammar import JSON_OPTIONS, FieldError, tightened
+from .grammar import JSON_OPTIONS, FieldError, check_schema, tightened
 
 __all__ = ["FORMATS", "detect_format", "ToolRequest", "ToolParser", "parse_tool_request", "new_call_id"]
 
@@ -91,6 +91,7 @@ def _check_tools(tools: Any) -> List[Tool]:
             params = {"type": "object", "properties": {}}
         if not isinstance(params, Mapping):
             raise FieldError("must be a JSON schema object", f"{where}.function.parameters")
+        check_schema(dict(params), f"{where}.function.parameters")
         strict = f.get("strict")
         if strict is not None and not isinstance(strict, bool):
             raise FieldError("must be true or false", f"{where}.function.strict")
