@@ -205,3 +205,23 @@ def test_forced_calls_from_real_models_validate(model):
         whole = llm.chat([{"role": "user", "content": questions[0]}], tools=TOOLS, tool_choice="required",
                          max_tokens=60, temperature=0)
         assert whole.tool_calls[0]["function"] == s.completion.tool_calls[0]["function"]
+
+
+def test_gpt_oss_answers_are_split_from_their_reasoning(tok):
+    """harmony: the turn ends at <|return|> or <|call|>, not at <|end|> (which closes the reasoning,
+    after which the answer follows), and even without tools the answer is only the final channel."""
+    with GGUFFile(get_model("smollm2-135m")) as f:
+        meta = dict(f.metadata)
+    extra = ["<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>"]
+    meta["tokenizer.ggml.tokens"] = list(meta["tokenizer.ggml.tokens"]) + extra
+    meta["tokenizer.ggml.token_type"] = list(meta["tokenizer.ggml.token_type"]) + [TokenType.CONTROL] * len(extra)
+    harmony = Tokenizer.from_metadata(meta, cache=False)
+    ids = {t: harmony.token_to_id(t) for t in extra}
+    assert harmony.is_eog(ids["<|return|>"]) and harmony.is_eog(ids["<|call|>"]) and not harmony.is_eog(ids["<|end|>"])
+    assert tok.is_eog(tok.token_to_id("<|end|>"))  # elsewhere <|end|> still ends the turn
+    req = parse_tool_request(None, None, None, "<|channel|> to=functions")
+    assert req is not None and req.needs_special and req.grammar(harmony) is None and req.template_tools() is None
+    text = "<|channel|>analysis<|message|>Think.<|end|><|start|>assistant<|channel|>final<|message|>Hi!"
+    p = req.parser()
+    items = p.feed(text) + p.finish()
+    assert ("reasoning", "Think.") in items and "".join(x for k, x in items if k == "content") == "Hi!"

@@ -42,6 +42,7 @@ class Completion:
     completion_tokens: int
     tokens: List[int] = field(default_factory=list)
     tool_calls: Optional[List[dict]] = None  # chat with tools: [{"id", "type": "function", "function": {...}}]
+    reasoning: Optional[str] = None  # the reasoning the chat format keeps apart from the answer (gpt-oss)
 
     def __str__(self) -> str:
         return self.text
@@ -234,18 +235,20 @@ class LLM:
         are rendered through the template; tool_choice "auto" (default), "none", "required" or
         {"type": "function", "function": {"name": ...}} (the last two forced by a grammar). The
         Completion's tool_calls then holds the calls the model made (OpenAI's shape, arguments
-        as a JSON string) and its finish_reason is "tool_calls"; its text is the rest."""
+        as a JSON string) and its finish_reason is "tool_calls"; its text is the rest (gpt-oss's
+        answer channel, its reasoning in the Completion's reasoning)."""
         tokens, req = self.chat_prompt(messages, tools, tool_choice, parallel_tool_calls)
         if req is None:
             return self.generate(tokens, stream=stream, **kwargs)
-        given = [k for k in ("response_format", "grammar", "json_schema") if kwargs.get(k) is not None]
-        if given:
-            raise ValueError(f"{given[0]} cannot be combined with tools (give tool_choice='none', or no tools)")
-        from .grammar import Grammar
+        if req.tools:
+            given = [k for k in ("response_format", "grammar", "json_schema") if kwargs.get(k) is not None]
+            if given:
+                raise ValueError(f"{given[0]} cannot be combined with tools (give tool_choice='none', or no tools)")
+            from .grammar import Grammar
 
-        text = req.grammar(self.tokenizer)
-        g = None if text is None else Grammar(self.tokenizer, text, self.model.n_vocab, "tools")
-        it = _ToolCalls(self.generate(tokens, stream=True, grammar=g, _special=req.needs_special, **kwargs), req)
+            text = req.grammar(self.tokenizer)
+            kwargs["grammar"] = None if text is None else Grammar(self.tokenizer, text, self.model.n_vocab, "tools")
+        it = _ToolCalls(self.generate(tokens, stream=True, _special=req.needs_special, **kwargs), req)
         if stream:
             return it
         for _ in it:
@@ -498,6 +501,7 @@ class _ToolCalls:
 
         self._it, self._req, self._parser, self._new_id = it, req, req.parser(), new_call_id
         self._text: List[str] = []
+        self._reasoning: List[str] = []
         self._calls: List[dict] = []
         self.completion: Optional[Completion] = None
 
@@ -512,6 +516,7 @@ class _ToolCalls:
             except StopIteration:
                 items, last = self._parser.finish(), True
             text = "".join(x for k, x in items if k == "content")
+            self._reasoning += [x for k, x in items if k == "reasoning"]
             self._calls += [{"id": self._new_id(self._req.format), "type": "function", "function": x}
                             for k, x in items if k == "call"]
             self._text.append(text)
@@ -519,7 +524,8 @@ class _ToolCalls:
                 c = self._it.completion
                 finish = "tool_calls" if self._calls and c.finish_reason == "stop" else c.finish_reason
                 self.completion = Completion("".join(self._text), finish, c.prompt_tokens, c.completion_tokens,
-                                             c.tokens, self._calls)
+                                             c.tokens, self._calls if self._req.tools else None,
+                                             "".join(self._reasoning) if self._reasoning else None)
             if text:
                 return text
         raise StopIteration

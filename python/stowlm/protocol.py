@@ -337,6 +337,8 @@ def _common(body: Mapping, chat: bool) -> Tuple[int, bool, bool]:
 
 def _grammar(body: Mapping, llm, tools: Optional[ToolRequest]):
     fields = [k for k in ("response_format", "grammar", "json_schema") if body.get(k) is not None]
+    if tools is not None and not tools.tools:
+        tools = None  # a format's channels only (harmony): the grammar fields apply as usual
     if tools is not None and fields and not (fields == ["response_format"] and
                                              isinstance(body["response_format"], dict) and
                                              body["response_format"].get("type") == "text"):
@@ -382,7 +384,7 @@ def parse_chat(body: Mapping, llm) -> Job:
     params = sampling(body, llm, None, True)
     job = Job(True, [tokens], params, n, stream, include_usage, top if want_lp else None,
               _grammar(body, llm, tools), tools)
-    if tools is not None:
+    if tools is not None and tools.tools:
         job.headers["X-Stowlm-Tool-Format"] = tools.format
     return job
 
@@ -420,6 +422,7 @@ class ChoiceOut:
         self.offset = 0
         self.parser: Optional[ToolParser] = job.tools.parser() if job.tools is not None else None
         self.calls: List[dict] = []
+        self.reasoning: List[str] = []
         self.finish: Optional[str] = None
         self.prompt_tokens = self.completion_tokens = 0
 
@@ -448,37 +451,41 @@ class ChoiceOut:
         return out
 
     # -- the stream ----------------------------------------------------------------------------------------
-    def _items(self, text: str, final: bool) -> Tuple[str, List[dict]]:
-        """Content and the tool calls completed by this text."""
+    def _items(self, text: str, final: bool) -> Tuple[str, List[dict], str]:
+        """Content, the tool calls completed by this text, and reasoning the format keeps apart."""
         if self.parser is None:
-            return text, []
+            return text, [], ""
         items = self.parser.feed(text) if text else []
         if final:
             items += self.parser.finish()
         content = "".join(x for k, x in items if k == "content")
+        reasoning = "".join(x for k, x in items if k == "reasoning")
+        self.reasoning.append(reasoning)
         calls = []
         for k, x in items:
             if k == "call":
                 call = {"id": new_call_id(self.job.tools.format), "type": "function", "function": x}
                 self.calls.append(call)
                 calls.append(dict(call, index=len(self.calls) - 1))
-        return content, calls
+        return content, calls, reasoning
 
     def piece(self, ev) -> Optional[dict]:
         """The chunk choice of a piece event, or None."""
         x = self._lp_entry(ev)
         if x is not None:
             self.lps.append(x)
-        content, calls = self._items(ev.text, False)
+        content, calls, reasoning = self._items(ev.text, False)
         self.text.append(content)
-        if not content and not calls and x is None:
+        if not content and not calls and not reasoning and x is None:
             return None
         lp = None
         if x is not None:
             lp = {"content": [self.chat_lp(x)]} if self.job.chat else self.cmpl_lp([x], self.offset)
         self.offset += len(content)
         if self.job.chat:
-            delta: Dict[str, Any] = {"content": content} if content or not calls else {}
+            delta: Dict[str, Any] = {"content": content} if content or not (calls or reasoning) else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if calls:
                 delta["tool_calls"] = calls
             return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": None}
@@ -487,11 +494,13 @@ class ChoiceOut:
     def done(self, ev) -> List[dict]:
         """The chunk choices of the end: what the parser held back, then the finish reason."""
         out = []
-        content, calls = self._items("", True)
+        content, calls, reasoning = self._items("", True)
         self.text.append(content)
-        if content or calls:
+        if content or calls or reasoning:
             if self.job.chat:
                 delta: Dict[str, Any] = {"content": content} if content else {}
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
                 if calls:
                     delta["tool_calls"] = calls
                 out.append({"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None})
@@ -513,6 +522,8 @@ class ChoiceOut:
         text = "".join(self.text)
         if self.job.chat:
             msg: Dict[str, Any] = {"role": "assistant", "content": text if text or not self.calls else None}
+            if "".join(self.reasoning):
+                msg["reasoning_content"] = "".join(self.reasoning)
             if self.calls:
                 msg["tool_calls"] = self.calls
             return {"index": self.index, "message": msg,

@@ -65,7 +65,7 @@ _LLAMA3_NAMES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral"}
 # Token texts llama.cpp treats as end-of-generation (besides EOS and EOT ids from the metadata).
 _EOG_TEXTS = {
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>",
-    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>",
+    "<EOT>", "_<EOT>", "<|end_of_text|>", "<end_of_utterance>", "<|return|>", "<|call|>",
 }
 _EOT_TEXTS = ["<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
               "<|end_of_text|>", "<EOT>", "_<EOT>", "<end_of_utterance>"]
@@ -214,6 +214,10 @@ class Tokenizer:
                     break
         eog = {i for i in (eos, eot, tid("tokenizer.ggml.eom_token_id", None)) if i is not None}
         eog.update(index[t] for t in _EOG_TEXTS if t in index)
+        if "<|return|>" in index and "<|call|>" in index and "<|end|>" in index:
+            # gpt-oss (harmony): <|end|> closes a message (the reasoning) and the answer follows;
+            # the turn ends at <|return|> or at a tool <|call|>, as llama.cpp decides too
+            eog.discard(index["<|end|>"])
         tok = cls(kind=kind, pre=pre, tokens=tokens, token_types=types, hf_tokenizer=hf,
                   add_bos=add_bos, add_eos=add_eos, add_space_prefix=add_space, bos_id=bos,
                   eos_id=eos, eot_id=eot, unk_id=unk, pad_id=pad, eog_ids=frozenset(eog), name=name)

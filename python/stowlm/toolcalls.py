@@ -127,16 +127,23 @@ def parse_tool_request(tools: Any, tool_choice: Any, parallel: Any, template_sou
             raise FieldError("needs 'tools'", "tool_choice")
         if parallel is not None and not isinstance(parallel, bool):
             raise FieldError("must be true or false", "parallel_tool_calls")
-        return None
+        return _channels_only(template_source)
     checked = _check_tools(tools)
     choice = _check_choice(tool_choice, checked)
     if parallel is not None and not isinstance(parallel, bool):
         raise FieldError("must be true or false", "parallel_tool_calls")
     if choice == "none" or not checked:
-        return None
+        return _channels_only(template_source)
     # One call per turn unless asked for more, as llama-server does: small models asked for a
     # list of calls tend to repeat the first.
     return ToolRequest(detect_format(template_source), checked, choice, parallel is True)
+
+
+def _channels_only(template_source: Optional[str]) -> Optional["ToolRequest"]:
+    """A harmony (gpt-oss) answer has channels even without tools: its parser still separates the
+    final answer from the reasoning. Other formats need nothing without tools."""
+    fmt = detect_format(template_source)
+    return ToolRequest(fmt, [], "auto", False) if fmt == "harmony" else None
 
 
 class ToolRequest:
@@ -161,10 +168,10 @@ class ToolRequest:
     # -- the prompt ---------------------------------------------------------------------------------
     def template_tools(self) -> Optional[list]:
         """What the template's `tools` variable gets (the generic format describes them itself)."""
-        return None if self.format == "generic" else [t.raw for t in self.tools]
+        return None if self.format == "generic" or not self.tools else [t.raw for t in self.tools]
 
     def prompt_messages(self, messages: List[dict]) -> List[dict]:
-        if self.format != "generic":
+        if self.format != "generic" or not self.tools:
             return messages
         note = ("You can call these tools:\n" + "\n".join(json.dumps(t.raw["function"], ensure_ascii=False)
                                                         for t in self.tools) +
@@ -299,8 +306,9 @@ def _template_call(c: Mapping) -> dict:
 
 class ToolParser:
     """Generated text in, content and tool calls out. feed(piece) returns what is certain so far:
-    ("content", text) and ("call", {"name", "arguments"}) items, arguments as a JSON string;
-    finish() the rest. Text that may still become a call is held back, as stop strings are."""
+    ("content", text), ("call", {"name", "arguments"}) items, arguments as a JSON string, and
+    ("reasoning", text) where the format separates it (harmony's analysis channel); finish() the
+    rest. Text that may still become a call is held back, as stop strings are."""
 
     def __init__(self, fmt: str, names: set, parallel: bool = True):
         self.format, self.names, self.parallel = fmt, names, parallel
@@ -461,6 +469,7 @@ class ToolParser:
     def _harmony(self) -> List[Tuple[str, Any]]:
         text, self.buf = self.buf, ""
         content: List[str] = []
+        reasoning: List[str] = []
         calls: List[Tuple[str, Any]] = []
         for msg in re.split(r"<\|start\|>", text):
             header, sep, body = msg.partition("<|message|>")
@@ -472,9 +481,11 @@ class ToolParser:
                 calls += self._call(m.group(1), _loads(body.strip()))
             elif "<|channel|>final" in header:
                 content.append(body)
-        if not calls and not content and "<|message|>" not in text:
+            elif "<|channel|>analysis" in header:
+                reasoning.append(body)
+        if not calls and not content and not reasoning:
             return self._content(text)  # no channels at all: the text as it is
-        return self._content("".join(content)) + calls
+        return ([("reasoning", "".join(reasoning))] if reasoning else []) + self._content("".join(content)) + calls
 
     def _generic(self) -> List[Tuple[str, Any]]:
         text, self.buf = self.buf, ""
