@@ -129,6 +129,7 @@ class BatchEngine:
         self.running = True
         self._rr = 0
         self.step_listeners: List[Callable[[], None]] = []
+        self._mask_pool = None  # the thread that fills grammar masks during forward passes
         # metrics
         self.requests_total = 0
         self.prompt_tokens_total = 0
@@ -173,6 +174,8 @@ class BatchEngine:
             self.running = False
             self.cv.notify()
         self.thread.join()
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown()
         _running.discard(self)
 
     def stats(self) -> Dict[str, float]:
@@ -275,11 +278,12 @@ class BatchEngine:
             return
         for b in range(0, len(gen), self.max_decode):
             group = gen[b:b + self.max_decode]
+            masks = self._masks_during(group)  # the grammars' next masks, filled while the pass runs
             logits = self.ctx.eval_batch([s.pending for s in group], [s.index for s in group],
                                          rows=list(range(len(group))))
             with self.cv:
                 self._recent.append((time.perf_counter(), len(group)))
-            masks = _masks(group)
+            masks = masks()
             for s, row in zip(group, logits):
                 s.cached.append(s.pending)
                 s.pending = None
@@ -296,6 +300,7 @@ class BatchEngine:
         # the kernels of the whole chunk, which a tail after a reused prefix is forced onto
         chunk = self._kernels(s.pos % self.chunk + len(toks))
         forced = self.forced and chunk == len(self.bounds) and self._kernels(len(toks)) < chunk
+        masks = self._masks_during([s] if last else [])
         logits = self.ctx.eval_batch(toks, [s.index] * len(toks), rows=[len(toks) - 1] if last else [],
                                      batched=forced)
         s.cached += toks
@@ -304,7 +309,19 @@ class BatchEngine:
         with self.cv:
             self.prompt_tokens_evaluated += len(toks)
         if last:
-            self._next_token(s, logits[0], _masks([s]).get(s.index))
+            self._next_token(s, logits[0], masks().get(s.index))
+
+    def _masks_during(self, slots: Sequence[_Slot]) -> Callable[[], Dict[int, np.ndarray]]:
+        """Starts filling the masks of the slots' grammars on the mask thread (llguidance runs
+        without the GIL, as does the forward pass) and returns the call that waits for them: the
+        next token's mask depends only on the tokens already drawn, so it overlaps the pass."""
+        if not any(s.constraint is not None and s.constraint.active for s in slots):
+            return dict
+        if self._mask_pool is None:
+            import concurrent.futures
+
+            self._mask_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="stowlm-masks")
+        return self._mask_pool.submit(_masks, list(slots)).result
 
     def _next_token(self, s: _Slot, logits: np.ndarray, allowed: Optional[np.ndarray] = None) -> None:
         req = s.req
