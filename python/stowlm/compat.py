@@ -65,27 +65,17 @@ def create(llm, kwargs: dict, chat: bool):
     head = {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": kwargs.get("model") or str(llm.path)}
     outs = [ChoiceOut(job, i, llm.tokenizer) for i in range(len(reqs))]
+    chunks = _chunks(engine, reqs, events, outs, job, dict(head, object="chat.completion.chunk" if chat else
+                                                           "text_completion"))
     if job.stream:
-        return _chunks(engine, reqs, events, outs, job, dict(head, object="chat.completion.chunk" if chat else
-                                                             "text_completion"))
-    try:
-        left = len(reqs)
-        while left:
-            i, ev = events.get()
-            if ev.kind == "done":
-                if ev.finish_reason == "error":
-                    raise RuntimeError(f"generation failed: {ev.error}")
-                outs[i].done(ev)
-                left -= 1
-            else:
-                outs[i].piece(ev)
-    finally:
-        for r in reqs:
-            engine.cancel(r)
+        return chunks
+    for _ in chunks:  # the same events made into the whole choices
+        pass
     return dict(head, choices=[o.result() for o in outs], usage=usage(outs, job.n))
 
 
 def _chunks(engine, reqs, events, outs: List[ChoiceOut], job, head) -> Iterator[dict]:
+    """The stream's chunk dicts, as the server sends them; outs gather the whole choices."""
     try:
         if job.chat:
             yield dict(head, choices=[{"index": o.index, "delta": {"role": "assistant", "content": ""},

@@ -1,0 +1,74 @@
+"""LLM.create_completion / create_chat_completion: llama-cpp-python's calls and dict shapes, the
+text the same as LLM.generate/chat gives for the same request (the oracle), streamed chunks adding
+up to the whole answer, and bad arguments refused as ValueError naming the field."""
+import json
+
+import pytest
+
+import stowlm
+
+from conftest import get_model
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+
+@pytest.fixture(scope="module")
+def llm():
+    with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=2048, progress=False) as m:
+        yield m
+
+
+def test_completion_dicts_match_generate(llm):
+    want = llm.generate("The capital of France is", max_tokens=12, temperature=0)
+    # llama-cpp-python's defaults and arguments, as its users pass them
+    r = llm.create_completion("The capital of France is", max_tokens=12, temperature=0.0, top_p=0.95, top_k=40,
+                              min_p=0.05, typical_p=1.0, stop=[], repeat_penalty=1.0, mirostat_mode=0,
+                              mirostat_tau=5.0, mirostat_eta=0.1, tfs_z=1.0, seed=None, logprobs=None, echo=False)
+    assert r["object"] == "text_completion" and r["id"].startswith("cmpl-")
+    assert r["choices"][0]["text"] == want.text and r["choices"][0]["finish_reason"] == "length"
+    assert r["usage"] == {"prompt_tokens": want.prompt_tokens, "completion_tokens": 12,
+                          "total_tokens": want.prompt_tokens + 12}
+    assert llm("The capital of France is", max_tokens=12, temperature=0)["choices"][0]["text"] == want.text
+    chunks = list(llm.create_completion("The capital of France is", max_tokens=12, temperature=0, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks) == want.text
+    lp = llm.create_completion("The capital of France is", max_tokens=3, temperature=0, logprobs=2)
+    assert len(lp["choices"][0]["logprobs"]["top_logprobs"][0]) == 2
+
+
+def test_chat_dicts_match_chat(llm):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    want = llm.chat(msgs, max_tokens=16, temperature=0)
+    r = llm.create_chat_completion(msgs, max_tokens=16, temperature=0)
+    assert r["object"] == "chat.completion"
+    assert r["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    chunks = list(llm.create_chat_completion(msgs, max_tokens=16, temperature=0, stream=True))
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]) == want.text
+    assert chunks[-1]["choices"][0]["finish_reason"] == want.finish_reason
+
+
+def test_chat_with_a_schema_and_with_tools(llm):
+    msgs = [{"role": "user", "content": "A city and its population, as JSON."}]
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "population": {"type": "integer"}}, "required": ["city", "population"]}
+    r = llm.create_chat_completion(msgs, max_tokens=60, temperature=0,
+                                   response_format={"type": "json_object", "schema": schema})
+    jsonschema.validate(json.loads(r["choices"][0]["message"]["content"]), schema)
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}}]
+    r = llm.create_chat_completion(msgs, tools=tools, tool_choice="required", max_tokens=60, temperature=0)
+    call = r["choices"][0]["message"]["tool_calls"][0]
+    assert r["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "lookup"
+    assert "city" in json.loads(call["function"]["arguments"])
+
+
+@pytest.mark.parametrize("kwargs,param", [({"mirostat_mode": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
+                                          ({"temperature": -1}, "temperature"), ({"suffix": "x"}, "suffix"),
+                                          ({"echo": True}, "echo")])
+def test_bad_arguments_are_value_errors_naming_the_field(llm, kwargs, param):
+    with pytest.raises(ValueError) as e:
+        llm.create_completion("Hi", max_tokens=2, **kwargs)
+    assert e.value.param == param and param in str(e.value)
+    with pytest.raises(ValueError, match="logits_processor"):
+        llm.create_completion("Hi", logits_processor=[lambda ids, x: x])
