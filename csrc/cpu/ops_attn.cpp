@@ -53,6 +53,11 @@ size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_spli
 
 }  // namespace
 
+int32_t single_sequence_split_cells(int64_t n_ctx) {
+    const int64_t per = cdiv(std::max<int64_t>(n_ctx, 1), 16);
+    return (int32_t)std::max<int64_t>(kMinSplitCells, cdiv(per, kMinSplitCells) * kMinSplitCells);
+}
+
 // Fixed splits (AttnParams::split_cells) apply to the calls of fewer tokens than a prompt
 // tile; a larger batch runs each query over the cells in one pass, also batch-independent.
 int64_t fixed_splits(int64_t n_tok, int64_t n_kv, int32_t split_cells, bool batched) {

@@ -269,6 +269,7 @@ Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& ma
     t->src[5] = k_stored, t->src[6] = v_stored, t->src[7] = sinks, t->src[8] = mask.q_seq, t->src[9] = mask.kv_seq;
     t->fparams[0] = scale, t->fparams[1] = softcap;
     t->iparams[0] = window, t->iparams[1] = mask.split_cells, t->iparams[2] = mask.seq_cells;
+    t->iparams[4] = mask.ctx_cells;  // [3] is the batched mark
     g.add_node(t);
     return t;
 }

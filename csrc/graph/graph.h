@@ -153,6 +153,7 @@ struct AttnMask {
     Tensor* kv_seq = nullptr;
     int32_t split_cells = 0;
     int32_t seq_cells = 0;  // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells)
+    int32_t ctx_cells = 0;  // the cache's cells: a backend may size call-independent splits by it
 };
 Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& mask, Tensor* k_stored,
                    Tensor* v_stored, float scale, float softcap, int32_t window, Tensor* sinks = nullptr);

@@ -82,7 +82,7 @@ struct Tensor {
 
     Op op = Op::NONE;
     Tensor* src[kMaxSrc] = {};
-    int32_t iparams[4] = {};
+    int32_t iparams[5] = {};
     float fparams[8] = {};
 
     // Where the bytes are. For a VIEW, view_src/view_offset describe them; data is resolved
