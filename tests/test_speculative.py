@@ -24,3 +24,128 @@ def test_a_pass_of_several_tokens_gives_each_the_logits_of_one_token_steps(name)
         pass_.eval(toks[:n_prompt], logits="last")
         many = pass_.eval(toks[n_prompt:n_prompt + k], logits="all")
         assert np.array_equal(one, many), (name, n_prompt, k, float(np.abs(one - many).max()))
+
+
+CODE = '''def compute_total(items, tax_rate):
+    total = 0
+    for item in items:
+        price = item["price"] * item["quantity"]
+        total = total + price
+    return round(total + total * tax_rate, 2)
+
+
+def format_receipt(items, tax_rate):
+    lines = [f"{item['name']}: {item['price']}" for item in items]
+    lines.append(f"Total: {compute_total(items, tax_rate)}")
+    return "\\n".join(lines)
+'''
+EDIT = [{"role": "user", "content": "Rename compute_total to calculate_total in this code and show all of it:\n\n" + CODE}]
+
+
+class _Oracle:
+    """Drafts the text a plain run wrote, every third draft spoiled: both the kept and the rejected
+    paths run on any model, noise models included (whose text no n-gram ever predicts)."""
+
+    def __init__(self, text_tokens, prompt_len):
+        self.want, self.n, self.calls = text_tokens, prompt_len, 0
+
+    def draft(self, history, k):
+        self.calls += 1
+        out = list(self.want[len(history) - self.n:len(history) - self.n + k])
+        if self.calls % 3 == 0 and out:
+            out[-1] = (out[-1] + 1) % 1000
+        return out
+
+
+@pytest.mark.parametrize("name", ["qwen3moe-tiny", "smollm2-moe", "gptoss-tiny"])
+def test_drafts_on_mixture_of_experts_models_keep_the_greedy_text(name):
+    """Routed experts: a pass's tokens pick experts each, every expert's product stays on the row
+    kernels (fewer tokens than the batch bound), so a drafted pass changes nothing."""
+    path = str(get_model(name))
+    with stowlm.LLM(path, n_ctx=1024, progress=False) as plain:
+        prompt = plain.tokenize("The quick brown fox jumps over the lazy dog. " * 3)
+        want = plain.generate(prompt, max_tokens=60, temperature=0)
+    oracle = _Oracle(want.tokens, len(prompt))
+    with stowlm.LLM(path, n_ctx=1024, progress=False, speculative=oracle, draft_max=4) as spec:
+        got = spec.generate(prompt, max_tokens=60, temperature=0)
+    assert got.tokens == want.tokens
+    assert got.accepted > 10 and got.drafted > got.accepted
+
+
+@pytest.mark.parametrize("name,draft_max", [("smollm2-135m", 3), ("smollm2-135m", 8), ("gemma3-270m", 5)])
+def test_greedy_text_with_drafts_is_the_text_without(name, draft_max):
+    path = str(get_model(name))
+    kw = dict(max_tokens=160, temperature=0, repeat_penalty=1.0)
+    with stowlm.LLM(path, n_ctx=2048, progress=False) as plain, \
+            stowlm.LLM(path, n_ctx=2048, progress=False, speculative="ngram", draft_max=draft_max) as spec:
+        prompts = [CODE + "\n\n" + CODE[:200], "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7,"]
+        for prompt in prompts:
+            want = plain.generate(prompt, **kw)
+            got = spec.generate(prompt, **kw)
+            assert got.tokens == want.tokens and got.text == want.text and got.finish_reason == want.finish_reason
+            assert got.drafted > 0
+        if name != "gemma3-270m":  # gemma3-270m is a base model without a chat template
+            want, got = plain.chat(EDIT, **kw), spec.chat(EDIT, **kw)
+            assert got.tokens == want.tokens and got.accepted > 0
+        # the ends: a stop string, max_tokens, streamed pieces
+        for extra in ({"stop": ["total"]}, {"max_tokens": 7}, {"stop": ["\n\n"], "max_tokens": 50}):
+            k = dict(kw, **extra)
+            want = plain.generate(prompts[0], **k)
+            got = spec.generate(prompts[0], **k)
+            assert (got.text, got.finish_reason, got.completion_tokens) == \
+                (want.text, want.finish_reason, want.completion_tokens), extra
+        s = spec.generate(prompts[1], stream=True, **kw)
+        assert "".join(s) == plain.generate(prompts[1], **kw).text
+        # the cache kept what the text kept: a follow-up that extends the text reuses it exactly
+        follow = prompts[1] + got.text + " and"
+        assert spec.generate(follow, **kw).tokens == plain.generate(follow, **kw).tokens
+
+
+def test_a_drafted_token_is_kept_with_the_samplers_probability():
+    """sample_draft's output follows candidates()' distribution whatever the draft (the oracle: the
+    sampler's own filtered distribution, itself checked against llama.cpp's chain)."""
+    from stowlm.sampling import Sampler, SamplingParams
+
+    rng = np.random.default_rng(3)
+    logits = (rng.normal(size=50) * 1.5).astype(np.float32)
+    for params in (SamplingParams(temperature=0.9, top_k=0, top_p=1.0, min_p=0.0, seed=1),
+                   SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.02, seed=2)):
+        s = Sampler(params)
+        ids, probs = s.candidates(logits)
+        want = dict(zip(ids.tolist(), probs.tolist()))
+        for draft in (int(ids[0]), int(ids[len(ids) // 2]), int(np.argmin(logits))):
+            n = 40000
+            counts = {}
+            for _ in range(n):
+                t, kept = s.sample_draft(logits, [], draft)
+                assert kept == (t == draft)
+                counts[t] = counts.get(t, 0) + 1
+            assert set(counts) <= set(want)
+            for t, q in want.items():  # within 5 standard deviations of a binomial count
+                assert abs(counts.get(t, 0) / n - q) <= 5 * np.sqrt(q * (1 - q) / n) + 1e-4, (draft, t)
+
+
+def test_sampled_text_with_drafts_has_the_distribution_without():
+    """End to end: the first tokens of many seeded samples, with and without drafts, compared by a
+    two-sample chi-square test (a fixed set of seeds: the outcome is deterministic)."""
+    path = str(get_model("smollm2-135m"))
+    prompt = "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3"
+    with stowlm.LLM(path, n_ctx=512, progress=False) as plain, \
+            stowlm.LLM(path, n_ctx=512, progress=False, speculative="ngram", draft_max=3) as spec:
+        for temperature in (1.0, 1.3):
+            kw = dict(max_tokens=4, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+            a = [tuple(plain.generate(prompt, seed=s, **kw).tokens[:3]) for s in range(300)]
+            runs = [spec.generate(prompt, seed=10_000 + s, **kw) for s in range(300)]
+            b = [tuple(r.tokens[:3]) for r in runs]
+            drafted, accepted = sum(r.drafted for r in runs), sum(r.accepted for r in runs)
+            assert accepted > 100 and drafted > accepted, (drafted, accepted)
+            keys = sorted(set(a) | set(b))
+            ca = np.array([a.count(k) for k in keys], dtype=np.float64)
+            cb = np.array([b.count(k) for k in keys], dtype=np.float64)
+            keep = (ca + cb) >= 10  # pool the rare outcomes
+            ca = np.append(ca[keep], ca[~keep].sum())
+            cb = np.append(cb[keep], cb[~keep].sum())
+            nz = (ca + cb) > 0
+            chi2 = float((((ca - cb) ** 2) / (ca + cb))[nz].sum())
+            dof = int(nz.sum()) - 1
+            assert dof >= 2 and chi2 < dof + 4 * np.sqrt(2 * dof) + 6, (temperature, chi2, dof)

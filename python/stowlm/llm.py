@@ -25,6 +25,7 @@ from .gguffile import GGUFFile
 from .placement import slot_context
 from .pull import pull
 from .sampling import Sampler, SamplingParams, TextStream
+from .speculative import DRAFT_MAX, Speculator, parse_spec, verify
 from .tokenizer import Tokenizer
 
 LOGIT_ROWS = fitting.DEFAULT_N_OUTPUTS  # rows of logits a micro-batch returns: one to generate, a few for logits()
@@ -42,6 +43,8 @@ class Completion:
     completion_tokens: int
     tokens: List[int] = field(default_factory=list)
     tool_calls: Optional[List[dict]] = None  # chat with tools: [{"id", "type": "function", "function": {...}}]
+    drafted: int = 0   # speculative decoding: draft tokens checked
+    accepted: int = 0  # of them, kept
     reasoning: Optional[str] = None  # the reasoning the chat format keeps apart from the answer (gpt-oss)
 
     def __str__(self) -> str:
@@ -74,6 +77,10 @@ class LLM:
         may then be called from several threads, and generate_batch() runs many prompts together;
         each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells;
         n_ctx defaults to n_seq x min(4096, trained)).
+    speculative: draft tokens and check them in one pass (stowlm.speculative): "ngram" (from the
+        prompt and the text so far), a draft model's .gguf path or name (same vocabulary), or None.
+        Greedy text is the same as without; sampled text has the same distribution. draft_max:
+        draft tokens per step (default 8). A Completion's drafted/accepted count them.
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -84,7 +91,7 @@ class LLM:
                  fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
                  n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1,
                  split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None,
-                 interleave: Optional[int] = None):
+                 interleave: Optional[int] = None, speculative=None, draft_max: Optional[int] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         self.path = pull(model, progress=progress)
@@ -139,6 +146,16 @@ class LLM:
                                kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
+        self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
+        if speculative is not None:
+            self._drafter = parse_spec(speculative)
+            if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():
+                raise ValueError(f"draft_max must be an integer in [1, {self._max_draft()}] (a draft and its "
+                                 f"token stay below the batch bound), got {draft_max!r}")
+            if getattr(self._drafter, "llm", None) is not None and \
+                    self._drafter.llm.model.n_vocab != self.model.n_vocab:
+                raise ValueError(f"the draft model's vocabulary ({self._drafter.llm.model.n_vocab} tokens) is not "
+                                 f"the target's ({self.model.n_vocab})")
         self._engine = None
         if self.ctx.n_seq > 1:
             self.engine()
@@ -181,14 +198,15 @@ class LLM:
                  presence_penalty: float = 0.0, seed: Optional[int] = None, stop=None,
                  logit_bias: Optional[Mapping[int, float]] = None, stream: bool = False,
                  add_special: bool = True, response_format=None, grammar=None, json_schema=None,
-                 _special: bool = False):
+                 speculative: Optional[bool] = None, _special: bool = False):
         """Continue ``prompt`` (text, or token ids). Returns a Completion, or with stream=True
         an iterator of text pieces whose ``completion`` attribute holds the Completion at the end.
 
         Structured output (needs ``pip install "stowlm[structured]"``): ``response_format`` as
         OpenAI's ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
         ...}}), ``json_schema`` (a schema dict), or ``grammar`` (llama.cpp's GBNF text, or a
-        stowlm.grammar.Grammar): only text they allow is generated."""
+        stowlm.grammar.Grammar): only text they allow is generated. speculative=False turns the
+        LLM's drafting off for this call (it is also off where a grammar constrains the text)."""
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
@@ -200,7 +218,10 @@ class LLM:
             tokens = list(prompt)
         tokens = self._check_tokens(tokens)
         g = self.grammar(response_format=response_format, grammar=grammar, json_schema=json_schema)
-        it = _Generation(self, tokens, params, g, _special) if self._engine is None else \
+        spec = None
+        if self._drafter is not None and speculative is not False and g is None:
+            spec = Speculator(self._drafter, self.draft_max)
+        it = _Generation(self, tokens, params, g, _special, spec) if self._engine is None else \
             _Served(self._engine, tokens, params, g, _special)
         if stream:
             return it
@@ -385,16 +406,30 @@ class LLM:
         self._cached.append(token)
         return out
 
+    def _step_many(self, tokens: List[int]) -> np.ndarray:
+        """One pass over several tokens (a pending token and its drafts): every row of logits."""
+        out = self.ctx.eval(tokens, logits="all")
+        self._cached += tokens
+        return out
+
+    def _max_draft(self) -> int:
+        """Draft tokens one pass may check: with the pending token, below the first batch bound,
+        where every token gets the row kernels a one-token step takes."""
+        bounds = list(self.model.batch_bounds)
+        return max(1, min(bounds[0] - 2 if bounds else 30, LOGIT_ROWS - 1))
+
 
 class _Generation:
     """Iterator of text pieces for one generate() call."""
 
-    def __init__(self, llm: LLM, prompt: List[int], params: SamplingParams, grammar=None, special: bool = False):
+    def __init__(self, llm: LLM, prompt: List[int], params: SamplingParams, grammar=None, special: bool = False,
+                 spec: Optional[Speculator] = None):
         self.llm = llm
         self.prompt = prompt
         self.params = params
         self.grammar = grammar
         self.special = special
+        self.spec = spec
         self.completion: Optional[Completion] = None
         self._gen = self._run()
 
@@ -405,36 +440,62 @@ class _Generation:
         return next(self._gen)
 
     def _run(self) -> Iterator[str]:
-        llm, p = self.llm, self.params
+        llm, p, spec = self.llm, self.params, self.spec
         sampler = Sampler(p, vocab_size=llm.model.n_vocab)
         stream = TextStream(llm.tokenizer, p, skip_special=not self.special)  # end, stop strings, max_tokens
         logits = llm._prefill(self.prompt)
         history = list(self.prompt)
         constraint = self.grammar.start() if self.grammar is not None else None
         finish = "length"
-        while True:
+
+        def pick(logits) -> int:
             allowed = constraint.allowed() if constraint is not None and constraint.active else None
-            tok = sampler.sample(logits, history, allowed)
-            eog = llm.tokenizer.is_eog(tok)
-            if constraint is not None and not eog:
+            return sampler.sample(logits, history, allowed)
+
+        def feed(tok: int):
+            """tok into the text: (its piece, whether the text ends here)."""
+            nonlocal finish
+            if constraint is not None and not llm.tokenizer.is_eog(tok):
                 constraint.accept(tok)
             piece = stream.feed(tok)
-            if piece:
-                yield piece
             if stream.finished:
-                break
+                return piece, True
             history.append(tok)
             if constraint is not None and constraint.done:  # the grammar is complete: only the end may follow
                 finish = "stop"
+                return piece, True
+            return piece, len(history) >= llm.n_ctx  # the context is full
+
+        tok = pick(logits)
+        while True:
+            piece, end = feed(tok)
+            if piece:
+                yield piece
+            if end:
                 break
-            if len(history) >= llm.n_ctx:  # the context is full
+            left = (p.max_tokens - stream.n_tokens) if p.max_tokens is not None else llm.n_ctx
+            drafts = spec.draft(history, min(left - 1, llm.n_ctx - len(history))) if spec is not None else []
+            if not drafts:
+                tok = pick(llm._step(tok))
+                continue
+            rows = llm._step_many([tok] + drafts)  # the pending token and the drafts, one pass
+            kept, tok = verify(sampler, rows, drafts, history)
+            spec.record(len(drafts), len(kept))
+            for d in kept:
+                piece, end = feed(d)
+                if piece:
+                    yield piece
+                if end:
+                    break
+            llm._rewind(len(history))  # the cache keeps what the text kept
+            if end:
                 break
-            logits = llm._step(tok)
         tail = stream.close()
         if tail:
             yield tail
         self.completion = Completion(stream.text, stream.finish_reason or finish, len(self.prompt), stream.n_tokens,
-                                     stream.ids)
+                                     stream.ids, drafted=spec.drafted if spec else 0,
+                                     accepted=spec.accepted if spec else 0)
 
 
 def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:

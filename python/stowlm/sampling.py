@@ -220,6 +220,23 @@ class Sampler:
 
     __call__ = sample
 
+    def sample_draft(self, logits, history: Sequence[int], draft: int) -> Tuple[int, bool]:
+        """Speculative decoding's check of a drafted token: (token, kept). The draft is kept with
+        the probability this sampler gives it; else the token is drawn from the distribution
+        without it, renormalised, so the text follows the distribution sample() draws from
+        (greedy: kept exactly when it is the argmax)."""
+        ids, probs = self.candidates(logits, history)
+        if len(ids) == 1:
+            return int(ids[0]), int(ids[0]) == int(draft)
+        hit = np.flatnonzero(ids == draft)
+        if hit.size and self.rng.random() < probs[hit[0]]:
+            return int(draft), True
+        if hit.size:
+            ids, probs = np.delete(ids, hit[0]), np.delete(probs, hit[0])
+        cum = np.cumsum(probs)
+        i = int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"))
+        return int(ids[min(i, len(ids) - 1)]), False
+
     # -- helpers ----------------------------------------------------------------------
 
     def _top(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
