@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -50,20 +51,29 @@ class CarryError(RuntimeError):
     pass
 
 
+def _load_pull():
+    """python/stowlm/pull.py on its own (standard library only): the model cache's layout and the
+    sha256 reader, without the package, whose extension is not installed yet when files arrive."""
+    spec = importlib.util.spec_from_file_location("stowlm_pull", REPO / "python" / "stowlm" / "pull.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up while it loads
+    spec.loader.exec_module(mod)
+    return mod
+
+
+pull = _load_pull()
+
+
 def cache_models() -> Path:
-    return Path(os.environ.get("STOWLM_CACHE", Path.home() / ".cache" / "stowlm")) / "models"
+    return pull.default_cache_dir() / "models"
 
 
 def default_stash() -> Path:
-    return Path(os.environ.get("STOWLM_CARRIED", Path.home() / ".cache" / "stowlm" / "carried"))
+    return Path(os.environ.get("STOWLM_CARRIED", pull.default_cache_dir() / "carried"))
 
 
 def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
+    return pull._sha256_file(path)
 
 
 def source_digest(root: Path = REPO) -> str:
@@ -98,10 +108,11 @@ def save_manifest(carry: Path, m: dict) -> None:
 
 
 def resolve_model(spec: str) -> Path:
+    """A path, or a name of the stowlm cache (smollm2-135m -> MODELS/smollm2-135m.gguf)."""
     p = Path(spec).expanduser()
     if p.suffix == ".gguf" or os.sep in spec:
         return p
-    return cache_models() / f"{spec}.gguf"
+    return pull.model_path(spec)
 
 
 def tree_bytes() -> int:
@@ -134,10 +145,7 @@ def split_model(path: Path, carry: Path, piece_bytes: int) -> dict:
     whole = hashlib.sha256()
     pieces = []
     with open(path, "rb") as f:
-        while True:
-            data = f.read(piece_bytes)
-            if not data:
-                break
+        for data in iter(lambda: f.read(piece_bytes), b""):
             whole.update(data)
             piece = f"{name}.part{len(pieces):02d}"
             (carry / piece).write_bytes(data)

@@ -44,10 +44,10 @@ from typing import Dict, List, Optional, Tuple
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from carry_models import PEER_TAR, resolve_model  # noqa: E402  (the carried peer's name, the cache's models)
 from compare import find_stowlm_bench, test_name  # noqa: E402  (bench/compare.py: the same lookup and names)
 
 DEFAULT_MODELS = ["smollm2-135m", "qwen2.5-coder-0.5b", "qwen3moe-tiny"]
-PEER_TAR = "llama.cpp-cuda-sm90.tar.xz"
 
 
 class ToolError(RuntimeError):
@@ -132,18 +132,6 @@ def median(xs: List[float]) -> float:
 
 
 # ---- finding things ----------------------------------------------------------------------------
-
-def models_dir() -> Path:
-    return Path(os.environ.get("STOWLM_CACHE", Path.home() / ".cache" / "stowlm")) / "models"
-
-
-def resolve_model(spec: str) -> Path:
-    """A path, or a name of the stowlm cache (smollm2-135m -> MODELS/smollm2-135m.gguf)."""
-    p = Path(spec).expanduser()
-    if p.suffix == ".gguf" or os.sep in spec:
-        return p
-    return models_dir() / f"{spec}.gguf"
-
 
 def find_cublas() -> Tuple[Optional[str], str]:
     """(folder to add to LD_LIBRARY_PATH or "" when the loader already finds it, None when

@@ -5,6 +5,7 @@ real run of the stowlm side on the CPU (and of the prebuilt peer on the CPU wher
 import json
 import os
 import statistics
+import string
 import subprocess
 import sys
 import types
@@ -17,12 +18,10 @@ from conftest import REPO, get_model
 sys.path.insert(0, str(REPO / "bench"))
 import gpu_compare  # noqa: E402
 
-# llama-bench -m smollm2-135m.gguf -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json, CUDA build, stdout (its
-# ggml_cuda_init lines go to stderr, but a log line on stdout must not break the parse).
-LLAMA_JSON = """ggml_cuda_init: found 1 CUDA devices:
-  Device 0: NVIDIA H100 80GB HBM3, compute capability 9.0, VMM: no
-[
-  {
+# llama-bench -m smollm2-135m.gguf -ngl 99 -fa 1 -p 512 -n 128 -r 3 -o json, CUDA build, stdout: one
+# record per test in this layout (its ggml_cuda_init lines go to stderr, but a log line on stdout
+# must not break the parse).
+LLAMA_RECORD = string.Template("""  {
     "build_commit": "0c1e570",
     "build_number": 1,
     "cpu_info": "Intel(R) Xeon(R) Platinum 8480+",
@@ -43,51 +42,25 @@ LLAMA_JSON = """ggml_cuda_init: found 1 CUDA devices:
     "no_kv_offload": false,
     "flash_attn": 1,
     "devices": "auto",
-    "n_prompt": 512,
-    "n_gen": 0,
+    "n_prompt": $n_prompt,
+    "n_gen": $n_gen,
     "n_depth": 0,
     "test_time": "2026-11-27T10:02:11Z",
-    "avg_ns": 10468085,
-    "stddev_ns": 88113,
-    "avg_ts": 48911.112345,
-    "stddev_ts": 411.204511,
-    "samples_ns": [ 10400000, 10567890, 10436365 ],
-    "samples_ts": [ 49230.8, 48449.6, 49059.4 ]
-  },
-  {
-    "build_commit": "0c1e570",
-    "build_number": 1,
-    "cpu_info": "Intel(R) Xeon(R) Platinum 8480+",
-    "gpu_info": "NVIDIA H100 80GB HBM3",
-    "backends": "CUDA",
-    "model_filename": "/root/.cache/stowlm/models/smollm2-135m.gguf",
-    "model_type": "llama 256M Q4_1",
-    "model_size": 96576768,
-    "model_n_params": 134515008,
-    "n_batch": 2048,
-    "n_ubatch": 512,
-    "n_threads": 16,
-    "type_k": "f16",
-    "type_v": "f16",
-    "n_gpu_layers": 99,
-    "split_mode": "layer",
-    "main_gpu": 0,
-    "no_kv_offload": false,
-    "flash_attn": 1,
-    "devices": "auto",
-    "n_prompt": 0,
-    "n_gen": 128,
-    "n_depth": 0,
-    "test_time": "2026-11-27T10:02:12Z",
-    "avg_ns": 201234567,
-    "stddev_ns": 1234567,
-    "avg_ts": 636.12,
-    "stddev_ts": 3.91,
-    "samples_ns": [ 200000000, 202469134, 201234567 ],
-    "samples_ts": [ 640.0, 632.2, 636.1 ]
-  }
-]
-"""
+    "avg_ns": $avg_ns,
+    "stddev_ns": $stddev_ns,
+    "avg_ts": $avg_ts,
+    "stddev_ts": $stddev_ts,
+    "samples_ns": [ $samples_ns ],
+    "samples_ts": [ $samples_ts ]
+  }""")
+LLAMA_JSON = ("ggml_cuda_init: found 1 CUDA devices:\n"
+              "  Device 0: NVIDIA H100 80GB HBM3, compute capability 9.0, VMM: no\n[\n"
+              + LLAMA_RECORD.substitute(n_prompt=512, n_gen=0, avg_ns=10468085, stddev_ns=88113, avg_ts=48911.112345,
+                                        stddev_ts=411.204511, samples_ns="10400000, 10567890, 10436365",
+                                        samples_ts="49230.8, 48449.6, 49059.4") + ",\n"
+              + LLAMA_RECORD.substitute(n_prompt=0, n_gen=128, avg_ns=201234567, stddev_ns=1234567, avg_ts=636.12,
+                                        stddev_ts=3.91, samples_ns="200000000, 202469134, 201234567",
+                                        samples_ts="640.0, 632.2, 636.1") + "\n]\n")
 
 # The same run's default (markdown) output.
 LLAMA_MD = """| model                          |       size |     params | backend    | ngl | fa |            test |                  t/s |
