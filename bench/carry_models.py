@@ -282,7 +282,8 @@ def print_plan(m: dict, carry: Path) -> None:
     sizes[".carry/shared"] = sum(e["bytes"] for n, e in m["extras"].items() if n.startswith("shared/"))
     for e in m["models"].values():
         sizes.update({f".carry/{p['name']}": p["bytes"] for p in e["pieces"]})
-    print(f"\n{len(calls)} device call(s), one right after the other (a machine idle for 30 s is given back):")
+    print(f"\n{len(calls)} device call(s), one right after the other (a machine idle for 30 s is given back; "
+          "from the second on each reply must say warm: true, else start again at the first):")
     for i, c in enumerate(calls, 1):
         last = i == len(calls)
         cmd = ("bash bench/gpu_session.sh" if last else "python3 bench/carry_models.py --receive")

@@ -24,9 +24,11 @@
 # ---- carrying (each device call takes the ~2 MiB tree plus at most ~62 MiB of ignored files) ----
 # Here, once, from the repository root (the checkout the session was started in: a call sends
 # that one, also when a helper calls from another worktree):
-#   cmake -S . -B build-py312 -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90 \
-#       -DPython_EXECUTABLE=$HOME/.pyenv/versions/3.12.1/bin/python3     # the device's Python is 3.12
+#   P312=$HOME/.pyenv/versions/3.12.1/bin/python3; $P312 -m pip install nanobind  # the device's Python is 3.12
+#   cmake -S . -B build-py312 -G Ninja -DCMAKE_CUDA_ARCHITECTURES=90 -DPython_EXECUTABLE=$P312
 #   cmake --build build-py312 --target _core stowlm-bench              # _core 5.9 MB, stowlm-bench 6.1 MB
+#                                       # (rebuild after any change to csrc/, cuda/ or stowlm_bench.cpp:
+#                                       # a build from other sources is not used there but rebuilt, minutes)
 #   python3 bench/carry_models.py smollm2-135m                         # 93.8 MiB -> 2 pieces
 #   python3 bench/carry_models.py --extras --prebuilt build-py312      # peer 42.7 MiB, prebuilt 11.4 MiB,
 #                                                                      # shared 0.5 MiB, gguf wheel 0.1 MiB
@@ -39,6 +41,9 @@
 #      command: python3 bench/carry_models.py --receive
 #   3. carry [".carry/manifest.json", ".carry/smollm2-135m.gguf.part01"]
 #      command: bash bench/gpu_session.sh        timeout_s 560
+#   then give_back. The figures come back in $OUT (gpu_compare.md: the table for the README).
+# From call 2 on each reply must say warm: true (the call found the machine of the call before);
+# otherwise the stash went back with the old machine: start again at call 1.
 # (--plan packs small pieces into the same call where they fit.) Worth carrying, in this order:
 # smollm2-135m (98 MB, 2 pieces): the dense tests, the split and batching tests, and the source of
 # every generated test model (qwen3moe-tiny, gptoss-tiny, deepseek2-tiny, glm4moe-tiny, ~40 s of
@@ -193,8 +198,11 @@ if [ "$MODE" = gpu ]; then
     (timeout -k 10 240 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda_build.py > "$OUT/pytest_build.log" 2>&1
      echo "exit $?" >> "$OUT/pytest_build.log") &
     BUILD_TESTS=$!
-    step "GPU tests" 240 "$OUT/pytest_gpu.log" env STOWLM_REQUIRE_GPU=1 "$PY" -m pytest -q -p no:cacheprovider -rfEs \
-        "${GPU_TESTS[@]}" "${KARGS[@]}"
+    # -v: a test per line as it ends, so a log cut by the timeout still says how far it got
+    PER_TEST=()
+    "$PY" -c "import pytest_timeout" 2>/dev/null && PER_TEST=(--timeout 150)
+    step "GPU tests" 240 "$OUT/pytest_gpu.log" env STOWLM_REQUIRE_GPU=1 "$PY" -m pytest -v -p no:cacheprovider -rfEs \
+        --durations=15 "${PER_TEST[@]}" "${GPU_TESTS[@]}" "${KARGS[@]}"
     log "waiting for test_cuda_build.py (the comparison wants a quiet machine)"
     wait "$BUILD_TESTS"
     tail -3 "$OUT/pytest_build.log" | tee -a "$LOG"
