@@ -102,6 +102,8 @@ void print_usage(FILE* f) {
             "                           RSS against model file + KV + compute, for generation the weight\n"
             "                           bytes read per token and their rate, and for a prompt over several\n"
             "                           devices whether it ran as a pipeline and each device's idle share,\n"
+            "                           and on a CUDA device the kernels per generated token and the time\n"
+            "                           per token outside them (from one more run with the kernels timed),\n"
             "                           on stderr\n",
             default_threads());
 }
@@ -716,6 +718,46 @@ void report_pipeline(const Context& ctx, const Model& model, const Test& t) {
     fprintf(stderr, "\n");
 }
 
+// -v on devices that launch kernels (CUDA): one more run of the test with their kernels timed
+// (held until enqueued, which serialises host and device: not a timed repetition), then per
+// generated token (per run for a prompt) the kernels launched, the device time of those kernels
+// run back to back, and the rest of the repetitions' mean wall time: launch gaps and host work.
+void report_kernels(Context& ctx, const Model& model, const Test& t, const Result& r, const std::vector<int32_t>& prompt,
+                    const std::vector<int32_t>& gen) {
+    std::vector<Backend*> counted;
+    for (Backend* b : model.backends())
+        if (b->take_kernel_stats().counted) counted.push_back(b);
+    if (counted.empty()) return;
+    for (Backend* b : counted) b->set_kernel_timing(true);
+    try {
+        run_once(ctx, t, prompt, gen, nullptr);
+    } catch (...) {
+        for (Backend* b : counted) b->set_kernel_timing(false);
+        throw;
+    }
+    for (Backend* b : counted) b->set_kernel_timing(false);
+    ctx.kv_truncate(t.n_depth);
+    const bool per_token = t.n_prompt == 0;
+    const double steps = per_token ? (double)t.n_gen : 1.0;
+    std::vector<double> ns(r.samples_ns.begin(), r.samples_ns.end());
+    const double wall_ms = mean(ns) / 1e6 / steps;
+    for (Backend* b : counted) {
+        const KernelStats k = b->take_kernel_stats();
+        const double kernel_ms = k.kernel_s * 1e3 / steps;
+        fprintf(stderr,
+                "  %s on %s: %.1f kernels per %s; %.3f ms per %s, of which %.3f ms in kernels (run back to back) and "
+                "%.3f ms (%.0f%%) outside them (launch gaps, host work)\n",
+                t.name().c_str(), b->name().c_str(), k.launches / steps, per_token ? "token" : "run", wall_ms,
+                per_token ? "token" : "run", kernel_ms, wall_ms - kernel_ms,
+                wall_ms > 0 ? 100.0 * (wall_ms - kernel_ms) / wall_ms : 0.0);
+        if (k.late_splits)
+            fprintf(stderr, "  %s on %s: %llu of %llu timed splits waited for the host past the hold: their kernel "
+                            "time includes launch gaps\n",
+                    t.name().c_str(), b->name().c_str(), (unsigned long long)k.late_splits,
+                    (unsigned long long)k.timed_splits);
+    }
+}
+
 std::string backend_label(const Model& model) {
     std::string s;
     for (Backend* b : model.backends()) {
@@ -838,6 +880,7 @@ int run(const Options& o) {
                         }
                         printer.add(r);
                         if (o.verbose && specs.size() > 1 && t.n_prompt > 0) report_pipeline(*ctx, *model, t);
+                        if (o.verbose) report_kernels(*ctx, *model, t, r, prompt, gen);
                         if (o.verbose && t.n_gen > 0 && t.n_prompt == 0) {
                             double ts = 0;
                             for (uint64_t ns : r.samples_ns) ts += (double)t.n_gen * 1e9 / (double)ns;

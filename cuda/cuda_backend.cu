@@ -1,6 +1,9 @@
 // CudaDevice (buffers, streams, events, copies) and the matmul dispatch between the vector
 // kernel (mmvq.cu) and the tiled tensor-core kernel (mmq.cu).
+#include <chrono>
+#include <condition_variable>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <utility>
@@ -22,6 +25,41 @@ int current_cc_major() {
     return major;
 }
 }  // namespace
+
+thread_local uint64_t t_launches = 0;
+uint64_t launches_on_this_thread() { return t_launches; }
+
+namespace {
+// What holds a timed stream: a host function on the stream waits here until the host lets go.
+struct Hold {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool released = false, late = false;
+};
+void CUDART_CB hold_stream(void* p) {
+    Hold* h = (Hold*)p;
+    std::unique_lock<std::mutex> lk(h->mu);
+    // The timeout keeps a host wait for this stream inside the span from hanging the process.
+    const auto limit = std::chrono::duration<double>(CudaDevice::kHoldSeconds);
+    if (!h->cv.wait_for(lk, limit, [h] { return h->released; })) h->late = true;
+}
+void let_go(Hold& h) {
+    {
+        std::lock_guard<std::mutex> lk(h.mu);
+        h.released = true;
+    }
+    h.cv.notify_all();
+}
+}  // namespace
+
+struct CudaDevice::Timing {
+    struct Span {
+        std::unique_ptr<Hold> hold;
+        cudaEvent_t start = nullptr, end = nullptr;
+    };
+    std::vector<Span> spans;  // the last one open between begin_timed and end_timed
+    bool open = false;
+};
 
 int device_count(std::string* why_none) {
     int n = 0;
@@ -55,8 +93,14 @@ CudaDevice::CudaDevice(int index) : index_(index), name_("cuda:" + std::to_strin
 
 CudaDevice::~CudaDevice() {
     cudaSetDevice(index_);
+    if (timing_ && timing_->open) let_go(*timing_->spans.back().hold);
     cudaStreamSynchronize((cudaStream_t)compute_);
     cudaStreamSynchronize((cudaStream_t)copy_);
+    if (timing_)
+        for (auto& sp : timing_->spans) {
+            if (sp.start) cudaEventDestroy(sp.start);
+            if (sp.end) cudaEventDestroy(sp.end);
+        }
     for (int i = 0; i < 2; i++) {
         if (staging_done_[i]) cudaEventDestroy((cudaEvent_t)staging_done_[i]);
         if (staging_[i]) cudaFreeHost(staging_[i]);
@@ -125,6 +169,51 @@ void CudaDevice::synchronize() {
     set_current();
     check_cuda(cudaStreamSynchronize((cudaStream_t)compute_), "synchronize compute stream");
     check_cuda(cudaStreamSynchronize((cudaStream_t)copy_), "synchronize copy stream");
+}
+
+void CudaDevice::begin_timed(Stream s) {
+    if (!timing_) timing_ = std::make_unique<Timing>();
+    if (timing_->open) throw InvalidInput(name_ + ": begin_timed while a timed span is open");
+    set_current();
+    Timing::Span sp;
+    sp.hold = std::make_unique<Hold>();
+    check_cuda(cudaEventCreate(&sp.start), "cudaEventCreate");
+    check_cuda(cudaEventCreate(&sp.end), "cudaEventCreate");
+    Hold* h = sp.hold.get();
+    timing_->spans.push_back(std::move(sp));
+    timing_->open = true;  // from here on end_timed lets the stream go, whatever fails below
+    check_cuda(cudaLaunchHostFunc((cudaStream_t)s, hold_stream, h), "cudaLaunchHostFunc");
+    check_cuda(cudaEventRecord(timing_->spans.back().start, (cudaStream_t)s), "cudaEventRecord");
+}
+
+void CudaDevice::end_timed(Stream s) {
+    if (!timing_ || !timing_->open) throw InvalidInput(name_ + ": end_timed without begin_timed");
+    timing_->open = false;
+    Timing::Span& sp = timing_->spans.back();
+    const cudaError_t e = cudaEventRecord(sp.end, (cudaStream_t)s);
+    let_go(*sp.hold);  // whatever the record gave: the stream must not stay held
+    check_cuda(e, "cudaEventRecord");
+}
+
+CudaDevice::TimedTotal CudaDevice::take_timed() {
+    TimedTotal t;
+    if (!timing_) return t;
+    if (timing_->open) throw InvalidInput(name_ + ": take_timed while a timed span is open");
+    synchronize();
+    for (auto& sp : timing_->spans) {
+        float ms = 0;
+        check_cuda(cudaEventElapsedTime(&ms, sp.start, sp.end), "cudaEventElapsedTime");
+        t.seconds += ms / 1e3;
+        t.spans++;
+        {
+            std::lock_guard<std::mutex> lk(sp.hold->mu);
+            t.late += sp.hold->late ? 1 : 0;
+        }
+        cudaEventDestroy(sp.start);
+        cudaEventDestroy(sp.end);
+    }
+    timing_->spans.clear();
+    return t;
 }
 
 void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {

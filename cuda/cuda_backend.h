@@ -11,6 +11,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -68,6 +69,21 @@ public:
     // when peer access is not possible).
     void copy_from_peer(void* dst, const CudaDevice& from, const void* src, size_t bytes, Stream s);
 
+    // Kernel timing (stowlm-bench -v). begin_timed holds stream s on the device (a host function
+    // waits until end_timed, or kHoldSeconds if the host itself waits for the device meanwhile)
+    // and records a start event; end_timed records the end and lets s go. The work enqueued
+    // between them then runs back to back, so the events time the device's work without the gaps
+    // between the host's launches. take_timed waits for the device and returns the total since
+    // the last call.
+    struct TimedTotal {
+        double seconds = 0;
+        uint64_t spans = 0, late = 0;  // late: spans let go by the timeout (their time includes host gaps)
+    };
+    static constexpr double kHoldSeconds = 2.0;
+    void begin_timed(Stream s);
+    void end_timed(Stream s);
+    TimedTotal take_timed();
+
 private:
     int index_;
     std::string name_;
@@ -79,10 +95,16 @@ private:
     mutable std::mutex mu_;
     std::map<void*, size_t> live_;
     size_t used_ = 0;
+    struct Timing;  // the timed spans not yet taken (defined beside the device's implementation)
+    std::unique_ptr<Timing> timing_;
 };
 
 // Devices present ("" when some), else why none: the text CudaDevice's error carries.
 int device_count(std::string* why_none);
+
+// Kernels the calling thread has launched so far: every launcher adds one per kernel (a
+// thread-local increment), and the backend takes the difference around each split it runs.
+uint64_t launches_on_this_thread();
 
 // ---- matrix products (quantize.cu, mmvq.cu, mmq.cu) -----------------------------------
 

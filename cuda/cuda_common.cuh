@@ -15,8 +15,14 @@ inline void check_cuda(cudaError_t e, const char* what) {
     if (e != cudaSuccess)
         throw Unsupported(std::string("CUDA error in ") + what + ": " + cudaGetErrorName(e) + ": " + cudaGetErrorString(e));
 }
-// After a launch: a bad configuration shows up here, not at the next synchronize.
-inline void check_launch(const char* kernel) { check_cuda(cudaGetLastError(), kernel); }
+// Kernels launched by this thread (cuda_backend.cu; read through launches_on_this_thread()).
+extern thread_local uint64_t t_launches;
+// After every launch: a bad configuration shows up here, not at the next synchronize; and the
+// launch is counted (the backend reports kernels per token, stowlm-bench -v).
+inline void check_launch(const char* kernel) {
+    ++t_launches;
+    check_cuda(cudaGetLastError(), kernel);
+}
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return (unsigned)((a + b - 1) / b); }
 

@@ -12,6 +12,7 @@
 // inside its split and fetches their parts itself (collective below); the sum is the kernel of
 // cuda/collective.cu, the CPU backend's arithmetic, so every shard holds the same bits.
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <string>
@@ -169,7 +170,26 @@ public:
 
     void compute(const Split& split, void* scratch, size_t scratch_bytes) override {
         dev_->set_current();
-        for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes);
+        const uint64_t first = cu::launches_on_this_thread();
+        if (!timing_ || has_collective(split)) {  // a collective waits on the host inside the split: never held
+            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes);
+        } else {
+            timed_splits_++;
+            run_timed(split, scratch, scratch_bytes);
+        }
+        launches_ += cu::launches_on_this_thread() - first;
+    }
+
+    void set_kernel_timing(bool on) override { timing_ = on; }
+    KernelStats take_kernel_stats() override {
+        KernelStats k;
+        k.counted = true;
+        const cu::CudaDevice::TimedTotal t = dev_->take_timed();
+        k.launches = launches_.exchange(0);
+        k.timed_splits = timed_splits_.exchange(0);
+        k.kernel_s = t.seconds;
+        k.late_splits = t.late;
+        return k;
     }
 
     void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset) override {
@@ -203,6 +223,39 @@ public:
     void synchronize() override { dev_->synchronize(); }
 
 private:
+    static bool has_collective(const Split& split) {
+        for (const Tensor* n : split.nodes)
+            if (n->op == Op::ALL_REDUCE || n->op == Op::ALL_GATHER) return true;
+        return false;
+    }
+
+    // The split's nodes in held spans of about kTimedSpanLaunches kernels each, so that a held
+    // stream never has more launches pending than the device's launch queue takes (a full queue
+    // would block the host until the hold's timeout).
+    static constexpr uint64_t kTimedSpanLaunches = 256;
+    void run_timed(const Split& split, void* scratch, size_t scratch_bytes) {
+        const cu::Stream s = dev_->compute_stream();
+        dev_->begin_timed(s);
+        try {
+            uint64_t span0 = cu::launches_on_this_thread();
+            for (Tensor* n : split.nodes) {
+                run(n, scratch, scratch_bytes);
+                if (cu::launches_on_this_thread() - span0 >= kTimedSpanLaunches) {
+                    dev_->end_timed(s);
+                    dev_->begin_timed(s);
+                    span0 = cu::launches_on_this_thread();
+                }
+            }
+        } catch (...) {
+            try {
+                dev_->end_timed(s);  // never leave the stream held
+            } catch (...) {
+            }
+            throw;
+        }
+        dev_->end_timed(s);
+    }
+
     static cu::DeviceWeight weight(const Tensor* w) {
         cu::DeviceWeight d;
         d.data = w->data, d.type = w->type, d.rows = w->ne[1], d.cols = w->ne[0];
@@ -557,6 +610,10 @@ private:
     std::unique_ptr<cu::CudaDevice> dev_;
     std::string name_;
     size_t budget_ = 0;
+    // Counted per split (the pipeline runs this device's splits on its own thread; the counters
+    // are taken from another once the eval has returned).
+    std::atomic<uint64_t> launches_{0}, timed_splits_{0};
+    std::atomic<bool> timing_{false};
 };
 
 }  // namespace

@@ -4,10 +4,13 @@ pointer it gets is device memory, then runs the CPU kernel it mirrors) and compa
 models on cuda:0, cpu:0 + cuda:0 splits, two CUDA devices and experts on the other device with the
 CPU backend's logits, plus exact memory accounting and the split-KV decode path; gpt-oss, deepseek2
 and glm4moe with every node on cuda:0; contexts of four sequences (fixed KV splits, sequence
-masks) against the CPU's. It links the core
+masks) against the CPU's; the launch counter (kernels per decode step against a count from the
+architecture) and stowlm-bench -v's kernel report built on the same device. It links the core
 library of a CUDA-enabled build (whose make_backend creates the CUDA backend); skipped, with the
 reason, where there is none (set STOWLM_CUDA_BUILD_DIR to point at one)."""
+import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -34,23 +37,29 @@ def cuda_build_dir():
     return None
 
 
-def build_and_run(program, models, model_path, tmp_path, timeout):
-    """Builds tests/native/<program>.cpp with the emulated device and cuda/cuda_engine.cpp against a
-    CUDA-enabled build's core library, runs it on the models' directory, and checks that it reports
-    no failure (skipped, with the reason, where there is no such build or no C++ compiler)."""
+def build_emulated(main_source, exe):
+    """Links main_source (a path in the repo) with the emulated device and cuda/cuda_engine.cpp
+    against a CUDA-enabled build's core library (skipped, with the reason, where there is no such
+    build or no C++ compiler)."""
     build = cuda_build_dir()
     if build is None:
         pytest.skip("no CUDA-enabled build directory (cmake -S . -B build-cuda -DSTOWLM_CUDA=ON)")
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if cxx is None:
         pytest.skip("no C++ compiler")
-    exe = tmp_path / program
     cmd = [cxx, "-O2", "-std=c++17", "-Wall", "-Wextra", "-Wno-unused-parameter", f"-I{REPO / 'csrc'}",
-           f"-I{REPO / 'cuda'}", str(REPO / f"tests/native/{program}.cpp"),
+           f"-I{REPO / 'cuda'}", str(REPO / main_source),
            str(REPO / "tests/native/emulated_cuda.cpp"), str(REPO / "cuda/cuda_engine.cpp"),
            str(build / "libstowlm_core.a"), "-lpthread", "-ldl", "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0 and not r.stderr.strip(), f"build failed or warned:\n{r.stderr}"
+    return exe
+
+
+def build_and_run(program, models, model_path, tmp_path, timeout):
+    """Builds tests/native/<program>.cpp on the emulated device (build_emulated), runs it on the
+    models' directory, and checks that it reports no failure."""
+    exe = build_emulated(f"tests/native/{program}.cpp", tmp_path / program)
     model_dir = {str(model_path(m).parent) for m in models}
     assert len(model_dir) == 1
     r = subprocess.run([str(exe), model_dir.pop()], capture_output=True, text=True, timeout=timeout)
@@ -61,3 +70,41 @@ def build_and_run(program, models, model_path, tmp_path, timeout):
 
 def test_cuda_engine_on_an_emulated_device(model_path, tmp_path):
     build_and_run("cuda_engine_emulated", MODELS, model_path, tmp_path, timeout=300)
+
+
+# A llama layer's decode step launches 24 kernels: two norms, seven products of quantized weights
+# (quantize + product each), two ropes, two KV stores, attention and two residual adds
+# (models/blocks.cpp; tests/native/cuda_engine_emulated.cpp counts them one by one). The tied
+# output adds the embedding rows, the output rows, output_norm and the logits' product (2).
+LLAMA_LAYER_KERNELS, LLAMA_TIED_OUTPUT_KERNELS = 24, 5
+
+
+def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):
+    """stowlm-bench -v on a CUDA device: kernels per generated token (per run for a prompt) and
+    the wall time per token split into kernels run back to back and the rest, from the emulated
+    device's counter and timed spans; the counts follow the architecture whatever the length."""
+    import gguf
+
+    exe = build_emulated("bench/stowlm_bench.cpp", tmp_path / "stowlm-bench-emulated")
+    path = model_path("smollm2-135m")
+    n_layer = int(gguf.GGUFReader(str(path)).fields["llama.block_count"].parts[-1][0])
+    expected = n_layer * LLAMA_LAYER_KERNELS + LLAMA_TIED_OUTPUT_KERNELS
+    line_re = re.compile(r"^  (\S+) on cuda:0: ([\d.]+) kernels per (token|run); ([\d.]+) ms per \3, of which "
+                         r"([\d.]+) ms in kernels \(run back to back\) and (-?[\d.]+) ms \((-?\d+)%\) outside them")
+    for n_gen in (2, 5):
+        r = subprocess.run([str(exe), "-m", str(path), "-dev", "cuda:0", "-p", "8", "-n", str(n_gen), "-r", "1",
+                            "-o", "json", "-v", "--no-warmup"], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        rows = {row["n_gen"]: row for row in json.loads(r.stdout)}
+        found = [line_re.match(ln) for ln in r.stderr.splitlines() if " kernels per " in ln]
+        assert len(found) == 2 and all(found), r.stderr
+        for m in found:
+            test, kernels, unit, wall, inside, outside, share = m.groups()
+            assert float(kernels) == expected, (test, kernels, expected)
+            assert unit == ("token" if test.startswith("tg") else "run")
+            assert float(outside) == pytest.approx(float(wall) - float(inside), abs=0.0015)
+            assert float(inside) > 0
+            # one repetition: the wall time per token (per run) is the inverse of the table's rate
+            row = rows[n_gen if test.startswith("tg") else 0]
+            per = row["n_gen"] if unit == "token" else 1
+            assert float(wall) == pytest.approx(1e3 * (row["n_prompt"] + row["n_gen"]) / row["avg_ts"] / per, rel=2e-3)

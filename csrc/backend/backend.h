@@ -31,6 +31,18 @@ struct BackendBuffer {
 };
 using BufferPtr = std::unique_ptr<BackendBuffer>;
 
+// What a device that launches kernels (CUDA) did since its counters were last taken, for
+// stowlm-bench -v; a CPU device counts nothing (counted false).
+struct KernelStats {
+    bool counted = false;
+    uint64_t launches = 0;      // kernels its splits enqueued
+    uint64_t timed_splits = 0;  // splits run while kernel timing was on
+    // Device seconds of the timed splits' work with no host gaps: each timed split's stream is
+    // held until all its kernels are enqueued, then timed with an event pair.
+    double kernel_s = 0;
+    uint64_t late_splits = 0;  // timed splits whose hold ran out first: their time includes host gaps
+};
+
 class Backend {
 public:
     virtual ~Backend() = default;
@@ -64,6 +76,12 @@ public:
     // dst lives on this device, src on `from`.
     virtual void copy_from_peer(Tensor& dst, const Tensor& src, Backend& from) = 0;
     virtual void synchronize() = 0;
+
+    // Kernel timing holds each split's work until it is all enqueued, so it changes how the device
+    // overlaps with the host: turn it on only for a pass whose speed is not reported.
+    virtual void set_kernel_timing(bool) {}
+    // The counters since the last call (waits for the device's timed work), then zero.
+    virtual KernelStats take_kernel_stats() { return {}; }
 };
 
 // "N bytes (X MiB)": how out-of-memory errors of every device state sizes.

@@ -5,7 +5,8 @@
 // tensor, stride, chunk, copy or upload), every device must have allocated exactly what the
 // planner projected, and the decode path must use split-KV attention with its scratch. Also the
 // ops of gpt-oss, deepseek2 and glm4moe, and contexts of several sequences (eval_batch), against
-// the CPU backend's.
+// the CPU backend's. The launch counter: kernels per decode step against a count from the
+// architecture.
 // Built and run by tests/test_cuda_engine_emulated.py: argv[1] is the models directory.
 #include <cmath>
 #include <cstdio>
@@ -154,6 +155,94 @@ void check_seqs(const std::string& model_dir, const std::string& name, Run r, co
     if (!ok) failures++;
 }
 
+// Kernels one decode step of a llama model (smollm2: every product of quantized weights, tied
+// output) launches on a device, counted from the architecture (models/blocks.cpp) and each
+// launcher's kernels (cuda_backend.h): a product of quantized weights quantizes its activations
+// first; attention over fewer than 512 cells runs in one KV split.
+constexpr int kLlamaLayerKernels = 1     // attn_norm
+                                   + 6   // q, k, v: quantize + product each
+                                   + 2   // rope q, k
+                                   + 2   // store k, v
+                                   + 1   // flash attention
+                                   + 2   // attn_output
+                                   + 1   // residual add
+                                   + 1   // ffn_norm
+                                   + 4   // ffn_gate, ffn_up
+                                   + 1   // swiglu
+                                   + 2   // ffn_down
+                                   + 1;  // residual add
+// smollm2's output is its token_embd (tied), which lives with the output on the last device: the
+// embedding's rows are looked up there too.
+constexpr int kOutputKernels = 1         // the embedding rows of the token
+                               + 1       // the output rows
+                               + 1       // output_norm
+                               + 2;      // logits
+
+// The launch counter through the backend interface: a decode step of smollm2 launches the
+// kernels counted above on the device holding each part, the same number every step; a CPU
+// device counts none; timing the kernels changes no bit of the logits.
+void check_launch_counts(const std::string& dir) {
+    const std::string path = dir + "/smollm2-135m.gguf";
+    struct Layout {
+        std::vector<DeviceSpec> devices;
+        std::vector<int> split;
+        int cuda_at;
+        int expected;
+        const char* what;
+    };
+    const int n_layer = 30;
+    const std::vector<Layout> layouts = {
+        {{spec("cuda", 0)}, {}, 0, n_layer * kLlamaLayerKernels + kOutputKernels, "cuda:0"},
+        {{spec("cuda", 0), spec("cpu", 0)}, {15, 15}, 0, 15 * kLlamaLayerKernels, "cuda:0 + cpu:0 [15, 15]"},
+        {{spec("cpu", 0), spec("cuda", 0)}, {10, 20}, 1, 20 * kLlamaLayerKernels + kOutputKernels,
+         "cpu:0 + cuda:0 [10, 20]"},
+    };
+    for (const Layout& l : layouts) {
+        auto m = Model::load(path, l.devices, l.split, true);
+        if ((int)m->hp().n_layer != n_layer) throw std::runtime_error("smollm2-135m has " + std::to_string(m->hp().n_layer) + " layers");
+        ContextParams p;
+        p.n_ctx = 128, p.n_ubatch = 16;
+        Context c(*m, p);
+        Backend* cuda = m->backends()[l.cuda_at];
+        std::vector<int32_t> prompt;
+        for (int i = 0; i < 20; i++) prompt.push_back(1 + (i * 7919) % 2000);
+        c.eval(prompt, {}, false);
+        std::vector<uint64_t> per_step;
+        std::vector<float> plain, timed;
+        for (int step = 0; step < 4; step++) {
+            for (Backend* b : m->backends()) b->take_kernel_stats();
+            plain = c.eval({100 + step}, {}, false);
+            per_step.push_back(cuda->take_kernel_stats().launches);
+        }
+        bool ok = true;
+        std::string steps;
+        for (uint64_t n : per_step) {
+            steps += " " + std::to_string(n);
+            ok = ok && n == (uint64_t)l.expected;
+        }
+        for (size_t d = 0; d < m->backends().size(); d++)
+            if ((int)d != l.cuda_at && m->backends()[d]->take_kernel_stats().counted) {
+                printf("FAIL %s: the CPU device says it counts kernels\n", l.what);
+                ok = false;
+            }
+        // The last step again, its kernels timed: the same logits, at least one timed split.
+        c.kv_truncate(c.n_past() - 1);
+        cuda->set_kernel_timing(true);
+        timed = c.eval({103}, {}, false);
+        cuda->set_kernel_timing(false);
+        const KernelStats k = cuda->take_kernel_stats();
+        if (timed != plain || k.timed_splits < 1 || !(k.kernel_s > 0) || k.late_splits || k.launches != (uint64_t)l.expected) {
+            printf("FAIL %s: timed step: same logits %d, %llu timed splits, %.3g s, %llu late, %llu kernels\n", l.what,
+                   timed == plain, (unsigned long long)k.timed_splits, k.kernel_s, (unsigned long long)k.late_splits,
+                   (unsigned long long)k.launches);
+            ok = false;
+        }
+        printf("%s smollm2-135m %-30s kernels per decode step on cuda:0:%s (expected %d)\n", ok ? "ok  " : "FAIL",
+               l.what, steps.c_str(), l.expected);
+        if (!ok) failures++;
+    }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -163,6 +252,7 @@ int main(int argc, char** argv) {
     }
     const std::string dir = argv[1];
     try {
+        check_launch_counts(dir);
         const Run cuda0{{spec("cuda", 0)}, {}, {}};
         for (const char* name : {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"})
             check(dir, name, cuda0, "cuda:0");

@@ -7,6 +7,10 @@
 // their count), then runs the CPU op the launcher mirrors, or the launcher's own HOST_DEVICE code
 // where it has one (expert selection and gates: moe_router.h, cuda/moe_select.h). The kernels
 // themselves are checked by tests/test_cuda_ops.py on a GPU; this checks the engine's plumbing.
+// Each launcher counts the kernels its real counterpart launches for the same arguments (the
+// backend's launch counter), and a timed span is the host time between begin_timed and end_timed
+// (the emulated kernels run synchronously, so that is their time).
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,6 +39,12 @@ namespace {
 
 std::mutex g_mu;
 std::map<const char*, size_t> g_live;  // every emulated device's allocations
+
+thread_local uint64_t t_launches = 0;
+// n kernels launched by the real launcher being emulated; none for an empty shape, as there.
+void launched(bool work, uint64_t n = 1) {
+    if (work) t_launches += n;
+}
 
 ThreadPool& pool() {
     static ThreadPool p(2);
@@ -77,6 +87,34 @@ void cpu_matmul(const cpu::WeightRef& w, const float* x, int64_t n, int64_t ldx,
 }  // namespace
 
 int device_count(std::string*) { return 2; }
+uint64_t launches_on_this_thread() { return t_launches; }
+
+struct CudaDevice::Timing {
+    using Clock = std::chrono::steady_clock;
+    Clock::time_point start;
+    bool open = false;
+    TimedTotal total;
+};
+
+void CudaDevice::begin_timed(Stream) {
+    if (!timing_) timing_ = std::make_unique<Timing>();
+    if (timing_->open) throw InvalidInput(name_ + ": begin_timed while a timed span is open");
+    timing_->open = true;
+    timing_->start = Timing::Clock::now();
+}
+void CudaDevice::end_timed(Stream) {
+    if (!timing_ || !timing_->open) throw InvalidInput(name_ + ": end_timed without begin_timed");
+    timing_->open = false;
+    timing_->total.seconds += std::chrono::duration<double>(Timing::Clock::now() - timing_->start).count();
+    timing_->total.spans++;
+}
+CudaDevice::TimedTotal CudaDevice::take_timed() {
+    if (!timing_) return {};
+    if (timing_->open) throw InvalidInput(name_ + ": take_timed while a timed span is open");
+    const TimedTotal t = timing_->total;
+    timing_->total = TimedTotal();
+    return t;
+}
 
 CudaDevice::CudaDevice(int index) : index_(index), name_("cuda:" + std::to_string(index)) {
     if (index < 0 || index >= 2) throw Unsupported("no CUDA device " + name_ + " (the emulation has two)");
@@ -170,6 +208,7 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
     dev_ptr(x, span(n_tok, ldx, w.cols), "matmul x");
     dev_ptr(y, span(n_tok, ldy, w.rows), "matmul y");
     if (!is_float_type(w.type)) dev_ptr(scratch, q8_1_bytes(n_tok, w.cols), "matmul scratch");
+    launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 1 : 2);  // quantize_q8_1 + the product
     cpu_matmul(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, x, n_tok, ldx, y, ldy);
 }
 
@@ -185,6 +224,7 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
     if (!expert_select_plain(e) && n > kTopKMaxScored) throw InvalidInput("top_k: more experts than the kernel scores");
     std::vector<float> score((size_t)n);  // the kernel's shared-memory row
+    launched(n_rows > 0);
     for (int64_t r = 0; r < n_rows; r++) expert_select(x + r * ldx, e, score.data(), ids + r * p.k);
 }
 
@@ -193,6 +233,7 @@ void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int
     dev_ptr(logits, span(n_tok, n_expert, n_expert), "moe_weights logits");
     dev_ptr(ids, span(n_tok, k, k), "moe_weights ids");
     dev_ptr(w, span(n_tok, k, k), "moe_weights w");
+    launched(n_tok > 0);
     for (int64_t t = 0; t < n_tok; t++)
         moe_gate_weights_any(logits + t * n_expert, (int)n_expert, ids + t * k, (int)k, (int)gating, normalize, scale,
                              w + t * k);
@@ -203,6 +244,7 @@ void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, i
     dev_ptr(x, span(n_tok * k, d, d), "add_id x");
     dev_ptr(bias, span(n_expert, d, d), "add_id bias");
     dev_ptr(ids, span(n_tok * k, 1, 1), "add_id ids");
+    launched(n_tok * k > 0 && d > 0);
     cpu::add_id(x, bias, n_expert, ids, n_tok, k, d, pool());
 }
 
@@ -220,6 +262,8 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     dev_ptr(ids, span(n_tok, k, k), "moe_matmul ids");
     dev_ptr(y, span(n_tok * k, ldy, w.rows), "moe_matmul y");
     dev_ptr(scratch, moe_scratch_bytes(w, n_expert, n_act, n_tok * k), "moe_matmul scratch");
+    // count, scan, scatter; then quantize_q8_1 and the grouped product (the float product alone)
+    launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 4 : 5);
     thread_local std::vector<char> sc;
     sc.resize(cpu::mul_mat_id_scratch_bytes(w.type, w.rows, w.cols, n_expert, k, n_tok) + 64);
     cpu::mul_mat_id(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, n_expert, ids, k, x, per_slot_input ? k : 1, ldx,
@@ -232,6 +276,7 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
     dev_ptr(y, span(n_tok * k, ldy, dim), "moe_combine y");
     dev_ptr(weights, span(n_tok, k, k), "moe_combine weights");
     dev_ptr(out, span(n_tok, ld_out, dim), "moe_combine out");
+    launched(n_tok > 0 && dim > 0);
     for (int64_t t = 0; t < n_tok; t++)
         for (int64_t i = 0; i < dim; i++) {
             float s = 0;
@@ -263,6 +308,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         g_split_calls++;
         if (p.split_cells > 0) g_fixed_split_calls++;
     }
+    launched(n_tok > 0 && n_head > 0, n_split > 1 ? 2 : 1);  // the split partials' merge is a kernel of its own
     cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool());
 }
 
@@ -276,6 +322,7 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
         fprintf(stderr, "get_rows: the host ids differ from the uploaded ones\n");
         abort();
     }
+    launched(n_ids > 0 && n_cols > 0);
     cpu::get_rows(table, type, n_rows, n_cols, ids, n_ids, out, ld_out, pool());
 }
 
@@ -284,6 +331,7 @@ void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const fl
     dev_ptr(x, span(n_rows, ldx, dim), "rms_norm x");
     if (weight) dev_ptr(weight, span(1, dim, dim), "rms_norm weight");
     dev_ptr(y, span(n_rows, ldy, dim), "rms_norm y");
+    launched(n_rows > 0 && dim > 0);
     cpu::rms_norm(x, n_rows, dim, ldx, weight, eps, y, ldy, pool());
 }
 
@@ -291,6 +339,7 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
           const cpu::RopeParams& p, Stream) {
     dev_ptr(x, span(n_tok, ld_tok, n_head * head_dim), "rope x");
     dev_ptr(pos, span(n_tok, 1, 1), "rope pos");
+    launched(n_tok > 0 && n_head > 0);
     cpu::rope(x, n_tok, n_head, head_dim, ld_tok, pos, p, pool());
 }
 
@@ -304,6 +353,7 @@ static size_t strided_span(const int64_t ne[4], const size_t nb[4]) {
 void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, Stream) {
     dev_ptr(x, strided_span(ne, nb), "cont x");
     dev_ptr(out, (size_t)(ne[0] * ne[1] * ne[2] * ne[3]) * 4, "cont out");
+    launched(ne[0] > 0 && ne[1] * ne[2] * ne[3] > 0);
     cpu::cont(x, ne, nb, out, pool());
 }
 void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const float* b, int64_t b_ne0,
@@ -312,12 +362,14 @@ void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const f
     dev_ptr(a, strided_span(a_ne, a_nb), "concat a");
     dev_ptr(b, strided_span(b_ne, b_nb), "concat b");
     dev_ptr(out, (size_t)((a_ne[0] + b_ne0) * a_ne[1] * a_ne[2] * a_ne[3]) * 4, "concat out");
+    launched(a_ne[1] * a_ne[2] * a_ne[3] > 0 && a_ne[0] + b_ne0 > 0);
     cpu::concat(a, a_ne, a_nb, b, b_ne0, b_nb, out, pool());
 }
 void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream) {
     dev_ptr(gate, span(n, 1, 1), "swiglu_oai gate");
     dev_ptr(up, span(n, 1, 1), "swiglu_oai up");
     dev_ptr(out, span(n, 1, 1), "swiglu_oai out");
+    launched(n > 0);
     cpu::swiglu_oai(gate, up, n, alpha, limit, out, pool());
 }
 
@@ -329,6 +381,7 @@ static void binary(const char* name, CpuBinary op, const float* a, int64_t ld_a,
     dev_ptr(a, span(n, ld_a, dim), name);
     dev_ptr(b, span(n, ld_b, dim), name);
     dev_ptr(out, span(n, ld_out, dim), name);
+    launched(n > 0 && dim > 0);
     op(a, ld_a, b, ld_b, n, dim, out, ld_out, pool());
 }
 void swiglu(const float* g, int64_t ld_g, const float* u, int64_t ld_u, int64_t n, int64_t dim, float* out,
@@ -351,11 +404,13 @@ void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, 
 void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream) {
     rows_limit("scale", n);
     dev_ptr(x, span(n, ldx, dim), "scale x");
+    launched(n > 0 && dim > 0);
     cpu::scale(x, n, dim, ldx, sc, pool());
 }
 void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream) {
     rows_limit("softcap", n);
     dev_ptr(x, span(n, ldx, dim), "softcap x");
+    launched(n > 0 && dim > 0);
     cpu::softcap(x, n, dim, ldx, cap, pool());
 }
 
@@ -369,6 +424,7 @@ void local_ids(const int32_t* ids, int64_t n, int32_t first, int32_t count, int3
         std::lock_guard<std::mutex> lk(g_mu);
         g_local_ids_calls++;
     }
+    launched(n > 0);
     for (int64_t i = 0; i < n; i++) out[i] = local_expert_id(ids[i], first, count);
 }
 void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* out, Stream) {
@@ -379,6 +435,7 @@ void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* ou
         std::lock_guard<std::mutex> lk(g_mu);
         g_all_reduce_calls++;
     }
+    launched(n > 0);
     for (int64_t i = 0; i < n; i++) out[i] = shard_order_sum(parts, n_parts, i);
 }
 int g_all_gather_calls = 0;
@@ -394,6 +451,7 @@ void all_gather_rows(const float* const* parts, const int64_t* row0, int n_parts
         std::lock_guard<std::mutex> lk(g_mu);
         g_all_gather_calls++;
     }
+    launched(d * cols > 0);
     for (int64_t i = 0; i < d * cols; i++) {
         int64_t at;
         const int s = gather_source(row0, n_parts, d, i, &at);
@@ -412,6 +470,7 @@ void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, in
     dev_ptr(dst_cells, span(n_tok, 1, 1), "store_kv cells");
     for (int64_t t = 0; t < n_tok; t++)
         dev_ptr((const char*)cache + (size_t)dst_cells[t] * kv_cell_bytes, kv_cell_bytes, "store_kv cell");
+    launched(n_tok > 0 && n_head_kv * head_dim > 0);
     cpu::store_kv(x, n_tok, ld_x, n_head_kv, head_dim, kv_type, cache, kv_cell_bytes, dst_cells, pool());
 }
 
