@@ -565,19 +565,29 @@ void q4_nib_rows_tt(const MatmulArgs& A, int64_t r0, int64_t r1, int64_t t0) {
         default: break;
     }
 }
-// All tokens in passes of at most 4, as even as possible (5 tokens: 3 + 2).
+// All tokens in passes of at most 4, as even as possible (5 tokens: 3 + 2); every pass of a
+// group of 4 rows runs while those rows are in L1 (see fused_rows).
 template <class B>
 void q4_nib_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
     const int64_t passes = (A.n_tok + 3) / 4;
-    for (int64_t p = 0, t = 0; p < passes; p++) {
+    int64_t first[32], count[32];
+    for (int64_t p = 0, t = 0; p < passes && p < 32; p++) {
         const int64_t n = (A.n_tok - t) / (passes - p) + ((A.n_tok - t) % (passes - p) ? 1 : 0);
-        switch (n) {
-            case 4: q4_nib_rows_tt<B, 4>(A, r0, r1, t); break;
-            case 3: q4_nib_rows_tt<B, 3>(A, r0, r1, t); break;
-            case 2: q4_nib_rows_tt<B, 2>(A, r0, r1, t); break;
-            default: q4_nib_rows_tt<B, 1>(A, r0, r1, t); break;
-        }
+        first[p] = t, count[p] = n;
         t += n;
+    }
+    if (passes > 32) {  // more tokens than the row kernels ever take: pass after pass, as before
+        for (int64_t t = 0; t < A.n_tok; t += 4) q4_nib_rows_tt<B, 4>(A, r0, r1, t);
+        return;
+    }
+    for (int64_t r = r0; r < r1; r += 4) {
+        const int64_t re = std::min(r1, r + 4);
+        for (int64_t p = 0; p < passes; p++) switch (count[p]) {
+                case 4: q4_nib_rows_tt<B, 4>(A, r, re, first[p]); break;
+                case 3: q4_nib_rows_tt<B, 3>(A, r, re, first[p]); break;
+                case 2: q4_nib_rows_tt<B, 2>(A, r, re, first[p]); break;
+                default: q4_nib_rows_tt<B, 1>(A, r, re, first[p]); break;
+            }
     }
 }
 
@@ -915,26 +925,30 @@ inline bool has_fused(QType t) {
     }
 }
 
-// Rows [r0, r1) x all tokens, 4 rows x up to 4 tokens per tile.
-template <int TT>
-void fused_rows_tt(const MatmulArgs& A, int64_t r0, int64_t r1, int64_t t0) {
-    int64_t r = r0;
-    for (; r + 4 <= r1; r += 4) fused_tile<4, TT>(A, r, t0);
-    for (; r < r1; r++) fused_tile<1, TT>(A, r, t0);
+// RT rows from r x all tokens, up to 4 tokens per tile.
+template <int RT>
+void fused_tokens(const MatmulArgs& A, int64_t r) {
+    int64_t t = 0;
+    for (; t + 4 <= A.n_tok; t += 4) fused_tile<RT, 4>(A, r, t);
+    switch (A.n_tok - t) {
+        case 3: fused_tile<RT, 3>(A, r, t); break;
+        case 2: fused_tile<RT, 2>(A, r, t); break;
+        case 1: fused_tile<RT, 1>(A, r, t); break;
+        default: break;
+    }
 }
+// Rows [r0, r1) x all tokens, 4 rows x up to 4 tokens per tile. A group of 4 rows serves every
+// token tile while it is in L1, so the weights stream from memory once per call, not once per 4
+// tokens (a pass of 8 tokens, a speculative draft's, costs little more than one of 4); which tile
+// computes a (row, token) is what it was, so are the bits.
 inline void fused_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
 #if STOWLM_FUSED_VNNI
     if (A.act_nib && A.type == QType::Q4_0) return q4_nib_rows<block_q4_0>(A, r0, r1);
     if (A.act_nib && A.type == QType::Q4_1) return q4_nib_rows<block_q4_1>(A, r0, r1);
 #endif
-    int64_t t = 0;
-    for (; t + 4 <= A.n_tok; t += 4) fused_rows_tt<4>(A, r0, r1, t);
-    switch (A.n_tok - t) {
-        case 3: fused_rows_tt<3>(A, r0, r1, t); break;
-        case 2: fused_rows_tt<2>(A, r0, r1, t); break;
-        case 1: fused_rows_tt<1>(A, r0, r1, t); break;
-        default: break;
-    }
+    int64_t r = r0;
+    for (; r + 4 <= r1; r += 4) fused_tokens<4>(A, r);
+    for (; r < r1; r++) fused_tokens<1>(A, r);
 }
 
 }  // namespace
