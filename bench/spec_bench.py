@@ -1,0 +1,119 @@
+"""Speculative decoding against plain decoding on code edits and open questions, same prompts,
+greedy, alternating rounds: generation tokens/s (after the first token), the ratio, the drafts
+accepted, and whether the text is identical (it must be).
+
+    python bench/spec_bench.py -m qwen2.5-coder-0.5b --rounds 3
+    python bench/spec_bench.py -m qwen2.5-coder-0.5b --spec draft.gguf     # a draft model
+
+--prompts FILE takes other prompts: a JSON list of {"name", "kind": "edit" | "open", "content"}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
+
+import stowlm  # noqa: E402
+
+CODE = '''import json
+
+
+def load_orders(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def order_total(order, tax_rate):
+    total = 0
+    for line in order["lines"]:
+        price = line["price"] * line["quantity"]
+        if line.get("discount"):
+            price = price - price * line["discount"]
+        total = total + price
+    return round(total + total * tax_rate, 2)
+
+
+def summarize(orders, tax_rate):
+    totals = [order_total(o, tax_rate) for o in orders]
+    return {"count": len(totals), "sum": sum(totals), "max": max(totals) if totals else 0}
+'''
+
+def _edit(task: str) -> str:
+    return f"```python\n{CODE}```\n\n{task} Show the whole updated code."
+
+
+PROMPTS = [
+    {"name": "rename", "kind": "edit", "content": _edit("Rename the function order_total to compute_order_total.")},
+    {"name": "type hints", "kind": "edit", "content": _edit("Add type hints to every function.")},
+    {"name": "docstrings", "kind": "edit", "content": _edit("Add a docstring to every function.")},
+    {"name": "port to JS", "kind": "edit",
+     "content": f"```python\n{CODE}```\n\nPort this code to JavaScript (Node.js)."},
+    {"name": "question 1", "kind": "open", "content": "Explain how a hash map works, in a few paragraphs."},
+    {"name": "question 2", "kind": "open", "content": "What are the pros and cons of remote work?"},
+    {"name": "question 3", "kind": "open", "content": "Write a short story about a lighthouse keeper."},
+]
+
+
+def run(llm, prompt, n):
+    it = llm.chat([{"role": "user", "content": prompt}], max_tokens=n, temperature=0, stream=True)
+    first = None
+    for _ in it:
+        first = first or time.perf_counter()
+    dt = time.perf_counter() - first
+    c = it.completion
+    return (c.completion_tokens - 1) / dt, c
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--spec", default="ngram", help="ngram, or a draft model (.gguf path or name)")
+    ap.add_argument("--draft-max", type=int, default=None)
+    ap.add_argument("-n", type=int, default=400, help="max tokens per answer")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("-t", "--threads", type=int, default=None)
+    ap.add_argument("--prompts", default=None, help="JSON file of prompts (see the docstring)")
+    a = ap.parse_args()
+    prompts = json.loads(Path(a.prompts).read_text()) if a.prompts else PROMPTS
+    kw = dict(n_ctx=4096, n_threads=a.threads, progress=False)
+    plain = stowlm.LLM(a.model, **kw)
+    spec = stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)
+    rows = {p["name"]: {"plain": [], "spec": [], "drafted": 0, "accepted": 0, "tokens": 0, "same": True}
+            for p in prompts}
+    for r in range(a.rounds):
+        for p in prompts:
+            order = [("plain", plain), ("spec", spec)] if r % 2 == 0 else [("spec", spec), ("plain", plain)]
+            got = {}
+            for label, llm in order:
+                rate, c = run(llm, p["content"], a.n)
+                rows[p["name"]][label].append(rate)
+                got[label] = c
+            row = rows[p["name"]]
+            row["same"] &= got["plain"].tokens == got["spec"].tokens
+            row["drafted"], row["accepted"] = got["spec"].drafted, got["spec"].accepted
+            row["tokens"] = got["plain"].completion_tokens
+            print(f"round {r + 1} {p['name']:<12} plain {rows[p['name']]['plain'][-1]:6.1f} t/s  spec "
+                  f"{rows[p['name']]['spec'][-1]:6.1f} t/s", flush=True)
+    print(f"\n{Path(str(plain.path)).name}, spec={a.spec}, draft_max={spec.draft_max}, {a.rounds} rounds, medians:")
+    print("| prompt | kind | tokens | plain t/s | spec t/s | ratio | accepted / drafted | identical |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    ratios = {"edit": [], "open": []}
+    for p in prompts:
+        row = rows[p["name"]]
+        mp, ms = statistics.median(row["plain"]), statistics.median(row["spec"])
+        ratios[p["kind"]].append(ms / mp)
+        print(f"| {p['name']} | {p['kind']} | {row['tokens']} | {mp:.1f} | {ms:.1f} | {ms / mp:.2f}x | "
+              f"{row['accepted']} / {row['drafted']} | {'yes' if row['same'] else 'NO'} |")
+    for kind, rs in ratios.items():
+        if rs:
+            print(f"{kind}: geometric mean ratio {statistics.geometric_mean(rs):.2f}x")
+    return 0 if all(r["same"] for r in rows.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
