@@ -46,15 +46,17 @@ class _Oracle:
     """Drafts the text a plain run wrote, every third draft spoiled: both the kept and the rejected
     paths run on any model, noise models included (whose text no n-gram ever predicts)."""
 
+    cheap = True
+
     def __init__(self, text_tokens, prompt_len):
         self.want, self.n, self.calls = text_tokens, prompt_len, 0
 
     def draft(self, history, k):
         self.calls += 1
-        out = list(self.want[len(history) - self.n:len(history) - self.n + k])
+        out = list(self.want[len(history) - self.n:len(history) - self.n + min(k, 3)])
         if self.calls % 3 == 0 and out:
             out[-1] = (out[-1] + 1) % 1000
-        return out
+        return out, "oracle"
 
 
 @pytest.mark.parametrize("name", ["qwen3moe-tiny", "smollm2-moe", "gptoss-tiny"])
@@ -149,3 +151,30 @@ def test_sampled_text_with_drafts_has_the_distribution_without():
             chi2 = float((((ca - cb) ** 2) / (ca + cb))[nz].sum())
             dof = int(nz.sum()) - 1
             assert dof >= 2 and chi2 < dof + 4 * np.sqrt(2 * dof) + 6, (temperature, chi2, dof)
+
+
+def test_the_batch_engine_drafts_per_slot_and_keeps_every_requests_text():
+    """Continuous batching with drafts: each slot drafts for itself, passes carry several slots'
+    pending tokens and drafts, and every request's greedy text (and logprobs) is the one it gets
+    without drafts, alone or among others."""
+    path = str(get_model("smollm2-135m"))
+    prompts = [CODE + "\n\n" + CODE[:150], "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4,", "Once upon a time",
+               "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n\n\ndef fib("]
+    kw = dict(max_tokens=80, temperature=0)
+    with stowlm.LLM(path, n_ctx=4 * 1024, n_seq=4, progress=False) as plain:
+        want = [plain.generate(p, **kw) for p in prompts]
+    with stowlm.LLM(path, n_ctx=4 * 1024, n_seq=4, progress=False, speculative="ngram") as spec:
+        alone = [spec.generate(p, **kw) for p in prompts]
+        runs = [spec.generate(p, stream=True, **kw) for p in prompts]
+        for r in runs:
+            for _ in r:
+                pass
+        together = [r.completion for r in runs]
+        eng = spec.engine()
+        st = eng.stats()
+        off = spec.generate(prompts[0], speculative=False, **kw)
+    for w, a, t in zip(want, alone, together):
+        assert a.tokens == w.tokens and t.tokens == w.tokens and t.text == w.text
+    assert sum(a.accepted for a in alone) > 20 and sum(t.drafted for t in together) > 0
+    assert st["drafted_total"] >= sum(a.drafted for a in alone) + sum(t.drafted for t in together)
+    assert off.tokens == want[0].tokens and off.drafted == 0

@@ -36,6 +36,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence
 import numpy as np
 
 from .sampling import Sampler, SamplingParams, TextStream
+from .speculative import Speculator, verify
 
 __all__ = ["BatchEngine", "Request", "QueueFull", "Event"]
 
@@ -66,6 +67,8 @@ class Event:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: Optional[str] = None
+    drafted: int = 0   # done: speculative draft tokens checked for the request, and kept
+    accepted: int = 0
 
 
 @dataclass
@@ -76,6 +79,7 @@ class Request:
     logprobs: Optional[int] = None  # None: no logprobs; N: the chosen token's and the best N
     grammar: Optional[object] = None  # stowlm.grammar.Grammar (or anything with start()): the text it allows
     special: bool = False  # control tokens stay in the text (a tool format's markers)
+    speculative: bool = True  # draft where the engine's LLM drafts (stowlm.speculative)
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None
@@ -96,6 +100,7 @@ class _Slot:
         self.sampler: Optional[Sampler] = None
         self.stream: Optional[TextStream] = None
         self.constraint = None        # the request's grammar, where it has one
+        self.spec = None              # its speculative drafting (stowlm.speculative.Speculator)
 
 
 class BatchEngine:
@@ -116,6 +121,10 @@ class BatchEngine:
         self.max_queue = max_queue
         self.bounds = list(llm.model.batch_bounds)
         self.max_decode = self.bounds[0] - 1 if self.bounds else 1 << 30  # decode batches stay on the row kernels
+        self.drafter, self.draft_max = getattr(llm, "_drafter", None), getattr(llm, "draft_max", 0)
+        if self.drafter is not None and getattr(self.drafter, "llm", None) is not None:
+            raise ValueError("a draft model drafts for one sequence: serve it with one slot (n_seq=1, --parallel 1), "
+                             "or draft with 'ngram'")
         can_force = self.ctx.can_force_batched
         # prefixes reused at chunk boundaries only: with routed experts, and in a context of one
         # sequence on a GPU (its attention splits the cells by how many tokens the call has)
@@ -135,6 +144,8 @@ class BatchEngine:
         self.prompt_tokens_total = 0
         self.prompt_tokens_evaluated = 0  # less than the total by what cached prefixes saved
         self.completion_tokens_total = 0
+        self.drafted_total = 0
+        self.accepted_total = 0
         self._recent: Deque[tuple] = collections.deque()  # (time, tokens) of recent decode steps
         self.thread = threading.Thread(target=self._loop, name="stowlm-engine", daemon=True)
         self.thread.start()
@@ -142,7 +153,8 @@ class BatchEngine:
 
     # -- from any thread ------------------------------------------------------------------------
     def submit(self, tokens: Sequence[int], params: SamplingParams, on_event: Callable[[Event], None],
-               logprobs: Optional[int] = None, grammar=None, special: bool = False) -> Request:
+               logprobs: Optional[int] = None, grammar=None, special: bool = False,
+               speculative: bool = True) -> Request:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("the prompt is empty (no tokens)")
@@ -151,7 +163,7 @@ class BatchEngine:
                              f"tokens (n_ctx {self.ctx.n_ctx} / {self.n_seq} slots), with room for at least one "
                              "generated token")
         Sampler(params, vocab_size=self.llm.model.n_vocab)  # validate now, in the caller's thread
-        req = Request(tokens, params, on_event, logprobs, grammar, special)
+        req = Request(tokens, params, on_event, logprobs, grammar, special, speculative)
         with self.cv:
             if not self.running:
                 raise RuntimeError("the engine is stopped")
@@ -186,6 +198,7 @@ class BatchEngine:
             recent = sum(n for _, n in self._recent)
             return {"requests_total": self.requests_total, "prompt_tokens_total": self.prompt_tokens_total,
                     "completion_tokens_total": self.completion_tokens_total, "queue_length": len(self.queue),
+                    "drafted_total": self.drafted_total, "accepted_total": self.accepted_total,
                     "prompt_tokens_evaluated": self.prompt_tokens_evaluated,
                     "slots_busy": sum(1 for s in self.slots if s.req), "slots": self.n_seq,
                     "kv_cells_used": self.ctx._c.n_cells_used, "kv_cells": self.ctx.n_ctx,
@@ -244,6 +257,8 @@ class BatchEngine:
             best.sampler = Sampler(req.params, vocab_size=self.llm.model.n_vocab)
             best.stream = TextStream(self.llm.tokenizer, req.params, skip_special=not req.special)
             best.constraint = req.grammar.start() if req.grammar is not None else None
+            best.spec = Speculator(self.drafter, self.draft_max) \
+                if self.drafter is not None and req.grammar is None and req.speculative else None
             self.prompt_tokens_total += len(req.tokens)
 
     def _kernels(self, n: int) -> int:
@@ -276,18 +291,63 @@ class BatchEngine:
         gen = [s for s in self.slots if s.req and s.pending is not None]
         if not gen:
             return
-        for b in range(0, len(gen), self.max_decode):
-            group = gen[b:b + self.max_decode]
+        drafts = {s.index: self._drafts(s, min(len(gen), self.max_decode)) for s in gen if s.spec is not None}
+        b = 0
+        while b < len(gen):
+            # as many slots as the pass takes below the batch bound, each its pending token and drafts
+            group, n = [], 0
+            while b < len(gen) and n + 1 <= self.max_decode:
+                s = gen[b]
+                d = drafts.get(s.index, [])[:self.max_decode - n - 1]
+                drafts[s.index] = d
+                group.append(s)
+                n += 1 + len(d)
+                b += 1
             masks = self._masks_during(group)  # the grammars' next masks, filled while the pass runs
-            logits = self.ctx.eval_batch([s.pending for s in group], [s.index for s in group],
-                                         rows=list(range(len(group))))
+            toks, seqs, first = [], [], []
+            for s in group:
+                first.append(len(toks))
+                toks += [s.pending] + drafts.get(s.index, [])
+                seqs += [s.index] * (1 + len(drafts.get(s.index, [])))
+            logits = self.ctx.eval_batch(toks, seqs, rows=list(range(len(toks))))
             with self.cv:
                 self._recent.append((time.perf_counter(), len(group)))
             masks = masks()
-            for s, row in zip(group, logits):
+            for s, r0 in zip(group, first):
                 s.cached.append(s.pending)
                 s.pending = None
-                self._next_token(s, row, masks.get(s.index))
+                d = drafts.get(s.index, [])
+                if d:
+                    self._check_drafts(s, d, logits[r0:r0 + 1 + len(d)])
+                else:
+                    self._next_token(s, logits[r0], masks.get(s.index))
+
+    def _drafts(self, s: _Slot, n_base: int) -> List[int]:
+        """Draft tokens to follow the slot's pending one, within its budget of tokens and cells,
+        as many as pay in a pass carrying n_base pending tokens."""
+        left = (s.req.params.max_tokens - s.stream.n_tokens) if s.req.params.max_tokens is not None else self.slot_ctx
+        room = self.slot_ctx - len(s.cached) - 2  # the pending token, and one cell to sample into
+        return s.spec.draft(s.history, min(left - 1, room), n_base)
+
+    def _check_drafts(self, s: _Slot, drafts: List[int], rows: np.ndarray) -> None:
+        """The pass's rows for the slot's pending token and drafts: keep the drafts the sampler
+        agrees with, emit them, then the token after them; the cache drops the rest."""
+        if s.req.cancelled:
+            self._finish(s, "cancelled")
+        else:
+            kept, nxt = verify(s.sampler, rows, drafts, s.history)
+            s.spec.record(len(drafts), len(kept))
+            with self.cv:
+                self.drafted_total += len(drafts)
+                self.accepted_total += len(kept)
+            going = True
+            for i, d in enumerate(kept):
+                going = self._take(s, d, rows[i], in_cache=True)
+                if not going:
+                    break
+            if going:
+                self._take(s, nxt, rows[len(kept)])
+        self.ctx.kv_truncate(len(s.cached), seq=s.index)  # the drafts not kept leave the cache
 
     def _prompt_step(self) -> None:
         pre = [s for s in self.slots if s.req and s.pending is None and s.pos < len(s.req.tokens)]
@@ -328,7 +388,13 @@ class BatchEngine:
         if req.cancelled:
             self._finish(s, "cancelled")
             return
-        tok = s.sampler.sample(logits, s.history, allowed)
+        self._take(s, s.sampler.sample(logits, s.history, allowed), logits)
+
+    def _take(self, s: _Slot, tok: int, logits: np.ndarray, in_cache: bool = False) -> bool:
+        """The drawn token into the request's text and events (logprobs from `logits`, the row it
+        was drawn from). in_cache: a kept draft, whose K/V the pass already holds. Returns whether
+        the request goes on."""
+        req = s.req
         s.history.append(tok)
         if s.constraint is not None and not self.llm.tokenizer.is_eog(tok):
             s.constraint.accept(tok)
@@ -350,10 +416,15 @@ class BatchEngine:
             self._finish(s, s.stream.finish_reason)
         elif s.constraint is not None and s.constraint.done:
             self._finish(s, "stop")  # the grammar is complete: only the end could follow
-        elif len(s.cached) + 1 >= self.slot_ctx:
+        elif len(s.cached) + 1 + in_cache >= self.slot_ctx:
             self._finish(s, "length")  # the request's share of the context is full
+        elif in_cache:
+            s.cached.append(tok)
+            return True
         else:
             s.pending = tok
+            return True
+        return False
 
     def _finish(self, s: _Slot, reason: str, error: Optional[str] = None) -> None:
         req = s.req
@@ -361,9 +432,10 @@ class BatchEngine:
         if tail:
             req.on_event(Event("piece", text=tail))
         req.on_event(Event("done", finish_reason=reason, prompt_tokens=len(req.tokens),
-                           completion_tokens=s.stream.n_tokens if s.stream else 0, error=error))
+                           completion_tokens=s.stream.n_tokens if s.stream else 0, error=error,
+                           drafted=s.spec.drafted if s.spec else 0, accepted=s.spec.accepted if s.spec else 0))
         # What the slot evaluated stays in its cache for a later prefix match; nothing is pending.
-        s.req, s.pending, s.sampler, s.stream, s.constraint = None, None, None, None, None
+        s.req, s.pending, s.sampler, s.stream, s.constraint, s.spec = None, None, None, None, None, None
 
 
 def _masks(slots: Sequence[_Slot]) -> Dict[int, np.ndarray]:

@@ -222,7 +222,7 @@ class LLM:
         if self._drafter is not None and speculative is not False and g is None:
             spec = Speculator(self._drafter, self.draft_max)
         it = _Generation(self, tokens, params, g, _special, spec) if self._engine is None else \
-            _Served(self._engine, tokens, params, g, _special)
+            _Served(self._engine, tokens, params, g, _special, speculative is not False)
         if stream:
             return it
         for _ in it:
@@ -519,7 +519,8 @@ class _Served:
     """Iterator of text pieces of one request served by the batch engine (LLM with n_seq > 1):
     submitted at once, so several of them run together."""
 
-    def __init__(self, engine, prompt: List[int], params: SamplingParams, grammar=None, special: bool = False):
+    def __init__(self, engine, prompt: List[int], params: SamplingParams, grammar=None, special: bool = False,
+                 speculative: bool = True):
         import queue
 
         self.completion: Optional[Completion] = None
@@ -527,7 +528,8 @@ class _Served:
         self._tokens: List[int] = []
         self._text: List[str] = []
         self._engine = engine
-        self._req = engine.submit(prompt, params, self._events.put, grammar=grammar, special=special)
+        self._req = engine.submit(prompt, params, self._events.put, grammar=grammar, special=special,
+                                  speculative=speculative)
 
     def __iter__(self) -> Iterator[str]:
         return self
@@ -539,7 +541,8 @@ class _Served:
                 if ev.finish_reason == "error":
                     raise RuntimeError(f"generation failed: {ev.error}")
                 self.completion = Completion("".join(self._text), ev.finish_reason, ev.prompt_tokens,
-                                             ev.completion_tokens, self._tokens)
+                                             ev.completion_tokens, self._tokens, drafted=ev.drafted,
+                                             accepted=ev.accepted)
                 break
             if ev.token is not None and not self._engine.llm.tokenizer.is_eog(ev.token):
                 self._tokens.append(ev.token)

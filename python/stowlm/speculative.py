@@ -28,6 +28,22 @@ __all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "verify", "DRAFT_MAX", 
 
 DRAFT_MAX = 7   # draft tokens per step (one pass checks them with the pending token: 8 rows, two tiles)
 MAX_BACKOFF = 16  # steps without drafting after repeated misses, at most
+# What one more token in a pass costs the CPU's row kernels, in one-token steps: the weights stream
+# once per pass and a tile takes 4 tokens, so the 2nd-4th tokens cost little and the rest more
+# (qwen2.5-coder-0.5b, 2 threads: 1.01x for 2 tokens, 1.21x for 4, 2.0x for 8, 2.9x for 12; a
+# pass of 4 sequences and 14 drafts 3.9x one of the 4 alone). A draft token past the first tile
+# must earn MARGIN times its cost: the acceptance it is judged by is an estimate, and a pass
+# already full of sequences loses by every token that is not kept.
+TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.07, 0.22, 1.5
+
+
+def token_cost(j: int) -> float:
+    """The cost of a pass's j-th token (1-based), in one-token steps, with the margin it must earn."""
+    return 1.0 if j == 1 else IN_TILE if j <= TILE else PAST_TILE * MARGIN
+
+
+def pass_cost(n: int) -> float:
+    return sum(1.0 if j == 1 else IN_TILE if j <= TILE else PAST_TILE for j in range(1, n + 1))
 
 
 class NgramDrafter:
@@ -35,15 +51,17 @@ class NgramDrafter:
     tokens (n from the longest size down), up to k of them."""
 
     kind = "ngram"
+    cheap = True  # offering more tokens than are checked costs nothing
 
     def __init__(self, sizes: Sequence[int] = (4, 3, 2, 1)):
         self.sizes = sorted({int(n) for n in sizes}, reverse=True)
         if not self.sizes or self.sizes[-1] < 1:
             raise ValueError(f"n-gram sizes must be >= 1, got {list(sizes)}")
 
-    def draft(self, history: Sequence[int], k: int) -> List[int]:
+    def draft(self, history: Sequence[int], k: int) -> Tuple[List[int], object]:
+        """(up to k tokens, the source: the n-gram size that matched)."""
         if k <= 0 or len(history) < self.sizes[-1] + 1:
-            return []
+            return [], None
         h = np.asarray(history, dtype=np.int64)
         for n in self.sizes:
             if len(h) <= n:
@@ -54,8 +72,8 @@ class NgramDrafter:
             hits = np.flatnonzero((win == tail).all(axis=1))
             if hits.size:
                 i = int(hits[-1]) + n
-                return h[i:i + k].tolist()
-        return []
+                return h[i:i + k].tolist(), n
+        return [], None
 
     def accepted(self, history: Sequence[int]) -> None:
         """The text now is `history` (nothing to keep in step)."""
@@ -66,17 +84,18 @@ class ModelDrafter:
     follows the accepted text (its cache keeps the common prefix, the rest is re-evaluated)."""
 
     kind = "model"
+    cheap = False  # each draft token is a step of the draft model
 
     def __init__(self, llm):
         self.llm = llm
         self._cached: List[int] = []
 
-    def draft(self, history: Sequence[int], k: int) -> List[int]:
+    def draft(self, history: Sequence[int], k: int) -> Tuple[List[int], object]:
         if k <= 0:
-            return []
+            return [], None
         ctx, hist = self.llm.ctx, list(history)
         if len(hist) + k >= ctx.n_ctx:
-            return []
+            return [], None
         keep = 0
         for a, b in zip(self._cached, hist):
             if a != b:
@@ -94,7 +113,7 @@ class ModelDrafter:
                 break
             logits = ctx.eval([t], logits="last")
         self._cached = hist + out[:-1]  # the last draft token's K/V is not in the cache
-        return out
+        return out, "model"
 
     def accepted(self, history: Sequence[int]) -> None:
         pass
@@ -102,7 +121,8 @@ class ModelDrafter:
 
 def parse_spec(spec) -> Optional[object]:
     """None, "ngram", a .gguf path / model name of a draft model (loaded here), an LLM, or any
-    object with draft(history, k) -> tokens."""
+    object with draft(history, k) -> (tokens, source) and `cheap` (True: offering k tokens
+    costs no more than offering fewer)."""
     if spec is None or spec is False or spec == "none":
         return None
     if hasattr(spec, "draft") and not isinstance(spec, (str, os.PathLike)):  # a drafter of one's own
@@ -121,41 +141,78 @@ def parse_spec(spec) -> Optional[object]:
 class Speculator:
     """One request's drafting: how many tokens to draft next, and what drafting has earned.
 
-    The length follows the recent acceptance rate of draft tokens (a moving average): a pass of
-    up to 4 tokens costs a CPU little more than one (its weights stream once and the row kernels
-    take 4 tokens per tile), so short drafts pay even when most fail, and drafts grow past the
-    first tile only while nearly every token is kept. Below a floor of acceptance it skips steps.
-    """
+    The length weighs each further draft token's chance to be kept (the recent acceptance rate,
+    a moving average, to the power of its place) against what it adds to the pass (token_cost),
+    in tokens a step of the pass without drafts yields per unit of cost: a pass of one sequence
+    takes short drafts even when most fail and long ones only while nearly every token is kept;
+    in a pass already carrying several sequences only drafts likely to be kept pay. Below a floor
+    of acceptance it skips steps."""
+
+    # A first guess at each source's acceptance, kept until its own drafts say otherwise: a longer
+    # n-gram match continues right more often.
+    PRIOR = {4: 0.8, 3: 0.65, 2: 0.45, 1: 0.25, "model": 0.6}
+    PROBE = 8  # a source worth no draft still gets a one-token probe this often, to learn it changed
 
     def __init__(self, drafter, draft_max: int = DRAFT_MAX):
         if not isinstance(draft_max, int) or draft_max < 1:
             raise ValueError(f"draft_max must be an integer >= 1, got {draft_max!r}")
         self.drafter, self.draft_max = drafter, draft_max
-        self.rate = 0.5      # moving average of the share of draft tokens kept
+        self.rates: dict = {}  # draft source -> moving average of the share of its tokens kept
+        self.skipped: dict = {}  # draft source -> offers passed over since its last draft
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
+        self.source = None   # of the draft in flight
         self.drafted = self.accepted = 0
 
-    @property
-    def length(self) -> int:
-        a = self.rate
-        k = 7 if a >= 0.85 else 3 if a >= 0.45 else 2 if a >= 0.25 else 1
-        return min(k, self.draft_max)
+    def rate(self, source) -> float:
+        return self.rates.get(source, self.PRIOR.get(source, 0.5))
 
-    def draft(self, history: Sequence[int], budget: int) -> List[int]:
-        """Up to min(length, budget) tokens to follow `history` ([] when waiting or none found)."""
-        if self.wait > 0:
-            self.wait -= 1
+    def length(self, rate: float, n_base: int = 1) -> int:
+        """Draft tokens worth checking in a pass that carries n_base tokens without them, each kept
+        with probability `rate` given the one before."""
+        value = pass_cost(n_base) / n_base  # of one token, in the pass's own terms
+        k, kept = 0, 1.0
+        while k < self.draft_max:
+            kept *= rate
+            if kept * value < token_cost(n_base + k + 1):
+                break
+            k += 1
+        return k
+
+    def draft(self, history: Sequence[int], budget: int, n_base: int = 1) -> List[int]:
+        """Tokens to follow `history`, as many as pay, at most budget ([] when none do or waiting)."""
+        self.source = None
+        if self.wait > 0 or budget <= 0:
+            self.wait = max(0, self.wait - 1)
             return []
-        return self.drafter.draft(history, min(self.length, budget))
+        if not self.drafter.cheap:
+            k = min(self.length(self.rate("model"), n_base), budget)
+            toks, self.source = self.drafter.draft(history, k) if k > 0 else ([], None)
+            return toks
+        toks, src = self.drafter.draft(history, min(self.draft_max, budget))
+        if not toks:
+            return []
+        k = self.length(self.rate(src), n_base)
+        if k == 0:
+            self.skipped[src] = self.skipped.get(src, 0) + 1
+            if self.skipped[src] < self.PROBE or n_base >= TILE:  # a full tile: no probe is cheap
+                return []
+            k = 1
+        self.skipped[src] = 0
+        self.source = src
+        return toks[:k]
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
             return
         self.drafted += drafted
         self.accepted += accepted
-        self.rate += 0.3 * (accepted / drafted - self.rate)
-        if self.rate < 0.1:
+        # tokens checked one after the other up to the first miss: each a trial of "kept, given
+        # the one before was"
+        trials = accepted + (accepted < drafted)
+        r = self.rate(self.source)
+        self.rates[self.source] = r + 0.3 * trials / max(1, drafted) * (accepted / trials - r)
+        if max(self.rates.values()) < 0.1:
             self.wait, self.backoff = self.backoff, min(MAX_BACKOFF, self.backoff * 2)
         else:
             self.backoff = 1
