@@ -178,3 +178,30 @@ def test_the_batch_engine_drafts_per_slot_and_keeps_every_requests_text():
     assert sum(a.accepted for a in alone) > 20 and sum(t.drafted for t in together) > 0
     assert st["drafted_total"] >= sum(a.drafted for a in alone) + sum(t.drafted for t in together)
     assert off.tokens == want[0].tokens and off.drafted == 0
+
+
+def test_the_server_drafts_and_reports_it():
+    openai = pytest.importorskip("openai")
+    httpx = pytest.importorskip("httpx")
+    from conftest import start_server, stop_server
+
+    path = get_model("smollm2-135m")
+    prompt = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2,"
+    with stowlm.LLM(str(path), n_ctx=2 * 1024, n_seq=2, progress=False) as plain:
+        want = plain.generate(prompt, max_tokens=40, temperature=0).text
+    proc, port = start_server(path, "--parallel", "2", "-c", "2048", "--spec", "ngram", "--draft-max", "5")
+    try:
+        c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+        r = c.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=40, temperature=0)
+        assert r.choices[0].text == want
+        d = r.usage.completion_tokens_details
+        assert d.accepted_prediction_tokens > 10 and d.rejected_prediction_tokens >= 0
+        extra = r.usage.model_extra
+        assert extra["drafted_tokens"] == d.accepted_prediction_tokens + d.rejected_prediction_tokens
+        s = c.completions.create(model="smollm2-135m", prompt=prompt, max_tokens=40, temperature=0, stream=True)
+        assert "".join(ch.choices[0].text for ch in s) == want
+        m = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        kept = float(next(line.split()[1] for line in m.splitlines() if line.startswith("stowlm_draft_tokens_accepted_total")))
+        assert kept >= 2 * d.accepted_prediction_tokens
+    finally:
+        assert stop_server(proc) == 0

@@ -132,6 +132,12 @@ def _add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                    "(from `stowlm fit --json` or -o)")
     if not for_fit:
         g.add_argument("--no-fit", action="store_true", help="load as given, without fitting")
+        sp = p.add_argument_group("speculative decoding")
+        sp.add_argument("--spec", default=None, metavar="ngram|DRAFT",
+                        help="draft tokens and check them in one pass: 'ngram' (from the prompt and the text so "
+                             "far) or a draft model's .gguf path or name (same vocabulary); greedy text is the same")
+        sp.add_argument("--draft-max", type=int, default=None, metavar="N",
+                        help="draft tokens per step at most (default 7)")
 
 
 def _placement_kwargs(a: argparse.Namespace) -> dict:
@@ -315,8 +321,11 @@ def _load(a: argparse.Namespace, **extra):
             raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
         kw_place = {}
     t0 = time.perf_counter()
+    if a.draft_max is not None and a.spec is None:
+        raise ValueError("--draft-max needs --spec")
     llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
-              placement=a.placement, fit_margin=margin, fit_ctx=a.fit_ctx, **kw_place, **extra)
+              placement=a.placement, fit_margin=margin, fit_ctx=a.fit_ctx, speculative=a.spec, draft_max=a.draft_max,
+              **kw_place, **extra)
     if not a.quiet:
         print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return llm
@@ -407,9 +416,10 @@ def _stream(it, quiet: bool) -> None:
         t1 = time.perf_counter()
         gen_s = (t1 - first) if first else 0.0
         rate = (c.completion_tokens - 1) / gen_s if gen_s > 0 and c.completion_tokens > 1 else 0.0
+        drafts = f", drafts kept {c.accepted} of {c.drafted}" if getattr(c, "drafted", 0) else ""
         print(f"[prompt {c.prompt_tokens} tokens, generated {c.completion_tokens} tokens, "
               f"{rate:.1f} tokens/s, finish: {c.finish_reason}, first token after "
-              f"{((first or t1) - t0):.2f} s]", file=sys.stderr)
+              f"{((first or t1) - t0):.2f} s{drafts}]", file=sys.stderr)
 
 
 def _interactive(llm, a: argparse.Namespace, kw: dict) -> int:

@@ -425,6 +425,7 @@ class ChoiceOut:
         self.reasoning: List[str] = []
         self.finish: Optional[str] = None
         self.prompt_tokens = self.completion_tokens = 0
+        self.drafted = self.accepted = 0  # speculative decoding's draft tokens, and those kept
 
     # -- log-probabilities -----------------------------------------------------------------------------
     def _lp_entry(self, ev) -> Optional[dict]:
@@ -508,6 +509,7 @@ class ChoiceOut:
                 out.append({"index": self.index, "text": content, "logprobs": None, "finish_reason": None})
         self.finish = self.finish_reason(ev)
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
+        self.drafted, self.accepted = ev.drafted, ev.accepted
         delta_end = {"delta": {}} if self.job.chat else {"text": ""}
         out.append({"index": self.index, **delta_end, "logprobs": None, "finish_reason": self.finish})
         return out
@@ -535,7 +537,14 @@ class ChoiceOut:
 
 
 def usage(outs: List[ChoiceOut], n: int) -> dict:
+    """OpenAI's usage; where drafts were checked, also what speculative decoding did (OpenAI's
+    prediction token counts, and stowlm's drafted/accepted)."""
     u = {"prompt_tokens": sum(o.prompt_tokens for i, o in enumerate(outs) if i % n == 0),
          "completion_tokens": sum(o.completion_tokens for o in outs)}
     u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    drafted, accepted = sum(o.drafted for o in outs), sum(o.accepted for o in outs)
+    if drafted:
+        u["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}
+        u["drafted_tokens"], u["accepted_tokens"] = drafted, accepted
     return u

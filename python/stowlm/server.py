@@ -236,6 +236,8 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         metric("prompt_tokens_evaluated_total", "counter", "Prompt tokens evaluated (less than tokens in by what "
                "cached prefixes saved).", st["prompt_tokens_evaluated"])
         metric("completion_tokens_total", "counter", "Generated tokens (tokens out).", st["completion_tokens_total"])
+        metric("draft_tokens_total", "counter", "Speculative draft tokens checked.", st["drafted_total"])
+        metric("draft_tokens_accepted_total", "counter", "Speculative draft tokens kept.", st["accepted_total"])
         metric("tokens_per_second", "gauge", "Generated tokens per second over the last 10 s.",
                f"{st['tokens_per_second']:.3f}")
         metric("queue_length", "gauge", "Requests waiting for a slot.", st["queue_length"])
