@@ -205,3 +205,50 @@ def test_the_server_drafts_and_reports_it():
         assert kept >= 2 * d.accepted_prediction_tokens
     finally:
         assert stop_server(proc) == 0
+
+
+def test_make_draft_writes_the_models_own_layers(tmp_path):
+    """The tool's draft with every layer and the output as it was is the model itself (same
+    logits); with fewer layers it has them (and loads); with a Q4_0 output its logits stay close."""
+    from stowlm.draftmodel import make_draft, pick_layers
+
+    src = get_model("smollm2-135m")
+    assert pick_layers(30, 10) == [0, 1, 2, 7, 12, 17, 22, 27, 28, 29]
+    same = make_draft(src, tmp_path / "same.gguf", layers=range(30), output_type="same")
+    toks = list(range(200, 260))
+    a = Context(stowlm.Model(str(src)), n_ctx=128).eval(toks, logits="all")
+    b = Context(stowlm.Model(str(same)), n_ctx=128).eval(toks, logits="all")
+    assert np.array_equal(a, b)
+    small = stowlm.Model(str(make_draft(src, tmp_path / "small.gguf", keep=12)))
+    assert small.n_layer == 12 and small.n_vocab == 49152
+    q4 = Context(stowlm.Model(str(make_draft(src, tmp_path / "q4.gguf", keep=30))), n_ctx=128).eval(toks, logits="all")
+    assert (q4.argmax(-1) == a.argmax(-1)).mean() > 0.8
+    with pytest.raises(ValueError, match="keep"):
+        make_draft(src, tmp_path / "bad.gguf", keep=31)
+
+
+def test_a_draft_model_keeps_the_greedy_text(tmp_path):
+    from stowlm.draftmodel import make_draft
+    from stowlm.speculative import ModelDrafter
+
+    src = str(get_model("smollm2-135m"))
+    draft = make_draft(src, tmp_path / "draft.gguf", keep=30)
+
+    class Free(ModelDrafter):  # its steps counted as free, so it always drafts
+        def draft(self, history, k):
+            out = super().draft(history, k)
+            self.seconds = 1e-9
+            return out
+
+    prompt = "The history of the Roman Empire began"
+    with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
+        want = plain.generate(prompt, max_tokens=60, temperature=0)
+    drafter = Free(stowlm.LLM(str(draft), n_ctx=1024, progress=False))
+    with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
+        got = spec.generate(prompt, max_tokens=60, temperature=0)
+        by_path = stowlm.LLM(src, n_ctx=1024, progress=False, speculative=str(draft))
+        assert by_path.generate(prompt, max_tokens=60, temperature=0).tokens == want.tokens
+        by_path.close()
+    assert got.tokens == want.tokens and got.drafted > 20 and got.accepted > 10
+    with pytest.raises(ValueError, match="vocabulary"):
+        stowlm.LLM(src, n_ctx=256, progress=False, speculative=str(get_model("qwen2.5-coder-0.5b")))

@@ -309,7 +309,11 @@ class BatchEngine:
                 first.append(len(toks))
                 toks += [s.pending] + drafts.get(s.index, [])
                 seqs += [s.index] * (1 + len(drafts.get(s.index, [])))
+            t0 = time.perf_counter()
             logits = self.ctx.eval_batch(toks, seqs, rows=list(range(len(toks))))
+            for s in group:
+                if s.spec is not None:
+                    s.spec.timed_pass(time.perf_counter() - t0, len(toks))
             with self.cv:
                 self._recent.append((time.perf_counter(), len(group)))
             masks = masks()

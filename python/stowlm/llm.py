@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
@@ -147,15 +148,18 @@ class LLM:
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
+        self._owns_drafter = isinstance(speculative, (str, os.PathLike)) and speculative != "ngram"
         if speculative is not None:
             self._drafter = parse_spec(speculative)
             if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():
                 raise ValueError(f"draft_max must be an integer in [1, {self._max_draft()}] (a draft and its "
                                  f"token stay below the batch bound), got {draft_max!r}")
-            if getattr(self._drafter, "llm", None) is not None and \
-                    self._drafter.llm.model.n_vocab != self.model.n_vocab:
-                raise ValueError(f"the draft model's vocabulary ({self._drafter.llm.model.n_vocab} tokens) is not "
-                                 f"the target's ({self.model.n_vocab})")
+            other = getattr(self._drafter, "llm", None)
+            if other is not None and (other.model.n_vocab != self.model.n_vocab or
+                                      other.tokenizer._tokens != self.tokenizer._tokens):
+                raise ValueError(f"the draft model {os.path.basename(os.fspath(other.path))} has another vocabulary "
+                                 f"({other.model.n_vocab} tokens) than {os.path.basename(os.fspath(self.path))} "
+                                 f"({self.model.n_vocab}): its token ids would mean other text")
         self._engine = None
         if self.ctx.n_seq > 1:
             self.engine()
@@ -347,6 +351,9 @@ class LLM:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
+        if self._drafter is not None and self._owns_drafter:
+            self._drafter.llm.close()  # a draft model this LLM loaded itself
+        self._drafter = None
         self.ctx = None
         self.model = None
         self._cached = []
@@ -476,9 +483,15 @@ class _Generation:
             left = (p.max_tokens - stream.n_tokens) if p.max_tokens is not None else llm.n_ctx
             drafts = spec.draft(history, min(left - 1, llm.n_ctx - len(history))) if spec is not None else []
             if not drafts:
-                tok = pick(llm._step(tok))
+                t0 = time.perf_counter()
+                logits = llm._step(tok)
+                if spec is not None:
+                    spec.timed_pass(time.perf_counter() - t0, 1)
+                tok = pick(logits)
                 continue
+            t0 = time.perf_counter()
             rows = llm._step_many([tok] + drafts)  # the pending token and the drafts, one pass
+            spec.timed_pass(time.perf_counter() - t0, 1 + len(drafts))
             kept, tok = verify(sampler, rows, drafts, history)
             spec.record(len(drafts), len(kept))
             for d in kept:

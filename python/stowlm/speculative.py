@@ -20,6 +20,7 @@ drafting again, so open-ended text is not slowed.
 from __future__ import annotations
 
 import os
+import time
 from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -89,10 +90,12 @@ class ModelDrafter:
     def __init__(self, llm):
         self.llm = llm
         self._cached: List[int] = []
+        self.seconds = None  # moving average of one draft step's time
 
     def draft(self, history: Sequence[int], k: int) -> Tuple[List[int], object]:
         if k <= 0:
             return [], None
+        t0 = time.perf_counter()
         ctx, hist = self.llm.ctx, list(history)
         if len(hist) + k >= ctx.n_ctx:
             return [], None
@@ -113,10 +116,9 @@ class ModelDrafter:
                 break
             logits = ctx.eval([t], logits="last")
         self._cached = hist + out[:-1]  # the last draft token's K/V is not in the cache
+        per = (time.perf_counter() - t0) / len(out)
+        self.seconds = per if self.seconds is None else self.seconds + 0.2 * (per - self.seconds)
         return out, "model"
-
-    def accepted(self, history: Sequence[int]) -> None:
-        pass
 
 
 def parse_spec(spec) -> Optional[object]:
@@ -162,6 +164,7 @@ class Speculator:
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
         self.source = None   # of the draft in flight
+        self.step_seconds = None  # moving average of the target's one-token step (for a draft model's cost)
         self.drafted = self.accepted = 0
 
     def rate(self, source) -> float:
@@ -169,15 +172,26 @@ class Speculator:
 
     def length(self, rate: float, n_base: int = 1) -> int:
         """Draft tokens worth checking in a pass that carries n_base tokens without them, each kept
-        with probability `rate` given the one before."""
+        with probability `rate` given the one before; a draft model's step counts as its time in
+        target steps."""
         value = pass_cost(n_base) / n_base  # of one token, in the pass's own terms
+        draft_cost = 0.0
+        if not self.drafter.cheap:
+            d = getattr(self.drafter, "seconds", None)
+            draft_cost = d / self.step_seconds if d and self.step_seconds else 0.0
         k, kept = 0, 1.0
         while k < self.draft_max:
             kept *= rate
-            if kept * value < token_cost(n_base + k + 1):
+            if kept * value < token_cost(n_base + k + 1) + draft_cost * MARGIN:
                 break
             k += 1
         return k
+
+    def timed_pass(self, seconds: float, n_tokens: int) -> None:
+        """A pass of the target over n_tokens took this long: what a draft model's steps weigh
+        against (a one-token step's time, by the cost model)."""
+        per = seconds / pass_cost(n_tokens)
+        self.step_seconds = per if self.step_seconds is None else self.step_seconds + 0.2 * (per - self.step_seconds)
 
     def draft(self, history: Sequence[int], budget: int, n_base: int = 1) -> List[int]:
         """Tokens to follow `history`, as many as pay, at most budget ([] when none do or waiting)."""
@@ -187,6 +201,11 @@ class Speculator:
             return []
         if not self.drafter.cheap:
             k = min(self.length(self.rate("model"), n_base), budget)
+            if k == 0:
+                self.skipped["model"] = self.skipped.get("model", 0) + 1
+                # a first draft step learns its cost; later probes whether acceptance changed
+                if getattr(self.drafter, "seconds", None) is None or self.skipped["model"] >= 4 * self.PROBE:
+                    self.skipped["model"], k = 0, min(1, budget)
             toks, self.source = self.drafter.draft(history, k) if k > 0 else ([], None)
             return toks
         toks, src = self.drafter.draft(history, min(self.draft_max, budget))
