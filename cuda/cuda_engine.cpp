@@ -156,7 +156,8 @@ public:
                 // Fixed splits: it runs them in blocks of their own only below 2 * sm_count
                 // (token, head) blocks, and no graph has more cells than the planned one.
                 const int64_t hd_v = kv_view(n).hd_v;
-                const int64_t per_block = n.iparams[1] > 0 ? 2 * cu::flash_attn_fixed_splits(n.src[1]->ne[1], n.iparams[1]) : 4;
+                const int64_t per_block =
+                    split_cells_of(n) > 0 ? 2 * cu::flash_attn_fixed_splits(n.src[1]->ne[1], split_cells_of(n)) : 4;
                 const size_t any_shape = (size_t)per_block * dev_->sm_count() * (size_t)(hd_v + 2) * sizeof(float);
                 return std::max(any_shape, attn_scratch(n));
             }
@@ -264,7 +265,7 @@ private:
 
     int attn_splits(const Tensor& n) const {
         const Tensor* q = n.src[0];
-        return cu::flash_attn_auto_splits(q->ne[2], q->ne[1], n.src[1]->ne[1], dev_->sm_count(), n.iparams[1]);
+        return cu::flash_attn_auto_splits(q->ne[2], q->ne[1], n.src[1]->ne[1], dev_->sm_count(), split_cells_of(n));
     }
     size_t attn_scratch(const Tensor& n) const {
         const Tensor* q = n.src[0];

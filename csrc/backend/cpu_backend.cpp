@@ -38,13 +38,6 @@ size_t physical_ram() {
     return pages > 0 && page > 0 ? (size_t)pages * (size_t)page : (size_t)1 << 40;
 }
 
-// A single sequence's attention also takes fixed splits here, sized by the cache (the graph's
-// split_cells serve several sequences): a token's numbers then never depend on its call's size.
-cpu::AttnParams cpu_attn_params(const Tensor& n) {
-    cpu::AttnParams p = attn_params(n);
-    if (p.split_cells == 0 && n.iparams[4] > 0) p.split_cells = cpu::single_sequence_split_cells(n.iparams[4]);
-    return p;
-}
 
 float* f32(Tensor* t) { return (float*)t->data; }
 
@@ -108,7 +101,7 @@ public:
         if (n.op == Op::FLASH_ATTN) {
             const cpu::KvView kv = kv_view(n);
             return cpu::flash_attn_scratch_bytes(n.src[0]->ne[2], n.src[0]->ne[1], kv.hd_k, kv.hd_v, n_threads_, kv.n_kv,
-                                                 cpu_attn_params(n).split_cells, batched_node(n));
+                                                 split_cells_of(n), batched_node(n));
         }
         return 0;
     }
@@ -313,7 +306,7 @@ private:
             case Op::FLASH_ATTN: {
                 const cpu::KvView kv = kv_view(*n);
                 cpu::flash_attn(f32(a), a->ne[2], a->ne[1], a->ne[0] * a->ne[1], kv, (const int32_t*)n->src[3]->data,
-                                (const int32_t*)n->src[4]->data, cpu_attn_params(*n), f32(n), n->ne[0], scratch, pool);
+                                (const int32_t*)n->src[4]->data, attn_params(*n), f32(n), n->ne[0], scratch, pool);
                 return;
             }
             case Op::CONT:

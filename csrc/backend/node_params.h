@@ -26,6 +26,14 @@ inline cpu::RopeParams rope_params(const Tensor& n) {
 inline bool batched_node(const Tensor& n) { return n.iparams[n.op == Op::FLASH_ATTN ? 3 : 0] != 0; }
 inline void mark_batched(Tensor& n) { n.iparams[n.op == Op::FLASH_ATTN ? 3 : 0] = 1; }
 
+// The fixed KV split of a FLASH_ATTN node: the graph's (several sequences), else a single
+// sequence's, sized by its cache (iparams[4]); every backend takes the same, so a token's numbers
+// follow neither its call's size nor the device.
+inline int32_t split_cells_of(const Tensor& n) {
+    if (n.iparams[1] > 0) return n.iparams[1];
+    return n.iparams[4] > 0 ? cpu::single_sequence_split_cells(n.iparams[4]) : 0;
+}
+
 inline cpu::AttnParams attn_params(const Tensor& n) {
     cpu::AttnParams p;
     p.scale = n.fparams[0];
@@ -35,7 +43,7 @@ inline cpu::AttnParams attn_params(const Tensor& n) {
     p.sinks = n.src[7] ? (const float*)n.src[7]->data : nullptr;
     p.q_seq = n.src[8] ? (const int32_t*)n.src[8]->data : nullptr;
     p.kv_seq = n.src[9] ? (const int32_t*)n.src[9]->data : nullptr;
-    p.split_cells = n.iparams[1];
+    p.split_cells = split_cells_of(n);
     p.seq_cells = n.iparams[2];
     p.batched = batched_node(n);
     return p;

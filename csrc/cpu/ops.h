@@ -74,9 +74,10 @@ size_t flash_attn_scratch_bytes(int64_t n_tok, int64_t n_head, int64_t hd_k, int
                                 int64_t n_kv = 0, int32_t split_cells = 0, bool batched = false);
 
 // The fixed split of a single sequence's attention in a cache of n_ctx cells: a multiple of 256
-// cells, at most 16 splits of the whole cache. With it a query's result does not depend on how
-// many tokens its call has (a speculative draft's verification pass gives each token the
-// numbers of a one-token step), only on the cache's size.
+// cells, at most 32 splits of the whole cache (enough blocks for a GPU, a bounded partial state
+// for the CPU). With it a query's result does not depend on how many tokens its call has (a
+// speculative draft's verification pass gives each token the numbers of a one-token step) nor on
+// the device, only on the cache's size.
 int32_t single_sequence_split_cells(int64_t n_ctx);
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const KvView& kv, const int32_t* q_pos,
                 const int32_t* kv_pos, const AttnParams& p, float* out, int64_t ld_out, void* scratch,

@@ -54,7 +54,7 @@ size_t partial_bytes(int64_t n_tok, int64_t n_head, int64_t hd_v, int64_t n_spli
 }  // namespace
 
 int32_t single_sequence_split_cells(int64_t n_ctx) {
-    const int64_t per = cdiv(std::max<int64_t>(n_ctx, 1), 16);
+    const int64_t per = cdiv(std::max<int64_t>(n_ctx, 1), 32);
     return (int32_t)std::max<int64_t>(kMinSplitCells, cdiv(per, kMinSplitCells) * kMinSplitCells);
 }
 

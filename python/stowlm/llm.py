@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -147,6 +148,7 @@ class LLM:
                                kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
+        self._grammars_lock = threading.Lock()
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
         self._owns_drafter = isinstance(speculative, (str, os.PathLike)) and speculative != "ngram"
         if speculative is not None:
@@ -330,16 +332,18 @@ class LLM:
                 raise gm.GrammarError("give one of response_format, grammar, json_schema, not several", "grammar")
             return grammar
         key = json.dumps([response_format, grammar, json_schema], sort_keys=True, default=str)
-        hit = self._grammars.get(key)
+        with self._grammars_lock:  # the server asks from several threads
+            hit = self._grammars.get(key)
         if hit is not None:
             return hit
         text = gm.from_request(response_format, grammar, json_schema)
         if text is None:
             return None
         g = gm.Grammar(self.tokenizer, text, self.model.n_vocab)
-        if len(self._grammars) >= 32:
-            self._grammars.pop(next(iter(self._grammars)))
-        self._grammars[key] = g
+        with self._grammars_lock:
+            if len(self._grammars) >= 32:
+                self._grammars.pop(next(iter(self._grammars)))
+            self._grammars[key] = g
         return g
 
     def chat_tokens(self, messages: Sequence[Mapping[str, str]]) -> List[int]:
