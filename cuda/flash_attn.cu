@@ -40,6 +40,7 @@ struct FaArgs {
     const int32_t* q_seq;   // [n_tok] or null
     const int32_t* kv_seq;  // [n_kv] (with q_seq)
     int32_t seq_cells;      // > 0: sequence s owns cells [s * seq_cells, (s + 1) * seq_cells)
+    const int32_t* seq_end; // [n_seq] or null: ... up to seq_end[s] instead (regions held after its own)
     float scale, softcap;
     int32_t window;
     bool causal;
@@ -76,7 +77,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
     const int32_t qp = a.q_pos[t];
     const int32_t qs = a.q_seq ? a.q_seq[t] : 0;
     int64_t lo, hi;
-    attn_seq_region(qs, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi);
+    attn_seq_region(qs, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi, a.seq_end);
 
     float qv[PK];
     const float* qrow = a.q + t * a.ld_q + h * a.hd_k;
@@ -176,7 +177,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
 __global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const FaArgs a) {
     const int64_t qi = blockIdx.x, t = qi / a.n_head, h = qi % a.n_head;
     int64_t lo, hi, jb, je;
-    attn_seq_region(a.q_seq ? a.q_seq[t] : 0, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi);
+    attn_seq_region(a.q_seq ? a.q_seq[t] : 0, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi, a.seq_end);
     const float* base = a.partial + (size_t)qi * a.n_splits * (size_t)(a.hd_v + 2);
     float* o = a.out + t * a.ld_out + h * a.hd_v;
     const float* sinks = a.sinks;
@@ -243,7 +244,8 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     if (n_tok == 0 || n_head == 0) return;
     FaArgs a{q, n_tok, n_head, ld_q, (const uint8_t*)kv.k, (const uint8_t*)kv.v, n_kv, kv.n_head_kv,
              kv.k_cell_bytes, kv.v_cell_bytes, rb_k, rb_v, (int)kv.hd_k, (int)kv.hd_v, q_pos, kv_pos, p.sinks,
-             p.q_seq, p.kv_seq, p.seq_cells, p.scale, p.softcap, p.window, p.causal, out, ld_out, split_len,
+             p.q_seq, p.kv_seq, p.seq_cells, p.q_seq ? p.seq_end : nullptr, p.scale, p.softcap, p.window, p.causal,
+             out, ld_out, split_len,
              n_splits, per_block, (float*)scratch};
     const dim3 grid((unsigned)(n_tok * n_head), per_block ? (unsigned)n_splits : 1u);
     const cudaStream_t st = (cudaStream_t)s;

@@ -119,6 +119,67 @@ def test_sequences_are_isolated_truncated_and_bounded():
         Context(model, n_ctx=1000, n_seq=3)
 
 
+def test_a_sequence_holds_the_regions_of_idle_ones_after_it():
+    """kv_span: sequence 1 takes regions 2 and 3 (which must be empty), holds up to 768 cells, its
+    tokens get the same logits whether or not others run beside it, and gives them back."""
+    model = Model(str(get_model("smollm2-135m")))
+    ctx = Context(model, n_ctx=1024, n_seq=4, n_ubatch=512)
+    long = [int(t) for t in np.random.default_rng(2).integers(10, 5000, 600)]
+    ctx.eval_batch([5] * 10, [3] * 10)
+    with pytest.raises(ValueError, match="sequence 3 holds tokens"):
+        ctx.kv_span(1, 3)
+    ctx.clear(3)
+    ctx.kv_span(1, 3)
+    assert ctx.capacity(1) == 768 and ctx.kv_span_of(1) == 3
+    with pytest.raises(ValueError, match="held by sequence 1"):
+        ctx.eval_batch([5], [2])
+    with pytest.raises(ValueError, match="held by sequence 1"):
+        ctx.kv_span(2, 1)
+    alone = ctx.eval_batch(long, [1] * 600, rows=list(range(0, 600, 50)))
+    step_alone = ctx.eval_batch([9], [1])[0]
+    ctx.clear()
+    assert ctx.kv_span_of(1) == 1  # a cache cleared whole gives the regions back
+    ctx.kv_span(1, 3)
+    ctx.eval_batch([7] * 40, [0] * 40)  # a neighbour at work before and during
+    among = ctx.eval_batch(long + [3, 4], [1] * 600 + [0, 0], rows=list(range(0, 600, 50)))
+    step_among = ctx.eval_batch([9, 8], [1, 0], rows=[0])[0]
+    assert np.array_equal(alone, among) and np.array_equal(step_alone, step_among)
+    with pytest.raises(ValueError, match=r"769 cells.*768"):
+        ctx.eval_batch([5] * 168, [1] * 168)
+    with pytest.raises(ValueError, match="more than 256 cells"):
+        ctx.kv_span(1, 1)  # 601 tokens do not fit its own region
+    ctx.kv_truncate(200, seq=1)
+    ctx.kv_span(1, 1)
+    ctx.eval_batch([5] * 10, [2] * 10)  # region 2 is its own again
+    # its logits are a one-sequence context's up to rounding (fixed splits differ)
+    one = Context(model, n_ctx=1024).eval(long, logits="all")[list(range(0, 600, 50))]
+    assert max(_kl(x, y) for x, y in zip(one, alone)) < 1e-3
+
+
+def test_a_long_request_takes_the_cells_idle_slots_leave(served):
+    """Past one slot's 512 cells: the prompt takes the regions of idle slots after its own (a
+    generation that outgrows them takes the next idle one), with the same text alone and among
+    other requests; past n_ctx it is refused."""
+    long = "The history of computing, told slowly. " * 70  # ~560 tokens
+    want = served.generate(long, max_tokens=30, temperature=0)
+    assert want.prompt_tokens > 512 and want.completion_tokens == 30
+    runs = [served.generate(p, max_tokens=20, temperature=0, stream=True) for p in PROMPTS[:2]]
+    runs.append(served.generate(long, max_tokens=30, temperature=0, stream=True))
+    for r in runs:
+        for _ in r:
+            pass
+    assert runs[-1].completion.tokens == want.tokens
+    grown = served.generate("Count: 1, 2, 3,", max_tokens=700, temperature=0)
+    assert grown.completion_tokens == 700 and grown.finish_reason == "length"
+    # every slot busy: the long request waits its turn, then runs
+    busy = [served.generate(p, max_tokens=60, temperature=0, stream=True) for p in PROMPTS[:4]]
+    late = served.generate(long, max_tokens=30, temperature=0, stream=True)
+    for r in busy + [late]:
+        for _ in r:
+            pass
+    assert late.completion.tokens == want.tokens
+
+
 @pytest.fixture(scope="module")
 def served():
     with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=4 * 512, n_seq=4, progress=False) as llm:
@@ -219,8 +280,8 @@ def test_a_shared_prefix_is_reused_mid_chunk_with_the_bits_of_a_fresh_slot(serve
 
 def test_engine_errors_cancel_and_queue(served):
     eng = served._engine
-    with pytest.raises(ValueError, match=r"600 tokens.*512"):
-        served.generate([1] * 600, max_tokens=1)
+    with pytest.raises(ValueError, match=r"2100 tokens.*2048"):
+        served.generate([1] * 2100, max_tokens=1)
     with pytest.raises(ValueError, match="temperature"):
         served.generate("x", temperature=-1)
     # a cancelled request ends with finish_reason "cancelled" and frees its slot

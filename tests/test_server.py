@@ -173,8 +173,11 @@ def test_errors_have_openai_shapes(client, server):
         client.completions.create(model="gpt-5", prompt="x", max_tokens=1)
     assert e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=MODEL, prompt="hello " * 700, max_tokens=1)
-    assert e.value.body["code"] == "context_length_exceeded" and "512" in e.value.message and "701" in e.value.message
+        client.completions.create(model=MODEL, prompt="hello " * 2100, max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and "2048" in e.value.message and "2101" in e.value.message
+    # past one slot's 512 cells, within n_ctx: the request takes the cells of idle slots
+    long = client.completions.create(model=MODEL, prompt="hello " * 700, max_tokens=3, temperature=0)
+    assert long.usage.prompt_tokens == 701 and long.usage.completion_tokens == 3
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="x", temperature="hot")
     assert e.value.body["param"] == "temperature"

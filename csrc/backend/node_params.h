@@ -45,6 +45,7 @@ inline cpu::AttnParams attn_params(const Tensor& n) {
     p.kv_seq = n.src[9] ? (const int32_t*)n.src[9]->data : nullptr;
     p.split_cells = split_cells_of(n);
     p.seq_cells = n.iparams[2];
+    p.seq_end = n.src[10] ? (const int32_t*)n.src[10]->data : nullptr;
     p.batched = batched_node(n);
     return p;
 }

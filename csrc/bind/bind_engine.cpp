@@ -218,6 +218,9 @@ STOWLM_BIND(engine) {
         .def("kv_truncate", [](BoundContext& s, int64_t n, int seq) { s.c->kv_truncate(n, seq); }, nb::arg("n"),
              nb::arg("seq") = 0)
         .def("clear", [](BoundContext& s, int seq) { s.c->clear(seq); }, nb::arg("seq") = -1)
+        .def("kv_span", [](BoundContext& s, int seq, int n) { s.c->kv_span(seq, n); }, nb::arg("seq"), nb::arg("n"))
+        .def("kv_span_of", [](const BoundContext& s, int seq) { return s.c->kv_span_of(seq); }, nb::arg("seq"))
+        .def("capacity", [](const BoundContext& s, int seq) { return s.c->capacity(seq); }, nb::arg("seq"))
         .def_prop_ro("n_past", [](const BoundContext& s) { return s.c->n_past(); })
         .def("n_past_of", [](const BoundContext& s, int seq) { return s.c->n_past(seq); }, nb::arg("seq"))
         .def_prop_ro("n_cells_used", [](const BoundContext& s) { return s.c->n_cells_used(); })

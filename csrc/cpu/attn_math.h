@@ -136,10 +136,12 @@ HOST_DEVICE float attn_out_scale(float m, float l, bool has_sink, float sink) {
 }
 
 // The KV cells [*lo, *hi) query sequence q_seq may see when each sequence owns a region of
-// seq_cells cells (seq_cells 0: all n_kv); clipped to n_kv.
-HOST_DEVICE void attn_seq_region(int32_t q_seq, int32_t seq_cells, int64_t n_kv, int64_t* lo, int64_t* hi) {
+// seq_cells cells from q_seq * seq_cells (seq_cells 0: all n_kv), up to seq_end[q_seq] where
+// given (a sequence holding the regions after its own); clipped to n_kv.
+HOST_DEVICE void attn_seq_region(int32_t q_seq, int32_t seq_cells, int64_t n_kv, int64_t* lo, int64_t* hi,
+                                 const int32_t* seq_end = nullptr) {
     if (seq_cells > 0) {
-        const int64_t a = (int64_t)q_seq * seq_cells, b = a + seq_cells;
+        const int64_t a = (int64_t)q_seq * seq_cells, b = seq_end ? (int64_t)seq_end[q_seq] : a + seq_cells;
         *lo = a < n_kv ? a : n_kv;
         *hi = b < n_kv ? b : n_kv;
     } else {

@@ -26,6 +26,7 @@ struct PrefillArgs {
     const int32_t* q_seq;   // sequence per query token, or null (one sequence)
     const int32_t* kv_seq;  // sequence per cell
     int64_t seq_cells = 0;  // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells)
+    const int32_t* seq_end = nullptr;  // or up to seq_end[s] where given (AttnParams::seq_end)
     float* out;
     int64_t ld_out;
 };

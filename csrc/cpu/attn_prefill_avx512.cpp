@@ -118,8 +118,9 @@ void flash_prefill_unit_avx512(const PrefillArgs& a, int64_t t0, int64_t t1, int
     if (a.q_seq && a.seq_cells > 0) {
         lo = INT64_MAX, hi = 0;
         for (int t = 0; t < nt; t++) {
-            lo = std::min<int64_t>(lo, (int64_t)a.q_seq[t0 + t] * a.seq_cells);
-            hi = std::max<int64_t>(hi, ((int64_t)a.q_seq[t0 + t] + 1) * a.seq_cells);
+            int64_t l, h;
+            attn_seq_region(a.q_seq[t0 + t], (int32_t)a.seq_cells, a.n_kv, &l, &h, a.seq_end);
+            lo = std::min(lo, l), hi = std::max(hi, h);
         }
     }
     for (int64_t jb = lo / BK * BK; jb < std::min(hi, a.n_kv); jb += BK) {

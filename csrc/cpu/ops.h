@@ -46,8 +46,10 @@ struct AttnParams {
     // query's result does not depend on the others (a context serving several sequences).
     int32_t split_cells = 0;
     // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells) (KVCache regions), so
-    // the kernels skip the KV blocks of other sequences without looking at them.
+    // the kernels skip the KV blocks of other sequences without looking at them; with seq_end,
+    // cells [s * seq_cells, seq_end[s]) (a sequence holding the regions after its own).
     int32_t seq_cells = 0;
+    const int32_t* seq_end = nullptr;
     // The path of a prompt-sized call however few the queries (matmul's `batched`).
     bool batched = false;
 };

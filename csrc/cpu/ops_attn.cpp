@@ -133,7 +133,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         a.k_cell_bytes = kv.k_cell_bytes, a.v_cell_bytes = kv.v_cell_bytes, a.rb_k = rb_k, a.rb_v = rb_v;
         a.n_kv = n_kv, a.q_pos = q_pos, a.kv_pos = kv_pos;
         a.scale = p.scale, a.softcap = p.softcap, a.window = p.window, a.causal = p.causal, a.sinks = p.sinks;
-        a.q_seq = p.q_seq, a.kv_seq = p.kv_seq, a.seq_cells = p.q_seq ? p.seq_cells : 0;
+        a.q_seq = p.q_seq, a.kv_seq = p.kv_seq, a.seq_cells = p.q_seq ? p.seq_cells : 0, a.seq_end = p.seq_end;
         a.out = out, a.ld_out = ld_out;
         const int64_t tq = kPrefillRows / n_rep, n_ptiles = cdiv(n_tok, tq);
         // the last tiles first: under a causal mask they see the most cells
@@ -156,7 +156,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
             reg[2 * t] = reg[2 * t - 2], reg[2 * t + 1] = reg[2 * t - 1];
             continue;
         }
-        attn_seq_region(p.q_seq[t], p.seq_cells, n_kv, &reg[2 * t], &reg[2 * t + 1]);
+        attn_seq_region(p.q_seq[t], p.seq_cells, n_kv, &reg[2 * t], &reg[2 * t + 1], p.seq_end);
         while (reg[2 * t + 1] > reg[2 * t] && kv_pos[reg[2 * t + 1] - 1] < 0) reg[2 * t + 1]--;
     }
     // whether split s holds any of token t's cells (always, without splits or regions): the

@@ -123,6 +123,7 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
     if (kv.n_seq() > 1) {
         in.q_seq = g.new_input("inp_seq", QType::I32, n_tok);
         in.kv_seq = g.new_input("inp_kv_seq", QType::I32, n_kv);
+        in.seq_end = g.new_input("inp_seq_end", QType::I32, kv.n_seq());
     }
     if (storage) {  // after every input exists: each gets host storage
         storage->clear();
@@ -189,6 +190,12 @@ void Context::kv_truncate(int64_t n, int seq) {
     std::lock_guard<std::mutex> lock(mu_);
     kv_->truncate(seq, n);
     if (link_ && link_->driver()) link_->send_truncate(seq, n);  // the other ranks' caches follow
+}
+
+void Context::kv_span(int seq, int n) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (link_) throw InvalidInput("kv_span: a sequence holding other sequences' cells is not supported across MPI ranks");
+    kv_->set_span(seq, n);
 }
 
 void Context::clear(int seq) {
@@ -259,6 +266,7 @@ void Context::prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const 
     if (sg.in.q_seq) {
         std::copy(seqs.begin() + b0, seqs.begin() + b0 + nt, (int32_t*)sg.in.q_seq->data);
         std::copy(kv_->cell_seq().begin(), kv_->cell_seq().begin() + n_kv, (int32_t*)sg.in.kv_seq->data);
+        for (int q = 0; q < kv_->n_seq(); q++) ((int32_t*)sg.in.seq_end->data)[q] = (int32_t)kv_->region_end(q);
     }
     int32_t* out_ids = (int32_t*)sg.in.out_ids->data;
     for (int64_t i = 0; i < sg.in.out_ids->ne[0]; i++) out_ids[i] = out.empty() ? (int32_t)(nt - 1) : out[i];
@@ -318,12 +326,16 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
     for (int64_t i = 0; i < n; i++) n_new[seqs[i]]++;
     for (int s = 0; s < params_.n_seq; s++) {
         n_start[s] = kv_->n_used(s);
-        if (n_start[s] + n_new[s] > kv_->seq_ctx())
+        if (n_new[s] > 0 && kv_->borrowed_by(s) >= 0)
+            throw InvalidInput("eval: sequence " + std::to_string(s) + "'s cells are held by sequence " +
+                               std::to_string(kv_->borrowed_by(s)) + " (kv_span)");
+        if (n_start[s] + n_new[s] > kv_->capacity(s))
             throw InvalidInput("eval: " + std::to_string(n_new[s]) + " tokens after " + std::to_string(n_start[s]) +
                                " cached need " + std::to_string(n_start[s] + n_new[s]) + " cells, but the context " +
-                               (params_.n_seq > 1 ? "of sequence " + std::to_string(s) + " (n_ctx / n_seq)"
+                               (params_.n_seq > 1 ? "of sequence " + std::to_string(s) + " (n_ctx / n_seq" +
+                                                        (kv_->span(s) > 1 ? " x " + std::to_string(kv_->span(s)) : "") + ")"
                                                   : std::string("(n_ctx)")) +
-                               " is " + std::to_string(kv_->seq_ctx()));
+                               " is " + std::to_string(kv_->capacity(s)));
     }
     // The other MPI ranks repeat the call from here on (an error from here on ends the job).
     if (link_ && link_->driver()) link_->send_eval(tokens, seqs, positions, out_rows);

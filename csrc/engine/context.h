@@ -82,6 +82,11 @@ public:
     // micro-batch large enough for the batched kernels).
     bool can_force_batched() const;
     void kv_truncate(int64_t n, int seq = 0);
+    // Sequence seq holds the regions of the next n - 1 sequences too (they must hold nothing), or
+    // gives them back (n 1): a long request in the cells idle slots leave (KVCache::set_span).
+    void kv_span(int seq, int n);
+    int kv_span_of(int seq) const { return kv_->span(seq); }
+    int64_t capacity(int seq) const { return kv_->capacity(seq); }
     void clear(int seq = -1);  // -1: every sequence
     int64_t n_past(int seq = 0) const { return kv_->n_used(seq); }
     int64_t n_cells_used() const { return kv_->n_used(); }

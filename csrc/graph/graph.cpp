@@ -267,6 +267,7 @@ Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& ma
     t->op = Op::FLASH_ATTN;
     t->src[0] = q, t->src[1] = k, t->src[2] = v, t->src[3] = q_pos, t->src[4] = kv_pos;
     t->src[5] = k_stored, t->src[6] = v_stored, t->src[7] = sinks, t->src[8] = mask.q_seq, t->src[9] = mask.kv_seq;
+    t->src[10] = mask.seq_end;
     t->fparams[0] = scale, t->fparams[1] = softcap;
     t->iparams[0] = window, t->iparams[1] = mask.split_cells, t->iparams[2] = mask.seq_cells;
     t->iparams[4] = mask.ctx_cells;  // [3] is the batched mark

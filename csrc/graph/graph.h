@@ -153,6 +153,8 @@ struct AttnMask {
     Tensor* kv_seq = nullptr;
     int32_t split_cells = 0;
     int32_t seq_cells = 0;  // > 0: sequence s holds only cells [s * seq_cells, (s + 1) * seq_cells)
+    Tensor* seq_end = nullptr;  // I32 [n_seq] with seq_cells: where each sequence's cells end (a
+                                // sequence may hold the regions after its own, KVCache::set_span)
     int32_t ctx_cells = 0;  // the cache's cells: a backend may size call-independent splits by it
 };
 Tensor* flash_attn(Graph& g, Tensor* q, Tensor* k, Tensor* v, const AttnMask& mask, Tensor* k_stored,

@@ -70,7 +70,7 @@ enum class TensorRole : uint8_t {
     INPUT,    // graph input (token ids, positions, KV cells), host memory
 };
 
-constexpr int kMaxSrc = 10;
+constexpr int kMaxSrc = 11;
 constexpr int kHostDevice = -1;
 
 struct Tensor {

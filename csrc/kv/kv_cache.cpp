@@ -77,7 +77,31 @@ KVCache::KVCache(const KVLayout& layout, const std::vector<Backend*>& backends, 
         }
     }
     seq_cells_.resize(n_seq);
+    span_.assign(n_seq, 1);
+    borrower_.assign(n_seq, -1);
     clear_all();
+}
+
+void KVCache::set_span(int seq, int n) {
+    const std::string what = "kv_span(seq=" + std::to_string(seq) + ", n=" + std::to_string(n) + "): ";
+    if (seq < 0 || seq >= n_seq()) throw InvalidInput(what + "the sequence is outside [0, " + std::to_string(n_seq()) + ")");
+    if (n < 1 || seq + n > n_seq())
+        throw InvalidInput(what + "a sequence holds 1 to " + std::to_string(n_seq() - seq) + " regions from its own");
+    if (borrower_[seq] >= 0)
+        throw InvalidInput(what + "its own region is held by sequence " + std::to_string(borrower_[seq]));
+    if (n_used(seq) > n * seq_ctx())
+        throw InvalidInput(what + "it holds " + std::to_string(n_used(seq)) + " tokens, more than " +
+                           std::to_string(n * seq_ctx()) + " cells");
+    for (int q = seq + span_[seq]; q < seq + n; q++) {
+        if (borrower_[q] >= 0 && borrower_[q] != seq)
+            throw InvalidInput(what + "sequence " + std::to_string(q) + "'s region is held by sequence " +
+                               std::to_string(borrower_[q]));
+        if (!seq_cells_[q].empty() || span_[q] > 1)
+            throw InvalidInput(what + "sequence " + std::to_string(q) + " holds tokens; clear it first");
+    }
+    for (int q = seq + 1; q < seq + span_[seq]; q++) borrower_[q] = -1;
+    for (int q = seq + 1; q < seq + n; q++) borrower_[q] = seq;
+    span_[seq] = n;
 }
 
 size_t KVCache::entry(int layer, int shard) const {
@@ -91,6 +115,8 @@ void KVCache::clear_all() {
     cell_pos_.assign(layout_.n_ctx, -1);
     cell_seq_.assign(layout_.n_ctx, -1);
     for (auto& c : seq_cells_) c.clear();
+    span_.assign(seq_cells_.size(), 1);  // a cache cleared whole gives every region back
+    borrower_.assign(seq_cells_.size(), -1);
     n_cells_used_ = 0;
 }
 
@@ -109,12 +135,16 @@ void KVCache::take(const int32_t* pos, const int32_t* seq, int64_t n, int32_t* c
                                std::to_string(n_seq()) + ")");
         count[seq[i]]++;
     }
-    for (int q = 0; q < n_seq(); q++)
-        if (n_used(q) + count[q] > seq_ctx())
+    for (int q = 0; q < n_seq(); q++) {
+        if (count[q] > 0 && borrower_[q] >= 0)
+            throw InvalidInput("KV cache: sequence " + std::to_string(q) + "'s region is held by sequence " +
+                               std::to_string(borrower_[q]));
+        if (n_used(q) + count[q] > capacity(q))
             throw InvalidInput("KV cache: sequence " + std::to_string(q) + " would hold " +
                                std::to_string(n_used(q) + count[q]) + " tokens, more than its " +
-                               std::to_string(seq_ctx()) + " cells (n_ctx " + std::to_string(n_ctx()) + " / n_seq " +
-                               std::to_string(n_seq()) + ")");
+                               std::to_string(capacity(q)) + " cells (n_ctx " + std::to_string(n_ctx()) + " / n_seq " +
+                               std::to_string(n_seq()) + (span_[q] > 1 ? " x " + std::to_string(span_[q]) : "") + ")");
+    }
     for (int64_t i = 0; i < n; i++) {
         std::vector<int32_t>& c = seq_cells_[seq[i]];
         const int32_t j = (int32_t)(seq[i] * seq_ctx() + (int64_t)c.size());

@@ -55,6 +55,15 @@ public:
     Tensor* v(int layer, int shard = 0) { return &v_[entry(layer, shard)]; }
     int64_t n_ctx() const { return layout_.n_ctx; }
     int64_t seq_ctx() const { return layout_.n_ctx / n_seq(); }  // cells of one sequence's region
+    // A sequence may hold the regions of the next span - 1 sequences too (a long request using the
+    // cells idle slots leave; llama-server's unified cache), set while they hold nothing.
+    int span(int seq) const { return span_.at(seq); }
+    int64_t capacity(int seq) const { return span(seq) * seq_ctx(); }
+    int64_t region_end(int seq) const { return (seq + span(seq)) * seq_ctx(); }
+    int borrowed_by(int seq) const { return borrower_.at(seq); }  // -1: its own
+    // InvalidInput when a sequence to be held has cells or is held, or the sequence's cells would
+    // not fit a smaller span.
+    void set_span(int seq, int n);
     int64_t n_used() const { return n_cells_used_; }            // cells in use, every sequence
     int64_t n_used(int seq) const { return (int64_t)seq_cells_.at(seq).size(); }  // tokens of one sequence
     int64_t span() const;  // the highest cell in use + 1: attention looks at cells [0, span)
@@ -80,6 +89,7 @@ private:
     std::vector<size_t> device_bytes_;
     std::vector<int32_t> cell_pos_, cell_seq_;
     std::vector<std::vector<int32_t>> seq_cells_;
+    std::vector<int> span_, borrower_;
     int64_t n_cells_used_ = 0;
 };
 

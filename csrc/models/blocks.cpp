@@ -128,6 +128,7 @@ AttnMask attn_mask(const BuildContext& c) {
     // Fixed splits for several sequences, on boundaries every region shares, so results are batch-independent.
     m.split_cells = c.in.q_seq ? kv_split_cells(c.kv.seq_ctx()) : 0;
     m.seq_cells = c.in.q_seq ? (int32_t)c.kv.seq_ctx() : 0;
+    m.seq_end = c.in.seq_end;
     m.ctx_cells = (int32_t)c.kv.n_ctx();
     return m;
 }

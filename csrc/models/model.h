@@ -102,6 +102,7 @@ struct BuildInputs {
     // With several sequences in the cache: the sequence of each token and of each visible cell.
     Tensor* q_seq = nullptr;    // I32 [n_tok]
     Tensor* kv_seq = nullptr;   // I32 [n_kv]
+    Tensor* seq_end = nullptr;  // I32 [n_seq]: the cell after each sequence's region
 };
 
 struct BuildContext {

@@ -158,10 +158,10 @@ class BatchEngine:
         tokens = [int(t) for t in tokens]
         if not tokens:
             raise ValueError("the prompt is empty (no tokens)")
-        if len(tokens) >= self.slot_ctx:
-            raise ValueError(f"the prompt has {len(tokens)} tokens, but a request's context is {self.slot_ctx} "
-                             f"tokens (n_ctx {self.ctx.n_ctx} / {self.n_seq} slots), with room for at least one "
-                             "generated token")
+        if len(tokens) >= self.ctx.n_ctx:
+            raise ValueError(f"the prompt has {len(tokens)} tokens, but the context holds {self.ctx.n_ctx} cells in all "
+                             f"({self.n_seq} slots of {self.slot_ctx}; a long request takes the cells of idle slots), "
+                             "with room for at least one generated token")
         Sampler(params, vocab_size=self.llm.model.n_vocab)  # validate now, in the caller's thread
         req = Request(tokens, params, on_event, logprobs, grammar, special, speculative)
         with self.cv:
@@ -237,17 +237,28 @@ class BatchEngine:
             fn()
 
     def _admit(self) -> None:
-        free = [s for s in self.slots if not s.req]
-        while free and self.queue:
+        waiting = []  # requests that need more idle slots than there are now: they keep their turn
+        while self.queue:
             req = self.queue.popleft()
             if req.cancelled:
                 req.on_event(Event("done", finish_reason="cancelled", prompt_tokens=len(req.tokens)))
                 continue
-            # the slot that keeps the most of its cache (a follow-up turn reuses it); else the one
-            # caching least, so that other caches stay for later requests
-            keep, _, best = max(((self._reusable(s, req.tokens), -len(s.cached), s) for s in free),
-                                key=lambda x: (x[0], x[1], -x[2].index))
-            free.remove(best)
+            need = -(-(len(req.tokens) + 1) // self.slot_ctx)  # regions: the prompt and one token
+            # the slots whose next `need` regions are idle; of them the one that keeps the most of
+            # its cache (a follow-up turn reuses it), else the one caching least, so that other
+            # caches stay for later requests
+            starts = [s for s in self.slots if s.index + need <= self.n_seq
+                      and all(self._idle(q, s) for q in range(s.index, s.index + need))]
+            if not starts:
+                waiting.append(req)
+                if not any(not s.req for s in self.slots):
+                    break
+                continue
+            # a request that may outgrow its regions prefers a start with idle regions after them
+            want = -(-(len(req.tokens) + (req.params.max_tokens or self.ctx.n_ctx)) // self.slot_ctx)
+            keep, _, _, best = max(((self._reusable(s, req.tokens), self._room(s, want), -len(s.cached), s)
+                                    for s in starts), key=lambda x: (x[0], x[1], x[2], -x[3].index))
+            self._claim(best, need)
             if keep < len(best.cached):
                 self.ctx.kv_truncate(keep, seq=best.index)
                 del best.cached[keep:]
@@ -260,6 +271,65 @@ class BatchEngine:
             best.spec = Speculator(self.drafter, self.draft_max) \
                 if self.drafter is not None and req.grammar is None and req.speculative else None
             self.prompt_tokens_total += len(req.tokens)
+        self.queue.extendleft(reversed(waiting))
+
+    # -- regions: a long request holds the cells of the idle slots after its own ---------------------
+    def _borrower(self, q: int) -> Optional[int]:
+        """The slot holding slot q's region, if another does."""
+        for h in range(q - 1, -1, -1):
+            if h + self.ctx.kv_span_of(h) > q:
+                return h
+        return None
+
+    def _room(self, s: _Slot, want: int) -> int:
+        """How many regions from slot s's own, up to want, are idle for it."""
+        n = 0
+        while n < want and s.index + n < self.n_seq and self._idle(s.index + n, s):
+            n += 1
+        return n
+
+    def _idle(self, q: int, start: _Slot) -> bool:
+        """Whether slot q's region can go to a request starting at slot `start`: q serves nothing,
+        and neither does the slot holding q's region, if another holds it."""
+        if self.slots[q].req is not None:
+            return False
+        h = self._borrower(q)
+        return h is None or h == start.index or self.slots[h].req is None
+
+    def _shrink(self, h: _Slot, n: int) -> None:
+        """Slot h keeps n regions (its cache cut to fit)."""
+        cap = n * self.slot_ctx
+        if len(h.cached) > cap:
+            self.ctx.kv_truncate(cap, seq=h.index)
+            del h.cached[cap:]
+            del h.kernels[cap:]
+        self.ctx.kv_span(h.index, n)
+
+    def _claim(self, s: _Slot, need: int) -> None:
+        """Slot s holds its own region and the need - 1 after it: each is taken from an idle slot
+        holding it (whose cache is cut to what it keeps) and emptied."""
+        for q in range(s.index, s.index + need):
+            h = self._borrower(q)
+            if h is not None and h != s.index:
+                self._shrink(self.slots[h], q - h)
+            if q == s.index:
+                continue
+            if self.ctx.kv_span_of(q) > 1:
+                self._shrink(self.slots[q], 1)
+            if self.slots[q].cached:
+                self.ctx.kv_truncate(0, seq=q)
+                self.slots[q].cached, self.slots[q].kernels = [], []
+        if need > self.ctx.kv_span_of(s.index):
+            self.ctx.kv_span(s.index, need)
+
+    def _grow(self, s: _Slot) -> bool:
+        """One more region for slot s, whose cells are full, where the next is idle and no request
+        waits for it."""
+        nxt = s.index + self.ctx.kv_span_of(s.index)
+        if nxt >= self.n_seq or self.queue or not self._idle(nxt, s):
+            return False
+        self._claim(s, nxt - s.index + 1)
+        return True
 
     def _kernels(self, n: int) -> int:
         """Which kernels a pass of n tokens takes: the number of batch bounds it reaches."""
@@ -329,8 +399,9 @@ class BatchEngine:
     def _drafts(self, s: _Slot, n_base: int) -> List[int]:
         """Draft tokens to follow the slot's pending one, within its budget of tokens and cells,
         as many as pay in a pass carrying n_base pending tokens."""
-        left = (s.req.params.max_tokens - s.stream.n_tokens) if s.req.params.max_tokens is not None else self.slot_ctx
-        room = self.slot_ctx - len(s.cached) - 2  # the pending token, and one cell to sample into
+        cap = self.ctx.capacity(s.index)
+        left = (s.req.params.max_tokens - s.stream.n_tokens) if s.req.params.max_tokens is not None else cap
+        room = cap - len(s.cached) - 2  # the pending token, and one cell to sample into
         return s.spec.draft(s.history, min(left - 1, room), n_base)
 
     def _check_drafts(self, s: _Slot, drafts: List[int], rows: np.ndarray) -> None:
@@ -420,8 +491,8 @@ class BatchEngine:
             self._finish(s, s.stream.finish_reason)
         elif s.constraint is not None and s.constraint.done:
             self._finish(s, "stop")  # the grammar is complete: only the end could follow
-        elif len(s.cached) + 1 + in_cache >= self.slot_ctx:
-            self._finish(s, "length")  # the request's share of the context is full
+        elif len(s.cached) + 1 + in_cache >= self.ctx.capacity(s.index) and not self._grow(s):
+            self._finish(s, "length")  # the request's cells are full, and no idle slot's are next
         elif in_cache:
             s.cached.append(tok)
             return True

@@ -383,6 +383,19 @@ class Context:
         """Keeps the first n tokens of a sequence in the KV cache."""
         self._c.kv_truncate(int(n), int(seq))
 
+    def kv_span(self, seq: int, n: int) -> None:
+        """Sequence seq holds the regions of the next n - 1 sequences too (n_ctx / n_seq cells each;
+        they must hold nothing), or gives them back (n 1; its tokens must fit its own region): a
+        long request in the cells idle slots leave, as llama-server's unified cache."""
+        self._c.kv_span(int(seq), int(n))
+
+    def kv_span_of(self, seq: int) -> int:
+        return self._c.kv_span_of(int(seq))
+
+    def capacity(self, seq: int = 0) -> int:
+        """Cells sequence seq may hold (its region, and those it holds after it)."""
+        return self._c.capacity(int(seq))
+
     def clear(self, seq: Optional[int] = None) -> None:
         """Empties one sequence, or (None) all of them."""
         self._c.clear(-1 if seq is None else int(seq))

@@ -169,11 +169,11 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
                            code="model_not_found")
 
     def check_length(tokens: List[int]) -> None:
-        if len(tokens) >= engine.slot_ctx:
-            raise APIError(400, f"This model's maximum context length is {engine.slot_ctx} tokens per request "
-                                f"(n_ctx {engine.ctx.n_ctx} over {engine.n_seq} slots), but the prompt has "
-                                f"{len(tokens)} tokens (and at least one must be generated).",
-                           param="messages", code="context_length_exceeded")
+        if len(tokens) >= engine.ctx.n_ctx:
+            raise APIError(400, f"This model's maximum context length is {engine.ctx.n_ctx} tokens (n_ctx, shared by "
+                                f"{engine.n_seq} slots of {engine.slot_ctx}: a long request takes the cells of idle "
+                                f"slots), but the prompt has {len(tokens)} tokens (and at least one must be "
+                                "generated).", param="messages", code="context_length_exceeded")
 
     boxes: Dict[int, _Mailbox] = {}
 
@@ -498,7 +498,8 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8080, model_id: Optional[str
     server = uvicorn.Server(config)
     hostport = f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
     print(f"stowlm: serving {app.state.model_id} at http://{hostport}/v1 ({llm.ctx.n_seq} slots of "
-          f"{app.state.engine.slot_ctx} tokens); Ctrl-C stops", file=sys.stderr, flush=True)
+          f"{app.state.engine.slot_ctx} tokens, a long request takes idle slots' cells up to "
+          f"{llm.ctx.n_ctx}); Ctrl-C stops", file=sys.stderr, flush=True)
     if ready is not None:
         ready(host, bound)
     try:

@@ -104,17 +104,22 @@ void check(const std::string& model_dir, const std::string& name, Run r, const s
 // A context of n_seq sequences: prompts of different lengths for every sequence in one batch,
 // then decode steps of one token per sequence, and steps where only some sequences decode (the
 // batch changes around them); the logits of every sequence's last token each time, and every
-// row of the batch in the decode steps.
-std::vector<float> run_seqs(const std::string& path, Run& r, int n_seq, int64_t n_ctx, int64_t n_ubatch) {
+// row of the batch in the decode steps. span > 1: sequence 1 holds the regions of the span - 1
+// after its own (Context::kv_span) and a prompt longer than one region; those sequences stay idle.
+std::vector<float> run_seqs(const std::string& path, Run& r, int n_seq, int64_t n_ctx, int64_t n_ubatch,
+                            int span = 1) {
     auto m = Model::load(path, r.devices, r.split, true, r.overrides);
     ContextParams p;
     p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies, p.n_seq = n_seq;
     Context c(*m, p);
     const std::string why = c.check_plan_sound();
     if (!why.empty()) printf("FAIL plan: %s\n", why.c_str()), failures++;
+    if (span > 1) c.kv_span(1, span);
+    auto held = [&](int sq) { return sq > 1 && sq < 1 + span; };
     std::vector<int32_t> tokens, seqs, out;
     for (int sq = 0; sq < n_seq; sq++) {
-        const int n = 20 + 9 * sq;
+        if (held(sq)) continue;
+        const int n = span > 1 && sq == 1 ? (int)(n_ctx / n_seq) + 40 : 20 + 9 * sq;
         for (int i = 0; i < n; i++) tokens.push_back(1 + (i * 7919 + sq * 104729) % 2000), seqs.push_back(sq);
         out.push_back((int32_t)tokens.size() - 1);
     }
@@ -122,7 +127,7 @@ std::vector<float> run_seqs(const std::string& path, Run& r, int n_seq, int64_t 
     for (int step = 0; step < 6; step++) {
         tokens.clear(), seqs.clear(), out.clear();
         for (int sq = 0; sq < n_seq; sq++) {
-            if (step >= 3 && (sq + step) % 2) continue;  // only some sequences decode
+            if (held(sq) || (step >= 3 && (sq + step) % 2)) continue;  // only some sequences decode
             tokens.push_back(1 + (step * 31 + sq * 17) % 2000), seqs.push_back(sq);
             out.push_back((int32_t)tokens.size() - 1);
         }
@@ -140,13 +145,13 @@ std::vector<float> run_seqs(const std::string& path, Run& r, int n_seq, int64_t 
 }
 
 void check_seqs(const std::string& model_dir, const std::string& name, Run r, const std::string& what, int n_seq,
-                int64_t n_ctx, int64_t n_ubatch = 32) {
+                int64_t n_ctx, int64_t n_ubatch = 32, int span = 1) {
     const std::string path = model_dir + "/" + name + ".gguf";
     Run ref_run;
     ref_run.devices = {spec("cpu", 0)};
     ref_run.kv = r.kv;
-    const std::vector<float> ref = run_seqs(path, ref_run, n_seq, n_ctx, n_ubatch);
-    const std::vector<float> got = run_seqs(path, r, n_seq, n_ctx, n_ubatch);
+    const std::vector<float> ref = run_seqs(path, ref_run, n_seq, n_ctx, n_ubatch, span);
+    const std::vector<float> got = run_seqs(path, r, n_seq, n_ctx, n_ubatch, span);
     double maxd = 0;
     for (size_t i = 0; i < ref.size() && i < got.size(); i++)
         maxd = std::max(maxd, (double)std::fabs(ref[i] - got[i]));
@@ -297,6 +302,9 @@ int main(int argc, char** argv) {
         check_seqs(dir, "gptoss-tiny", q8, "cuda:0, 4 sequences, q8_0 KV", 4, 1024);
         check_seqs(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}},
                    "cpu:0 + cuda:0 [15, 15], 4 sequences", 4, 1024);
+        // a sequence holding the next two regions (a long request in the cells of idle slots)
+        check_seqs(dir, "smollm2-135m", cuda0, "cuda:0, 4 sequences, one spanning 3 regions", 4, 1024, 32, 3);
+        check_seqs(dir, "gptoss-tiny", cuda0, "cuda:0, 4 sequences, one spanning 2 regions", 4, 1024, 64, 2);
         if (cuda::g_fixed_split_calls == fixed_before)
             printf("FAIL the decode steps of several sequences never ran fixed splits in blocks\n"), failures++;
         // A node pinned to the device by its KV cache that no kernel takes: a clear error when the

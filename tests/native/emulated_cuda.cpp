@@ -300,6 +300,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     if (p.sinks) dev_ptr(p.sinks, span(1, n_head, n_head), "flash_attn sinks");
     if (p.q_seq) dev_ptr(p.q_seq, span(n_tok, 1, 1), "flash_attn q_seq");
     if (p.kv_seq) dev_ptr(p.kv_seq, span(kv.n_kv, 1, 1), "flash_attn kv_seq");
+    if (p.q_seq && p.seq_end) dev_ptr(p.seq_end, span(1, 1, 1), "flash_attn seq_end");
     dev_ptr(out, span(n_tok, ld_out, n_head * kv.hd_v), "flash_attn out");
     if (n_split > 1) {
         if (p.split_cells > 0 && n_split != flash_attn_fixed_splits(kv.n_kv, p.split_cells))
