@@ -78,7 +78,7 @@ class LLM:
     n_seq: requests served at once (continuous batching, stowlm.batching): generate() and chat()
         may then be called from several threads, and generate_batch() runs many prompts together;
         each request gets n_ctx / n_seq of the context (rounded down to a multiple of 256 cells;
-        n_ctx defaults to n_seq x min(4096, trained)).
+        n_ctx defaults to n_seq x min(4096, trained)), a longer one the cells of idle slots too.
     speculative: draft tokens and check them in one pass (stowlm.speculative): "ngram" (from the
         prompt and the text so far), a draft model's .gguf path or name (same vocabulary), or None.
         Greedy text is the same as without; sampled text has the same distribution. draft_max:
