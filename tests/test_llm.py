@@ -1,4 +1,5 @@
 """The user API (stowlm.LLM) and the stowlm CLI on a real model (smollm2-135m)."""
+import json
 import os
 import subprocess
 import sys
@@ -124,3 +125,26 @@ def test_cli_info_version_help():
     assert r.returncode == 0 and stowlm.__version__ in r.stdout
     r = _cli("--help")
     assert r.returncode == 0 and "run" in r.stdout and "pull" in r.stdout
+
+
+def test_cli_takes_dash_m_and_structured_output_flags(tmp_path):
+    """llama.cpp users type -m MODEL; the positional MODEL and -m are the same, two different ones
+    are refused. run --json-schema / --grammar-file constrain the text; bad files are named."""
+    path = str(get_model("smollm2-135m"))
+    a = _cli("info", path)
+    b = _cli("info", "-m", path)
+    assert b.returncode == 0 and b.stdout == a.stdout
+    r = _cli("run", path, "-m", "other-model", "-p", "x")
+    assert r.returncode != 0 and "two models" in r.stderr
+    r = _cli("fit", "-m", path, "--json")
+    assert r.returncode == 0 and '"n_ctx"' in r.stdout
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}}, "required": ["answer"]}')
+    r = _cli("run", "-m", path, "-p", "Is water wet? JSON:", "--json-schema", str(schema), "--temp", "0", "-q")
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout[len("Is water wet? JSON:"):])["answer"] in ("yes", "no")
+    gbnf = tmp_path / "g.gbnf"
+    gbnf.write_text('root ::= " yes" | " no" | undefined')
+    r = _cli("run", "-m", path, "-p", "x", "--grammar-file", str(gbnf))
+    assert r.returncode != 0 and "g.gbnf" in r.stderr and "undefined" in r.stderr and "Traceback" not in r.stderr
