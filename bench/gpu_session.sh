@@ -131,7 +131,6 @@ fi
 [ -d "$STASH/shared" ] && export STOWLM_SHARED=$STASH/shared  # fixtures and tools for the tests
 
 SITE=${TMPDIR:-/tmp}/stowlm-site
-export PYTHONPATH=$REPO/python${PYTHONPATH:+:$PYTHONPATH}
 if ! "$PY" -c "import gguf" 2>/dev/null; then
     if ls "$STASH"/wheels/*.whl >/dev/null 2>&1; then
         step "gguf wheel" 60 "" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -165,6 +164,8 @@ elif [ "$MODE" = gpu ]; then
 else
     log "--no-gpu: would build with cmake (-DCMAKE_CUDA_ARCHITECTURES=90) there"
 fi
+# the checkout's python/ once it holds an extension (carried or built here); else an installed stowlm
+if ls python/stowlm/_core*.so >/dev/null 2>&1; then export PYTHONPATH=$REPO/python${PYTHONPATH:+:$PYTHONPATH}; fi
 step "import" 60 "" "$PY" -c "from stowlm import _core; print('stowlm', _core.__file__); \
 print('CUDA kernels:', hasattr(_core, 'cuda_ops'), 'devices:', _core.cuda.devices())"
 

@@ -5,7 +5,6 @@ carry limit, and tells whether a carried build fits; bench/gpu_session.sh --no-g
 that needs no GPU and leaves in $OUT what a device call can bring back."""
 import hashlib
 import json
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import REPO, get_model
+from conftest import REPO, get_model, subprocess_env
 
 sys.path.insert(0, str(REPO / "bench"))
 import carry_models  # noqa: E402
@@ -159,9 +158,9 @@ def test_session_script_without_a_gpu(model, tmp_path):
     (at most 8 files, two folders deep, plain names)."""
     c, out = tmp_path / "carry", tmp_path / "out"
     assert carry(model, "--dir", c, "--piece-mib", 16).returncode == 0
-    env = dict(os.environ, CARRY_DIR=str(c), STOWLM_CARRIED=str(tmp_path / "stash"), OUT=str(out),
-               STOWLM_CACHE=str(tmp_path / "cache"), SESSION_SECONDS="300",
-               PYTHONPATH=str(REPO / "python"), PYTHON=sys.executable)
+    # the same stowlm as this run (installed in CI, python/ in a development build)
+    env = subprocess_env(CARRY_DIR=str(c), STOWLM_CARRIED=str(tmp_path / "stash"), OUT=str(out),
+                         STOWLM_CACHE=str(tmp_path / "cache"), SESSION_SECONDS="300", PYTHON=sys.executable)
     r = subprocess.run(["bash", str(REPO / "bench" / "gpu_session.sh"), "--no-gpu"], capture_output=True, text=True,
                        timeout=280, env=env)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
