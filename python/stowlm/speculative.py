@@ -159,7 +159,7 @@ class Speculator:
         if not isinstance(draft_max, int) or draft_max < 1:
             raise ValueError(f"draft_max must be an integer >= 1, got {draft_max!r}")
         self.drafter, self.draft_max = drafter, draft_max
-        self.rates: dict = {}  # draft source -> moving average of the share of its tokens kept
+        self.rates: dict = {}  # draft source -> moving estimate of P(a draft token is kept | the one before was)
         self.skipped: dict = {}  # draft source -> offers passed over since its last draft
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
@@ -176,7 +176,7 @@ class Speculator:
         target steps."""
         value = pass_cost(n_base) / n_base  # of one token, in the pass's own terms
         draft_cost = 0.0
-        if not self.drafter.cheap:
+        if not getattr(self.drafter, "cheap", True):
             d = getattr(self.drafter, "seconds", None)
             draft_cost = d / self.step_seconds if d and self.step_seconds else 0.0
         k, kept = 0, 1.0
@@ -199,7 +199,7 @@ class Speculator:
         if self.wait > 0 or budget <= 0:
             self.wait = max(0, self.wait - 1)
             return []
-        if not self.drafter.cheap:
+        if not getattr(self.drafter, "cheap", True):
             k = min(self.length(self.rate("model"), n_base), budget)
             if k == 0:
                 self.skipped["model"] = self.skipped.get("model", 0) + 1
