@@ -254,9 +254,7 @@ class Grammar:
         self.lltok = lltokenizer(tokenizer, n_vocab)
         self.text = grammar
         self.n_vocab = self.lltok.vocab_size
-        err, msgs = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.lltok)
-        if err:
-            raise GrammarError(f"invalid grammar: {msgs[0] if msgs else 'unknown error'}", param)
+        # the matcher compiles the grammar and keeps its error (validate_grammar would compile it twice)
         self._initial = llg.LLMatcher(self.lltok, grammar, log_level=0)
         if self._initial.is_error():
             raise GrammarError(f"invalid grammar: {self._initial.get_error()}", param)

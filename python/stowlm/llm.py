@@ -29,6 +29,7 @@ from .pull import pull
 from .sampling import Sampler, SamplingParams, TextStream
 from .speculative import DRAFT_MAX, Speculator, parse_spec, verify
 from .tokenizer import Tokenizer
+from .toolcalls import gather
 
 LOGIT_ROWS = fitting.DEFAULT_N_OUTPUTS  # rows of logits a micro-batch returns: one to generate, a few for logits()
 
@@ -82,7 +83,7 @@ class LLM:
     speculative: draft tokens and check them in one pass (stowlm.speculative): "ngram" (from the
         prompt and the text so far), a draft model's .gguf path or name (same vocabulary), or None.
         Greedy text is the same as without; sampled text has the same distribution. draft_max:
-        draft tokens per step (default 8). A Completion's drafted/accepted count them.
+        draft tokens per step at most (default 7). A Completion's drafted/accepted count them.
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -578,9 +579,7 @@ class _ToolCalls:
     """Text pieces of a chat with tools: the content as it comes, the calls in the completion."""
 
     def __init__(self, it, req):
-        from .toolcalls import new_call_id
-
-        self._it, self._req, self._parser, self._new_id = it, req, req.parser(), new_call_id
+        self._it, self._req, self._parser = it, req, req.parser()
         self._text: List[str] = []
         self._reasoning: List[str] = []
         self._calls: List[dict] = []
@@ -596,17 +595,16 @@ class _ToolCalls:
                 last = False
             except StopIteration:
                 items, last = self._parser.finish(), True
-            text = "".join(x for k, x in items if k == "content")
-            self._reasoning += [x for k, x in items if k == "reasoning"]
-            self._calls += [{"id": self._new_id(self._req.format), "type": "function", "function": x}
-                            for k, x in items if k == "call"]
+            text, reasoning, calls = gather(items, self._req.format)
+            self._reasoning.append(reasoning)
+            self._calls += calls
             self._text.append(text)
             if last:
                 c = self._it.completion
                 finish = "tool_calls" if self._calls and c.finish_reason == "stop" else c.finish_reason
                 self.completion = Completion("".join(self._text), finish, c.prompt_tokens, c.completion_tokens,
                                              c.tokens, self._calls if self._req.tools else None,
-                                             "".join(self._reasoning) if self._reasoning else None)
+                                             "".join(self._reasoning) or None)
             if text:
                 return text
         raise StopIteration

@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from .grammar import FieldError, StructuredUnavailable
 from .sampling import SamplingParams
-from .toolcalls import ToolParser, ToolRequest, new_call_id
+from .toolcalls import ToolParser, ToolRequest, gather, new_call_id
 
 __all__ = ["APIError", "Job", "ChoiceOut", "parse_chat", "parse_completion", "MAX_N", "MAX_STOP",
            "MAX_TOP_LOGPROBS"]
@@ -459,16 +459,10 @@ class ChoiceOut:
         items = self.parser.feed(text) if text else []
         if final:
             items += self.parser.finish()
-        content = "".join(x for k, x in items if k == "content")
-        reasoning = "".join(x for k, x in items if k == "reasoning")
+        content, reasoning, new = gather(items, self.job.tools.format)
         self.reasoning.append(reasoning)
-        calls = []
-        for k, x in items:
-            if k == "call":
-                call = {"id": new_call_id(self.job.tools.format), "type": "function", "function": x}
-                self.calls.append(call)
-                calls.append(dict(call, index=len(self.calls) - 1))
-        return content, calls, reasoning
+        self.calls += new
+        return content, [dict(c, index=len(self.calls) - len(new) + i) for i, c in enumerate(new)], reasoning
 
     def piece(self, ev) -> Optional[dict]:
         """The chunk choice of a piece event, or None."""

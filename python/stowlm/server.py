@@ -409,7 +409,6 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
                     _note_first(t_start)
                 if fast:
                     if ev.text:
-                        outs[i].text.append(ev.text)
                         yield piece(i, ev.text)
                     continue
                 c = outs[i].piece(ev)

@@ -27,7 +27,7 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple
 
 from .grammar import JSON_OPTIONS, FieldError, check_schema, tightened
 
-__all__ = ["FORMATS", "detect_format", "ToolRequest", "ToolParser", "parse_tool_request", "new_call_id"]
+__all__ = ["FORMATS", "detect_format", "ToolRequest", "ToolParser", "parse_tool_request", "new_call_id", "gather"]
 
 FORMATS = ("hermes", "llama3", "mistral", "mistral-args", "harmony", "generic")
 _NAME = re.compile(r"^[A-Za-z0-9_.\-]{1,64}$")
@@ -44,6 +44,14 @@ def detect_format(template_source: Optional[str]) -> str:
     if "<|start_header_id|>" in src and "tools" in src:
         return "llama3"
     return "generic"
+
+
+def gather(items: List[Tuple[str, Any]], fmt: str) -> Tuple[str, str, List[dict]]:
+    """A ToolParser's items as (content, reasoning, calls in OpenAI's shape with fresh ids)."""
+    content = "".join(x for k, x in items if k == "content")
+    reasoning = "".join(x for k, x in items if k == "reasoning")
+    calls = [{"id": new_call_id(fmt), "type": "function", "function": x} for k, x in items if k == "call"]
+    return content, reasoning, calls
 
 
 def new_call_id(fmt: str = "") -> str:
