@@ -220,6 +220,7 @@ STOWLM_BIND(engine) {
         .def("clear", [](BoundContext& s, int seq) { s.c->clear(seq); }, nb::arg("seq") = -1)
         .def("kv_span", [](BoundContext& s, int seq, int n) { s.c->kv_span(seq, n); }, nb::arg("seq"), nb::arg("n"))
         .def("kv_span_of", [](const BoundContext& s, int seq) { return s.c->kv_span_of(seq); }, nb::arg("seq"))
+        .def("kv_held_by", [](const BoundContext& s, int seq) { return s.c->kv_held_by(seq); }, nb::arg("seq"))
         .def("capacity", [](const BoundContext& s, int seq) { return s.c->capacity(seq); }, nb::arg("seq"))
         .def_prop_ro("n_past", [](const BoundContext& s) { return s.c->n_past(); })
         .def("n_past_of", [](const BoundContext& s, int seq) { return s.c->n_past(seq); }, nb::arg("seq"))

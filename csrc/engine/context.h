@@ -86,6 +86,7 @@ public:
     // gives them back (n 1): a long request in the cells idle slots leave (KVCache::set_span).
     void kv_span(int seq, int n);
     int kv_span_of(int seq) const { return kv_->span(seq); }
+    int kv_held_by(int seq) const { return kv_->borrowed_by(seq); }  // -1: its region is its own
     int64_t capacity(int seq) const { return kv_->capacity(seq); }
     void clear(int seq = -1);  // -1: every sequence
     int64_t n_past(int seq = 0) const { return kv_->n_used(seq); }

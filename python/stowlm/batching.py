@@ -274,13 +274,6 @@ class BatchEngine:
         self.queue.extendleft(reversed(waiting))
 
     # -- regions: a long request holds the cells of the idle slots after its own ---------------------
-    def _borrower(self, q: int) -> Optional[int]:
-        """The slot holding slot q's region, if another does."""
-        for h in range(q - 1, -1, -1):
-            if h + self.ctx.kv_span_of(h) > q:
-                return h
-        return None
-
     def _room(self, s: _Slot, want: int) -> int:
         """How many regions from slot s's own, up to want, are idle for it."""
         n = 0
@@ -293,7 +286,7 @@ class BatchEngine:
         and neither does the slot holding q's region, if another holds it."""
         if self.slots[q].req is not None:
             return False
-        h = self._borrower(q)
+        h = self.ctx.kv_held_by(q)
         return h is None or h == start.index or self.slots[h].req is None
 
     def _shrink(self, h: _Slot, n: int) -> None:
@@ -309,7 +302,7 @@ class BatchEngine:
         """Slot s holds its own region and the need - 1 after it: each is taken from an idle slot
         holding it (whose cache is cut to what it keeps) and emptied."""
         for q in range(s.index, s.index + need):
-            h = self._borrower(q)
+            h = self.ctx.kv_held_by(q)
             if h is not None and h != s.index:
                 self._shrink(self.slots[h], q - h)
             if q == s.index:

@@ -392,6 +392,11 @@ class Context:
     def kv_span_of(self, seq: int) -> int:
         return self._c.kv_span_of(int(seq))
 
+    def kv_held_by(self, seq: int) -> Optional[int]:
+        """The sequence holding seq's region (kv_span), or None while it is seq's own."""
+        h = self._c.kv_held_by(int(seq))
+        return None if h < 0 else h
+
     def capacity(self, seq: int = 0) -> int:
         """Cells sequence seq may hold (its region, and those it holds after it)."""
         return self._c.capacity(int(seq))
