@@ -13,7 +13,7 @@ from .protocol import APIError, ChoiceOut, parse_chat, parse_completion, usage
 __all__ = ["create"]
 
 # llama-cpp-python's arguments that mean "this sampler is off" at these values
-_OFF = {"mirostat_tau": None, "mirostat_eta": None}
+_OFF = ("mirostat_tau", "mirostat_eta")
 
 
 def _body(kwargs: dict, chat: bool) -> dict:
