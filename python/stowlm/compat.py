@@ -12,7 +12,7 @@ from .protocol import APIError, ChoiceOut, parse_chat, parse_completion, usage
 
 __all__ = ["create"]
 
-# llama-cpp-python's arguments that mean "this sampler is off" at these values
+# llama-cpp-python's mirostat settings: dropped while mirostat is off (they mean nothing then)
 _OFF = ("mirostat_tau", "mirostat_eta")
 
 
