@@ -6,6 +6,8 @@ accepted, and whether the text is identical (it must be).
     python bench/spec_bench.py -m qwen2.5-coder-0.5b --spec draft.gguf     # a draft model
 
 --prompts FILE takes other prompts: a JSON list of {"name", "kind": "edit" | "open", "content"}.
+--concurrent N instead sends the first N prompts at once to an LLM of N slots (continuous
+batching), with and without drafts, and reports the wall time of the whole batch per round.
 """
 from __future__ import annotations
 
@@ -69,6 +71,29 @@ def run(llm, prompt, n):
     return (c.completion_tokens - 1) / dt, c
 
 
+def concurrent(a, prompts) -> int:
+    kw = dict(n_ctx=a.concurrent * 2048, n_seq=a.concurrent, n_threads=a.threads, progress=False)
+    llms = {"plain": stowlm.LLM(a.model, **kw),
+            "spec": stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)}
+    msgs = [[{"role": "user", "content": p["content"]}] for p in prompts[:a.concurrent]]
+    walls, texts = {"plain": [], "spec": []}, {}
+    for r in range(a.rounds):
+        for label in (("plain", "spec") if r % 2 == 0 else ("spec", "plain")):
+            t = time.perf_counter()
+            runs = [llms[label].chat(m, max_tokens=a.n, temperature=0, stream=True) for m in msgs]
+            for run_ in runs:
+                for _ in run_:
+                    pass
+            walls[label].append(time.perf_counter() - t)
+            texts[label] = [run_.completion.tokens for run_ in runs]
+            print(f"round {r + 1} {label:<5} {walls[label][-1]:.2f} s", flush=True)
+    same = texts["plain"] == texts["spec"]
+    mp, ms = statistics.median(walls["plain"]), statistics.median(walls["spec"])
+    print(f"{a.concurrent} requests at once, {a.n} tokens each: plain {mp:.2f} s, spec {ms:.2f} s (median of "
+          f"{a.rounds}), plain / spec {mp / ms:.2f}x, identical: {'yes' if same else 'NO'}")
+    return 0 if same else 1
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
@@ -78,8 +103,11 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=None)
     ap.add_argument("--prompts", default=None, help="JSON file of prompts (see the docstring)")
+    ap.add_argument("--concurrent", type=int, default=0, metavar="N", help="the first N prompts at once")
     a = ap.parse_args()
     prompts = json.loads(Path(a.prompts).read_text()) if a.prompts else PROMPTS
+    if a.concurrent:
+        return concurrent(a, prompts)
     kw = dict(n_ctx=4096, n_threads=a.threads, progress=False)
     plain = stowlm.LLM(a.model, **kw)
     spec = stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)

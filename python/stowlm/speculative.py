@@ -208,6 +208,8 @@ class Speculator:
                     self.skipped["model"], k = 0, min(1, budget)
             toks, self.source = self.drafter.draft(history, k) if k > 0 else ([], None)
             return toks
+        if n_base >= TILE and self.length(max([*self.PRIOR.values(), *self.rates.values()]), n_base) == 0:
+            return []  # no draft could pay in this pass and none is probed: skip the lookup itself
         toks, src = self.drafter.draft(history, min(self.draft_max, budget))
         if not toks:
             return []
