@@ -131,7 +131,6 @@ void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride) {
     for (int64_t t = 0; t < A.n_tok; t++) {
         const block_q8_a* a = (const block_q8_a*)((const uint8_t*)A.act + t * A.act_stride);
         if (kind >= 2) {
-            if (A.n_tok == 1) return;  // one token reads A.act (fused_rows): nothing to share
             const int off = kind == 2 ? 128 : kind == 3 ? 16 : 0;
             PairGroup* g = (PairGroup*)((uint8_t*)dst + t * nib_stride);
             for (int64_t p = 0; p < nb / 2; p++) {
