@@ -489,7 +489,9 @@ void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, s
                float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
     const int nv = (int)((hd + 15) / 16);
     const __mmask16 last = (hd % 16) ? tail_mask(hd % 16) : (__mmask16)0xFFFF;
-    const int gmax = nv <= 4 ? 4 : 3;
+    // 4 heads x 4 cells of accumulators whatever head_dim (its vectors stream through one
+    // register), so every shape takes groups of 4
+    const int gmax = 4;
     for (int h0 = 0; h0 < nq;) {
         const int g = nq - h0 < gmax ? nq - h0 : gmax;
         // CASE chain: the first matching instance runs; the else of the last is the fallback loop.
@@ -497,8 +499,8 @@ void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, s
         float* oh = out + h0 * ldo;
 #define CASE(NV_, G_) \
     if (nv == NV_ && g == G_) scores_mh_t<Row, NV_, G_>(qh, ldq, base, stride, idx, n, last, scale, oh, ldo, mx + h0); else
-        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3)
-        CASE(8, 1) CASE(8, 2) CASE(8, 3)
+        CASE(4, 1) CASE(4, 2) CASE(4, 3) CASE(4, 4) CASE(5, 1) CASE(5, 2) CASE(5, 3) CASE(5, 4)
+        CASE(8, 1) CASE(8, 2) CASE(8, 3) CASE(8, 4) CASE(16, 1) CASE(16, 2) CASE(16, 3) CASE(16, 4)
 #undef CASE
         for (int h = 0; h < g; h++) mx[h0 + h] = one(qh + h * ldq, base, stride, idx, n, hd, scale, oh + h * ldo);
         h0 += g;
