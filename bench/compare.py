@@ -11,7 +11,10 @@ tokens/s (mean ± std) per tool and the ratio stowlm / peer per test. --json FIL
 results of every call.
 
 A peer given as LABEL=PATH is named LABEL in the table. --peer-args (default "-fa 1") are
-appended to every peer call, e.g. to turn flash attention on in llama-bench.
+appended to every peer call, e.g. to turn flash attention on in llama-bench. --peer-depth gp
+asks a peer for generation at depth as ik_llama.cpp's llama-bench spells it (`-gp D,N`: N
+tokens timed after a prompt of D), where llama.cpp's says `-d D`. --best reports each tool's
+best round (the mean of that round's repetitions) instead of all samples pooled.
 """
 from __future__ import annotations
 
@@ -99,6 +102,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("-r", "--repetitions", type=int, default=3)
     ap.add_argument("--rounds", type=int, default=1, help="times to alternate over all tests (samples pooled)")
     ap.add_argument("--json", default=None, metavar="FILE", help="write every call's raw results here")
+    ap.add_argument("--peer-depth", choices=["d", "gp"], default="d",
+                    help="how peers are asked for depth: -d D (llama.cpp) or -gp D,N (ik_llama.cpp; tg only)")
+    ap.add_argument("--best", action="store_true", help="report each tool's best round, not all samples pooled")
     a = ap.parse_args(argv)
 
     stowlm_exe = find_stowlm_bench(a.stowlm)
@@ -121,17 +127,24 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     tools = [("stowlm", stowlm_exe, [])] + [(label, path, shlex.split(a.peer_args)) for label, path in peers]
     samples: Dict[Tuple[str, str, str], List[float]] = {}
+    rounds: Dict[Tuple[str, str, str], List[float]] = {}  # the mean of each round's call
     raw: List[dict] = []
     info: Dict[str, dict] = {}
     for _ in range(a.rounds):
         for model in a.model:
             for p, n, d in tests:
+                name = test_name(p, n, d)
                 for label, exe, extra in tools:
-                    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-d", str(d), "-t", str(a.threads),
-                           "-r", str(a.repetitions), "-o", "json"] + extra
+                    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-d", str(d)]
+                    if label != "stowlm" and a.peer_depth == "gp":  # that llama-bench knows no -d
+                        if d and p:
+                            continue  # -gp times generation only
+                        cmd = [exe, "-m", model] + (["-p", "0", "-n", "0", "-gp", f"{d},{n}"] if d else ["-p", str(p), "-n", str(n)])
+                    cmd += ["-t", str(a.threads), "-r", str(a.repetitions), "-o", "json"] + extra
                     for res in run_json(cmd):
-                        name = test_name(int(res["n_prompt"]), int(res["n_gen"]), int(res.get("n_depth", 0)))
-                        samples.setdefault((model, name, label), []).extend(float(x) for x in res["samples_ts"])
+                        ts = [float(x) for x in res["samples_ts"]]
+                        samples.setdefault((model, name, label), []).extend(ts)
+                        rounds.setdefault((model, name, label), []).append(sum(ts) / len(ts))
                         info.setdefault(label, res)
                         raw.append(dict(tool=label, command=cmd, **res))
                     if a.json:  # after every call: a long comparison cut short keeps what it measured
@@ -141,7 +154,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     cpu = info.get("stowlm", {}).get("cpu_info", platform.processor())
     print(f"{today}; {cpu}; {a.threads} threads; {a.repetitions} repetitions x {a.rounds} round(s); "
-          f"peer args: {a.peer_args!r}")
+          f"peer args: {a.peer_args!r}" + ("; best round of each" if a.best else ""))
     for label, _ in peers:
         i = info.get(label, {})
         print(f"{label}: build {i.get('build_commit', '?')} ({i.get('build_number', '?')})")
@@ -154,18 +167,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     for model in a.model:
         for p, n, d in tests:
             name = test_name(p, n, d)
-            ours = samples.get((model, name, "stowlm"))
+            def figure(label: str) -> Optional[Tuple[float, str]]:
+                if a.best:
+                    r = rounds.get((model, name, label))
+                    return (max(r), f"{max(r):.2f}") if r else None
+                got = samples.get((model, name, label))
+                if not got:
+                    return None
+                m, sd = stats(got)
+                return m, f"{m:.2f} ± {sd:.2f}"
+
+            ours = figure("stowlm")
             if not ours:
                 continue
-            om, osd = stats(ours)
-            row = [Path(model).stem, name, f"{om:.2f} ± {osd:.2f}"]
+            row = [Path(model).stem, name, ours[1]]
             for label, _ in peers:
-                theirs = samples.get((model, name, label))
-                if not theirs:
-                    row += ["-", "-"]
-                    continue
-                pm, psd = stats(theirs)
-                row += [f"{pm:.2f} ± {psd:.2f}", f"{om / pm:.2f}"]
+                theirs = figure(label)
+                row += [theirs[1], f"{ours[0] / theirs[0]:.2f}"] if theirs else ["-", "-"]
             print("| " + " | ".join(row) + " |")
     return 0
 
