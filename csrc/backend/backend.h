@@ -96,7 +96,7 @@ struct DeviceSpec {
     int index = 0;
     int threads = 0;        // 0: the machine's cores (or STOWLM_THREADS)
     size_t mem_bytes = 0;   // 0: no budget beyond physical RAM
-    // The MPI rank whose device it is (dist/remote.h), -1 for this process's; a device of
+    // The MPI rank whose device it is (dist/remote_device.h), -1 for this process's; a device of
     // another rank is named dev@RANK ("cpu:0@1").
     int rank = -1;
     std::string name() const { return kind + ":" + std::to_string(index) + (rank >= 0 ? "@" + std::to_string(rank) : ""); }

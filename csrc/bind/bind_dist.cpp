@@ -4,7 +4,7 @@
 
 #include "bind.h"
 #include "dist/mpi.h"
-#include "dist/remote.h"
+#include "dist/context_link.h"
 
 namespace nb = nanobind;
 using namespace stowlm;

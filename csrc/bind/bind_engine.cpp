@@ -6,7 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.h"
-#include "dist/remote.h"
+#include "dist/context_link.h"
 #include "engine/context.h"
 #include "cpu/threadpool.h"
 #include "error.h"

@@ -6,7 +6,7 @@
 
 #include "backend/node_params.h"
 #include "common.h"
-#include "dist/remote.h"
+#include "dist/context_link.h"
 #include "error.h"
 #include "graph/scheduler.h"
 
@@ -77,7 +77,7 @@ PipelineMode pipeline_mode(const Model& m, const Graph& worst, int n_copies) {
 }
 
 // Copies get their own area where devices run at once: tensor parallelism, and the devices of
-// several MPI ranks (dist/remote.h), whose splits always run as a pipeline.
+// several MPI ranks (dist/context_link.h), whose splits always run as a pipeline.
 bool own_copy_area(const Model& m) {
     for (Backend* b : m.backends())
         if (dist::is_remote(b)) return true;

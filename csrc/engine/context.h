@@ -18,7 +18,7 @@
 namespace stowlm {
 
 namespace dist {
-class ContextLink;  // devices of other MPI ranks (dist/remote.h)
+class ContextLink;  // devices of other MPI ranks (dist/context_link.h)
 }
 
 struct ContextParams {

@@ -36,7 +36,7 @@ struct PipelineStats {
 // computes one split (its copies of graph inputs included); finish(i, g) runs on the output's
 // device right after the split that computes g.output. Every graph must have the splits of the
 // first (same devices in the same order). The first error stops every device and is rethrown.
-// link (devices of other MPI ranks, dist/remote.h): their splits run there, not here (finish
+// link (devices of other MPI ranks, dist/context_link.h): their splits run there, not here (finish
 // still runs for an output they compute); a copy between one of them and a device here is a
 // message: send(i, g, c) right after the split here that computes c's source, receive(i, g, s)
 // before split s here runs.

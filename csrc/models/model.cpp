@@ -6,7 +6,7 @@
 #include <string>
 #include <numeric>
 
-#include "dist/remote.h"
+#include "dist/remote_device.h"
 #include "error.h"
 
 namespace stowlm {

@@ -30,15 +30,10 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dist/remote_device.h"
 #include "engine/context.h"
 
 namespace stowlm::dist {
-
-// The backend of device `id` as this rank sees it: the real one when spec is this rank's
-// (or names no rank), else a RemoteBackend standing for the device of rank spec.rank.
-std::unique_ptr<Backend> make_device(int id, const DeviceSpec& spec);
-bool is_remote(const Backend* b);
-int owner_rank(const Backend* b);  // the rank of a remote backend, this rank's otherwise
 
 // A hash of how a graph is scheduled (ops, shapes and devices of every split's nodes): equal on
 // every rank, or the ranks would disagree on what crosses between them.
