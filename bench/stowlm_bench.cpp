@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "backend/device_spec.h"
 #include "cpu/threadpool.h"
 #include "engine/context.h"
 #include "error.h"
@@ -121,24 +122,6 @@ int64_t parse_int(const std::string& flag, const std::string& s, int64_t min) {
     return v;
 }
 
-// "512MiB", "2GiB", "1000" -> bytes.
-size_t parse_size(const std::string& flag, const std::string& s) {
-    size_t used = 0;
-    double v = 0;
-    try {
-        v = std::stod(s, &used);
-    } catch (const std::exception&) {
-        used = 0;
-    }
-    const std::string unit = s.substr(used);
-    static const std::pair<const char*, double> units[] = {{"", 1}, {"B", 1}, {"K", 1024}, {"KiB", 1024},
-                                                           {"M", 1 << 20}, {"MiB", 1 << 20}, {"G", 1 << 30},
-                                                           {"GiB", 1 << 30}};
-    for (const auto& u : units)
-        if (used && unit == u.first && v > 0) return (size_t)(v * u.second);
-    throw UsageError(flag + ": cannot read the memory size '" + s + "' (use e.g. 512MiB)");
-}
-
 std::vector<std::string> split(const std::string& s, char sep) {
     std::vector<std::string> out;
     std::string item;
@@ -148,53 +131,13 @@ std::vector<std::string> split(const std::string& s, char sep) {
     return out;
 }
 
-// "cpu", "cuda:1", "cpu:0[threads=1,mem=512MiB]" (as stowlm/devices.py reads them).
-DeviceSpec parse_device(const std::string& flag, const std::string& text) {
-    DeviceSpec d;
-    std::string head = text, opts;
-    const size_t br = text.find('[');
-    if (br != std::string::npos) {
-        if (text.back() != ']') throw UsageError(flag + ": '" + text + "' has an unclosed [");
-        head = text.substr(0, br), opts = text.substr(br + 1, text.size() - br - 2);
-    }
-    const size_t colon = head.find(':');
-    d.kind = head.substr(0, colon);
-    if (d.kind != "cpu" && d.kind != "cuda") throw UsageError(flag + ": unknown device '" + text + "' (use cpu or cuda:N)");
-    d.index = colon == std::string::npos ? 0 : (int)parse_int(flag, head.substr(colon + 1), 0);
-    for (const std::string& kv : split(opts, ',')) {
-        if (kv.empty()) continue;
-        const size_t eq = kv.find('=');
-        const std::string key = kv.substr(0, eq), value = eq == std::string::npos ? "" : kv.substr(eq + 1);
-        if (key == "threads" && d.kind == "cpu")
-            d.threads = (int)parse_int(flag, value, 1);
-        else if (key == "mem")
-            d.mem_bytes = parse_size(flag, value);
-        else
-            throw UsageError(flag + ": unknown option '" + kv + "' of device '" + text + "' (threads, mem)");
-    }
-    return d;
-}
-
-// A device list: commas inside [...] belong to a device's options.
+// A device list in the core's grammar (backend/device_spec.h, as stowlm/devices.py reads it).
 std::vector<DeviceSpec> parse_devices(const std::string& flag, const std::string& text) {
-    std::vector<DeviceSpec> out;
-    std::string cur;
-    int depth = 0;
-    for (char c : text + ",") {
-        if (c == '[') depth++;
-        if (c == ']') depth--;
-        if (c == ',' && depth == 0) {
-            if (cur.empty()) throw UsageError(flag + ": empty device in '" + text + "'");
-            out.push_back(parse_device(flag, cur));
-            cur.clear();
-        } else {
-            cur += c;
-        }
+    try {
+        return parse_device_list(text);
+    } catch (const InvalidInput& e) {
+        throw UsageError(flag + ": " + e.what());
     }
-    for (size_t i = 0; i < out.size(); i++)
-        for (size_t j = 0; j < i; j++)
-            if (out[i].name() == out[j].name()) throw UsageError(flag + ": " + out[i].name() + " appears twice");
-    return out;
 }
 
 Options parse_args(int argc, char** argv) {

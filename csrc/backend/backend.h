@@ -90,7 +90,7 @@ std::string describe_bytes(size_t bytes);
 // A CPU device: `threads` workers (its own pool) and a budget of `mem_bytes` (0: system RAM).
 std::unique_ptr<Backend> make_cpu_backend(int id, const std::string& name, int threads, size_t mem_bytes);
 
-// What a device list entry asks for; parsed in Python (stowlm/devices.py).
+// What a device list entry asks for (the grammar: backend/device_spec.h).
 struct DeviceSpec {
     std::string kind = "cpu";
     int index = 0;
@@ -99,6 +99,7 @@ struct DeviceSpec {
     // The MPI rank whose device it is (dist/remote_device.h), -1 for this process's; a device of
     // another rank is named dev@RANK ("cpu:0@1").
     int rank = -1;
+    double speed = 0;  // relative speed for fit's stage balance (Python's); 0: its threads, 1 for CUDA
     std::string name() const { return kind + ":" + std::to_string(index) + (rank >= 0 ? "@" + std::to_string(rank) : ""); }
 };
 

@@ -6,6 +6,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "bind.h"
+#include "backend/device_spec.h"
 #include "dist/context_link.h"
 #include "engine/context.h"
 #include "cpu/threadpool.h"
@@ -253,6 +254,16 @@ STOWLM_BIND(engine) {
         });
 
     e.def("default_threads", &default_threads, "threads a CPU device gets when none are asked for");
+    // The device grammar (backend/device_spec.h): a spec as (kind, index, threads, mem_bytes, rank, speed).
+    auto spec_tuple = [](const DeviceSpec& d) { return std::make_tuple(d.kind, d.index, d.threads, d.mem_bytes, d.rank, d.speed); };
+    e.def("parse_device", [spec_tuple](const std::string& text) { return spec_tuple(parse_device_spec(text)); }, nb::arg("text"));
+    e.def("parse_devices", [spec_tuple](const std::string& text) {
+        std::vector<std::tuple<std::string, int, int, size_t, int, double>> out;
+        for (const DeviceSpec& d : parse_device_list(text)) out.push_back(spec_tuple(d));
+        return out;
+    }, nb::arg("text"));
+    e.def("parse_bytes", [](const std::string& text) { return parse_bytes(text); }, nb::arg("text"));
+    e.def("format_bytes", [](size_t n) { return format_bytes(n); }, nb::arg("n"));
 
     nb::class_<BoundProjector>(e, "Projector")
         .def("__init__",
