@@ -421,12 +421,16 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
         prefetch_rows<Row, NV>(base, stride, idx, j, 4, n);
         const Row r0(base + idx[j] * stride), r1(base + idx[j + 1] * stride), r2(base + idx[j + 2] * stride),
             r3(base + idx[j + 3] * stride);
-        __m512 a[G][4];
+        __m512 a[G][4];  // registers only if every loop over them is unrolled
+#pragma GCC unroll 4
         for (int h = 0; h < G; h++)
+#pragma GCC unroll 4
             for (int c = 0; c < 4; c++) a[h][c] = _mm512_setzero_ps();
+#pragma GCC unroll 16
         for (int i = 0; i < NV; i++) {
             const __mmask16 m = i == NV - 1 ? last : (__mmask16)0xFFFF;
             const __m512 k0 = r0.load(i, m), k1 = r1.load(i, m), k2 = r2.load(i, m), k3 = r3.load(i, m);
+#pragma GCC unroll 4
             for (int h = 0; h < G; h++) {
                 const __m512 qv = _mm512_maskz_loadu_ps(m, q + h * ldq + 16 * i);
                 a[h][0] = _mm512_fmadd_ps(qv, k0, a[h][0]);
@@ -435,6 +439,7 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
                 a[h][3] = _mm512_fmadd_ps(qv, k3, a[h][3]);
             }
         }
+#pragma GCC unroll 4
         for (int h = 0; h < G; h++) {
             const __m128 s4 = _mm_mul_ps(reduce4(a[h][0], a[h][1], a[h][2], a[h][3]), vs);
             mx4[h] = _mm_max_ps(mx4[h], s4);
@@ -460,21 +465,28 @@ void scores_mh_t(const float* q, int64_t ldq, const unsigned char* base, size_t 
 template <class Row, int NV, int G>
 void accum_mh_t(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
                 const int32_t* idx, int n, __mmask16 last) {
-    __m512 a[G][NV];
+    __m512 a[G][NV];  // registers only if every loop over them is unrolled (else GCC stores them each cell)
+#pragma GCC unroll 4
     for (int h = 0; h < G; h++)
+#pragma GCC unroll 16
         for (int i = 0; i < NV; i++)
             a[h][i] = _mm512_maskz_loadu_ps(i == NV - 1 ? last : (__mmask16)0xFFFF, acc + h * lda + 16 * i);
     for (int j = 0; j < n; j++) {
         prefetch_rows<Row, NV>(base, stride, idx, j, 1, n);
         const Row r(base + idx[j] * stride);
         __m512 wv[G];
+#pragma GCC unroll 4
         for (int h = 0; h < G; h++) wv[h] = _mm512_set1_ps(w[h * ldw + j]);
+#pragma GCC unroll 16
         for (int i = 0; i < NV; i++) {
             const __m512 vv = r.load(i, i == NV - 1 ? last : (__mmask16)0xFFFF);
+#pragma GCC unroll 4
             for (int h = 0; h < G; h++) a[h][i] = _mm512_fmadd_ps(wv[h], vv, a[h][i]);
         }
     }
+#pragma GCC unroll 4
     for (int h = 0; h < G; h++)
+#pragma GCC unroll 16
         for (int i = 0; i < NV; i++)
             _mm512_mask_storeu_ps(acc + h * lda + 16 * i, i == NV - 1 ? last : (__mmask16)0xFFFF, a[h][i]);
 }
