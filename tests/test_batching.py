@@ -12,7 +12,7 @@ import stowlm
 from stowlm.batching import Event
 from stowlm.engine import Context, Model
 from stowlm.ops import cpu_info
-from stowlm.sampling import SamplingParams
+from stowlm.text.sampling import SamplingParams
 
 from conftest import get_model
 

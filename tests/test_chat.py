@@ -4,8 +4,8 @@ import pytest
 
 from _meta import read_metadata
 from conftest import get_model, load_fixture
-from stowlm.chat import BUILTIN_TEMPLATES, ChatTemplate, render_chat
-from stowlm.tokenizer import Tokenizer
+from stowlm.text.chat import BUILTIN_TEMPLATES, ChatTemplate, render_chat
+from stowlm.text.tokenizer import Tokenizer
 
 MSGS = [
     {"role": "system", "content": "Be brief."},

@@ -5,7 +5,8 @@ import math
 import numpy as np
 import pytest
 
-from stowlm.sampling import Sampler, SamplingParams, StopChecker
+from stowlm.text.sampling import Sampler, SamplingParams
+from stowlm.text.stream import StopChecker
 
 
 def softmax(v):
@@ -256,7 +257,7 @@ def test_stop_on_utf8_split_across_tokens():
     # the detokenizer and the stop checker together: emoji spread over byte-level tokens
     from _meta import read_metadata
     from conftest import get_model
-    from stowlm.tokenizer import Tokenizer
+    from stowlm.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(read_metadata(str(get_model("smollm2-135m"))), "smollm2-135m")
     text = "Emoji: 🤖🚀👍🏽 and flags 🇩🇪🇯🇵"
@@ -277,8 +278,8 @@ def test_stop_on_utf8_split_across_tokens():
 def test_text_stream_reasons_to_stop():
     from _meta import read_metadata
     from conftest import get_model
-    from stowlm.sampling import TextStream
-    from stowlm.tokenizer import Tokenizer
+    from stowlm.text.stream import TextStream
+    from stowlm.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(read_metadata(str(get_model("smollm2-135m"))), "smollm2-135m")
     ids = tok.encode("The answer is 4.\nUser: next", add_special=False)

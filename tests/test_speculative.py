@@ -106,7 +106,7 @@ def test_greedy_text_with_drafts_is_the_text_without(name, draft_max):
 def test_a_drafted_token_is_kept_with_the_samplers_probability():
     """sample_draft's output follows candidates()' distribution whatever the draft (the oracle: the
     sampler's own filtered distribution, itself checked against llama.cpp's chain)."""
-    from stowlm.sampling import Sampler, SamplingParams
+    from stowlm.text.sampling import Sampler, SamplingParams
 
     rng = np.random.default_rng(3)
     logits = (rng.normal(size=50) * 1.5).astype(np.float32)

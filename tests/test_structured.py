@@ -13,10 +13,10 @@ llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 import stowlm  # noqa: E402
-from stowlm import grammar as gm  # noqa: E402
+from stowlm.text import grammar as gm  # noqa: E402
 from stowlm.gguffile import GGUFFile  # noqa: E402
-from stowlm.sampling import Sampler, SamplingParams  # noqa: E402
-from stowlm.tokenizer import Tokenizer  # noqa: E402
+from stowlm.text.sampling import Sampler, SamplingParams  # noqa: E402
+from stowlm.text.tokenizer import Tokenizer  # noqa: E402
 
 from conftest import get_model  # noqa: E402
 

@@ -5,7 +5,7 @@ import pytest
 
 from _meta import read_metadata, read_metadata_gguf
 from conftest import DENSE_MODELS, get_model, load_fixture
-from stowlm.tokenizer import StreamingDetokenizer, Tokenizer, TokenType
+from stowlm.text.tokenizer import StreamingDetokenizer, Tokenizer, TokenType
 
 _TOKS = {}
 
@@ -334,7 +334,7 @@ def test_gemma_matches_spm_reference_on_random_text():
 # add_space_prefix, invalid UTF-8 tokens; paths the three real models do not take.
 
 def _byte_level_meta(pre):
-    from stowlm.tokenizer import _bytes_to_unicode
+    from stowlm.text.tokenizer import _bytes_to_unicode
 
     chars = list(_bytes_to_unicode().values())
     extra = ["ab", "abc", "Ġa", "Ġab", "\udcff\udcfe", "<s>", "<|eot_id|>"]

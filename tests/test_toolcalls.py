@@ -11,10 +11,10 @@ llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 import stowlm  # noqa: E402
-from stowlm import grammar as gm  # noqa: E402
+from stowlm.text import grammar as gm  # noqa: E402
 from stowlm.gguffile import GGUFFile  # noqa: E402
-from stowlm.tokenizer import TokenType, Tokenizer  # noqa: E402
-from stowlm.toolcalls import ToolParser, detect_format, parse_tool_request, template_messages  # noqa: E402
+from stowlm.text.tokenizer import TokenType, Tokenizer  # noqa: E402
+from stowlm.text.toolcalls import ToolParser, detect_format, parse_tool_request, template_messages  # noqa: E402
 
 from conftest import get_model  # noqa: E402
 

@@ -44,7 +44,7 @@ def _sampling_kwargs(a: argparse.Namespace) -> dict:
 
 def _structured_kwargs(a: argparse.Namespace) -> dict:
     """--json-schema / --grammar-file, read and checked before the model loads."""
-    from . import grammar
+    from .text import grammar
 
     if a.json_schema and a.grammar_file:
         raise ValueError("give --json-schema or --grammar-file, not both")
@@ -290,7 +290,7 @@ def _run(a: argparse.Namespace) -> int:
         raise ValueError(f"-n must be >= 0, got {a.n_predict}")
     kw = _sampling_kwargs(a)
     # validate sampling values before the (slow) load
-    from .sampling import SamplingParams
+    from .text.sampling import SamplingParams
 
     SamplingParams(max_tokens=a.n_predict, **kw)
     kw.update(_structured_kwargs(a))

@@ -16,9 +16,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .grammar import FieldError, StructuredUnavailable
-from .sampling import SamplingParams
-from .toolcalls import ToolParser, ToolRequest, gather, new_call_id
+from .text.grammar import FieldError, StructuredUnavailable
+from .text.sampling import SamplingParams
+from .text.toolcalls import ToolRequest
+from .text.toolparser import ToolParser, gather, new_call_id
 
 __all__ = ["APIError", "Job", "ChoiceOut", "parse_chat", "parse_completion", "MAX_N", "MAX_STOP",
            "MAX_TOP_LOGPROBS"]
@@ -299,7 +300,7 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     logprobs: Optional[int] = None  # None: none; N: the chosen token's and the best N
-    grammar: Any = None             # stowlm.grammar.Grammar
+    grammar: Any = None             # stowlm.text.grammar.Grammar
     tools: Optional[ToolRequest] = None
     headers: Dict[str, str] = field(default_factory=dict)
 
@@ -346,7 +347,7 @@ def _grammar(body: Mapping, llm, tools: Optional[ToolRequest]):
     try:
         if tools is not None:
             text = tools.grammar(llm.tokenizer)
-            from .grammar import Grammar
+            from .text.grammar import Grammar
 
             return None if text is None else Grammar(llm.tokenizer, text, llm.model.n_vocab, "tools")
         return llm.grammar(response_format=body.get("response_format"), grammar=body.get("grammar"),

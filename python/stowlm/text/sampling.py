@@ -1,21 +1,20 @@
-"""Choosing the next token from logits, and deciding where generated text stops.
+"""Choosing the next token from logits.
 
 :class:`Sampler` follows llama.cpp's default chain: repetition penalties -> logit bias -> top-k ->
 top-p -> min-p -> temperature -> draw from the softmax (seeded numpy Generator). Temperature 0 is
 greedy: the argmax after penalties and bias.
 
-:class:`StopChecker` takes the text pieces a streaming detokenizer emits and holds back any tail that
-could still grow into a stop string, so a stop string is never emitted, not even in part.
+Where the text stops (stop strings, end of generation, max_tokens) is stowlm.text.stream's.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["SamplingParams", "Sampler", "StopChecker", "TextStream"]
+__all__ = ["SamplingParams", "Sampler"]
 
 
 def _is_int(x) -> bool:
@@ -283,114 +282,3 @@ def _softmax(v: np.ndarray) -> np.ndarray:
     v = v.astype(np.float64)
     e = np.exp(v - v.max())
     return e / e.sum()
-
-
-class StopChecker:
-    """Streams text while watching for stop strings.
-
-    ``feed(piece)`` returns ``(text_to_emit, stopped)``. Text that might be the beginning of a stop
-    string is held back until it is decided; when a stop string completes, everything before it is
-    emitted, the stop string and anything after it are dropped, and ``stopped`` is True.
-    ``flush()`` returns the held-back text once generation ends for another reason.
-    """
-
-    def __init__(self, stop: Union[str, Iterable[str], None] = ()):
-        if isinstance(stop, str):
-            stop = [stop]
-        self.stop = [s for s in (stop or ())]
-        for s in self.stop:
-            if not isinstance(s, str) or not s:
-                raise ValueError(f"stop strings must be non-empty strings, got {s!r}")
-        self._held = ""
-        self.stopped = False
-        self.matched: Optional[str] = None  # the stop string that ended the text
-
-    def feed(self, piece: str) -> Tuple[str, bool]:
-        if self.stopped:
-            return "", True
-        if not self.stop:
-            return piece, False
-        buf = self._held + piece
-        first, which = -1, None
-        for s in self.stop:
-            i = buf.find(s)
-            if i >= 0 and (first < 0 or i < first):
-                first, which = i, s
-        if first >= 0:
-            self._held = ""
-            self.stopped = True
-            self.matched = which
-            return buf[:first], True
-        hold = self._partial_len(buf)
-        self._held = buf[len(buf) - hold:] if hold else ""
-        return buf[:len(buf) - hold], False
-
-    def _partial_len(self, buf: str) -> int:
-        """Length of the longest tail of ``buf`` that is a proper prefix of some stop string."""
-        best = 0
-        for s in self.stop:
-            for n in range(min(len(s) - 1, len(buf)), best, -1):
-                if buf.endswith(s[:n]):
-                    best = n
-                    break
-        return best
-
-    def flush(self) -> str:
-        out, self._held = self._held, ""
-        return "" if self.stopped else out
-
-
-class TextStream:
-    """Generated token ids in, finished text out, with all the reasons to stop.
-
-    Combines the tokenizer's streaming detokenizer (whole UTF-8 characters only), a
-    :class:`StopChecker` for ``params.stop``, end-of-generation tokens and ``params.max_tokens``.
-    ``feed(id)`` returns the text that is now certain; once ``finished`` is set, ``finish_reason``
-    says why: ``"stop"`` (end-of-generation token or stop string) or ``"length"`` (max_tokens).
-    Call ``close()`` at the end for any held-back text.
-    """
-
-    def __init__(self, tokenizer, params: Optional[SamplingParams] = None, skip_special: bool = True):
-        self.params = params or SamplingParams()
-        self.tokenizer = tokenizer
-        self._detok = tokenizer.detokenizer(skip_special=skip_special)
-        self._stop = StopChecker(self.params.stop)
-        self.n_tokens = 0
-        self.ids: List[int] = []
-        self.finished = False
-        self.finish_reason: Optional[str] = None
-        self.text = ""
-
-    def feed(self, token_id: int) -> str:
-        if self.finished:
-            return ""
-        token_id = int(token_id)
-        self.n_tokens += 1
-        if self.tokenizer.is_eog(token_id):
-            self.finished, self.finish_reason = True, "stop"
-            return self._emit(self._drain())
-        self.ids.append(token_id)
-        out, stopped = self._stop.feed(self._detok.feed(token_id))
-        if stopped:
-            self.finished, self.finish_reason = True, "stop"
-            return self._emit(out)
-        if self.params.max_tokens is not None and self.n_tokens >= self.params.max_tokens:
-            self.finished, self.finish_reason = True, "length"
-            return self._emit(out + self._drain())
-        return self._emit(out)
-
-    def close(self) -> str:
-        """Text still held back (a possible stop-string start, an unfinished character)."""
-        if self._stop.stopped:
-            return ""
-        return self._emit(self._drain())
-
-    def _drain(self) -> str:
-        out, stopped = self._stop.feed(self._detok.flush())
-        if stopped:
-            return out
-        return out + self._stop.flush()
-
-    def _emit(self, s: str) -> str:
-        self.text += s
-        return s

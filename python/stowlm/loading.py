@@ -1,0 +1,102 @@
+"""How an LLM gets its model: where it is placed (a placement given, one fitted, or the devices
+as given), the model, its tokenizer and chat template, and the context it generates in."""
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Optional
+
+from . import _core
+from . import fit as fitting
+from .devices import parse_devices
+from .engine import Context, Model
+from .gguffile import GGUFFile
+from .placement import slot_context
+from .pull import pull
+from .text.chat import ChatTemplate
+from .text.tokenizer import Tokenizer
+
+LOGIT_ROWS = fitting.DEFAULT_N_OUTPUTS  # rows of logits a micro-batch returns: one to generate, a few for logits()
+
+
+@dataclass
+class Loaded:
+    path: object
+    placement: object
+    model: Model
+    metadata: dict
+    tokenizer: Tokenizer
+    template: Optional[ChatTemplate]
+    template_error: Optional[str]
+    ctx: Context
+
+
+def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_split=None, chat_template=None,
+         progress=True, tensor_overrides=None, fit=None, placement=None, fit_margin=None, cpu_moe=False,
+         n_cpu_moe=None, n_copies=None, fit_ctx=None, n_seq=1, split_mode=None, tensor_split=None,
+         interleave=None) -> Loaded:
+    """LLM's arguments (n_threads already made a device) as a loaded model and its context."""
+    path = pull(model, progress=progress)
+    if placement is not None:
+        given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
+                                ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
+                                ("n_cpu_moe", n_cpu_moe), ("n_copies", n_copies), ("split_mode", split_mode),
+                                ("tensor_split", tensor_split), ("interleave", interleave)) if v is not None] + \
+            (["cpu_moe"] if cpu_moe else [])
+        if given:
+            raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
+    elif fit or (fit is None and _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq,
+                                            fit_margin)):
+        placement = fitting.fit(path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
+                                layer_split=layer_split, tensor_overrides=tensor_overrides,
+                                cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
+                                n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
+                                interleave=interleave, **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
+        if progress:
+            print(f"[{placement.summary()}]", file=sys.stderr)
+    if placement is not None:
+        m = Model(path, placement=placement)
+        placement = m.placement
+    else:
+        m = Model(path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides,
+                  n_copies=n_copies, split_mode=split_mode or "layer", tensor_split=tensor_split,
+                  interleave=interleave)
+    template, template_error = None, None
+    with GGUFFile(path) as f:
+        meta = f.metadata
+        metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
+        tokenizer = Tokenizer.from_metadata(meta, name=os.path.basename(path))
+        if chat_template is None and not meta.get("tokenizer.chat_template") \
+                and str(meta.get("general.architecture", "")).startswith("gemma"):
+            chat_template = "gemma"  # gemma GGUFs often ship without one; the family's format is fixed
+        try:
+            template = ChatTemplate.from_metadata(meta, tokenizer, name=os.path.basename(path), template=chat_template)
+        except ValueError as e:
+            template_error = str(e)
+    if placement is not None:
+        ctx = Context(m)
+    else:
+        n_ubatch = n_ubatch or 512
+        # Generation needs one row of logits; a few rows keep logits() reasonably batched while
+        # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
+        ctx = Context(m, n_ctx=slot_context(_default_ctx(m.n_ctx_train, n_ctx, n_seq), n_seq), n_ubatch=n_ubatch,
+                      n_seq=n_seq, kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
+    return Loaded(path, placement, m, metadata, tokenizer, template, template_error, ctx)
+
+
+def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:
+    """n_ctx, or min(4096, trained) for each of n_seq sequences."""
+    return n_seq * min(4096, n_ctx_train) if n_ctx is None else n_ctx
+
+
+def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin) -> bool:
+    """Several devices, an expert spill asked for, or a model that does not fit the one device."""
+    specs = parse_devices(devices)
+    if len(specs) > 1 or cpu_moe or n_cpu_moe is not None:
+        return True
+    n_ubatch = n_ubatch or 512
+    projector = _core.engine.Projector(os.fspath(path))
+    n_ctx = slot_context(_default_ctx(projector.n_ctx_train, n_ctx, n_seq), n_seq)
+    return not fitting.fits_one_device(projector, specs[0], n_ctx, n_ubatch, kv_type or "f16", min(n_ubatch, LOGIT_ROWS),
+                                       margin, n_seq)
