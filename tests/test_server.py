@@ -293,7 +293,7 @@ def test_a_full_queue_answers_503():
 def test_a_streamed_piece_is_the_event_json_dumps_makes():
     """The stream's per-token event is assembled from pieces made once; it must be the bytes of
     the general event (OpenAI's chunk shape) for any text: quotes, escapes, non-ASCII, newlines."""
-    from stowlm.server import _PieceJson, _chunk_json
+    from stowlm.serve.events import PieceJson as _PieceJson, chunk_json as _chunk_json
     for chat in (True, False):
         for usage in (True, False):
             head = {"id": 'chatcmpl-"7', "object": "chat.completion.chunk" if chat else "text_completion",

@@ -187,7 +187,7 @@ def test_without_llguidance_the_error_names_the_extra(llm, monkeypatch):
     with pytest.raises(gm.StructuredUnavailable) as e:
         llm.generate("x", max_tokens=2, json_schema={"type": "object", "properties": {"q": {"type": "string"}}})
     assert gm.EXTRA in str(e.value)
-    from stowlm.protocol import APIError, parse_chat
+    from stowlm.serve.protocol import APIError, parse_chat
 
     with pytest.raises(APIError) as e:
         parse_chat({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object",

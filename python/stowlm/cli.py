@@ -343,7 +343,7 @@ def _serve(a: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise RuntimeError(f"stowlm serve needs starlette and uvicorn ({e}); pip install starlette uvicorn") from None
-    from .server import serve
+    from .serve.app import serve
 
     llm = _load(a, n_seq=a.parallel)
     serve(llm, host=a.host, port=a.port, model_id=a.alias, api_key=a.api_key or os.environ.get("STOWLM_API_KEY"),

@@ -1,6 +1,6 @@
 """llama-cpp-python's ``Llama.create_completion`` / ``create_chat_completion`` on an LLM: the same
-OpenAI-shaped dicts, made by the server's own request checks and result shapes (stowlm.protocol),
-so code written for ``llama_cpp.Llama`` runs after changing the import."""
+OpenAI-shaped dicts, made by the server's own request checks and result shapes (stowlm.serve's
+protocol and events), so code written for ``llama_cpp.Llama`` runs after changing the import."""
 from __future__ import annotations
 
 import queue
@@ -8,7 +8,8 @@ import time
 import uuid
 from typing import Iterator, List
 
-from .protocol import APIError, ChoiceOut, parse_chat, parse_completion, usage
+from .serve.events import ChoiceOut, usage
+from .serve.protocol import APIError, parse_chat, parse_completion
 
 __all__ = ["create"]
 

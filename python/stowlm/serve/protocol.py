@@ -1,4 +1,4 @@
-"""OpenAI's request and response shapes, shared by the server and ``LLM.create_*``.
+"""OpenAI's requests, checked: shared by the server and ``LLM.create_*`` (stowlm.compat).
 
 A request body is checked field by field: every field is honoured, or refused with an error that
 names it (``param``); nothing is dropped silently. That covers OpenAI's fields stowlm does not
@@ -6,8 +6,7 @@ implement (refused), those that have no effect on a local model by nature (``use
 false, ...: accepted) and llama-server's extensions (``top_k``, ``min_p``, ``repeat_penalty``,
 ``grammar``, ``json_schema``, ``n_probs``, ...; a sampler stowlm does not have is accepted only
 at its neutral value). :func:`parse_chat` and :func:`parse_completion` turn a body into a
-:class:`Job`; :class:`ChoiceOut` turns one choice's engine events into OpenAI's message, stream
-deltas, tool calls and log-probabilities.
+:class:`Job`; stowlm.serve.events makes its engine events into OpenAI's responses.
 """
 from __future__ import annotations
 
@@ -16,13 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
-from .text.grammar import FieldError, StructuredUnavailable
-from .text.sampling import SamplingParams
-from .text.toolcalls import ToolRequest
-from .text.toolparser import ToolParser, gather, new_call_id
+from ..text.grammar import FieldError, StructuredUnavailable
+from ..text.sampling import SamplingParams
+from ..text.toolcalls import ToolRequest
+from ..text.toolparser import new_call_id
 
-__all__ = ["APIError", "Job", "ChoiceOut", "parse_chat", "parse_completion", "MAX_N", "MAX_STOP",
-           "MAX_TOP_LOGPROBS"]
+__all__ = ["APIError", "Job", "parse_chat", "parse_completion", "MAX_N", "MAX_STOP", "MAX_TOP_LOGPROBS"]
 
 MAX_STOP = 16          # stop strings per request
 MAX_TOP_LOGPROBS = 20  # OpenAI's bound for chat (completions: 5; we allow 20 for both)
@@ -347,7 +345,7 @@ def _grammar(body: Mapping, llm, tools: Optional[ToolRequest]):
     try:
         if tools is not None:
             text = tools.grammar(llm.tokenizer)
-            from .text.grammar import Grammar
+            from ..text.grammar import Grammar
 
             return None if text is None else Grammar(llm.tokenizer, text, llm.model.n_vocab, "tools")
         return llm.grammar(response_format=body.get("response_format"), grammar=body.get("grammar"),
@@ -407,139 +405,3 @@ def parse_completion(body: Mapping, llm) -> Job:
     toks = prompts(body, llm)
     params = sampling(body, llm, 16, False)
     return Job(False, toks, params, n, stream, include_usage, logprobs, _grammar(body, llm, None))
-
-
-# -- results -------------------------------------------------------------------------------------------------
-
-class ChoiceOut:
-    """One choice's events made into OpenAI's shapes. piece() gives a stream chunk's choice (or
-    None when nothing is certain yet), done() the last ones; result() the whole choice of a
-    response that is not streamed."""
-
-    def __init__(self, job: Job, index: int, tokenizer):
-        self.job, self.index, self.tok = job, index, tokenizer
-        self.text: List[str] = []
-        self.lps: List[dict] = []
-        self.offset = 0
-        self.parser: Optional[ToolParser] = job.tools.parser() if job.tools is not None else None
-        self.calls: List[dict] = []
-        self.reasoning: List[str] = []
-        self.finish: Optional[str] = None
-        self.prompt_tokens = self.completion_tokens = 0
-        self.drafted = self.accepted = 0  # speculative decoding's draft tokens, and those kept
-
-    # -- log-probabilities -----------------------------------------------------------------------------
-    def _lp_entry(self, ev) -> Optional[dict]:
-        if self.job.logprobs is None or ev.token is None or ev.logprob is None or self.tok.is_eog(ev.token):
-            return None
-        piece = self.tok.decode([ev.token])
-        return {"token": piece, "logprob": ev.logprob,
-                "top": [(self.tok.decode([t]), lp) for t, lp in (ev.top_logprobs or [])]}
-
-    @staticmethod
-    def chat_lp(x: dict) -> dict:
-        return {"token": x["token"], "logprob": x["logprob"], "bytes": list(x["token"].encode("utf-8")),
-                "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8"))} for t, lp in x["top"]]}
-
-    @staticmethod
-    def cmpl_lp(lps: List[dict], offset: int = 0) -> dict:
-        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        for x in lps:
-            out["tokens"].append(x["token"])
-            out["token_logprobs"].append(x["logprob"])
-            out["top_logprobs"].append({t: lp for t, lp in x["top"]})
-            out["text_offset"].append(offset)
-            offset += len(x["token"])
-        return out
-
-    # -- the stream ----------------------------------------------------------------------------------------
-    def _items(self, text: str, final: bool) -> Tuple[str, List[dict], str]:
-        """Content, the tool calls completed by this text, and reasoning the format keeps apart."""
-        if self.parser is None:
-            return text, [], ""
-        items = self.parser.feed(text) if text else []
-        if final:
-            items += self.parser.finish()
-        content, reasoning, new = gather(items, self.job.tools.format)
-        self.reasoning.append(reasoning)
-        self.calls += new
-        return content, [dict(c, index=len(self.calls) - len(new) + i) for i, c in enumerate(new)], reasoning
-
-    def piece(self, ev) -> Optional[dict]:
-        """The chunk choice of a piece event, or None."""
-        x = self._lp_entry(ev)
-        if x is not None:
-            self.lps.append(x)
-        content, calls, reasoning = self._items(ev.text, False)
-        self.text.append(content)
-        if not content and not calls and not reasoning and x is None:
-            return None
-        lp = None
-        if x is not None:
-            lp = {"content": [self.chat_lp(x)]} if self.job.chat else self.cmpl_lp([x], self.offset)
-        self.offset += len(content)
-        if self.job.chat:
-            delta: Dict[str, Any] = {"content": content} if content or not (calls or reasoning) else {}
-            if reasoning:
-                delta["reasoning_content"] = reasoning
-            if calls:
-                delta["tool_calls"] = calls
-            return {"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": None}
-        return {"index": self.index, "text": content, "logprobs": lp, "finish_reason": None}
-
-    def done(self, ev) -> List[dict]:
-        """The chunk choices of the end: what the parser held back, then the finish reason."""
-        out = []
-        content, calls, reasoning = self._items("", True)
-        self.text.append(content)
-        if content or calls or reasoning:
-            if self.job.chat:
-                delta: Dict[str, Any] = {"content": content} if content else {}
-                if reasoning:
-                    delta["reasoning_content"] = reasoning
-                if calls:
-                    delta["tool_calls"] = calls
-                out.append({"index": self.index, "delta": delta, "logprobs": None, "finish_reason": None})
-            else:
-                out.append({"index": self.index, "text": content, "logprobs": None, "finish_reason": None})
-        self.finish = self.finish_reason(ev)
-        self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
-        self.drafted, self.accepted = ev.drafted, ev.accepted
-        delta_end = {"delta": {}} if self.job.chat else {"text": ""}
-        out.append({"index": self.index, **delta_end, "logprobs": None, "finish_reason": self.finish})
-        return out
-
-    def finish_reason(self, ev) -> str:
-        if self.calls and ev.finish_reason == "stop":
-            return "tool_calls"
-        return ev.finish_reason if ev.finish_reason in ("stop", "length") else (ev.finish_reason or "stop")
-
-    def result(self) -> dict:
-        """The whole choice (after done())."""
-        text = "".join(self.text)
-        if self.job.chat:
-            msg: Dict[str, Any] = {"role": "assistant", "content": text if text or not self.calls else None}
-            if "".join(self.reasoning):
-                msg["reasoning_content"] = "".join(self.reasoning)
-            if self.calls:
-                msg["tool_calls"] = self.calls
-            return {"index": self.index, "message": msg,
-                    "logprobs": None if self.job.logprobs is None else {"content": [self.chat_lp(e) for e in self.lps]},
-                    "finish_reason": self.finish}
-        return {"index": self.index, "text": text,
-                "logprobs": None if self.job.logprobs is None else self.cmpl_lp(self.lps),
-                "finish_reason": self.finish}
-
-
-def usage(outs: List[ChoiceOut], n: int) -> dict:
-    """OpenAI's usage; where drafts were checked, also what speculative decoding did (OpenAI's
-    prediction token counts, and stowlm's drafted/accepted)."""
-    u = {"prompt_tokens": sum(o.prompt_tokens for i, o in enumerate(outs) if i % n == 0),
-         "completion_tokens": sum(o.completion_tokens for o in outs)}
-    u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
-    drafted, accepted = sum(o.drafted for o in outs), sum(o.accepted for o in outs)
-    if drafted:
-        u["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": drafted - accepted}
-        u["drafted_tokens"], u["accepted_tokens"] = drafted, accepted
-    return u
