@@ -288,3 +288,32 @@ def test_llm_and_cli_take_a_tensor_split():
     out = subprocess.run([sys.executable, "-m", "stowlm", "fit", path, "--devices", "cpu:0,cpu:1", "-sm", "tensor-sum",
                           "-ts", "1,1", "-c", "512"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
     assert out.returncode == 0 and "tensor-sum split 50%:50%" in out.stdout, out.stdout + out.stderr
+
+
+def test_fitting_a_fitted_tensor_placement_gives_it_back(tmp_path):
+    """A saved tensor-split placement fits again to itself (it used to be refused: fit took the
+    devices and n_ctx from it and then counted them as set twice)."""
+    from stowlm import fit
+
+    path = str(get_model("qwen3moe-tiny"))
+    for devices, mode in (("cpu:0[mem=40MiB],cpu:1[mem=80MiB]", "tensor"),
+                          ("cpu:0[mem=15MiB],cpu:1[mem=64MiB]", "tensor"),  # the roomiest moved first
+                          ("cpu:0[mem=40MiB],cpu:1[mem=80MiB]", "tensor-sum")):
+        p = fit.fit(path, devices, split_mode=mode, max_ctx=2048)
+        p.save(tmp_path / "p.json")
+        again = fit.fit(path, placement=tmp_path / "p.json")
+        assert again.split_mode == mode and again.n_ctx == p.n_ctx and again.n_seq == p.n_seq
+        assert [d.spec for d in again.devices] == [d.spec for d in p.used_devices]
+        assert [d.projected for d in again.devices] == [d.projected for d in p.used_devices]
+        assert again.tensor_split == pytest.approx(p.tensor_split)
+        for a, b in zip(again.devices, p.used_devices):
+            assert a.shard["share"] == pytest.approx(b.shard["share"])
+            assert {k: v for k, v in a.shard.items() if k != "share"} == \
+                {k: v for k, v in b.shard.items() if k != "share"}
+    # what the placement fixes may not be given again, and it is for its own model only
+    with pytest.raises(ValueError, match="placement fixes"):
+        fit.fit(path, "cpu:0,cpu:1", placement=p)
+    with pytest.raises(ValueError, match="placement fixes"):
+        fit.fit(path, placement=p, n_ctx=512)
+    with pytest.raises(ValueError, match="made for another model"):
+        fit.fit(str(get_model("smollm2-moe")), placement=p)

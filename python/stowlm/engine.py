@@ -3,114 +3,24 @@ token ids into next-token logits. The graph, scheduling, memory planning and ker
 in the native core (stowlm._core.engine); this module only shapes arguments and results."""
 from __future__ import annotations
 
-import functools
 import logging
 import os
-import re
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence
 
 import numpy as np
 
 from . import _core
 from .devices import DeviceSpec, parse_devices
-from .placement import check_split_mode
+from .placement.costs import check_made_for
+from .placement.data import Placement
+# the rules for calling the core live with the placements; the names stay importable from here
+from .placement.rules import (DEFAULT_KV_TYPE, DEFAULT_N_COPIES, DEFAULT_N_CTX, DEFAULT_N_UBATCH,  # noqa: F401
+                              SHARD_FIELDS, _interleave, _layer_split, _n_copies, _n_outputs, _native_overrides,
+                              _overrides, _tensor_overrides, _tensor_split, check_split_mode, layer_devices, plan,
+                              tensor_names)
 
 _native = _core.engine
 _log = logging.getLogger("stowlm")
-
-
-@functools.lru_cache(maxsize=8)
-def _file_names(path: str, mtime_ns: int, size: int) -> tuple:
-    from .gguffile import GGUFFile
-
-    with GGUFFile(path) as f:
-        return tuple(t.name for t in f.tensors)
-
-
-def tensor_names(path) -> tuple:
-    """The tensor names of a GGUF file (read once per version of the file)."""
-    st = os.stat(path)
-    return _file_names(os.fspath(path), st.st_mtime_ns, st.st_size)
-
-
-def _as_names(rx: "re.Pattern", names, whole: bool) -> str:
-    """A pattern for the native matcher that matches exactly the names `rx` matches (searched, or
-    whole when `whole`): the names themselves, escaped. The matching is Python's; the native
-    std::regex then sees no bracket expression, whose locale lookups crash where another library
-    loaded first brought its own C++ runtime (jaxlib does), and no pattern that matches nothing
-    but "(?!)", so an override that matches no weight is still reported as one."""
-    hits = [n for n in names if (rx.fullmatch(n) if whole else rx.search(n))]
-    return "(?:" + "|".join(re.escape(n) for n in hits) + ")" if hits else "(?!)"
-
-
-def _overrides(overrides, devices: List[DeviceSpec], names=None):
-    """{regex: device} (or [(regex, device)]) -> [(regex, device index)]; a device is named as in
-    the device list ("cpu:1") or given by its index. With the file's tensor `names`, each regex
-    becomes the names it matches in whole."""
-    if not overrides:
-        return []
-    items = overrides.items() if hasattr(overrides, "items") else overrides
-    dev_names = [d.name for d in devices]
-    out = []
-    for pattern, dev in items:
-        if isinstance(dev, int):
-            index = dev
-        elif str(dev) in dev_names:
-            index = dev_names.index(str(dev))
-        else:
-            raise ValueError(f"tensor override {pattern!r}: device {dev!r} is not one of {dev_names}")
-        if names is None:
-            native = str(pattern)
-        else:
-            try:
-                native = _as_names(re.compile(str(pattern)), names, True)
-            except re.error as e:
-                raise ValueError(f"tensor override {pattern!r}: invalid regular expression: {e}") from None
-        out.append((native, int(index), f"{pattern}={dev}"))
-    return out
-
-
-def _tensor_overrides(specs, devices: List[DeviceSpec], names=None):
-    """["REGEX=DEVICE", ...] -> [(pattern, device index)]. REGEX is searched for anywhere in a
-    tensor's name (as llama.cpp's --override-tensor does); the first matching entry wins. With the
-    file's tensor `names`, each becomes the names it matches."""
-    if not specs:
-        return []
-    if isinstance(specs, str):
-        specs = [specs]
-    dev_names = [d.name for d in devices]
-    out = []
-    for spec in specs:
-        pattern, sep, dev = str(spec).rpartition("=")
-        if not sep or not pattern:
-            raise ValueError(f"tensor override {spec!r} is not of the form REGEX=DEVICE")
-        dev = dev.strip()
-        if dev not in dev_names:
-            raise ValueError(f"tensor override {spec!r}: device {dev!r} is not one of {dev_names}")
-        try:
-            rx = re.compile(pattern)
-        except re.error as e:
-            raise ValueError(f"tensor override {spec!r}: invalid regular expression: {e}") from None
-        # The native side matches whole names: the names it matches, or a wrapping that searches.
-        native = f".*(?:{pattern}).*" if names is None else _as_names(rx, names, False)
-        out.append((native, dev_names.index(dev), str(spec)))
-    return out
-
-
-def _native_overrides(path, tensor_overrides, overrides, devices: List[DeviceSpec]):
-    """Both kinds of override for the core, tensor_overrides first, matched against the file's
-    tensor names where the file is there to read."""
-    names = tensor_names(path) if (tensor_overrides or overrides) and os.path.isfile(path) else None
-    return _tensor_overrides(tensor_overrides, devices, names) + _overrides(overrides, devices, names)
-
-
-def _layer_split(layer_split: Optional[Sequence[int]]) -> List[int]:
-    if layer_split is None:
-        return []
-    split = [int(n) for n in layer_split]
-    if any(n < 0 for n in split):
-        raise ValueError(f"layer_split {split}: layer counts must be >= 0")
-    return split
 
 
 class Model:
@@ -207,7 +117,7 @@ class Model:
         """Index of the device holding weight `name` (-1 if the model does not use it)."""
         return self._m.tensor_device(name)
 
-    def plan(self, n_ctx: int = 4096, n_ubatch: int = 512, kv_type: str = "f16",
+    def plan(self, n_ctx: int = DEFAULT_N_CTX, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = DEFAULT_KV_TYPE,
              n_outputs: Optional[int] = None) -> List[dict]:
         """Bytes per device (weights, kv, compute, copies, total, budget) a Context with these
         parameters would take; allocates nothing."""
@@ -217,95 +127,12 @@ class Model:
         return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
 
 
-def plan(path, devices=None, layer_split=None, n_ctx: int = 4096, n_ubatch: int = 512,
-         kv_type: str = "f16", overrides=None, n_outputs: Optional[int] = None,
-         tensor_overrides: Optional[Sequence[str]] = None, n_copies: Optional[int] = None,
-         split_mode: str = "layer", tensor_split: Optional[Sequence[float]] = None,
-         interleave: Optional[int] = None) -> List[dict]:
-    """Like Model.plan but without loading (nothing is counted against any budget)."""
-    specs = parse_devices(devices)
-    shares = _tensor_split(split_mode, tensor_split, len(specs), layer_split, overrides, tensor_overrides)
-    return _native.project(os.fspath(path), [d.as_tuple() for d in specs], _layer_split(layer_split),
-                           _native_overrides(path, tensor_overrides, overrides, specs), int(n_ctx),
-                           int(n_ubatch), kv_type, _n_outputs(n_outputs),
-                           _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies), shares,
-                           _interleave(interleave), split_mode == "tensor-sum")["devices"]
-
-
-SHARD_FIELDS = ("q_heads", "kv_heads", "ffn_rows", "experts", "shexp_rows", "expert_rows", "embd_rows")
-
-
-def _tensor_split(split_mode: str, tensor_split, n_dev: int, layer_split=None, overrides=None,
-                  tensor_overrides=None) -> List[float]:
-    """The shares the core takes: [] for a layer split; one per device for a tensor split."""
-    check_split_mode(split_mode)
-    if split_mode == "layer":
-        if tensor_split is not None:
-            raise ValueError("tensor_split needs split_mode='tensor' or 'tensor-sum'")
-        return []
-    if layer_split is not None:
-        raise ValueError(f"split_mode={split_mode!r} cuts every layer over the devices: give tensor_split, not "
-                         "layer_split")
-    if overrides or tensor_overrides:
-        raise ValueError(f"tensor overrides are not supported with split_mode={split_mode!r} yet")
-    shares = [1.0] * n_dev if tensor_split is None else list(tensor_split)
-    if len(shares) != n_dev:
-        raise ValueError(f"tensor_split has {len(shares)} shares for {n_dev} devices")
-    for s in shares:
-        if isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0 or s != s or s == float("inf"):
-            raise ValueError(f"tensor_split: shares must be finite numbers >= 0, got {tensor_split!r}")
-    if sum(shares) <= 0:
-        raise ValueError("tensor_split: every share is 0")
-    return [float(s) for s in shares]
-
-
-DEFAULT_N_COPIES = 4
-
-
-def _n_copies(n) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n_copies must be a positive integer, got {n!r}")
-    return n
-
-
-def _interleave(n) -> int:
-    """The core's form: 0 asks for its default."""
-    if n is None:
-        return 0
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"interleave must be a positive integer, got {n!r}")
-    return n
-
-
-def layer_devices(counts: Sequence[int], interleave: Optional[int] = None,
-                  cpu_only: bool = True) -> Tuple[List[int], int]:
-    """Where each layer goes when device i holds counts[i] layers, and the interleave that is
-    (by default 2 only where the devices holding layers are all CPU devices: cpu_only)."""
-    devices, v = _native.layer_devices([int(c) for c in counts], _interleave(interleave), cpu_only)
-    return list(devices), v
-
-
-def _load_placement(placement, path: str):
+def _load_placement(placement, path: str) -> Placement:
     """A Placement (or the path of its JSON file), checked to be one made for the model at `path`."""
-    from .fit import fingerprint
-    from .placement import Placement
-
     if not isinstance(placement, Placement):
         placement = Placement.load(placement)
-    mine = fingerprint(path)
-    if placement.model.get("fingerprint") != mine:
-        raise ValueError(f"the placement was made for another model ({placement.model.get('path')}, "
-                         f"{placement.model.get('arch')}, fingerprint {placement.model.get('fingerprint')}), not "
-                         f"{path} (fingerprint {mine})")
+    check_made_for(placement, path)
     return placement
-
-
-def _n_outputs(n_outputs: Optional[int]) -> int:
-    if n_outputs is None:
-        return 0
-    if int(n_outputs) <= 0:
-        raise ValueError(f"n_outputs must be positive, got {n_outputs}")
-    return int(n_outputs)
 
 
 class Context:
@@ -326,9 +153,9 @@ class Context:
                     raise ValueError(f"Context: {key}={value!r} differs from the model's placement ({getattr(p, key)!r})")
             n_ctx, n_ubatch, kv_type, n_outputs, n_seq = p.n_ctx, p.n_ubatch, p.kv_type, p.n_outputs, p.n_seq
         if n_ctx is None:
-            n_ctx = min(4096, model.n_ctx_train)
-        n_ubatch = 512 if n_ubatch is None else n_ubatch
-        kv_type = kv_type or "f16"
+            n_ctx = min(DEFAULT_N_CTX, model.n_ctx_train)
+        n_ubatch = DEFAULT_N_UBATCH if n_ubatch is None else n_ubatch
+        kv_type = kv_type or DEFAULT_KV_TYPE
         if int(n_ctx) <= 0:
             raise ValueError(f"n_ctx must be positive, got {n_ctx}")
         if int(n_ubatch) <= 0:

@@ -251,45 +251,15 @@ def _room(described: List[dict], margin) -> List[int]:
 
 def _split_layers(path: str, devices: List[DeviceSpec], described: List[dict], n_ctx: int, n_ubatch: int,
                   kv_type: str, overrides, margin, decisions: List[str]) -> List[int]:
-    """Layers per device over every rank's devices: in proportion to each device's room, then
-    moved one at a time from a device the core's projection puts over its room to the one with
-    the most room left, until every device fits."""
-    from .engine import plan
-    from .gguffile import GGUFFile
+    """Layers per device over every rank's devices (placement.ranks decides them within each
+    device's room); `described` records each device's projection."""
+    from .placement.ranks import split_over_ranks
 
-    with GGUFFile(path) as f:
-        meta = f.metadata
-    n_layer = int(meta[f"{meta['general.architecture']}.block_count"])
-    room = _room(described, margin)
-    total = sum(room) or 1
-    quota = [n_layer * r / total for r in room]
-    split = [int(q) for q in quota]
-    for i in sorted(range(len(split)), key=lambda i: quota[i] - split[i], reverse=True)[:n_layer - sum(split)]:
-        split[i] += 1
-    decisions.append("layers in proportion to each device's room (free memory less its margin; ranks of one "
-                     f"host share its RAM): {split}")
-    for _ in range(n_layer * len(devices) + 1):
-        rows = plan(path, devices=devices, layer_split=split, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
-                    tensor_overrides=overrides, n_outputs=min(n_ubatch, LOGIT_ROWS))
-        over = [rows[i]["total"] - room[i] for i in range(len(devices))]
-        worst = max(range(len(devices)), key=lambda i: over[i])
-        if over[worst] <= 0:
-            for i, r in enumerate(rows):
-                described[i]["projected"] = r
-            return split
-        spare = [i for i in range(len(devices)) if i != worst and over[i] < 0]
-        if split[worst] == 0 or not spare:
-            d = described[worst]
-            raise MemoryError(f"the model does not fit the devices of the MPI job with n_ctx {n_ctx}: "
-                              f"{devices[worst].name} on {d['host']} is short by {_size(over[worst])} "
-                              f"(it needs {_size(rows[worst]['total'])}, its room is {_size(room[worst])}) and no other device has "
-                              "room for its layers")
-        to = min(spare, key=lambda i: over[i])
-        split[worst] -= 1
-        split[to] += 1
-        decisions.append(f"a layer {devices[worst].name} -> {devices[to].name}: {devices[worst].name} was "
-                         f"{over[worst]} bytes over its room")
-    raise MemoryError("the layer split over the MPI job's devices did not settle")
+    split, rows = split_over_ranks(path, devices, _room(described, margin), [d["host"] for d in described], n_ctx,
+                                   n_ubatch, kv_type, overrides, decisions)
+    for i, r in enumerate(rows):
+        described[i]["projected"] = r
+    return split
 
 
 def setup(job: Job, model: str, devices=None, layer_split: Optional[Sequence[int]] = None,

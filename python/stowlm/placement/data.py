@@ -15,17 +15,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
-from .devices import DeviceSpec, parse_device
-
-# layer: whole layers per device; tensor: every layer cut over the devices, rows gathered (each
-# product as on one device); tensor-sum: every layer cut, partial products summed
-SPLIT_MODES = ("layer", "tensor", "tensor-sum")
-
-
-def check_split_mode(mode, where: str = "split_mode") -> str:
-    if mode not in SPLIT_MODES:
-        raise ValueError(f"{where} must be one of {', '.join(map(repr, SPLIT_MODES))}, got {mode!r}")
-    return mode
+from ..devices import DeviceSpec, parse_device, parse_devices
+from .rules import DEFAULT_KV_TYPE, DEFAULT_N_COPIES, check_split_mode, layer_devices
+from .split import describe_layers, describe_runs
 
 PROJECTED_KEYS = ("weights", "kv", "compute", "copies", "total")
 FORMAT = "stowlm-placement/1"
@@ -65,8 +57,6 @@ class DevicePlacement:
         return any(first <= layer <= last for first, last in self.layers)
 
     def describe_layers(self) -> str:
-        from .split import describe_runs
-
         return describe_runs(self.layers)
 
     @property
@@ -98,7 +88,7 @@ class Placement:
     tensor_overrides: List[str] = field(default_factory=list)  # "REGEX=DEVICE", first match wins
     decisions: List[str] = field(default_factory=list)         # what fit decided and why
     host: Optional[Dict[str, int]] = None  # CPU devices share the host's RAM: free, margin, projected
-    n_copies: int = 4                      # asked for: copies of the tensors that cross devices
+    n_copies: int = DEFAULT_N_COPIES       # asked for: copies of the tensors that cross devices
     n_seq: int = 1                         # sequences (server slots) sharing the context
     pipeline: Optional[Dict[str, object]] = None  # what the core makes of it: n_copies, reason (off)
     split_mode: str = "layer"              # "tensor"/"tensor-sum": every layer cut over the used devices
@@ -117,6 +107,16 @@ class Placement:
     @property
     def layer_split(self) -> List[int]:
         return [d.n_layers for d in self.used_devices]
+
+    def device_difference(self, devices) -> str:
+        """How a device list (as fit takes it) differs from the placement's devices, in any order;
+        "" when it names the same devices with the same options."""
+        mine = {d.name: d.device for d in self.devices}
+        given = {d.name: d for d in parse_devices(devices)}
+        out = [f"{given[n]} is not one of its devices" for n in given if n not in mine]
+        out += [f"its {n} is {mine[n]}, not {given[n]}" for n in given if n in mine and mine[n] != given[n]]
+        out += [f"its {mine[n]} is not in the list" for n in mine if n not in given]
+        return "; ".join(out)
 
     # -- serialisation ------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -160,106 +160,7 @@ class Placement:
 
     @classmethod
     def from_dict(cls, data, source: str = "placement") -> "Placement":
-        r = _Reader(source)
-        r.dict(data, "the placement")
-        if data.get("format", FORMAT) != FORMAT:
-            raise ValueError(f"{source}: format {data.get('format')!r} is not {FORMAT!r}")
-        model = r.dict(data.get("model"), "model")
-        for key in ("arch", "fingerprint"):
-            r.str(model.get(key), f"model.{key}")
-        r.int(model.get("n_layer"), "model.n_layer", 1)
-        check_split_mode(data.get("split_mode", "layer"), f"{source}: split_mode")
-        devices = []
-        items = r.list(data.get("devices"), "devices")
-        if not items:
-            raise ValueError(f"{source}: devices is empty")
-        for i, dd in enumerate(items):
-            where = f"devices[{i}]"
-            r.dict(dd, where)
-            spec = r.str(dd.get("spec", dd.get("name")), f"{where}.spec")
-            try:
-                dev = parse_device(spec)
-            except ValueError as e:
-                raise ValueError(f"{source}: {where}.spec: {e}") from None
-            if "name" in dd and dd["name"] != dev.name:
-                raise ValueError(f"{source}: {where}.name {dd['name']!r} does not match its spec {spec!r}")
-            layers = dd.get("layers") or []
-            r.list(layers, f"{where}.layers")
-            one = len(layers) == 2 and not isinstance(layers[0], list)  # [first, last], as before interleaving
-            ranges = []
-            for j, rng in enumerate([layers] if one else layers):
-                if not isinstance(rng, list) or len(rng) != 2:
-                    raise ValueError(f"{source}: {where}.layers must be a list of [first, last] ranges or null, "
-                                     f"got {dd.get('layers')!r}")
-                at = f"{where}.layers" + ("" if one else f"[{j}]")
-                first = r.int(rng[0], f"{at}[0]", 0)
-                ranges.append((first, r.int(rng[1], f"{at}[1]", first)))
-            layers = ranges
-            projected = r.dict(dd.get("projected", {}), f"{where}.projected")
-            proj = {k: r.int(projected.get(k, 0), f"{where}.projected.{k}", 0) for k in PROJECTED_KEYS}
-            devices.append(DevicePlacement(
-                spec=str(dev), layers=layers,
-                expert_layers=[r.int(x, f"{where}.expert_layers[]", 0)
-                               for x in r.list(dd.get("expert_layers", []), f"{where}.expert_layers")],
-                overrides=[r.str(x, f"{where}.overrides[]") for x in r.list(dd.get("overrides", []),
-                                                                            f"{where}.overrides")],
-                free=r.int(dd.get("free", 0), f"{where}.free", 0),
-                margin=r.int(dd.get("margin", 0), f"{where}.margin", 0), projected=proj,
-                allocated=None if dd.get("allocated") is None else r.int(dd["allocated"], f"{where}.allocated", 0),
-                note=r.str(dd.get("note", ""), f"{where}.note", allow_empty=True),
-                shard=_shard(dd.get("shard"), where)))
-        names = [d.name for d in devices]
-        for n in names:
-            if names.count(n) > 1:
-                raise ValueError(f"{source}: device {n} appears more than once")
-        # The ranges must be exactly those the core makes of the counts and the interleave.
-        split_mode = r.str(data.get("split_mode", "layer"), "split_mode")
-        interleave = r.int(data.get("interleave", 1), "interleave", 1)
-        if split_mode == "layer":
-            from .engine import layer_devices
-
-            counts = [d.n_layers for d in devices]
-            if sum(counts) != model["n_layer"]:
-                raise ValueError(f"{source}: the layer ranges cover {sum(counts)} layers, model.n_layer is "
-                                 f"{model['n_layer']}")
-            owner = {l: i for i, d in enumerate(devices) for first, last in d.layers for l in range(first, last + 1)}
-            used = [i for i, c in enumerate(counts) if c]
-            want, v = layer_devices([counts[i] for i in used], interleave)
-            if v != interleave or [owner.get(l) for l in range(model["n_layer"])] != [used[i] for i in want]:
-                raise ValueError(f"{source}: the devices' layer ranges are not those of their counts {counts} with "
-                                 f"interleave {interleave} (in device order, each device's layers in {interleave} "
-                                 "chunks, the devices taking turns)")
-        elif any(d.layers for d in devices):
-            raise ValueError(f"{source}: a tensor split gives no device layer ranges")
-        overrides = [r.str(x, "tensor_overrides[]") for x in r.list(data.get("tensor_overrides", []),
-                                                                    "tensor_overrides")]
-        for o in overrides:
-            pattern, sep, dev = o.rpartition("=")
-            if not sep or not pattern or dev not in names:
-                raise ValueError(f"{source}: tensor_overrides entry {o!r} is not REGEX=DEVICE with a device "
-                                 f"of the placement ({', '.join(names)})")
-        n_ubatch = r.int(data.get("n_ubatch"), "n_ubatch", 1)
-        host = data.get("host")
-        if host is not None:
-            r.dict(host, "host")
-            host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
-        tensor_split = data.get("tensor_split")
-        if tensor_split is not None:
-            tensor_split = [float(x) for x in r.list(tensor_split, "tensor_split")]
-        pipeline = data.get("pipeline")
-        if pipeline is not None:
-            r.dict(pipeline, "pipeline")
-            pipeline = {"n_copies": r.int(pipeline.get("n_copies"), "pipeline.n_copies", 1),
-                        "reason": r.str(pipeline.get("reason", ""), "pipeline.reason", allow_empty=True)}
-        return cls(model=dict(model), n_ctx=r.int(data.get("n_ctx"), "n_ctx", 1), n_ubatch=n_ubatch,
-                   n_outputs=r.int(data.get("n_outputs", n_ubatch), "n_outputs", 1),
-                   kv_type=r.str(data.get("kv_type", "f16"), "kv_type"), devices=devices,
-                   tensor_overrides=overrides,
-                   decisions=[r.str(x, "decisions[]", allow_empty=True) for x in r.list(data.get("decisions", []),
-                                                                                      "decisions")],
-                   host=host, n_copies=r.int(data.get("n_copies", 4), "n_copies", 1),
-                   n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline,
-                   split_mode=split_mode, tensor_split=tensor_split, interleave=interleave)
+        return cls(**_fields(data, source))
 
     # -- for people -------------------------------------------------------------------------------
     def table(self) -> str:
@@ -271,8 +172,6 @@ class Placement:
         for d in self.devices:
             p = d.projected
             layers = d.describe_layers() or "-"
-            from .split import describe_layers
-
             experts = describe_layers(d.expert_layers) if d.expert_layers else "-"
             if not d.used:
                 rows.append([d.name, "left out", "-", "-", "-", "-", "-", "-", format_size(d.free), format_size(d.margin)])
@@ -309,8 +208,6 @@ class Placement:
         return _render(head, rows, 1) + "\n" + self.summary()
 
     def summary(self) -> str:
-        from .split import describe_layers
-
         if self.split_mode != "layer":
             used = [d for d in self.devices if d.shard is not None]
             total = sum(d.projected["total"] for d in used)
@@ -342,24 +239,6 @@ class Placement:
         return self.table()
 
 
-SLOT_ALIGN = 256  # cells: a slot's region starts on a boundary the attention splits share
-
-
-def slot_context(n_ctx: int, n_seq: int) -> int:
-    """The context actually made for n_seq slots sharing n_ctx cells: each slot gets n_ctx / n_seq
-    cells, rounded down to a multiple of SLOT_ALIGN where that leaves any (so results do not
-    depend on the slot; see kv_cache.h)."""
-    n_ctx, n_seq = int(n_ctx), int(n_seq)
-    if n_seq <= 1:
-        return n_ctx
-    per = n_ctx // n_seq
-    if per >= SLOT_ALIGN:
-        per -= per % SLOT_ALIGN
-    if per < 1:
-        raise ValueError(f"n_ctx {n_ctx} is smaller than n_seq {n_seq}: each sequence needs at least one cell")
-    return per * n_seq
-
-
 def format_size(n: int) -> str:
     sign = "-" if n < 0 else ""
     n = abs(n)
@@ -367,6 +246,111 @@ def format_size(n: int) -> str:
         if n >= size:
             return f"{sign}{n / size:.1f} {unit}"
     return f"{sign}{n} B"
+
+
+def _fields(data, source: str) -> dict:
+    """The fields of a Placement from the dict of its JSON file, each checked (errors name the file
+    and the field)."""
+    r = _Reader(source)
+    r.dict(data, "the placement")
+    if data.get("format", FORMAT) != FORMAT:
+        raise ValueError(f"{source}: format {data.get('format')!r} is not {FORMAT!r}")
+    model = r.dict(data.get("model"), "model")
+    for key in ("arch", "fingerprint"):
+        r.str(model.get(key), f"model.{key}")
+    r.int(model.get("n_layer"), "model.n_layer", 1)
+    check_split_mode(data.get("split_mode", "layer"), f"{source}: split_mode")
+    items = r.list(data.get("devices"), "devices")
+    if not items:
+        raise ValueError(f"{source}: devices is empty")
+    devices = [_device(r, dd, f"devices[{i}]", source) for i, dd in enumerate(items)]
+    names = [d.name for d in devices]
+    for n in names:
+        if names.count(n) > 1:
+            raise ValueError(f"{source}: device {n} appears more than once")
+    # The ranges must be exactly those the core makes of the counts and the interleave.
+    split_mode = r.str(data.get("split_mode", "layer"), "split_mode")
+    interleave = r.int(data.get("interleave", 1), "interleave", 1)
+    if split_mode == "layer":
+        counts = [d.n_layers for d in devices]
+        if sum(counts) != model["n_layer"]:
+            raise ValueError(f"{source}: the layer ranges cover {sum(counts)} layers, model.n_layer is "
+                             f"{model['n_layer']}")
+        owner = {l: i for i, d in enumerate(devices) for first, last in d.layers for l in range(first, last + 1)}
+        used = [i for i, c in enumerate(counts) if c]
+        want, v = layer_devices([counts[i] for i in used], interleave)
+        if v != interleave or [owner.get(l) for l in range(model["n_layer"])] != [used[i] for i in want]:
+            raise ValueError(f"{source}: the devices' layer ranges are not those of their counts {counts} with "
+                             f"interleave {interleave} (in device order, each device's layers in {interleave} "
+                             "chunks, the devices taking turns)")
+    elif any(d.layers for d in devices):
+        raise ValueError(f"{source}: a tensor split gives no device layer ranges")
+    overrides = [r.str(x, "tensor_overrides[]") for x in r.list(data.get("tensor_overrides", []),
+                                                                "tensor_overrides")]
+    for o in overrides:
+        pattern, sep, dev = o.rpartition("=")
+        if not sep or not pattern or dev not in names:
+            raise ValueError(f"{source}: tensor_overrides entry {o!r} is not REGEX=DEVICE with a device "
+                             f"of the placement ({', '.join(names)})")
+    n_ubatch = r.int(data.get("n_ubatch"), "n_ubatch", 1)
+    host = data.get("host")
+    if host is not None:
+        r.dict(host, "host")
+        host = {k: r.int(v, f"host.{k}", 0) for k, v in host.items()}
+    tensor_split = data.get("tensor_split")
+    if tensor_split is not None:
+        tensor_split = [float(x) for x in r.list(tensor_split, "tensor_split")]
+    pipeline = data.get("pipeline")
+    if pipeline is not None:
+        r.dict(pipeline, "pipeline")
+        pipeline = {"n_copies": r.int(pipeline.get("n_copies"), "pipeline.n_copies", 1),
+                    "reason": r.str(pipeline.get("reason", ""), "pipeline.reason", allow_empty=True)}
+    return dict(model=dict(model), n_ctx=r.int(data.get("n_ctx"), "n_ctx", 1), n_ubatch=n_ubatch,
+                n_outputs=r.int(data.get("n_outputs", n_ubatch), "n_outputs", 1),
+                kv_type=r.str(data.get("kv_type", DEFAULT_KV_TYPE), "kv_type"), devices=devices,
+                tensor_overrides=overrides,
+                decisions=[r.str(x, "decisions[]", allow_empty=True) for x in r.list(data.get("decisions", []),
+                                                                                   "decisions")],
+                host=host, n_copies=r.int(data.get("n_copies", DEFAULT_N_COPIES), "n_copies", 1),
+                n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline,
+                split_mode=split_mode, tensor_split=tensor_split, interleave=interleave)
+
+
+def _device(r: "_Reader", dd, where: str, source: str) -> DevicePlacement:
+    """One entry of the file's devices."""
+    r.dict(dd, where)
+    spec = r.str(dd.get("spec", dd.get("name")), f"{where}.spec")
+    try:
+        dev = parse_device(spec)
+    except ValueError as e:
+        raise ValueError(f"{source}: {where}.spec: {e}") from None
+    if "name" in dd and dd["name"] != dev.name:
+        raise ValueError(f"{source}: {where}.name {dd['name']!r} does not match its spec {spec!r}")
+    layers = dd.get("layers") or []
+    r.list(layers, f"{where}.layers")
+    one = len(layers) == 2 and not isinstance(layers[0], list)  # [first, last], as before interleaving
+    ranges = []
+    for j, rng in enumerate([layers] if one else layers):
+        if not isinstance(rng, list) or len(rng) != 2:
+            raise ValueError(f"{source}: {where}.layers must be a list of [first, last] ranges or null, "
+                             f"got {dd.get('layers')!r}")
+        at = f"{where}.layers" + ("" if one else f"[{j}]")
+        first = r.int(rng[0], f"{at}[0]", 0)
+        ranges.append((first, r.int(rng[1], f"{at}[1]", first)))
+    layers = ranges
+    projected = r.dict(dd.get("projected", {}), f"{where}.projected")
+    proj = {k: r.int(projected.get(k, 0), f"{where}.projected.{k}", 0) for k in PROJECTED_KEYS}
+    return DevicePlacement(
+        spec=str(dev), layers=layers,
+        expert_layers=[r.int(x, f"{where}.expert_layers[]", 0)
+                       for x in r.list(dd.get("expert_layers", []), f"{where}.expert_layers")],
+        overrides=[r.str(x, f"{where}.overrides[]") for x in r.list(dd.get("overrides", []),
+                                                                    f"{where}.overrides")],
+        free=r.int(dd.get("free", 0), f"{where}.free", 0),
+        margin=r.int(dd.get("margin", 0), f"{where}.margin", 0), projected=proj,
+        allocated=None if dd.get("allocated") is None else r.int(dd["allocated"], f"{where}.allocated", 0),
+        note=r.str(dd.get("note", ""), f"{where}.note", allow_empty=True),
+        shard=_shard(dd.get("shard"), where))
 
 
 class _Reader:

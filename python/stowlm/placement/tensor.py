@@ -1,5 +1,5 @@
 """Fit for a tensor split: the devices' shares of every layer, and the context, from the core's
-exact projections (fit.fit routes here for split_mode="tensor" or "tensor-sum").
+exact projections (fit routes here for split_mode="tensor" or "tensor-sum").
 
 1. Shares: as the user gave them, or in proportion to each device's room (free memory less its
    margin). What the shares cannot move (the whole input embedding on the first device, the
@@ -16,19 +16,19 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Optional, Sequence
 
-from . import _core
-from .engine import SHARD_FIELDS
-from .placement import DevicePlacement, Placement, format_size, slot_context
+from .. import _core
+from .budgets import FitError, ctx_given, over, shares_of, shortfalls
+from .data import DevicePlacement, Placement, format_size
+from .rules import SHARD_FIELDS
+from .search import context_range, largest_context
 
-_ROUNDS = 8  # share corrections per context
+ROUNDS = 8  # share corrections per context
 
 
-def fit_tensor(path: str, devs, host_free: int, host_margin: int, **kw):
+def fit_tensor(path: str, devs, host_free: int, host_margin: int, **kw) -> Placement:
     """The placement (see the module's text); FitError when no shares fit. The first device holds
     the whole input embedding and the last gathers the logits: when the user's order does not
     fit, the roomiest device goes first."""
-    from .fit import FitError
-
     try:
         return _fit_tensor(path, devs, host_free, host_margin, **kw)
     except FitError:
@@ -46,49 +46,36 @@ def fit_tensor(path: str, devs, host_free: int, host_margin: int, **kw):
         raise
 
 
-def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode: str, shares: Optional[Sequence[float]],
-                n_ctx: Optional[int], n_ubatch: int, n_outputs: int, kv_type: str, n_seq: int, max_ctx: int,
-                fit_ctx: int, set_by: Dict[str, str], fingerprint: str, ctx_step: int):
-    from .fit import FitError, largest_fitting
+class _Shares:
+    """Projections of one device order with shares, and the shares that make every device fit."""
 
-    projector = _core.engine.Projector(os.fspath(path))
-    tensor_sum = split_mode == "tensor-sum"
-    specs = [d.spec.as_tuple() for d in devs]
-    decisions: List[str] = []
-    given = shares is not None
-    if given:
-        base = [float(s) for s in shares]
-        decisions.append("shares " + ":".join(f"{s:g}" for s in base) + " (set by the user)")
-    else:
-        rooms = [max(d.room, 0) for d in devs]
-        base = [r / sum(rooms) for r in rooms]
-        decisions.append("shares from the devices' room (free less margin): " +
-                         ", ".join(f"{d.name} {format_size(d.room)} -> {s:.1%}" for d, s in zip(devs, base)))
-    n_proj = 0
+    def __init__(self, projector, devs, host_free: int, host_margin: int, base: List[float], given: bool, *,
+                 split_mode: str, n_ubatch: int, n_outputs: int, kv_type: str, n_seq: int):
+        self.projector, self.devs, self.base, self.given = projector, devs, base, given
+        self.host_free, self.host_margin = host_free, host_margin
+        self.specs = [d.spec.as_tuple() for d in devs]
+        self.args = (n_ubatch, kv_type, n_outputs, 1, n_seq)
+        self.tensor_sum = split_mode == "tensor-sum"
+        self.projections = 0
 
-    def project(ctx: int, sh: List[float]) -> List[dict]:
-        nonlocal n_proj
-        n_proj += 1
-        return projector.project(specs, [], [], ctx, n_ubatch, kv_type, n_outputs, 1, n_seq, tensor_split=sh,
-                                 tensor_sum=tensor_sum)["devices"]
+    def project(self, ctx: int, sh: List[float]) -> List[dict]:
+        self.projections += 1
+        return self.projector.project(self.specs, [], [], ctx, *self.args, tensor_split=sh,
+                                      tensor_sum=self.tensor_sum)["devices"]
 
-    def over(proj: List[dict]) -> Dict[str, int]:
-        short = {d.name: p["total"] - d.room for d, p in zip(devs, proj) if p["total"] > d.room}
-        host = sum(p["total"] for d, p in zip(devs, proj) if d.cpu) - (host_free - host_margin)
-        if host > 0 and not short:
-            short["host RAM"] = host
-        return short
+    def short(self, proj: List[dict]) -> Dict[str, int]:
+        return over(self.devs, [p["total"] for p in proj], self.host_free, self.host_margin)
 
-    def settle(ctx: int):
+    def settle(self, ctx: int):
         """Shares with which every device fits at ctx (None: none found), and the projection."""
-        sh = list(base)
+        devs, sh = self.devs, list(self.base)
         seen = []  # (shares as fractions, totals) of the rounds so far
-        for _ in range(_ROUNDS):
-            proj = project(ctx, sh)
-            short = over(proj)
+        for _ in range(ROUNDS):
+            proj = self.project(ctx, sh)
+            short = self.short(proj)
             if not short:
                 return sh, proj
-            if given or "host RAM" in short or all(d.name in short for d in devs):
+            if self.given or "host RAM" in short or all(d.name in short for d in devs):
                 return None, proj
             frac = [s / sum(sh) for s in sh]
             totals = [p["total"] for p in proj]
@@ -111,38 +98,46 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode
                 return None, proj
         return None, proj
 
+
+def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode: str,
+                shares: Optional[Sequence[float]], n_ctx: Optional[int], n_ubatch: int, n_outputs: int, kv_type: str,
+                n_seq: int, max_ctx: int, fit_ctx: int, set_by: Dict[str, str], fingerprint: str,
+                ctx_step: int) -> Placement:
+    projector = _core.engine.Projector(os.fspath(path))
+    decisions: List[str] = []
+    given = shares is not None
+    if given:
+        base = [float(s) for s in shares]
+        decisions.append("shares " + ":".join(f"{s:g}" for s in base) +
+                         f" ({set_by.get('tensor_split', 'set by the user')})")
+    else:
+        base = shares_of([d.room for d in devs])
+        decisions.append("shares from the devices' room (free less margin): " +
+                         ", ".join(f"{d.name} {format_size(d.room)} -> {s:.1%}" for d, s in zip(devs, base)))
+    fitter = _Shares(projector, devs, host_free, host_margin, base, given, split_mode=split_mode, n_ubatch=n_ubatch,
+                     n_outputs=n_outputs, kv_type=kv_type, n_seq=n_seq)
     lo_hi = None
     if n_ctx is not None:
         ctx = n_ctx
-        sh, proj = settle(ctx)
+        sh, proj = fitter.settle(ctx)
     else:
-        hi = slot_context(max(min(projector.n_ctx_train, max_ctx), n_seq), n_seq)
-        lo = slot_context(max(min(fit_ctx, hi), n_seq), n_seq)
-        lo_hi = (lo, hi)
-        ctx = hi
-        sh, proj = settle(hi)
-        if sh is None:
-            def probe(c):
-                s2, p2 = settle(c)
-                return None if s2 is None else (s2, p2)
+        lo, hi = lo_hi = context_range(projector.n_ctx_train, max_ctx, fit_ctx, n_seq)
 
-            best = largest_fitting(list(range(lo, hi, ctx_step)), probe)
-            if best is not None:
-                ctx, (sh, proj) = best
-            else:
-                ctx = lo
-                sh, proj = settle(lo)
+        def probe(c):
+            s, p = fitter.settle(c)
+            return None if s is None else (s, p)
+
+        best = largest_context(lo, hi, ctx_step, probe)
+        if best is not None:
+            ctx, (sh, proj) = best
+        else:
+            ctx = lo
+            sh, proj = fitter.settle(lo)
     if sh is None:
-        short = over(proj)
-        parts = [f"{d.name} is short by {format_size(short[d.name])} (it would need {format_size(p['total'])}: "
-                 f"weights {format_size(p['weights'])}, KV {format_size(p['kv'])}, compute {format_size(p['compute'])}; "
-                 f"it has {format_size(d.free)} free ({d.free_source}) with a {format_size(d.margin)} margin)"
-                 for d, p in zip(devs, proj) if d.name in short]
-        if "host RAM" in short:
-            parts.append(f"the CPU devices together are short of the host's RAM by {format_size(short['host RAM'])}")
-        what = f"n_ctx {ctx}" + (f" ({set_by['n_ctx']})" if "n_ctx" in set_by else f" (the floor fit_ctx={fit_ctx})")
-        raise FitError(f"{os.path.basename(path)} does not fit with a tensor split and {what}: " + "; ".join(parts) +
-                       ".", {k: v for k, v in short.items()})
+        lack = fitter.short(proj)
+        raise FitError(f"{os.path.basename(path)} does not fit with a tensor split and "
+                       f"{ctx_given(ctx, set_by, fit_ctx)}: " +
+                       "; ".join(shortfalls(zip(devs, proj), lack, host_free, host_margin)) + ".", lack)
     if not given and sh != base:
         decisions.append("shares corrected to " + ", ".join(f"{d.name} {s / sum(sh):.1%}" for d, s in zip(devs, sh)) +
                          " so that every device holds its part with what it cannot split")
@@ -152,8 +147,16 @@ def _fit_tensor(path: str, devs, host_free: int, host_margin: int, *, split_mode
                                              f"the largest in steps of {ctx_step} from {hi} that fits (floor {lo})"))
     else:
         decisions.append(f"n_ctx {ctx} ({set_by.get('n_ctx', 'set')})")
-    decisions.append(f"{n_proj} projections by the core's planner; the last one is this placement")
+    decisions.append(f"{fitter.projections} projections by the core's planner; the last one is this placement")
+    return _placement(path, projector, devs, sh, proj, ctx, host_free, host_margin, decisions, fingerprint=fingerprint,
+                      split_mode=split_mode, n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, n_seq=n_seq)
 
+
+def _placement(path, projector, devs, sh, proj, ctx, host_free, host_margin, decisions, *, fingerprint, split_mode,
+               n_ubatch, n_outputs, kv_type, n_seq) -> Placement:
+    """Each device's shard (its part of every kind of tensor against the model's) and bytes."""
+    tensor_sum = split_mode == "tensor-sum"
+    specs = [d.spec.as_tuple() for d in devs]
     shards = projector.shards(specs, sh, tensor_sum)
     whole = projector.shards(specs[:1], [1.0], tensor_sum)[0]
     total = {k: sum(l[i] for l in whole["layers"]) for i, k in enumerate(SHARD_FIELDS)}

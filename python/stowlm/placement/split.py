@@ -3,12 +3,14 @@
 Pure functions over a room test ``fits(i, start, end, holds_output)``: can device ``i`` (an index
 into the device list given) hold layers ``[start, end)``, and the output head too when
 ``holds_output``? The cost behind it (weights, KV cache, compute buffer) is fit's business
-(fit.py); here only the cutting is decided. Devices are given in pipeline order: layers flow
+(layer_costs.py); here only the cutting is decided. Devices are given in pipeline order: layers flow
 from the first to the last, and the last one that holds layers holds the output head.
 """
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Sequence, Tuple
+
+from .search import largest
 
 Fits = Callable[[int, int, int, bool], bool]
 
@@ -27,15 +29,10 @@ def fill_from_end(n_devices: int, start_min: int, end: int, fits: Fits, output_o
             hi = min(hi, limit(i, pos))
         if hi <= 0 or not fits(i, pos - 1, pos, output_open):
             continue
-        lo = 1  # largest c in [lo, hi] with room for [pos - c, pos): costs grow with c
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(i, pos - mid, pos, output_open):
-                lo = mid
-            else:
-                hi = mid - 1
-        counts[i] = lo
-        pos -= lo
+        # the most layers ending at pos with room for them: costs grow with the count
+        took = largest(1, hi, lambda c: fits(i, pos - c, pos, output_open))
+        counts[i] = took
+        pos -= took
         output_open = False
     return counts, pos
 
@@ -54,15 +51,8 @@ def balanced(speeds: Sequence[float], start_min: int, end: int, fits: Fits, outp
 
     def limit_at(t):
         def limit(i, pos):
-            budget = t * speeds[i]
-            lo, hi = 0, pos - start_min  # the most layers ending at pos within the budget
-            while lo < hi:
-                mid = (lo + hi + 1) // 2
-                if w[pos] - w[pos - mid] <= budget:
-                    lo = mid
-                else:
-                    hi = mid - 1
-            return lo
+            budget = t * speeds[i]  # the most layers ending at pos within it
+            return largest(0, pos - start_min, lambda c: w[pos] - w[pos - c] <= budget)
         return limit
 
     lo, hi = 0.0, (w[end] - w[start]) / min(speeds)
