@@ -333,3 +333,25 @@ def test_llm_fits_several_devices_by_default(model_path, capsys):
     assert plain.placement is None and plain.n_ctx == 4096
     with pytest.raises(FitError):
         stowlm.LLM(path, devices=["cpu:0[mem=64MiB]"], progress=False)
+
+
+def test_cli_fit_placement_takes_its_own_devices_again(model_path, tmp_path):
+    """`stowlm fit --devices LIST --placement FILE`: LIST may be the placement's own devices (in
+    any order); other devices are refused, naming what differs."""
+    path = str(model_path("smollm2-moe"))
+    devices = "cpu:1[mem=48MiB],cpu:2[mem=96MiB],cpu:0"
+    out = tmp_path / "p.json"
+    r = run_cli("fit", path, "--devices", devices, "-c", "1024", "--json", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    layers = [d["layers"] for d in json.loads(out.read_text())["devices"]]
+    for same in (devices, "cpu:0,cpu:2[mem=96MiB],cpu:1[mem=48MiB]"):
+        r = run_cli("fit", path, "--devices", same, "--placement", str(out), "--json")
+        assert r.returncode == 0, r.stderr
+        assert [d["layers"] for d in json.loads(r.stdout)["devices"]] == layers
+    r = run_cli("fit", path, "--devices", "cpu:1[mem=64MiB],cpu:2[mem=96MiB],cpu:3", "--placement", str(out))
+    assert r.returncode == 1 and not r.stdout
+    assert "its cpu:1 is cpu:1[mem=48MiB], not cpu:1[mem=64MiB]" in r.stderr, r.stderr
+    assert "cpu:3 is not one of its devices" in r.stderr and "its cpu:0 is not in the list" in r.stderr, r.stderr
+    # what fit decides is still refused next to a placement
+    r = run_cli("fit", path, "--devices", devices, "--placement", str(out), "-c", "512")
+    assert r.returncode == 1 and "drop n_ctx" in r.stderr, r.stderr

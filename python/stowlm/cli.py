@@ -358,10 +358,19 @@ def _fit(a: argparse.Namespace) -> int:
     path = pull(a.model, progress=not a.json)
     kw = _placement_kwargs(a)
     if a.placement:
+        from .placement import Placement
+
+        placement = Placement.load(a.placement)
+        if kw["devices"]:  # the placement's own devices may be named again, in any order
+            differ = placement.device_difference(kw["devices"])
+            if differ:
+                raise ValueError(f"--devices {kw['devices']} are not the placement's devices ({differ}); drop "
+                                 "--devices or give the placement's")
+            kw["devices"] = None
         given = [k for k, v in kw.items() if v and k != "margin"]
         if given:
             raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
-        kw = {"margin": kw["margin"], "placement": a.placement}
+        kw = {"margin": kw["margin"], "placement": placement}
     if a.fit_ctx is not None:
         kw["fit_ctx"] = a.fit_ctx
     if a.max_ctx is not None:
