@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import re
@@ -53,9 +54,20 @@ def _wait_ready(base: str, proc, timeout=300.0) -> None:
     raise RuntimeError("the server did not become ready")
 
 
+def stowlm_env() -> dict:
+    """The environment for `stowlm serve`: the stowlm this Python imports (an installed package, or
+    python/ on PYTHONPATH) first on PYTHONPATH, the checkout's python/ only where it imports none.
+    Putting python/ first always ran the checkout's stowlm in place of an installed one."""
+    spec = importlib.util.find_spec("stowlm")
+    pkg_parent = Path(spec.origin).resolve().parent.parent if spec is not None and spec.origin else REPO / "python"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in [str(pkg_parent), env.get("PYTHONPATH", "")] if p)
+    return env
+
+
 def start_stowlm(model, parallel, n_ctx_slot, threads):
     port = _free_port()
-    env = dict(os.environ, PYTHONPATH=str(REPO / "python") + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = stowlm_env()
     cmd = [sys.executable, "-m", "stowlm", "serve", model, "--port", str(port), "--parallel", str(parallel),
            "-c", str(n_ctx_slot * parallel), "-q", "--max-queue", "256"]
     if threads:

@@ -253,3 +253,27 @@ def test_compare_script(small, tmp_path):
     calls = json.loads(raw.read_text())
     assert [c["tool"] for c in calls] == ["stowlm", "twin", "stowlm", "twin"]  # alternating
     assert all(c["n_threads"] == int(THREADS) for c in calls)
+
+
+def test_serve_bench_starts_the_stowlm_it_imports_not_the_checkouts(tmp_path):
+    """bench/serve_bench.py starts `stowlm serve` with the stowlm its Python imports: an installed
+    package (here one on PYTHONPATH) is not shadowed by the checkout's python/."""
+    site = tmp_path / "site"
+    (site / "stowlm").mkdir(parents=True)
+    (site / "stowlm" / "__init__.py").write_text("")  # stands in for an installed stowlm
+    script = "\n".join([
+        "import subprocess, sys, types",
+        f"sys.path.insert(0, {str(REPO / 'bench')!r})",
+        "import serve_bench",
+        "seen = {}",
+        "serve_bench.subprocess = types.SimpleNamespace(DEVNULL=subprocess.DEVNULL,",
+        "                                               Popen=lambda cmd, env=None, **kw: seen.update(env=env))",
+        "serve_bench.start_stowlm('model.gguf', 1, 256, None)",
+        "r = subprocess.run([sys.executable, '-c', 'import stowlm; print(stowlm.__file__)'], env=seen['env'],",
+        "                   capture_output=True, text=True)",
+        "print(r.stdout.strip())"])
+    env = dict(os.environ, PYTHONPATH=str(site))
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=tmp_path, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert Path(r.stdout.strip()).resolve() == (site / "stowlm" / "__init__.py").resolve(), r.stdout
