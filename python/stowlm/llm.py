@@ -16,7 +16,8 @@ import numpy as np
 
 from .conversation import Conversation
 from .generation import Completion, Generation, Served
-from .loading import LOGIT_ROWS, _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
+from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
+from .placement.rules import DEFAULT_N_OUTPUTS
 from .speculative import DRAFT_MAX, Speculator, parse_spec
 from .text.sampling import SamplingParams
 
@@ -260,7 +261,7 @@ class LLM(Conversation):
         """Draft tokens one pass may check: with the pending token, below the first batch bound,
         where every token gets the row kernels a one-token step takes."""
         bounds = list(self.model.batch_bounds)
-        return max(1, min(bounds[0] - 2 if bounds else 30, LOGIT_ROWS - 1))
+        return max(1, min(bounds[0] - 2 if bounds else 30, DEFAULT_N_OUTPUTS - 1))
 
 
 def _as_list(stop) -> List[str]:

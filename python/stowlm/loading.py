@@ -8,16 +8,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 from . import _core
-from . import fit as fitting
 from .devices import parse_devices
 from .engine import Context, Model
 from .gguffile import GGUFFile
-from .placement import slot_context
+from .placement.budgets import fits_one_device
+from .placement.decide import fit as fit_placement
+from .placement.rules import DEFAULT_KV_TYPE, DEFAULT_N_CTX, DEFAULT_N_OUTPUTS, DEFAULT_N_UBATCH, slot_context
 from .pull import pull
 from .text.chat import ChatTemplate
 from .text.tokenizer import Tokenizer
-
-LOGIT_ROWS = fitting.DEFAULT_N_OUTPUTS  # rows of logits a micro-batch returns: one to generate, a few for logits()
 
 
 @dataclass
@@ -48,11 +47,11 @@ def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_spl
             raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
     elif fit or (fit is None and _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq,
                                             fit_margin)):
-        placement = fitting.fit(path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
-                                layer_split=layer_split, tensor_overrides=tensor_overrides,
-                                cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
-                                n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
-                                interleave=interleave, **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
+        placement = fit_placement(path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
+                                  layer_split=layer_split, tensor_overrides=tensor_overrides,
+                                  cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
+                                  n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
+                                  interleave=interleave, **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
         if progress:
             print(f"[{placement.summary()}]", file=sys.stderr)
     if placement is not None:
@@ -77,17 +76,17 @@ def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_spl
     if placement is not None:
         ctx = Context(m)
     else:
-        n_ubatch = n_ubatch or 512
+        n_ubatch = n_ubatch or DEFAULT_N_UBATCH
         # Generation needs one row of logits; a few rows keep logits() reasonably batched while
         # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
         ctx = Context(m, n_ctx=slot_context(_default_ctx(m.n_ctx_train, n_ctx, n_seq), n_seq), n_ubatch=n_ubatch,
-                      n_seq=n_seq, kv_type=kv_type, n_outputs=min(n_ubatch, LOGIT_ROWS))
+                      n_seq=n_seq, kv_type=kv_type, n_outputs=min(n_ubatch, DEFAULT_N_OUTPUTS))
     return Loaded(path, placement, m, metadata, tokenizer, template, template_error, ctx)
 
 
 def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:
-    """n_ctx, or min(4096, trained) for each of n_seq sequences."""
-    return n_seq * min(4096, n_ctx_train) if n_ctx is None else n_ctx
+    """n_ctx, or min(DEFAULT_N_CTX, trained) for each of n_seq sequences."""
+    return n_seq * min(DEFAULT_N_CTX, n_ctx_train) if n_ctx is None else n_ctx
 
 
 def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin) -> bool:
@@ -95,8 +94,8 @@ def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_se
     specs = parse_devices(devices)
     if len(specs) > 1 or cpu_moe or n_cpu_moe is not None:
         return True
-    n_ubatch = n_ubatch or 512
+    n_ubatch = n_ubatch or DEFAULT_N_UBATCH
     projector = _core.engine.Projector(os.fspath(path))
     n_ctx = slot_context(_default_ctx(projector.n_ctx_train, n_ctx, n_seq), n_seq)
-    return not fitting.fits_one_device(projector, specs[0], n_ctx, n_ubatch, kv_type or "f16", min(n_ubatch, LOGIT_ROWS),
-                                       margin, n_seq)
+    return not fits_one_device(projector, specs[0], n_ctx, n_ubatch, kv_type or DEFAULT_KV_TYPE,
+                               min(n_ubatch, DEFAULT_N_OUTPUTS), margin, n_seq)
