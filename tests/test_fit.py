@@ -355,3 +355,25 @@ def test_cli_fit_placement_takes_its_own_devices_again(model_path, tmp_path):
     # what fit decides is still refused next to a placement
     r = run_cli("fit", path, "--devices", devices, "--placement", str(out), "-c", "512")
     assert r.returncode == 1 and "drop n_ctx" in r.stderr, r.stderr
+
+
+def test_the_fitters_shared_foundation():
+    """The searches and budgets the layer, tensor and rank fitters share."""
+    from stowlm.devices import DeviceSpec
+    from stowlm.placement.budgets import Dev, over, shares_of
+    from stowlm.placement.search import context_range, largest, largest_context, largest_fitting, smallest
+
+    assert largest(1, 10, lambda x: x <= 7) == 7 and largest(3, 3, lambda x: False) == 3
+    assert smallest(0, 10, lambda x: x >= 4) == 4 and smallest(0, 0, lambda x: True) == 0
+    assert largest_fitting([256, 512, 768, 1024], lambda c: c if c <= 700 else None) == (512, 512)
+    assert largest_fitting([256, 512], lambda c: None) is None
+    assert largest_context(256, 2048, 256, lambda c: c if c <= 1000 else None) == (768, 768)
+    assert largest_context(256, 2048, 256, lambda c: c) == (2048, 2048)
+    assert context_range(32768, 131072, 4096, 1) == (4096, 32768)
+    assert context_range(2048, 131072, 4096, 1) == (2048, 2048)
+    assert context_range(32768, 8192, 4096, 3) == (3 * 1280, 3 * 2560)  # whole slots of 256 cells
+    assert shares_of([100, 300, -5]) == [0.25, 0.75, 0.0] and shares_of([1, 3], 8) == [2.0, 6.0]
+    cpu = lambda i, mem: Dev(i, DeviceSpec("cpu", i, mem_bytes=mem), mem, mem, 10, 1.0, 1, "its budget")  # noqa: E731
+    devs = [cpu(0, 100), cpu(1, 100)]
+    assert over(devs, [95, 80], 1000, 0) == {"cpu:0": 5}
+    assert over(devs, [90, 80], 160, 0) == {"host RAM": 10} and over(devs, [90, 80], 170, 0) == {}

@@ -154,6 +154,14 @@ def ctx_given(ctx: int, set_by: Dict[str, str], fit_ctx: int) -> str:
     return f"n_ctx {ctx}" + (f" ({set_by['n_ctx']})" if "n_ctx" in set_by else f" (the floor fit_ctx={fit_ctx})")
 
 
+def host_record(devs: Sequence[Dev], totals: Sequence[int], host_free: int, host_margin: int):
+    """What a placement records of the host's RAM the CPU devices among `devs` (those it loads onto)
+    share; None when none is a CPU device."""
+    if not any(d.cpu for d in devs):
+        return None
+    return {"free": host_free, "margin": host_margin, "projected": sum(t for d, t in zip(devs, totals) if d.cpu)}
+
+
 def fits_one_device(projector, device: DeviceSpec, n_ctx: int, n_ubatch: int, kv_type: str, n_outputs: int,
                     margin=None, n_seq: int = 1) -> bool:
     """Whether the model (a _core.engine.Projector of its file) with these settings fits `device`

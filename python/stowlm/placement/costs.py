@@ -11,6 +11,7 @@ import re
 from typing import Dict, List, Sequence, Tuple, Union
 
 from .. import _core
+from .rules import DEFAULT_KV_TYPE
 
 # An expert tensor of a mixture-of-experts layer (ffn_gate_exps.weight, ffn_down_exps.bias, ...).
 EXPERT_NAME = re.compile(r"^blk\.(\d+)\.[a-z0-9_]*_exps\.")
@@ -106,7 +107,13 @@ class Costs:
 
 def fingerprint(path: Union[str, os.PathLike]) -> str:
     """The identity a placement records of its model file (architecture, weight names and sizes)."""
-    return Costs(_core.engine.Projector(os.fspath(path)), [], [], "f16").fingerprint
+    return Costs(_core.engine.Projector(os.fspath(path)), [], [], DEFAULT_KV_TYPE).fingerprint
+
+
+def model_record(path, projector, fingerprint: str) -> Dict[str, object]:
+    """What a placement records of the model it was made for."""
+    return {"path": os.path.abspath(path), "arch": projector.arch, "n_layer": projector.n_layer,
+            "fingerprint": fingerprint}
 
 
 def check_made_for(placement, path) -> None:

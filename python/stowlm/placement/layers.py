@@ -3,10 +3,11 @@ projection (which teaches the compute buffers, so a wrong guess is corrected and
 take on copies and interleave where they fit too, and write the Placement with its reasons."""
 from __future__ import annotations
 
-import os
 from typing import Dict
 
 from . import split as splitting
+from .budgets import host_record
+from .costs import model_record
 from .data import DevicePlacement, Placement
 from .explain import decisions, fit_error, left_out_reason
 from .layer_problem import ROUNDS, LayerProblem, Layout
@@ -49,14 +50,11 @@ def _placement(p: LayerProblem, layout: Layout, ctx: int, proj: Dict[int, dict])
         else:
             dp.note = left_out_reason(p, d, layout, ctx)
         devices.append(dp)
-    host = None
-    if any(p.devs[d].cpu for d in devices_used):
-        host = {"free": p.host_free, "margin": p.host_margin,
-                "projected": sum(proj[d]["total"] for d in devices_used if p.devs[d].cpu)}
-    pl = Placement(model={"path": os.path.abspath(p.path), "arch": p.projector.arch, "n_layer": p.L,
-                          "fingerprint": p.costs.fingerprint},
-                   n_ctx=ctx, n_ubatch=p.n_ubatch, n_outputs=p.n_outputs, kv_type=p.kv_type,
-                   devices=devices, tensor_overrides=[f"{o}={name}" for o, name in rules], host=host,
-                   n_copies=p.n_copies, n_seq=p.n_seq, pipeline=dict(p.pipeline), interleave=p.interleave)
+    host = host_record([p.devs[d] for d in devices_used], [proj[d]["total"] for d in devices_used], p.host_free,
+                       p.host_margin)
+    pl = Placement(model=model_record(p.path, p.projector, p.costs.fingerprint), n_ctx=ctx, n_ubatch=p.n_ubatch,
+                   n_outputs=p.n_outputs, kv_type=p.kv_type, devices=devices,
+                   tensor_overrides=[f"{o}={name}" for o, name in rules], host=host, n_copies=p.n_copies,
+                   n_seq=p.n_seq, pipeline=dict(p.pipeline), interleave=p.interleave)
     pl.decisions = decisions(p, layout, ctx, pl)
     return pl

@@ -17,7 +17,8 @@ import os
 from typing import Dict, List, Optional, Sequence
 
 from .. import _core
-from .budgets import FitError, ctx_given, over, shares_of, shortfalls
+from .budgets import FitError, ctx_given, host_record, over, shares_of, shortfalls
+from .costs import model_record
 from .data import DevicePlacement, Placement, format_size
 from .rules import SHARD_FIELDS
 from .search import context_range, largest_context
@@ -175,14 +176,10 @@ def _placement(path, projector, devs, sh, proj, ctx, host_free, host_margin, dec
             part["vocab"] = s["vocab"]
             dp.shard = {"share": sh[i] / norm, **{k: (part[k], total[k]) for k in part}}
         devices.append(dp)
-    host = None
-    if any(d.cpu for d, p in zip(devs, proj) if p["total"]):
-        host = {"free": host_free, "margin": host_margin,
-                "projected": sum(p["total"] for d, p in zip(devs, proj) if d.cpu)}
+    loaded = [(d, p["total"]) for d, p in zip(devs, proj) if p["total"]]
+    host = host_record([d for d, _ in loaded], [t for _, t in loaded], host_free, host_margin)
     used = [x / norm for x, d in zip(sh, devs) if by_dev.get(devs.index(d)) is not None]
-    return Placement(model={"path": os.path.abspath(path), "arch": projector.arch, "n_layer": projector.n_layer,
-                            "fingerprint": fingerprint},
-                     n_ctx=ctx, n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type, devices=devices, host=host,
-                     n_copies=1, n_seq=n_seq, pipeline={"n_copies": 1, "reason": "a tensor split runs every device "
-                                                                                  "on every token"},
+    return Placement(model=model_record(path, projector, fingerprint), n_ctx=ctx, n_ubatch=n_ubatch,
+                     n_outputs=n_outputs, kv_type=kv_type, devices=devices, host=host, n_copies=1, n_seq=n_seq,
+                     pipeline={"n_copies": 1, "reason": "a tensor split runs every device on every token"},
                      split_mode=split_mode, tensor_split=used, decisions=decisions)
