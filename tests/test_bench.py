@@ -202,7 +202,8 @@ def test_verbose_generation_bandwidth(small, gguf_facts):
     (["-m", "{small}", "-pg", "512"], 2, "-pg: expected P,G"),
     (["-m", "{small}", "-p", "0", "-n", "0"], 2, "nothing to run"),
     (["-m", "{garbage}"], 1, "garbage.gguf"),
-    (["-m", "{small}", "-dev", "tpu:0"], 2, "-dev: unknown device 'tpu:0'"),
+    (["-m", "{small}", "-dev", "tpu:0"], 2, "-dev: device 'tpu:0': unknown kind 'tpu'"),
+    (["-m", "{small}", "-dev", "cpu:0[color=red]"], 2, "-dev: device 'cpu:0[color=red]': unknown option 'color'"),
 ])
 def test_bad_arguments(small, tmp_path, args, code, message):
     garbage = tmp_path / "garbage.gguf"
@@ -212,6 +213,19 @@ def test_bad_arguments(small, tmp_path, args, code, message):
     assert message in r.stderr
     assert r.stderr.startswith("stowlm-bench: error: ")
     assert r.stdout == ""
+
+
+def test_device_grammar_is_the_packages(small):
+    """stowlm-bench reads device lists with the core's grammar, the one stowlm.devices uses:
+    the options fit knows (speed=) parse here too instead of drifting apart."""
+    from stowlm import _core
+
+    spec = "cpu:0[threads=1,speed=2,mem=1GiB]"
+    assert _core.engine.parse_device(spec) == ("cpu", 0, 1, 1 << 30, -1, 2.0)
+    r = bench("-m", str(small), "-dev", spec, "-p", "8", "-n", "0", "-r", "1", check=False)
+    assert r.returncode == 0, r.stderr
+    r = bench("-m", str(small), "-dev", "cpu:0,cpu:0[mem=1GiB]", "-p", "8", "-n", "0", "-r", "1", check=False)
+    assert r.returncode == 2 and "-dev: devices: cpu:0 appears more than once" in r.stderr, r.stderr
 
 
 def test_cuda_device_without_a_gpu(small):
