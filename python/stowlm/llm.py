@@ -18,7 +18,7 @@ from .conversation import Conversation
 from .generation import Completion, Generation, Served
 from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
 from .placement.rules import DEFAULT_N_OUTPUTS
-from .speculative import DRAFT_MAX, Speculator, parse_spec
+from .speculative import DRAFT_MAX, PassCosts, Speculator, parse_spec
 from .text.sampling import SamplingParams
 
 __all__ = ["LLM", "Completion"]
@@ -81,6 +81,7 @@ class LLM(Conversation):
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._grammars_lock = threading.Lock()
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
+        self._pass_costs = PassCosts()  # what passes of several tokens cost here, learnt from them
         self._owns_drafter = isinstance(speculative, (str, os.PathLike)) and speculative != "ngram"
         if speculative is not None:
             self._drafter = parse_spec(speculative, load=lambda path: LLM(path, progress=False))
@@ -157,7 +158,7 @@ class LLM(Conversation):
         g = self.grammar(response_format=response_format, grammar=grammar, json_schema=json_schema)
         spec = None
         if self._drafter is not None and speculative is not False and g is None:
-            spec = Speculator(self._drafter, self.draft_max)
+            spec = Speculator(self._drafter, self.draft_max, self._pass_costs)
         it = Generation(self, tokens, params, g, _special, spec) if self._engine is None else \
             Served(self._engine, tokens, params, g, _special, speculative is not False)
         if stream:

@@ -25,26 +25,71 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
-__all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "verify", "DRAFT_MAX", "parse_spec"]
+__all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "PassCosts", "verify", "DRAFT_MAX", "parse_spec"]
 
 DRAFT_MAX = 7   # draft tokens per step (one pass checks them with the pending token: 8 rows, two tiles)
 MAX_BACKOFF = 16  # steps without drafting after repeated misses, at most
-# What one more token in a pass costs the CPU's row kernels, in one-token steps: the weights stream
-# once per pass and a tile takes 4 tokens, so the 2nd-4th tokens cost little and the rest more
-# (qwen2.5-coder-0.5b, 2 threads: 1.01x for 2 tokens, 1.21x for 4, 2.0x for 8, 2.9x for 12; a
-# pass of 4 sequences and 14 drafts 3.9x one of the 4 alone). A draft token past the first tile
-# must earn MARGIN times its cost: the acceptance it is judged by is an estimate, and a pass
-# already full of sequences loses by every token that is not kept.
-TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.07, 0.22, 1.5
+# What a pass of several tokens costs, in one-token steps, until passes have been timed
+# (PassCosts): the CPU's row kernels stream the weights once per pass and take tokens 4 to a tile
+# (qwen2.5-coder-0.5b, 2 Zen 4 threads, one-row decode kernels: 1.30x for 2 tokens, 1.55x for 4,
+# 2.6x for 8, 3.7x for 12). A draft token past the first tile must earn MARGIN times its cost:
+# the acceptance it is judged by is an estimate, and a pass already full of sequences loses by
+# every token that is not kept.
+TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 
 
-def token_cost(j: int) -> float:
-    """The cost of a pass's j-th token (1-based), in one-token steps, with the margin it must earn."""
-    return 1.0 if j == 1 else IN_TILE if j <= TILE else PAST_TILE * MARGIN
+def prior_cost(n: int) -> float:
+    """A pass of n tokens in one-token steps, before any pass has been timed."""
+    return 1.0 + IN_TILE * (min(n, TILE) - 1) + PAST_TILE * max(0, n - TILE)
 
 
-def pass_cost(n: int) -> float:
-    return sum(1.0 if j == 1 else IN_TILE if j <= TILE else PAST_TILE for j in range(1, n + 1))
+class PassCosts:
+    """What a pass of n tokens costs in one-token steps on this model and device, learnt from
+    the passes timed so far: a moving average of each size's seconds over the one-token step's;
+    a size not timed yet lies on the line between its timed neighbours, or past the largest
+    follows the prior's slope. One per LLM or batching engine, so every request's passes teach
+    it (the costs differ by CPU, kernel and GPU: a GPU checks 8 tokens for about one step's time)."""
+
+    ALPHA = 0.1
+
+    def __init__(self):
+        self.seconds: dict = {}  # tokens in the pass -> moving average of its seconds
+
+    def observe(self, n: int, seconds: float) -> None:
+        if n < 1 or not seconds > 0:
+            return
+        old = self.seconds.get(n)
+        self.seconds[n] = seconds if old is None else old + self.ALPHA * (seconds - old)
+
+    def cost(self, n: int) -> float:
+        if n <= 1:
+            return 1.0
+        s1 = self.seconds.get(1)
+        known = {1: 1.0}
+        if s1:
+            known.update({m: max(1.0, t / s1) for m, t in self.seconds.items() if m > 1})
+        if n in known:
+            return known[n]
+        lo = max(m for m in known if m < n)
+        hi = min((m for m in known if m > n), default=None)
+        if hi is None:
+            return known[lo] + prior_cost(n) - prior_cost(lo)
+        return known[lo] + (known[hi] - known[lo]) * (n - lo) / (hi - lo)
+
+    def token(self, j: int) -> float:
+        """What a pass's j-th token (1-based) adds, with the margin it must earn past a tile."""
+        if j <= 1:
+            return 1.0
+        d = max(0.0, self.cost(j) - self.cost(j - 1))
+        return d * MARGIN if j > TILE else d
+
+    def step_seconds(self) -> Optional[float]:
+        """A one-token step's seconds: timed, or from the sizes that were."""
+        if 1 in self.seconds:
+            return self.seconds[1]
+        for n, t in self.seconds.items():
+            return t / self.cost(n)
+        return None
 
 
 class NgramDrafter:
@@ -143,7 +188,7 @@ class Speculator:
     """One request's drafting: how many tokens to draft next, and what drafting has earned.
 
     The length weighs each further draft token's chance to be kept (the recent acceptance rate,
-    a moving average, to the power of its place) against what it adds to the pass (token_cost),
+    a moving average, to the power of its place) against what it adds to the pass (PassCosts.token),
     in tokens a step of the pass without drafts yields per unit of cost: a pass of one sequence
     takes short drafts even when most fail and long ones only while nearly every token is kept;
     in a pass already carrying several sequences only drafts likely to be kept pay. Below a floor
@@ -154,16 +199,16 @@ class Speculator:
     PRIOR = {4: 0.8, 3: 0.65, 2: 0.45, 1: 0.25, "model": 0.6}
     PROBE = 8  # a source worth no draft still gets a one-token probe this often, to learn it changed
 
-    def __init__(self, drafter, draft_max: int = DRAFT_MAX):
+    def __init__(self, drafter, draft_max: int = DRAFT_MAX, costs: Optional[PassCosts] = None):
         if not isinstance(draft_max, int) or draft_max < 1:
             raise ValueError(f"draft_max must be an integer >= 1, got {draft_max!r}")
         self.drafter, self.draft_max = drafter, draft_max
+        self.costs = costs if costs is not None else PassCosts()  # shared by the LLM's requests
         self.rates: dict = {}  # draft source -> moving estimate of P(a draft token is kept | the one before was)
         self.skipped: dict = {}  # draft source -> offers passed over since its last draft
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
         self.source = None   # of the draft in flight
-        self.step_seconds = None  # moving average of the target's one-token step (for a draft model's cost)
         self.drafted = self.accepted = 0
 
     def rate(self, source) -> float:
@@ -173,24 +218,23 @@ class Speculator:
         """Draft tokens worth checking in a pass that carries n_base tokens without them, each kept
         with probability `rate` given the one before; a draft model's step counts as its time in
         target steps."""
-        value = pass_cost(n_base) / n_base  # of one token, in the pass's own terms
+        value = self.costs.cost(n_base) / n_base  # of one token, in the pass's own terms
         draft_cost = 0.0
         if not getattr(self.drafter, "cheap", True):
-            d = getattr(self.drafter, "seconds", None)
-            draft_cost = d / self.step_seconds if d and self.step_seconds else 0.0
+            d, step = getattr(self.drafter, "seconds", None), self.costs.step_seconds()
+            draft_cost = d / step if d and step else 0.0
         k, kept = 0, 1.0
         while k < self.draft_max:
             kept *= rate
-            if kept * value < token_cost(n_base + k + 1) + draft_cost * MARGIN:
+            if kept * value < self.costs.token(n_base + k + 1) + draft_cost * MARGIN:
                 break
             k += 1
         return k
 
     def timed_pass(self, seconds: float, n_tokens: int) -> None:
-        """A pass of the target over n_tokens took this long: what a draft model's steps weigh
-        against (a one-token step's time, by the cost model)."""
-        per = seconds / pass_cost(n_tokens)
-        self.step_seconds = per if self.step_seconds is None else self.step_seconds + 0.2 * (per - self.step_seconds)
+        """A pass of the target over n_tokens took this long (what drafts and a draft model's
+        steps are weighed against)."""
+        self.costs.observe(n_tokens, seconds)
 
     def draft(self, history: Sequence[int], budget: int, n_base: int = 1) -> List[int]:
         """Tokens to follow `history`, as many as pay, at most budget ([] when none do or waiting)."""

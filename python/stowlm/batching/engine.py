@@ -32,7 +32,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from ..speculative import Speculator
+from ..speculative import PassCosts, Speculator
 from ..text.sampling import Sampler, SamplingParams
 from ..text.stream import TextStream
 from .output import RequestOutput
@@ -69,6 +69,7 @@ class BatchEngine(SlotPlanner, RequestOutput):
         self.bounds = list(llm.model.batch_bounds)
         self.max_decode = self.bounds[0] - 1 if self.bounds else 1 << 30  # decode batches stay on the row kernels
         self.drafter, self.draft_max = getattr(llm, "_drafter", None), getattr(llm, "draft_max", 0)
+        self.pass_costs = getattr(llm, "_pass_costs", None) or PassCosts()  # every slot's passes teach it
         if self.drafter is not None and getattr(self.drafter, "llm", None) is not None:
             raise ValueError("a draft model drafts for one sequence: serve it with one slot (n_seq=1, --parallel 1), "
                              "or draft with 'ngram'")
@@ -190,7 +191,7 @@ class BatchEngine(SlotPlanner, RequestOutput):
         s.sampler = Sampler(req.params, vocab_size=self.llm.model.n_vocab)
         s.constraint = req.grammar.start() if req.grammar is not None else None
         s.stream = TextStream(self.llm.tokenizer, req.params, skip_special=not req.special, constraint=s.constraint)
-        s.spec = Speculator(self.drafter, self.draft_max) \
+        s.spec = Speculator(self.drafter, self.draft_max, self.pass_costs) \
             if self.drafter is not None and req.grammar is None and req.speculative else None
         self.prompt_tokens_total += len(req.tokens)
 
@@ -218,9 +219,8 @@ class BatchEngine(SlotPlanner, RequestOutput):
                 seqs += [s.index] * (1 + len(drafts.get(s.index, [])))
             t0 = time.perf_counter()
             logits = self.ctx.eval_batch(toks, seqs, rows=list(range(len(toks))))
-            for s in group:
-                if s.spec is not None:
-                    s.spec.timed_pass(time.perf_counter() - t0, len(toks))
+            if any(s.spec is not None for s in group):
+                self.pass_costs.observe(len(toks), time.perf_counter() - t0)  # once: the slots share it
             with self.cv:
                 self._recent.append((time.perf_counter(), len(group)))
             masks = masks()
