@@ -9,18 +9,16 @@ list then names the devices of every rank, and each rank runs the layers of its 
 A CPU device with a `mem` budget is a virtual device: it refuses allocations past the budget
 exactly as a GPU would (MemoryError naming the device), which is how multi-device placement is
 exercised on a machine without GPUs.
+
+The grammar itself is the core's (csrc/backend/device_spec.h), so stowlm-bench reads the same
+lists; this module adds what only a running process knows (is there such a CUDA device here).
 """
 from __future__ import annotations
 
 import logging
-import re
 from dataclasses import dataclass
 from typing import Iterable, List, Sequence, Union
 
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
-          "mib": 1 << 20, "g": 1 << 30, "gb": 1000**3, "gib": 1 << 30, "t": 1 << 40, "tb": 1000**4,
-          "tib": 1 << 40}
-_SPEC = re.compile(r"^\s*([a-z]+)(?::(\d+))?(?:@(\d+))?\s*(?:\[(.*)\])?\s*$", re.IGNORECASE)
 KINDS = ("cpu", "cuda")
 _log = logging.getLogger("stowlm")
 _cuda_cache = None
@@ -77,67 +75,34 @@ class DeviceSpec:
 
 
 def parse_bytes(text: str) -> int:
-    """"512MiB", "2GiB", "1.5G", "1000000" -> bytes."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"cannot parse memory size {text!r} (use e.g. 512MiB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    """"512MiB", "2GiB", "1.5G", "1000000" -> bytes (the core's grammar, backend/device_spec.h)."""
+    from . import _core
+
+    return _core.engine.parse_bytes(str(text))
 
 
 def format_bytes(n: int) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= size and n % size == 0:
-            return f"{n // size}{unit}"
-    return str(n)
+    from . import _core
+
+    return _core.engine.format_bytes(int(n))
 
 
 def parse_device(text: str) -> DeviceSpec:
-    m = _SPEC.match(text)
-    if not m:
-        raise ValueError(f"cannot parse device {text!r} (expected e.g. cpu, cpu:1, cpu:0[threads=2,mem=1GiB])")
-    kind = m.group(1).lower()
-    if kind not in KINDS:
-        raise ValueError(f"device {text!r}: unknown kind {kind!r} (known: {', '.join(KINDS)})")
-    index = int(m.group(2) or 0)
-    rank = -1 if m.group(3) is None else int(m.group(3))
-    options = m.group(4)
-    if options and re.search(r"(^|,)\s*rank\s*=", options):
-        items = [i for i in options.split(",") if i.split("=", 1)[0].strip() != "rank"]
-        value = [i for i in options.split(",") if i.split("=", 1)[0].strip() == "rank"][-1].split("=", 1)[1].strip()
-        if not value.isdigit() or (rank >= 0 and int(value) != rank):
-            raise ValueError(f"device {text!r}: rank must be a non-negative integer (and agree with @RANK)")
-        rank, options = int(value), ",".join(items)
+    """One device spec, read by the core's grammar (the one stowlm-bench reads too); then whether
+    a CUDA device of this process exists."""
+    from . import _core
+
+    return _checked(_core.engine.parse_device(str(text)), text)
+
+
+def _checked(fields, text: str) -> DeviceSpec:
+    kind, index, threads, mem, rank, speed = fields
     if kind == "cuda" and not _elsewhere(rank):
         devs, why = cuda_devices()
         if not devs:
             raise RuntimeError(f"device {text!r}: no CUDA device is present ({why})")
         if index >= len(devs):
             raise ValueError(f"device {text!r}: there are {len(devs)} CUDA devices (cuda:0..cuda:{len(devs) - 1})")
-    threads, mem, speed = 0, 0, 0.0
-    if options is not None and options.strip():
-        for item in options.split(","):
-            if "=" not in item:
-                raise ValueError(f"device {text!r}: option {item.strip()!r} is not key=value")
-            key, value = (s.strip() for s in item.split("=", 1))
-            if key == "threads":
-                if not value.isdigit() or int(value) < 1:
-                    raise ValueError(f"device {text!r}: threads must be a positive integer, got {value!r}")
-                threads = int(value)
-            elif key == "mem":
-                mem = parse_bytes(value)
-                if mem <= 0:
-                    raise ValueError(f"device {text!r}: mem must be positive")
-            elif key == "speed":
-                try:
-                    speed = float(value)
-                except ValueError:
-                    speed = -1.0
-                if not (0 < speed < float("inf")):
-                    raise ValueError(f"device {text!r}: speed must be a positive number, got {value!r}")
-            else:
-                raise ValueError(f"device {text!r}: unknown option {key!r} (known: threads, mem, speed, rank)")
-    if kind == "cuda" and threads:
-        raise ValueError(f"device {text!r}: threads applies to CPU devices only (a CUDA device takes mem)")
     return DeviceSpec(kind, index, threads, mem, rank, speed)
 
 
@@ -150,22 +115,6 @@ def _elsewhere(rank: int) -> bool:
     return rank != _core.dist.rank()
 
 
-def _split_outside_brackets(text: str) -> List[str]:
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    parts.append(cur)
-    return [p for p in (s.strip() for s in parts) if p]
-
-
 def parse_devices(devices: Union[None, str, DeviceSpec, Iterable[Union[str, DeviceSpec]]]) -> List[DeviceSpec]:
     """A device list from None (one CPU device), "auto" (every CUDA device, then the CPU),
     "cpu:0[...],cpu:1[...]", or a list of specs."""
@@ -175,10 +124,11 @@ def parse_devices(devices: Union[None, str, DeviceSpec, Iterable[Union[str, Devi
         return [DeviceSpec("cuda", d["index"]) for d in cuda_devices()[0]] + [DeviceSpec()]
     if isinstance(devices, DeviceSpec):
         return [devices]
-    if isinstance(devices, str):
-        items: Sequence = _split_outside_brackets(devices)
-    else:
-        items = list(devices)
+    if isinstance(devices, str):  # the core reads the whole list (its duplicates, its brackets)
+        from . import _core
+
+        return [_checked(f, f"{f[0]}:{f[1]}") for f in _core.engine.parse_devices(devices)]
+    items: Sequence = list(devices)
     out = [d if isinstance(d, DeviceSpec) else parse_device(str(d)) for d in items]
     if not out:
         raise ValueError("devices: empty device list")
