@@ -442,3 +442,34 @@ def test_fuzz_truncate_and_flip_never_crash(tmp_path):
     # Every cut before the end of the data is rejected (checked per case above); flips of string
     # bytes and tensor-name characters leave valid files, so some flipped files open.
     assert rejected > head_end and opened > 0
+
+
+def test_a_load_parses_the_model_file_once():
+    """LLM(...) opens the file for fit's projector, the native model and the tokenizer: all three
+    share one parse (issue 29), with the default single device and with a fitted device list;
+    a file that changed is parsed again. Counted in a fresh process (tests here hold models)."""
+    path = get_model("smollm2-135m")
+    code = textwrap.dedent(f"""
+        import shutil, sys, tempfile, os
+        import stowlm
+        from stowlm import _core
+        def parses(**kw):
+            n = _core.gguf.parse_count()
+            llm = stowlm.LLM({str(path)!r}, progress=False, **kw)
+            got = _core.gguf.parse_count() - n
+            llm.close()
+            return got
+        print(parses(n_ctx=512), parses(devices="cpu:0[threads=1,mem=400MiB],cpu:1[threads=1]"))
+        # a copy touched after its first open is another file to the cache
+        d = tempfile.mkdtemp()
+        p = os.path.join(d, "m.gguf"); shutil.copy({str(path)!r}, p)
+        a = stowlm.GGUFFile(p); n = _core.gguf.parse_count()
+        b = stowlm.GGUFFile(p)
+        same = _core.gguf.parse_count() - n
+        os.utime(p, (1, 1)); c = stowlm.GGUFFile(p)
+        print(same, _core.gguf.parse_count() - n)
+    """)
+    r = subprocess.run([sys.executable, "-c", code], env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.split()
+    assert lines == ["1", "1", "0", "1"], r.stdout

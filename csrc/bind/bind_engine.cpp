@@ -268,7 +268,7 @@ STOWLM_BIND(engine) {
     nb::class_<BoundProjector>(e, "Projector")
         .def("__init__",
              [](BoundProjector* self, const std::string& path) {
-                 std::shared_ptr<const GGUFFile> f(GGUFFile::open(path));
+                 std::shared_ptr<const GGUFFile> f = GGUFFile::open_shared(path);
                  auto shape = Model::load(f, {DeviceSpec()}, {}, false, {});
                  new (self) BoundProjector{std::move(f), std::move(shape)};
              },

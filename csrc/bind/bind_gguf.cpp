@@ -19,7 +19,7 @@ using stowlm::GGUFValue;
 namespace {
 
 struct Handle {
-    std::shared_ptr<GGUFFile> f;
+    std::shared_ptr<const GGUFFile> f;
     std::string path;
 
     const GGUFFile& get() const {
@@ -94,7 +94,7 @@ STOWLM_BIND(gguf) {
         .def_static("open",
                     [](const std::string& path) {
                         try {
-                            return Handle{std::shared_ptr<GGUFFile>(GGUFFile::open(path)), path};
+                            return Handle{GGUFFile::open_shared(path), path};
                         } catch (const stowlm::GGUFFileNotFound& e) {
                             PyErr_SetObject(PyExc_FileNotFoundError,
                                             nb::make_tuple(ENOENT, e.what()).ptr());
@@ -140,8 +140,8 @@ STOWLM_BIND(gguf) {
              [](const Handle& h, const std::string& name) {
                  const stowlm::GGUFTensor& t = h.get().tensor(name);
                  // The capsule holds a reference to the file: the mapping lives while any view does.
-                 auto* keep = new std::shared_ptr<GGUFFile>(h.f);
-                 nb::capsule owner(keep, [](void* p) noexcept { delete (std::shared_ptr<GGUFFile>*)p; });
+                 auto* keep = new std::shared_ptr<const GGUFFile>(h.f);
+                 nb::capsule owner(keep, [](void* p) noexcept { delete (std::shared_ptr<const GGUFFile>*)p; });
                  size_t shape[1] = {t.nbytes};
                  return nb::ndarray<nb::numpy, const uint8_t, nb::ndim<1>, nb::ro>(t.data, 1, shape, owner);
              })
@@ -162,4 +162,5 @@ STOWLM_BIND(gguf) {
                  throw stowlm::InvalidInput("get: unknown kind '" + kind + "'");
              })
         .def("close", [](Handle& h) { h.f.reset(); });
+    g.def("parse_count", &GGUFFile::parse_count, "GGUF parses this process has made (each open that found no shared one)");
 }

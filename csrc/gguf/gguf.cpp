@@ -6,6 +6,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
@@ -453,7 +457,30 @@ void GGUFFile::parse_split(size_t index, bool first) {
     }
 }
 
+namespace {
+std::atomic<int64_t> g_parses{0};
+}
+
+int64_t GGUFFile::parse_count() { return g_parses.load(); }
+
+std::shared_ptr<const GGUFFile> GGUFFile::open_shared(const std::string& path) {
+    static std::mutex mu;
+    static std::map<std::string, std::weak_ptr<const GGUFFile>> live;
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return std::shared_ptr<const GGUFFile>(open(path));  // open() says why
+    const std::string key = path + "\n" + std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino) + ":" +
+                            std::to_string(st.st_size) + ":" + std::to_string(st.st_mtim.tv_sec) + "." +
+                            std::to_string(st.st_mtim.tv_nsec);
+    std::lock_guard<std::mutex> lock(mu);
+    for (auto it = live.begin(); it != live.end();) it = it->second.expired() ? live.erase(it) : std::next(it);
+    if (auto held = live[key].lock()) return held;
+    std::shared_ptr<const GGUFFile> f(open(path));
+    live[key] = f;
+    return f;
+}
+
 std::unique_ptr<GGUFFile> GGUFFile::open(const std::string& path) {
+    g_parses++;
     std::unique_ptr<GGUFFile> f(new GGUFFile());
     f->path_ = path;
     SplitName sn;

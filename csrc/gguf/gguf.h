@@ -56,6 +56,11 @@ class GGUFFile {
 public:
     // Opens `path` (for a split model, any part's path or the first part's). Throws InvalidInput.
     static std::unique_ptr<GGUFFile> open(const std::string& path);
+    // The same, shared with whoever holds this file's parse already (same path, device, inode,
+    // size and modification time): loading a model opens it for fit, the native model and the
+    // tokenizer, and each gets the one parse and mapping while any of them holds it.
+    static std::shared_ptr<const GGUFFile> open_shared(const std::string& path);
+    static int64_t parse_count();  // parses made by open() in this process (tests)
     ~GGUFFile();
     GGUFFile(const GGUFFile&) = delete;
     GGUFFile& operator=(const GGUFFile&) = delete;

@@ -134,7 +134,7 @@ std::unique_ptr<Model> Model::load(const std::string& path, const std::vector<De
                                    const std::vector<int>& layer_split, bool count_weights,
                                    const std::vector<TensorOverride>& overrides, const std::vector<double>& tensor_split,
                                    int interleave, bool tp_sum) {
-    return load(std::shared_ptr<const GGUFFile>(GGUFFile::open(path)), devices, layer_split, count_weights, overrides,
+    return load(GGUFFile::open_shared(path), devices, layer_split, count_weights, overrides,
                 tensor_split, interleave, tp_sum);
 }
 

@@ -37,6 +37,17 @@ def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_spl
          interleave=None) -> Loaded:
     """LLM's arguments (n_threads already made a device) as a loaded model and its context."""
     path = pull(model, progress=progress)
+    # held open for the whole load: fit's projector, the native model and the tokenizer then
+    # share its one parse and mapping (GGUFFile::open_shared)
+    with GGUFFile(path) as f:
+        return _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress,
+                     tensor_overrides, fit, placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq,
+                     split_mode, tensor_split, interleave)
+
+
+def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress, tensor_overrides, fit,
+          placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq, split_mode, tensor_split,
+          interleave) -> Loaded:
     if placement is not None:
         given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                 ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
@@ -62,17 +73,16 @@ def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_spl
                   n_copies=n_copies, split_mode=split_mode or "layer", tensor_split=tensor_split,
                   interleave=interleave)
     template, template_error = None, None
-    with GGUFFile(path) as f:
-        meta = f.metadata
-        metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
-        tokenizer = Tokenizer.from_metadata(meta, name=os.path.basename(path))
-        if chat_template is None and not meta.get("tokenizer.chat_template") \
-                and str(meta.get("general.architecture", "")).startswith("gemma"):
-            chat_template = "gemma"  # gemma GGUFs often ship without one; the family's format is fixed
-        try:
-            template = ChatTemplate.from_metadata(meta, tokenizer, name=os.path.basename(path), template=chat_template)
-        except ValueError as e:
-            template_error = str(e)
+    meta = f.metadata
+    metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}
+    tokenizer = Tokenizer.from_metadata(meta, name=os.path.basename(path))
+    if chat_template is None and not meta.get("tokenizer.chat_template") \
+            and str(meta.get("general.architecture", "")).startswith("gemma"):
+        chat_template = "gemma"  # gemma GGUFs often ship without one; the family's format is fixed
+    try:
+        template = ChatTemplate.from_metadata(meta, tokenizer, name=os.path.basename(path), template=chat_template)
+    except ValueError as e:
+        template_error = str(e)
     if placement is not None:
         ctx = Context(m)
     else:
