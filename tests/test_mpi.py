@@ -1,4 +1,4 @@
-"""Pipeline stages on MPI ranks (stowlm/mpi.py, csrc/dist/): `mpirun -np 2` and `-np 3` on this
+"""Pipeline stages on MPI ranks (stowlm/dist/, stowlm.mpi, csrc/dist/): `mpirun -np 2` and `-np 3` on this
 machine's loopback, every run bounded in time.
 
 Oracles: one process with the same layer split over virtual devices (logits bit for bit, greedy
