@@ -357,6 +357,31 @@ def test_cli_fit_placement_takes_its_own_devices_again(model_path, tmp_path):
     assert r.returncode == 1 and "drop n_ctx" in r.stderr, r.stderr
 
 
+def test_cli_run_placement_takes_its_own_devices_again(model_path, tmp_path):
+    """`stowlm run --devices LIST --placement FILE`, as fit does: LIST may be the placement's own
+    devices (in any order), and the same text comes out; other devices are refused, naming what
+    differs, before anything is loaded."""
+    path = str(model_path("smollm2-moe"))
+    devices = "cpu:1[mem=48MiB],cpu:2[mem=96MiB],cpu:0"
+    out = tmp_path / "p.json"
+    r = run_cli("fit", path, "--devices", devices, "-c", "1024", "--json", "-o", str(out))
+    assert r.returncode == 0, r.stderr
+    prompt = ("-p", "Hello", "-n", "4", "--temp", "0", "-q")
+    alone = run_cli("run", path, "--placement", str(out), *prompt)
+    assert alone.returncode == 0 and alone.stdout.startswith("Hello"), alone.stderr
+    for same in (devices, "cpu:0,cpu:2[mem=96MiB],cpu:1[mem=48MiB]"):
+        r = run_cli("run", path, "--devices", same, "--placement", str(out), *prompt)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == alone.stdout
+    r = run_cli("run", path, "--devices", "cpu:1[mem=64MiB],cpu:2[mem=96MiB],cpu:3", "--placement", str(out), *prompt)
+    assert r.returncode == 1 and not r.stdout
+    assert "its cpu:1 is cpu:1[mem=48MiB], not cpu:1[mem=64MiB]" in r.stderr, r.stderr
+    assert "cpu:3 is not one of its devices" in r.stderr and "its cpu:0 is not in the list" in r.stderr, r.stderr
+    # what fit decides is still refused next to a placement
+    r = run_cli("run", path, "--devices", devices, "--placement", str(out), "-c", "512", *prompt)
+    assert r.returncode == 1 and "drop n_ctx" in r.stderr, r.stderr
+
+
 def test_the_fitters_shared_foundation():
     """The searches and budgets the layer, tensor and rank fitters share."""
     from stowlm.devices import DeviceSpec

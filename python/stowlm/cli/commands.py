@@ -42,6 +42,7 @@ def load(a: argparse.Namespace, **extra):
     margin = kw_place.pop("margin")
     placement = a.placement
     if placement:
+        placement = _given_placement(placement, kw_place)
         given = [k for k, v in kw_place.items() if v]
         if given:
             raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
