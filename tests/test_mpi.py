@@ -127,6 +127,9 @@ def test_cli_run_and_fit(mpirun):
                          capture_output=True, text=True, env=subprocess_env(), timeout=120)
     assert one.returncode == 0, one.stderr
     assert r.stdout == one.stdout and len(r.stdout) > 30
+    # the model given as -m MODEL, as one process takes it
+    r = _run(mpirun, 2, "-m", "stowlm", "run", "-m", path, *prompt, "--devices", "cpu:0[threads=1]")
+    assert r.returncode == 0 and r.stdout == one.stdout, r.stderr
     f = _run(mpirun, 2, "-m", "stowlm", "fit", path, "--explain", "--devices", "cpu:0[threads=1]")
     assert f.returncode == 0, f.stderr
     host = socket.gethostname()

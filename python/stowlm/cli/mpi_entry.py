@@ -10,7 +10,7 @@ from ..dist.report import explain, table
 from ..dist.stages import serve_here, setup
 from ..placement.rules import DEFAULT_KV_TYPE, DEFAULT_N_UBATCH, slot_context
 from .app import run_argv
-from .args import margins_mib, number_list, parser
+from .args import margins_mib, number_list, parser, resolve_model
 from .commands import run, serve
 
 
@@ -27,7 +27,9 @@ def main(argv: List[str]) -> int:
             print("stowlm: under mpirun, measure with `python bench/mpi_bench.py` (the native stowlm-bench runs "
                   "in one process)", file=sys.stderr)
         return 2
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
+    resolve_model(a, p)  # -m MODEL, or the default model, as one process takes them
     if a.command not in ("run", "serve", "fit"):
         return run_argv(argv) if job.rank == 0 else 0  # one rank does it
     status = 1
