@@ -252,3 +252,34 @@ def test_a_draft_model_keeps_the_greedy_text(tmp_path):
     assert got.tokens == want.tokens and got.drafted > 20 and got.accepted > 10
     with pytest.raises(ValueError, match="vocabulary"):
         stowlm.LLM(src, n_ctx=256, progress=False, speculative=str(get_model("qwen2.5-coder-0.5b")))
+
+
+def test_fit_counts_the_draft_model(tmp_path):
+    """A draft model loads first, on the target's first device, and fit counts what it holds
+    there: a budget that holds the target alone is short with the draft (FitError saying so),
+    and one with room for both loads them within it."""
+    from stowlm.draftmodel import make_draft
+
+    src = str(get_model("smollm2-135m"))
+    draft = str(make_draft(src, tmp_path / "draft.gguf", keep=6))
+
+    def total(path):  # what a model takes on a roomy budgeted device at n_ctx 2048
+        with stowlm.LLM(path, devices="cpu:1[threads=1,mem=1GiB]", n_ctx=2048, progress=False) as m:
+            return m.ctx.memory_report()[0]["total"]
+
+    def budget_for(n):  # MiB whose default margin (1/16) leaves n + 8 MiB
+        return -(-(n + (8 << 20)) * 16 // 15 // (1 << 20))
+
+    need, held = total(src), total(draft)
+    alone = f"cpu:1[threads=1,mem={budget_for(need)}MiB]"
+    with stowlm.LLM(src, devices=alone, n_ctx=2048, progress=False) as llm:
+        assert llm.ctx.memory_report()[0]["total"] == need
+    with pytest.raises(MemoryError, match="held by the draft model"):
+        stowlm.LLM(src, devices=alone, n_ctx=2048, progress=False, speculative=draft)
+    both = budget_for(need + held) << 20
+    with stowlm.LLM(src, devices=f"cpu:1[threads=1,mem={both >> 20}MiB]", n_ctx=2048, progress=False,
+                    speculative=draft) as llm:
+        d = llm._drafter.llm.ctx.memory_report()[0]
+        assert d["device"] == "cpu:1" and d["total"] == held
+        assert d["total"] + llm.ctx.memory_report()[0]["total"] <= both
+        assert llm.generate("The capital of France is", max_tokens=8, temperature=0).text

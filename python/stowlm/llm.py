@@ -15,6 +15,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 import numpy as np
 
 from .conversation import Conversation
+from .devices import parse_devices
 from .generation import Completion, Generation, Served
 from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
 from .placement.rules import DEFAULT_N_OUTPUTS
@@ -22,6 +23,11 @@ from .speculative import DRAFT_MAX, PassCosts, Speculator, parse_spec
 from .text.sampling import SamplingParams
 
 __all__ = ["LLM", "Completion"]
+
+
+def _names_a_model(spec) -> bool:
+    """Whether `speculative` names a draft model's file (not "ngram", None or a loaded LLM)."""
+    return isinstance(spec, (str, os.PathLike)) and os.fspath(spec) not in ("ngram", "none")
 
 
 class LLM(Conversation):
@@ -69,11 +75,19 @@ class LLM(Conversation):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         if devices is None and n_threads is not None:
             devices = [f"cpu:0[threads={n_threads}]"]
-        ld = load(model, n_ctx=n_ctx, devices=devices, n_ubatch=n_ubatch, kv_type=kv_type, layer_split=layer_split,
-                  chat_template=chat_template, progress=progress, tensor_overrides=tensor_overrides, fit=fit,
-                  placement=placement, fit_margin=fit_margin, cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe,
-                  n_copies=n_copies, fit_ctx=fit_ctx, n_seq=n_seq, split_mode=split_mode,
-                  tensor_split=tensor_split, interleave=interleave)
+        # A draft model loads first, on the first device, so that fit counts what it holds there.
+        draft = self._load_draft(speculative, devices, n_ctx, n_seq) if _names_a_model(speculative) else None
+        reserved = None if draft is None else {d["device"]: d["total"] for d in draft.ctx.memory_report()}
+        try:
+            ld = load(model, n_ctx=n_ctx, devices=devices, n_ubatch=n_ubatch, kv_type=kv_type,
+                      layer_split=layer_split, chat_template=chat_template, progress=progress,
+                      tensor_overrides=tensor_overrides, fit=fit, placement=placement, fit_margin=fit_margin,
+                      cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, n_copies=n_copies, fit_ctx=fit_ctx, n_seq=n_seq,
+                      split_mode=split_mode, tensor_split=tensor_split, interleave=interleave, reserved=reserved)
+        except BaseException:
+            if draft is not None:
+                draft.close()
+            raise
         self.path, self.placement, self.model, self.metadata = ld.path, ld.placement, ld.model, ld.metadata
         self.tokenizer, self.ctx = ld.tokenizer, ld.ctx
         self._template, self._template_error = ld.template, ld.template_error
@@ -84,7 +98,7 @@ class LLM(Conversation):
         self._pass_costs = PassCosts()  # what passes of several tokens cost here, learnt from them
         self._owns_drafter = isinstance(speculative, (str, os.PathLike)) and speculative != "ngram"
         if speculative is not None:
-            self._drafter = parse_spec(speculative, load=lambda path: LLM(path, progress=False))
+            self._drafter = parse_spec(draft if draft is not None else speculative)
             if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():
                 raise ValueError(f"draft_max must be an integer in [1, {self._max_draft()}] (a draft and its "
                                  f"token stay below the batch bound), got {draft_max!r}")
@@ -97,6 +111,13 @@ class LLM(Conversation):
         self._engine = None
         if self.ctx.n_seq > 1:
             self.engine()
+
+    @staticmethod
+    def _load_draft(spec, devices, n_ctx, n_seq) -> "LLM":
+        """The draft model on the target's first device, with a context of one sequence's."""
+        first = parse_devices(devices)[0]
+        return LLM(spec, devices=[str(first)], n_ctx=None if n_ctx is None else max(1, n_ctx // n_seq),
+                   progress=False, fit=False)
 
     def engine(self, max_queue: Optional[int] = None):
         """The continuous-batching engine serving this LLM's context (made on first use; from then

@@ -34,20 +34,21 @@ class Loaded:
 def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_split=None, chat_template=None,
          progress=True, tensor_overrides=None, fit=None, placement=None, fit_margin=None, cpu_moe=False,
          n_cpu_moe=None, n_copies=None, fit_ctx=None, n_seq=1, split_mode=None, tensor_split=None,
-         interleave=None) -> Loaded:
-    """LLM's arguments (n_threads already made a device) as a loaded model and its context."""
+         interleave=None, reserved=None) -> Loaded:
+    """LLM's arguments (n_threads already made a device) as a loaded model and its context.
+    reserved: device name -> bytes a draft model already holds there, which fit counts."""
     path = pull(model, progress=progress)
     # held open for the whole load: fit's projector, the native model and the tokenizer then
     # share its one parse and mapping (GGUFFile::open_shared)
     with GGUFFile(path) as f:
         return _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress,
                      tensor_overrides, fit, placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq,
-                     split_mode, tensor_split, interleave)
+                     split_mode, tensor_split, interleave, reserved)
 
 
 def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress, tensor_overrides, fit,
           placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq, split_mode, tensor_split,
-          interleave) -> Loaded:
+          interleave, reserved) -> Loaded:
     if placement is not None:
         given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                 ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
@@ -57,12 +58,13 @@ def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template
         if given:
             raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
     elif fit or (fit is None and _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq,
-                                            fit_margin)):
+                                            fit_margin, reserved)):
         placement = fit_placement(path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
                                   layer_split=layer_split, tensor_overrides=tensor_overrides,
                                   cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
                                   n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
-                                  interleave=interleave, **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
+                                  interleave=interleave, reserved=reserved,
+                                  **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
         if progress:
             print(f"[{placement.summary()}]", file=sys.stderr)
     if placement is not None:
@@ -99,7 +101,7 @@ def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:
     return n_seq * min(DEFAULT_N_CTX, n_ctx_train) if n_ctx is None else n_ctx
 
 
-def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin) -> bool:
+def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin, reserved=None) -> bool:
     """Several devices, an expert spill asked for, or a model that does not fit the one device."""
     specs = parse_devices(devices)
     if len(specs) > 1 or cpu_moe or n_cpu_moe is not None:
@@ -108,4 +110,4 @@ def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_se
     projector = _core.engine.Projector(os.fspath(path))
     n_ctx = slot_context(_default_ctx(projector.n_ctx_train, n_ctx, n_seq), n_seq)
     return not fits_one_device(projector, specs[0], n_ctx, n_ubatch, kv_type or DEFAULT_KV_TYPE,
-                               min(n_ubatch, DEFAULT_N_OUTPUTS), margin, n_seq)
+                               min(n_ubatch, DEFAULT_N_OUTPUTS), margin, n_seq, reserved)

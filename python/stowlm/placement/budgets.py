@@ -87,10 +87,15 @@ def margins(margin, n: int) -> List[Optional[int]]:
     return out
 
 
-def describe_devices(specs: List[DeviceSpec], margin) -> Tuple[List[Dev], int, int]:
-    """Free memory, margin, speed and tier of each device; and the host's available RAM and margin."""
+def describe_devices(specs: List[DeviceSpec], margin, reserved: Optional[Dict[str, int]] = None
+                     ) -> Tuple[List[Dev], int, int]:
+    """Free memory, margin, speed and tier of each device; and the host's available RAM and margin.
+    reserved: bytes another model of this process holds on a CPU device (a draft model), which
+    its budget and the host's RAM do not show (a CUDA device's free memory already does)."""
     per_device = margins(margin, len(specs))
     host_total, host_free = physical_ram_bytes(), host_available_bytes()
+    held = {s.name: int((reserved or {}).get(s.name, 0)) for s in specs if s.kind == "cpu"}
+    host_free -= sum(held.values())
     host_margin = default_margin(host_total)
     default_threads = _core.engine.default_threads()
     out = []
@@ -112,6 +117,9 @@ def describe_devices(specs: List[DeviceSpec], margin) -> Tuple[List[Dev], int, i
             free = min(total, d["free_bytes"])
             source, tier, speed = "cudaMemGetInfo" + (", capped by its budget" if s.mem_bytes else ""), 0, 1.0
         speed = s.speed or speed  # as the spec states it, where it does
+        if held.get(s.name):
+            free -= held[s.name]
+            source += f", less {format_size(held[s.name])} held by the draft model"
         m = default_margin(total) if m is None else m
         if m >= free:
             raise ValueError(f"margin {format_size(m)} for {s.name} is not smaller than its free memory "
@@ -163,10 +171,10 @@ def host_record(devs: Sequence[Dev], totals: Sequence[int], host_free: int, host
 
 
 def fits_one_device(projector, device: DeviceSpec, n_ctx: int, n_ubatch: int, kv_type: str, n_outputs: int,
-                    margin=None, n_seq: int = 1) -> bool:
+                    margin=None, n_seq: int = 1, reserved: Optional[Dict[str, int]] = None) -> bool:
     """Whether the model (a _core.engine.Projector of its file) with these settings fits `device`
-    alone: its free memory less its margin."""
-    devs, host_free, host_margin = describe_devices([device], margin)
+    alone: its free memory less its margin (and less what `reserved` says is held there)."""
+    devs, host_free, host_margin = describe_devices([device], margin, reserved)
     total = projector.project([device.as_tuple()], [], [], n_ctx, n_ubatch, kv_type, n_outputs, 1,
                               n_seq)["devices"][0]["total"]
     return not over(devs, [total], host_free, host_margin)

@@ -26,7 +26,8 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         tensor_overrides: Optional[Sequence[str]] = None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
         margin=None, max_ctx: int = DEFAULT_MAX_CTX, fit_ctx: int = DEFAULT_FIT_CTX,
         placement: Optional[Union[Placement, str, os.PathLike]] = None, split_mode: Optional[str] = "layer",
-        tensor_split: Optional[Sequence[float]] = None, interleave: Optional[int] = None) -> Placement:
+        tensor_split: Optional[Sequence[float]] = None, interleave: Optional[int] = None,
+        reserved: Optional[Dict[str, int]] = None) -> Placement:
     """Decide a placement of the GGUF file `model` on `devices` (a list or "cpu:0[...],cuda:0";
     "auto": every CUDA device and the CPU). Every argument given is kept as is; FitError (a
     MemoryError) says which device is short, by how much, and the largest context that fits.
@@ -34,7 +35,8 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     fitted placement gives it back. interleave: each device's layers in that many ranges that
     take turns with the other devices' (default 2 where two or more CPU devices and no GPU hold
     layers, and it fits; 1: one range each). split_mode="tensor" or "tensor-sum": every layer cut
-    over the devices (the shares are decided unless tensor_split gives them).
+    over the devices (the shares are decided unless tensor_split gives them). reserved: device
+    name -> bytes a draft model of this process already holds on that CPU device.
     Allocates nothing."""
     path = os.fspath(model)
     if not os.path.exists(path):
@@ -64,7 +66,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     kv_type = s["kv_type"] or DEFAULT_KV_TYPE
     n_copies = _n_copies(DEFAULT_N_COPIES if s["n_copies"] is None else s["n_copies"])
     _interleave(s["interleave"])
-    devs, host_free, host_margin = describe_devices(specs, s["margin"])
+    devs, host_free, host_margin = describe_devices(specs, s["margin"], reserved)
     n_seq = s["n_seq"]
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
         raise ValueError(f"n_seq must be a positive integer, got {n_seq!r}")
