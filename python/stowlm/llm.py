@@ -21,6 +21,7 @@ from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi
 from .placement.rules import DEFAULT_N_OUTPUTS
 from .speculative import DRAFT_MAX, PassCosts, Speculator, parse_spec
 from .text.sampling import SamplingParams
+from .text.stream import common_prefix
 
 __all__ = ["LLM", "Completion"]
 
@@ -242,14 +243,6 @@ class LLM(Conversation):
             raise ValueError(f"the prompt has {len(tokens)} tokens, more than the context n_ctx={self.n_ctx}")
         return tokens
 
-    def _common_prefix(self, tokens: Sequence[int]) -> int:
-        n = 0
-        for a, b in zip(self._cached, tokens):
-            if a != b:
-                break
-            n += 1
-        return n
-
     def _rewind(self, n: int) -> None:
         if n < len(self._cached) or self.ctx.n_past != n:
             self.ctx.kv_truncate(n)
@@ -257,7 +250,7 @@ class LLM(Conversation):
 
     def _prefill(self, tokens: List[int]) -> np.ndarray:
         """Brings the cache to exactly ``tokens`` and returns the last position's logits."""
-        n_keep = min(self._common_prefix(tokens), len(tokens) - 1)
+        n_keep = min(common_prefix(self._cached, tokens), len(tokens) - 1)
         self._rewind(n_keep)
         try:
             out = self.ctx.eval(tokens[n_keep:], logits="last")

@@ -25,6 +25,8 @@ from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
+from .text.stream import common_prefix
+
 __all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "PassCosts", "verify", "DRAFT_MAX", "parse_spec"]
 
 DRAFT_MAX = 7   # draft tokens per step (one pass checks them with the pending token: 8 rows, two tiles)
@@ -144,12 +146,7 @@ class ModelDrafter:
         ctx, hist = self.llm.ctx, list(history)
         if len(hist) + k >= ctx.n_ctx:
             return [], None
-        keep = 0
-        for a, b in zip(self._cached, hist):
-            if a != b:
-                break
-            keep += 1
-        keep = min(keep, len(hist) - 1)
+        keep = min(common_prefix(self._cached, hist), len(hist) - 1)
         ctx.kv_truncate(keep)
         logits = ctx.eval(hist[keep:], logits="last")
         self._cached = hist

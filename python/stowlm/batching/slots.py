@@ -5,8 +5,9 @@ prefix gives exactly the bits a fresh evaluation would (see stowlm.batching.engi
 from __future__ import annotations
 
 import bisect
-from typing import List, Sequence
+from typing import List
 
+from ..text.stream import common_prefix
 from .requests import Event, Slot
 
 __all__ = ["SlotPlanner"]
@@ -107,7 +108,7 @@ class SlotPlanner:
         prompt tokens, each made by the kernels that a fresh evaluation of `tokens` would use for
         it (those of its chunk's size), cut so that the rest of its chunk, evaluated in one pass,
         is still large enough to take the same kernels. At least one token is left to evaluate."""
-        k = min(_common_prefix(s.cached, tokens), len(s.kernels), len(tokens) - 1)
+        k = min(common_prefix(s.cached, tokens), len(s.kernels), len(tokens) - 1)
         if self.whole_chunks:
             return k - k % self.chunk
         for c in range(0, k, self.chunk):
@@ -123,12 +124,3 @@ class SlotPlanner:
             return k  # the rest goes in a pass forced onto the batched kernels, however short
         smallest = self.bounds[cls - 1] if cls else 1  # the smallest pass taking the same kernels
         return min(k, c0 + size - smallest)
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n

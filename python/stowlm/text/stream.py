@@ -16,6 +16,16 @@ from .sampling import SamplingParams
 __all__ = ["StopChecker", "TextStream", "held_prefix"]
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens two texts share from the start (what a KV cache of one keeps for the other)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def held_prefix(buf: str, markers: Sequence[str]) -> int:
     """Length of the longest tail of ``buf`` that is a proper prefix of one of ``markers``: text
     that must wait, since the next piece may complete the marker."""
