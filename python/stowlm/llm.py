@@ -97,7 +97,7 @@ class LLM(Conversation):
         self._grammars_lock = threading.Lock()
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
         self._pass_costs = PassCosts()  # what passes of several tokens cost here, learnt from them
-        self._owns_drafter = isinstance(speculative, (str, os.PathLike)) and speculative != "ngram"
+        self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
         if speculative is not None:
             self._drafter = parse_spec(draft if draft is not None else speculative)
             if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():

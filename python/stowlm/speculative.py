@@ -163,19 +163,16 @@ class ModelDrafter:
         return out, "model"
 
 
-def parse_spec(spec, load=None) -> Optional[object]:
-    """None, "ngram", a .gguf path / model name of a draft model (loaded by ``load(path)``, which
-    returns an LLM: the caller's, so this module needs no LLM of its own), an LLM, or any object
-    with draft(history, k) -> (tokens, source) and `cheap` (True: offering k tokens costs no more
-    than offering fewer)."""
+def parse_spec(spec) -> Optional[object]:
+    """None, "ngram", a loaded LLM of a draft model (LLM loads one named by path itself, before
+    its target, so that fit counts it), or any object with draft(history, k) -> (tokens, source)
+    and `cheap` (True: offering k tokens costs no more than offering fewer)."""
     if spec is None or spec is False or spec == "none":
         return None
     if hasattr(spec, "draft") and not isinstance(spec, (str, os.PathLike)):  # a drafter of one's own
         return spec
     if spec == "ngram":
         return NgramDrafter()
-    if isinstance(spec, (str, os.PathLike)) and load is not None:
-        return ModelDrafter(load(spec))
     if hasattr(spec, "ctx") and hasattr(spec, "tokenizer"):  # an LLM
         return ModelDrafter(spec)
     raise ValueError(f"speculative: 'ngram', a draft model's .gguf path or name, or None; got {spec!r}")
