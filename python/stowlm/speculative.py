@@ -31,9 +31,8 @@ __all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "PassCosts", "verify", 
 
 DRAFT_MAX = 7   # draft tokens per step (one pass checks them with the pending token: 8 rows, two tiles)
 MAX_BACKOFF = 16  # steps without drafting after repeated misses, at most
-# What a pass of several tokens costs, in one-token steps, until passes have been timed
-# (PassCosts): the CPU's row kernels stream the weights once per pass and take tokens 4 to a tile
-# (qwen2.5-coder-0.5b, 2 Zen 4 threads, one-row decode kernels: 1.30x for 2 tokens, 1.55x for 4,
+# What a pass of several tokens costs, in one-token steps (PassCosts): the CPU's row kernels
+# stream the weights once per pass and take tokens 4 to a tile (qwen2.5-coder-0.5b, 2 Zen 4 threads, one-row decode kernels: 1.30x for 2 tokens, 1.55x for 4,
 # 2.6x for 8, 3.7x for 12). A draft token past the first tile must earn MARGIN times its cost:
 # the acceptance it is judged by is an estimate, and a pass already full of sequences loses by
 # every token that is not kept.
@@ -41,16 +40,17 @@ TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 
 
 def prior_cost(n: int) -> float:
-    """A pass of n tokens in one-token steps, before any pass has been timed."""
+    """A pass of n tokens in one-token steps."""
     return 1.0 + IN_TILE * (min(n, TILE) - 1) + PAST_TILE * max(0, n - TILE)
 
 
 class PassCosts:
-    """What a pass of n tokens costs in one-token steps on this model and device, learnt from
-    the passes timed so far: a moving average of each size's seconds over the one-token step's;
-    a size not timed yet lies on the line between its timed neighbours, or past the largest
-    follows the prior's slope. One per LLM or batching engine, so every request's passes teach
-    it (the costs differ by CPU, kernel and GPU: a GPU checks 8 tokens for about one step's time)."""
+    """What a pass of n tokens costs in one-token steps: the tile model above (TILE, IN_TILE,
+    PAST_TILE), fixed, so that which tokens are drafted does not depend on timing noise (a single
+    slow pass once learnt made passes of that size look dear for good: they were never timed
+    again, and seeded sampling stopped being reproducible). The passes are timed all the same,
+    for the one-token step's seconds that a draft model's steps are weighed against. One per LLM
+    or batching engine."""
 
     ALPHA = 0.1
 
@@ -63,26 +63,15 @@ class PassCosts:
         old = self.seconds.get(n)
         self.seconds[n] = seconds if old is None else old + self.ALPHA * (seconds - old)
 
-    def cost(self, n: int) -> float:
-        if n <= 1:
-            return 1.0
-        s1 = self.seconds.get(1)
-        known = {1: 1.0}
-        if s1:
-            known.update({m: max(1.0, t / s1) for m, t in self.seconds.items() if m > 1})
-        if n in known:
-            return known[n]
-        lo = max(m for m in known if m < n)
-        hi = min((m for m in known if m > n), default=None)
-        if hi is None:
-            return known[lo] + prior_cost(n) - prior_cost(lo)
-        return known[lo] + (known[hi] - known[lo]) * (n - lo) / (hi - lo)
+    @staticmethod
+    def cost(n: int) -> float:
+        return prior_cost(n) if n > 1 else 1.0
 
     def token(self, j: int) -> float:
         """What a pass's j-th token (1-based) adds, with the margin it must earn past a tile."""
         if j <= 1:
             return 1.0
-        d = max(0.0, self.cost(j) - self.cost(j - 1))
+        d = self.cost(j) - self.cost(j - 1)
         return d * MARGIN if j > TILE else d
 
     def step_seconds(self) -> Optional[float]:
