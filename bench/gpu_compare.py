@@ -9,7 +9,9 @@ For each round and model it runs stowlm-bench (every layer on cuda:0) and then l
 the machine treats both alike. It prints every call's figures, the median of each tool's
 samples over the rounds and the ratio stowlm / llama.cpp, writes gpu_compare.md and
 gpu_compare.json to --out (default $OUT, else ./gpu_compare_out), and with --kernel-report (on
-for cuda) one `stowlm-bench -v` run per model for its kernels per token and time outside them.
+for cuda) one `stowlm-bench -v` run per model for its kernels per token, its host launches (CUDA
+graphs and kernels) and time outside them. With --graphs-off (on for cuda) each round also runs
+stowlm-bench with STOWLM_CUDA_GRAPHS=0: its own column, what the graphs bring.
 
 The peer is llama.cpp's CUDA build from ../shared/peers/llama.cpp-cuda-sm90.tar.xz (unpacked
 into a temporary folder) or a given llama-bench. Its CUDA backend needs cuBLAS
@@ -232,6 +234,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--no-peer", action="store_true", help="stowlm-bench alone")
     ap.add_argument("--kernel-report", action=argparse.BooleanOptionalAction, default=None,
                     help="one stowlm-bench -v run per model for kernels per token (default: on for cuda)")
+    ap.add_argument("--graphs-off", action=argparse.BooleanOptionalAction, default=None,
+                    help="also stowlm-bench with STOWLM_CUDA_GRAPHS=0 in each round (default: on for cuda)")
     ap.add_argument("--call-timeout", type=float, default=300, help="seconds one tool call may take")
     ap.add_argument("--out", default=None, help="folder for gpu_compare.md/.json (default $OUT, else ./gpu_compare_out)")
     a = ap.parse_args(argv)
@@ -296,6 +300,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"gpu_compare: llama.cpp unavailable: {peer_why}", flush=True)
 
     tools = [("stowlm", [stowlm_exe] + stowlm_args, None)]
+    if a.device == "cuda" if a.graphs_off is None else a.graphs_off:
+        tools.append(("stowlm no graphs", [stowlm_exe] + stowlm_args, dict(os.environ, STOWLM_CUDA_GRAPHS="0")))
     if peer_exe:
         tools.append(("llama.cpp", [peer_exe] + peer_args, peer_env))
     samples: Dict[Tuple[str, str, str], List[float]] = {}
@@ -322,7 +328,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 for r in results:
                     samples.setdefault((model.stem, r["test"], label), []).extend(r["samples_ts"])
                     backends.setdefault(label, r["backends"])
-                    print(f"  round {rnd} {model.stem:20s} {r['test']:8s} {label:9s} "
+                    print(f"  round {rnd} {model.stem:20s} {r['test']:8s} {label:16s} "
                           + " ".join(f"{x:.2f}" for x in r["samples_ts"]) + f"  (mean {r['avg_ts']:.2f} t/s)",
                           flush=True)
                     calls.append(dict(round=rnd, model=model.stem, tool=label, command=cmd, test=r["test"],
@@ -350,8 +356,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     head = (f"{when}; device {a.device}" + (f" ({gpu})" if gpu else "") + f"; CPU {cpu}; "
             f"{a.rounds} round(s) x {a.repetitions} repetitions; stowlm-bench {' '.join(stowlm_args)}; "
             + (f"llama-bench {' '.join(peer_args)}" if peer_exe else f"llama.cpp unavailable: {peer_why}"))
-    lines = [head, "", "| model | test | stowlm t/s (median) | llama.cpp t/s (median) | stowlm/llama.cpp |",
-             "| --- | --- | ---: | ---: | ---: |"]
+    no_graphs = any(t[0] == "stowlm no graphs" for t in tools)
+    lines = [head, "", "| model | test | stowlm t/s (median) | llama.cpp t/s (median) | stowlm/llama.cpp |"
+             + (" stowlm, CUDA graphs off |" if no_graphs else ""),
+             "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if no_graphs else "")]
     table = []
     for model in models:
         tests = []
@@ -363,9 +371,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             om = median(ours) if ours else None
             pm = median(theirs) if theirs else None
             ratio = om / pm if om and pm else None
-            table.append(dict(model=model.stem, test=t, stowlm=om, llama_cpp=pm, ratio=ratio,
+            plain = samples.get((model.stem, t, "stowlm no graphs"))
+            nm = median(plain) if plain else None
+            table.append(dict(model=model.stem, test=t, stowlm=om, llama_cpp=pm, ratio=ratio, stowlm_no_graphs=nm,
                               stowlm_samples=ours or [], llama_cpp_samples=theirs or []))
-            cells = [f"{x:.2f}" if x is not None else "-" for x in (om, pm, ratio)]
+            cells = [f"{x:.2f}" if x is not None else "-" for x in (om, pm, ratio) + ((nm,) if no_graphs else ())]
             lines.append(f"| {model.stem} | {t} | " + " | ".join(cells) + " |")
     if kernels:
         lines += ["", "stowlm-bench -v (one more run, kernels timed):"]

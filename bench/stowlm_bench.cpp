@@ -687,12 +687,14 @@ void report_kernels(Context& ctx, const Model& model, const Test& t, const Resul
     for (Backend* b : counted) {
         const KernelStats k = b->take_kernel_stats();
         const double kernel_ms = k.kernel_s * 1e3 / steps;
+        const char* unit = per_token ? "token" : "run";
         fprintf(stderr,
                 "  %s on %s: %.1f kernels per %s; %.3f ms per %s, of which %.3f ms in kernels (run back to back) and "
-                "%.3f ms (%.0f%%) outside them (launch gaps, host work)\n",
-                t.name().c_str(), b->name().c_str(), k.launches / steps, per_token ? "token" : "run", wall_ms,
-                per_token ? "token" : "run", kernel_ms, wall_ms - kernel_ms,
-                wall_ms > 0 ? 100.0 * (wall_ms - kernel_ms) / wall_ms : 0.0);
+                "%.3f ms (%.0f%%) outside them (launch gaps, host work); host launches per %s: %.1f CUDA graphs and "
+                "%.1f kernels\n",
+                t.name().c_str(), b->name().c_str(), k.launches / steps, unit, wall_ms, unit, kernel_ms,
+                wall_ms - kernel_ms, wall_ms > 0 ? 100.0 * (wall_ms - kernel_ms) / wall_ms : 0.0, unit,
+                k.graph_launches / steps, (k.launches - k.graph_kernels) / steps);
         if (k.late_splits)
             fprintf(stderr, "  %s on %s: %llu of %llu timed splits waited for the host past the hold: their kernel "
                             "time includes launch gaps\n",

@@ -85,10 +85,11 @@ CudaDevice::CudaDevice(int index) : index_(index), name_("cuda:" + std::to_strin
     check_cuda(cudaGetDeviceProperties(&p, index), "cudaGetDeviceProperties");
     sm_count_ = p.multiProcessorCount;
     total_ = p.totalGlobalMem;
-    cudaStream_t a, b;
+    cudaStream_t a, b, c;
     check_cuda(cudaStreamCreateWithFlags(&a, cudaStreamNonBlocking), "cudaStreamCreate");
     check_cuda(cudaStreamCreateWithFlags(&b, cudaStreamNonBlocking), "cudaStreamCreate");
-    compute_ = a, copy_ = b;
+    check_cuda(cudaStreamCreateWithFlags(&c, cudaStreamNonBlocking), "cudaStreamCreate");
+    compute_ = a, copy_ = b, capture_ = c;
 }
 
 CudaDevice::~CudaDevice() {
@@ -108,6 +109,7 @@ CudaDevice::~CudaDevice() {
     for (auto& kv : live_) cudaFree(kv.first);
     cudaStreamDestroy((cudaStream_t)compute_);
     cudaStreamDestroy((cudaStream_t)copy_);
+    cudaStreamDestroy((cudaStream_t)capture_);
 }
 
 void CudaDevice::set_current() const { check_cuda(cudaSetDevice(index_), "cudaSetDevice"); }
@@ -214,6 +216,38 @@ CudaDevice::TimedTotal CudaDevice::take_timed() {
     }
     timing_->spans.clear();
     return t;
+}
+
+void CudaDevice::begin_capture(Stream s) {
+    set_current();
+    // Relaxed: a launcher's attribute queries may go on while this thread captures.
+    check_cuda(cudaStreamBeginCapture((cudaStream_t)s, cudaStreamCaptureModeRelaxed), "cudaStreamBeginCapture");
+}
+
+CudaDevice::GraphExec CudaDevice::end_capture(Stream s) {
+    cudaGraph_t g = nullptr;
+    cudaError_t e = cudaStreamEndCapture((cudaStream_t)s, &g);
+    if (e != cudaSuccess || !g) {
+        cudaGetLastError();  // an invalidated capture is not sticky: the caller runs the work itself
+        if (g) cudaGraphDestroy(g);
+        return nullptr;
+    }
+    cudaGraphExec_t x = nullptr;
+    e = cudaGraphInstantiate(&x, g, 0);
+    cudaGraphDestroy(g);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return nullptr;
+    }
+    return x;
+}
+
+void CudaDevice::launch_graph(GraphExec g, Stream s) {
+    check_cuda(cudaGraphLaunch((cudaGraphExec_t)g, (cudaStream_t)s), "cudaGraphLaunch");
+}
+
+void CudaDevice::destroy_graph(GraphExec g) {
+    if (g) cudaGraphExecDestroy((cudaGraphExec_t)g);
 }
 
 void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream s) {

@@ -54,6 +54,7 @@ public:
 
     Stream compute_stream() const { return compute_; }
     Stream copy_stream() const { return copy_; }
+    Stream capture_stream() const { return capture_; }  // only ever captured on, never run
     Event record(Stream s);                // a new event recorded on s (destroy with release)
     void wait(Stream s, Event e);          // s waits for e without blocking the host
     void release(Event e);
@@ -84,12 +85,23 @@ public:
     void end_timed(Stream s);
     TimedTotal take_timed();
 
+    // CUDA graphs: between begin_capture and end_capture the calling thread's work on stream s
+    // is recorded, not run (the kernels' arguments are fixed then; what they read from device
+    // memory is read at each replay). end_capture returns the instantiated graph, or nullptr
+    // when the capture failed (nothing of it ran: the caller runs the work itself);
+    // launch_graph enqueues a replay on s.
+    using GraphExec = void*;
+    void begin_capture(Stream s);
+    GraphExec end_capture(Stream s);
+    void launch_graph(GraphExec g, Stream s);
+    void destroy_graph(GraphExec g);
+
 private:
     int index_;
     std::string name_;
     int sm_count_ = 0;
     size_t total_ = 0;
-    Stream compute_ = nullptr, copy_ = nullptr;
+    Stream compute_ = nullptr, copy_ = nullptr, capture_ = nullptr;
     void* staging_[2] = {nullptr, nullptr};  // pinned host buffers
     Event staging_done_[2] = {nullptr, nullptr};
     mutable std::mutex mu_;

@@ -11,11 +11,17 @@
 // With tensor parallelism a shard's ALL_REDUCE / ALL_GATHER meets the other shards' (CPU or CUDA)
 // inside its split and fetches their parts itself (collective below); the sum is the kernel of
 // cuda/collective.cu, the CPU backend's arithmetic, so every shard holds the same bits.
+// A split run a second time is captured as a CUDA graph and replayed from then on (one launch
+// instead of hundreds): every graph (ShapeGraph) is placed once, so its kernels' arguments are
+// the same each time, and what changes per step (tokens, positions, cells, sequence ends) is in
+// the inputs the context uploads first. STOWLM_CUDA_GRAPHS=0 turns graphs off.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "backend/backend.h"
@@ -85,12 +91,15 @@ public:
         // A budget below the device's memory makes it refuse allocations past it, as a CPU
         // virtual device does; the device's own size is the limit otherwise.
         budget_ = spec.mem_bytes ? std::min(spec.mem_bytes, dev_->memory_total()) : dev_->memory_total();
+        const char* e = std::getenv("STOWLM_CUDA_GRAPHS");
+        graphs_on_ = !(e && std::string(e) == "0");
     }
     ~CudaBackend() override {
         try {
             dev_->synchronize();
         } catch (...) {
         }
+        for (auto& kv : graphs_) dev_->destroy_graph(kv.second.exec);
     }
 
     const std::string& name() const override { return name_; }
@@ -171,9 +180,14 @@ public:
 
     void compute(const Split& split, void* scratch, size_t scratch_bytes) override {
         dev_->set_current();
+        // A collective waits on the host inside the split: never captured nor held.
+        if (graphs_on_ && !has_collective(split)) {
+            std::lock_guard<std::mutex> lk(graphs_mu_);
+            if (const Captured* g = graph_of(split, scratch, scratch_bytes)) return replay(*g);
+        }
         const uint64_t first = cu::launches_on_this_thread();
-        if (!timing_ || has_collective(split)) {  // a collective waits on the host inside the split: never held
-            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes);
+        if (!timing_ || has_collective(split)) {
+            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, dev_->compute_stream());
         } else {
             timed_splits_++;
             run_timed(split, scratch, scratch_bytes);
@@ -187,6 +201,8 @@ public:
         k.counted = true;
         const cu::CudaDevice::TimedTotal t = dev_->take_timed();
         k.launches = launches_.exchange(0);
+        k.graph_launches = graph_launches_.exchange(0);
+        k.graph_kernels = graph_kernels_.exchange(0);
         k.timed_splits = timed_splits_.exchange(0);
         k.kernel_s = t.seconds;
         k.late_splits = t.late;
@@ -230,6 +246,82 @@ private:
         return false;
     }
 
+    // ---- CUDA graphs ---------------------------------------------------------------------------
+    struct Captured {
+        void* scratch = nullptr;       // the scratch it was captured with
+        cu::CudaDevice::GraphExec exec = nullptr;
+        uint64_t kernels = 0;          // the kernels it replays
+        uint64_t last_use = 0;
+        int runs = 0;
+        bool failed = false;           // the capture failed: run this split's kernels directly
+    };
+    // Graphs kept at most: a context's decode shapes (one per 256 cells of depth and copy slot);
+    // the least recently used goes first (a freed context's splits are never run again).
+    static constexpr size_t kMaxGraphs = 128;
+
+    // The graph to replay for this split, captured on its second run (a shape run once, as most
+    // prompt batches are, is not worth a capture); nullptr: run the nodes directly.
+    const Captured* graph_of(const Split& split, void* scratch, size_t scratch_bytes) {
+        if (!graphs_on_) return nullptr;
+        Captured& c = graphs_[split.uid];
+        c.last_use = ++graph_clock_;
+        if (c.scratch != scratch) {  // not the same arguments: start over
+            dev_->destroy_graph(c.exec);
+            c = Captured{scratch, nullptr, 0, graph_clock_, 0, false};
+        }
+        if (c.exec || c.failed) return c.exec ? &c : nullptr;
+        if (timing_) return nullptr;  // a capture's kernels would count in the timed run's
+        if (++c.runs < 2) return nullptr;
+        evict_graphs();
+        // Captured on a stream of its own: work another thread enqueues on the compute stream
+        // meanwhile (a second shard of a tensor split on this device) runs, not joins the graph.
+        const cu::Stream s = dev_->capture_stream();
+        const uint64_t first = cu::launches_on_this_thread();
+        dev_->begin_capture(s);
+        try {
+            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, s);
+        } catch (...) {
+            dev_->destroy_graph(dev_->end_capture(s));
+            c.failed = true;  // run directly (an argument error then says what it is)
+            return nullptr;
+        }
+        c.exec = dev_->end_capture(s);
+        c.kernels = cu::launches_on_this_thread() - first;
+        if (!c.exec) c.failed = true;
+        return c.exec ? &c : nullptr;
+    }
+
+    // Enqueues the graph on the compute stream (held and timed as one span with kernel timing on).
+    void replay(const Captured& g) {
+        const cu::Stream s = dev_->compute_stream();
+        const bool timed = timing_;
+        if (timed) {
+            timed_splits_++;
+            dev_->begin_timed(s);
+        }
+        try {
+            dev_->launch_graph(g.exec, s);
+        } catch (...) {
+            if (timed) dev_->end_timed(s);
+            throw;
+        }
+        if (timed) dev_->end_timed(s);
+        // the kernels were counted on this thread when captured: count the replay's here
+        launches_ += g.kernels;
+        graph_kernels_ += g.kernels;
+        graph_launches_++;
+    }
+
+    void evict_graphs() {
+        while (graphs_.size() > kMaxGraphs) {
+            auto oldest = graphs_.begin();
+            for (auto it = graphs_.begin(); it != graphs_.end(); ++it)
+                if (it->second.last_use < oldest->second.last_use) oldest = it;
+            dev_->destroy_graph(oldest->second.exec);
+            graphs_.erase(oldest);
+        }
+    }
+
     // The split's nodes in held spans of about kTimedSpanLaunches kernels each, so that a held
     // stream never has more launches pending than the device's launch queue takes (a full queue
     // would block the host until the hold's timeout).
@@ -240,7 +332,7 @@ private:
         try {
             uint64_t span0 = cu::launches_on_this_thread();
             for (Tensor* n : split.nodes) {
-                run(n, scratch, scratch_bytes);
+                run(n, scratch, scratch_bytes, s);
                 if (cu::launches_on_this_thread() - span0 >= kTimedSpanLaunches) {
                     dev_->end_timed(s);
                     dev_->begin_timed(s);
@@ -345,13 +437,13 @@ private:
 
     // Ops whose kernels work in place: copy the input to the output first unless the planner
     // already gave them the same bytes.
-    void prepare_in_place(Tensor* out) {
+    void prepare_in_place(Tensor* out, cu::Stream s) {
         const Tensor* x = out->src[0];
-        if (out->data != x->data) dev_->copy_device(out->data, x->data, out->nbytes(), dev_->compute_stream());
+        if (out->data != x->data) dev_->copy_device(out->data, x->data, out->nbytes(), s);
     }
 
-    void run(Tensor* n, void* scratch, size_t scratch_bytes) {
-        const cu::Stream s = dev_->compute_stream();
+    // Enqueues node n on stream s (the compute stream, or the capture stream while capturing).
+    void run(Tensor* n, void* scratch, size_t scratch_bytes, cu::Stream s) {
         Tensor* a = n->src[0];
         Tensor* b = n->src[1];
         switch (n->op) {
@@ -365,7 +457,7 @@ private:
                 cu::swiglu_oai(f32(a), f32(b), n->n_elements(), n->fparams[0], n->fparams[1], f32(n), s);
                 return;
             case Op::ADD_ID:
-                prepare_in_place(n);
+                prepare_in_place(n, s);
                 cu::add_id(f32(n), f32(b), b->ne[1], i32(n->src[2]), n->ne[2], n->ne[1], n->ne[0], s);
                 return;
             case Op::NONE:
@@ -395,7 +487,7 @@ private:
             }
             case Op::SCALE:
             case Op::SOFTCAP:
-                prepare_in_place(n);
+                prepare_in_place(n, s);
                 in_row_chunks(n->n_rows(), [&](int64_t r0, int64_t nr) {
                     const auto op = n->op == Op::SCALE ? cu::scale : cu::softcap;
                     op(f32(n) + r0 * n->ne[0], nr, n->ne[0], n->ne[0], n->fparams[0], s);
@@ -406,7 +498,7 @@ private:
                              n->ne[0], s);
                 return;
             case Op::ROPE: {
-                prepare_in_place(n);
+                prepare_in_place(n, s);
                 const cpu::RopeParams p = rope_params(*n);
                 cu::rope(f32(n), n->ne[2], n->ne[1], n->ne[0], n->ne[0] * n->ne[1], i32(b), p, s);
                 return;
@@ -459,7 +551,7 @@ private:
                 return;
             case Op::ALL_REDUCE:
             case Op::ALL_GATHER:
-                collective(n, scratch, scratch_bytes);
+                collective(n, scratch, scratch_bytes);  // never captured: on the compute stream
                 return;
             case Op::MOE_SUM: {
                 const int64_t d = a->ne[0], k = a->ne[1];
@@ -613,8 +705,13 @@ private:
     size_t budget_ = 0;
     // Counted per split (the pipeline runs this device's splits on its own thread; the counters
     // are taken from another once the eval has returned).
-    std::atomic<uint64_t> launches_{0}, timed_splits_{0};
+    std::atomic<uint64_t> launches_{0}, timed_splits_{0}, graph_launches_{0}, graph_kernels_{0};
     std::atomic<bool> timing_{false};
+    // CUDA graphs by Split::uid
+    bool graphs_on_ = true;
+    std::mutex graphs_mu_;
+    std::unordered_map<uint64_t, Captured> graphs_;
+    uint64_t graph_clock_ = 0;
 };
 
 }  // namespace

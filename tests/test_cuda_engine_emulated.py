@@ -82,7 +82,8 @@ LLAMA_LAYER_KERNELS, LLAMA_TIED_OUTPUT_KERNELS = 24, 5
 def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):
     """stowlm-bench -v on a CUDA device: kernels per generated token (per run for a prompt) and
     the wall time per token split into kernels run back to back and the rest, from the emulated
-    device's counter and timed spans; the counts follow the architecture whatever the length."""
+    device's counter and timed spans; the counts follow the architecture whatever the length, and
+    a decode step is one CUDA graph launch once its shape has run twice."""
     import gguf
 
     exe = build_emulated("bench/stowlm_bench.cpp", tmp_path / "stowlm-bench-emulated")
@@ -90,7 +91,8 @@ def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):
     n_layer = int(gguf.GGUFReader(str(path)).fields["llama.block_count"].parts[-1][0])
     expected = n_layer * LLAMA_LAYER_KERNELS + LLAMA_TIED_OUTPUT_KERNELS
     line_re = re.compile(r"^  (\S+) on cuda:0: ([\d.]+) kernels per (token|run); ([\d.]+) ms per \3, of which "
-                         r"([\d.]+) ms in kernels \(run back to back\) and (-?[\d.]+) ms \((-?\d+)%\) outside them")
+                         r"([\d.]+) ms in kernels \(run back to back\) and (-?[\d.]+) ms \((-?\d+)%\) outside them "
+                         r".*host launches per \3: ([\d.]+) CUDA graphs and ([\d.]+) kernels$")
     for n_gen in (2, 5):
         r = subprocess.run([str(exe), "-m", str(path), "-dev", "cuda:0", "-p", "8", "-n", str(n_gen), "-r", "1",
                             "-o", "json", "-v", "--no-warmup"], capture_output=True, text=True, timeout=120)
@@ -99,8 +101,10 @@ def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):
         found = [line_re.match(ln) for ln in r.stderr.splitlines() if " kernels per " in ln]
         assert len(found) == 2 and all(found), r.stderr
         for m in found:
-            test, kernels, unit, wall, inside, outside, share = m.groups()
+            test, kernels, unit, wall, inside, outside, share, graphs, direct = m.groups()
             assert float(kernels) == expected, (test, kernels, expected)
+            if unit == "token":  # the timed run comes after the repetitions: every step replays its graph
+                assert (float(graphs), float(direct)) == (1.0, 0.0), m.group(0)
             assert unit == ("token" if test.startswith("tg") else "run")
             assert float(outside) == pytest.approx(float(wall) - float(inside), abs=0.0015)
             assert float(inside) > 0

@@ -1,7 +1,8 @@
 """Whole models on a CUDA device through the engine (cuda/cuda_engine.cpp): dense and MoE logits
 against llama.cpp's recorded fixtures, decoding against the CPU engine, a model split between
 cpu:0 and cuda:0, and exact memory accounting; gpt-oss, deepseek2 and glm4moe, and contexts of
-several sequences (the same bits for a token alone or among others). GPU cases skip, printing
+several sequences (the same bits for a token alone or among others); CUDA graphs on and off give the
+same bits. GPU cases skip, printing
 why, where stowlm was built without CUDA or no device is present (STOWLM_REQUIRE_GPU=1 makes that
 a failure); the errors a CUDA device list gives without a GPU are checked everywhere."""
 import numpy as np
@@ -118,6 +119,35 @@ def test_decoding_on_cuda_follows_the_cpu(model_path, kv_type):
         if dev == CUDA:
             assert_exact_accounting(ctx)
     assert_same_distributions(rows[CUDA], rows[CPU], f"smollm2-135m decode, {kv_type} KV, cuda:0 vs cpu")
+
+
+@pytest.mark.parametrize("name,devices,split,overrides", [
+    ("smollm2-135m", [CUDA], None, None),
+    ("smollm2-135m", [CPU, CUDA], [15, 15], None),
+    ("qwen3moe-tiny", [CUDA, CPU], "all", [r"ffn_.*_exps=cpu:0"]),
+])
+def test_cuda_graphs_give_the_bits_of_plain_launches(model_path, monkeypatch, name, devices, split, overrides):
+    """A decode step's kernels replayed as a CUDA graph (from a shape's second run on) give the
+    logits of the same kernels launched one by one (STOWLM_CUDA_GRAPHS=0), bit for bit, across a
+    256-cell bucket (a new shape, a new graph) and with layers or experts on the CPU."""
+    require_devices(*devices)
+    path = model_path(name)
+    if split == "all":
+        split = [stowlm.Model(path, devices=[CPU]).n_layer, 0]
+    ids = next(r for r in load_fixture(name) if r["kind"] == "logits")["ids"]
+    prompt = (ids * (250 // len(ids) + 1))[:250]
+    rows, tokens = {}, []
+    for graphs in ("0", "1"):  # the backend reads it when the model's devices are made
+        monkeypatch.setenv("STOWLM_CUDA_GRAPHS", graphs)
+        model = stowlm.Model(path, devices=devices, layer_split=split, tensor_overrides=overrides)
+        ctx = stowlm.Context(model, n_ctx=640, n_ubatch=128)
+        out = [ctx.eval(prompt, logits="last")]
+        for step in range(16):
+            if graphs == "0":
+                tokens.append(int(np.argmax(out[-1])))
+            out.append(ctx.eval([tokens[step]]))
+        rows[graphs] = np.stack(out)
+    assert np.array_equal(rows["0"], rows["1"]), np.abs(rows["0"] - rows["1"]).max()
 
 
 def test_qwen3moe_matches_llama_cpp_on_cuda(model_path):

@@ -113,7 +113,7 @@ STOWLM_JSON = """[
 # stowlm-bench -v's stderr on a CUDA device (the kernel report among the other lines).
 STOWLM_V = """smollm2-135m.gguf, tg128, n_ctx 128, n_ubatch 512, type_k f16:
   cuda:0   weights     92.10 MiB  kv     2.81 MiB  compute     0.33 MiB  copies     0.00 MiB  total     95.24 MiB
-  tg128 on cuda:0: 725.0 kernels per token; 3.529 ms per token, of which 0.412 ms in kernels (run back to back) and 3.117 ms (88%) outside them (launch gaps, host work)
+  tg128 on cuda:0: 725.0 kernels per token; 3.529 ms per token, of which 0.412 ms in kernels (run back to back) and 3.117 ms (88%) outside them (launch gaps, host work); host launches per token: 0.0 CUDA graphs and 725.0 kernels
   tg128: 96.6 MB of weights per token, read at 27.4 GB/s
 peak RSS 411.20 MiB; largest expected: file 93.81 + kv 2.81 + compute 0.33 = 96.95 MiB (smollm2-135m.gguf, tg128); ratio 4.241
 """
@@ -160,7 +160,8 @@ def test_test_names_and_bad_output():
 def test_kernel_report_lines():
     assert gpu_compare.parse_kernel_report(STOWLM_V) == [
         "tg128 on cuda:0: 725.0 kernels per token; 3.529 ms per token, of which 0.412 ms in kernels (run back to "
-        "back) and 3.117 ms (88%) outside them (launch gaps, host work)"]
+        "back) and 3.117 ms (88%) outside them (launch gaps, host work); host launches per token: 0.0 CUDA graphs "
+        "and 725.0 kernels"]
 
 
 def test_cublas_is_found_in_a_python_package(tmp_path, monkeypatch):
@@ -186,14 +187,15 @@ def test_cublas_is_found_in_a_python_package(tmp_path, monkeypatch):
 
 FAKE_TOOL = """#!{python}
 # Prints llama-bench-style JSON for -p/-n; samples from a per-tool table and a call counter, so the
-# test knows every figure. FAKE_BACKEND sets the backends field.
+# test knows every figure. FAKE_BACKEND sets the backends field; STOWLM_CUDA_GRAPHS=0 counts apart.
 import json, os, sys
 a = sys.argv[1:]
 p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
 log = os.environ["FAKE_LOG"]
+label = {label!r} + (" no graphs" if os.environ.get("STOWLM_CUDA_GRAPHS") == "0" else "")
 with open(log, "a") as f:
-    f.write(json.dumps(dict(tool={label!r}, argv=a)) + "\\n")
-k = sum(1 for line in open(log) if json.loads(line)["tool"] == {label!r})
+    f.write(json.dumps(dict(tool=label, argv=a)) + "\\n")
+k = sum(1 for line in open(log) if json.loads(line)["tool"] == label)
 base = {base!r}
 out = []
 for test, n_prompt, n_gen in (("pp", p, 0), ("tg", 0, n)):
@@ -239,13 +241,13 @@ def test_alternation_medians_and_ratios(fakes, capsys):
     printed = capsys.readouterr().out
     assert "model 'gamma' not found" in printed
     calls = [json.loads(line) for line in fakes["log"].read_text().splitlines()]
-    # round by round, model by model: stowlm then the peer
+    # round by round, model by model: stowlm, stowlm with CUDA graphs off, then the peer
     assert [(c["tool"], c["argv"][c["argv"].index("-m") + 1].rsplit("/", 1)[-1]) for c in calls] == \
-        [(t, f"{m}.gguf") for _ in range(3) for m in ("alpha", "beta") for t in ("stowlm", "peer")]
+        [(t, f"{m}.gguf") for _ in range(3) for m in ("alpha", "beta") for t in ("stowlm", "stowlm no graphs", "peer")]
     for c in calls:
         a = c["argv"]
         assert a[a.index("-p") + 1] == "64" and a[a.index("-n") + 1] == "16" and a[a.index("-o") + 1] == "json"
-        if c["tool"] == "stowlm":
+        if c["tool"].startswith("stowlm"):
             assert a[a.index("-dev") + 1] == "cuda:0"
         else:
             assert a[a.index("-ngl") + 1] == "99" and a[a.index("-fa") + 1] == "1"
@@ -260,11 +262,12 @@ def test_alternation_medians_and_ratios(fakes, capsys):
             r = rows[(model, test)]
             assert r["stowlm"] == statistics.median(s) and r["llama_cpp"] == statistics.median(p)
             assert r["ratio"] == pytest.approx(statistics.median(s) / statistics.median(p))
+            assert r["stowlm_no_graphs"] == statistics.median(s)  # its own call counter, the same figures
             assert sorted(r["stowlm_samples"]) == sorted(s)
     md = (fakes["out"] / "gpu_compare.md").read_text()
     alpha_tg = rows[("alpha", "tg16")]
     assert (f"| alpha | tg16 | {alpha_tg['stowlm']:.2f} | {alpha_tg['llama_cpp']:.2f} | "
-            f"{alpha_tg['ratio']:.2f} |") in md
+            f"{alpha_tg['ratio']:.2f} | {alpha_tg['stowlm_no_graphs']:.2f} |") in md
     assert data["errors"] == [] and data["peer_unavailable"] is None
 
 
@@ -285,7 +288,7 @@ def test_without_cublas_the_peer_is_unavailable(fakes, monkeypatch, capsys):
     assert "cuBLAS (libcublas.so.13, libcublasLt.so.13) not found (ldconfig -p, /nowhere)" in out
     data = json.loads((fakes["out"] / "gpu_compare.json").read_text())
     assert "cuBLAS" in data["peer_unavailable"]
-    assert all(c["tool"] == "stowlm" for c in map(json.loads, fakes["log"].read_text().splitlines()))
+    assert all(c["tool"].startswith("stowlm") for c in map(json.loads, fakes["log"].read_text().splitlines()))
 
 
 def test_bad_arguments(fakes, capsys):

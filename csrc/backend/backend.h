@@ -35,7 +35,9 @@ using BufferPtr = std::unique_ptr<BackendBuffer>;
 // stowlm-bench -v; a CPU device counts nothing (counted false).
 struct KernelStats {
     bool counted = false;
-    uint64_t launches = 0;      // kernels its splits enqueued
+    uint64_t launches = 0;      // kernels its splits enqueued, those of replayed graphs included
+    uint64_t graph_launches = 0;  // CUDA graphs replayed (each stands for its kernels)
+    uint64_t graph_kernels = 0;   // of `launches`, those run by replaying a graph
     uint64_t timed_splits = 0;  // splits run while kernel timing was on
     // Device seconds of the timed splits' work with no host gaps: each timed split's stream is
     // held until all its kernels are enqueued, then timed with an event pair.

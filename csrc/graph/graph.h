@@ -17,6 +17,13 @@ namespace stowlm {
 
 // One device's run of consecutive nodes, with the copies it needs first.
 struct Split {
+    // Unique in the process, never reused: what a backend keys work it keeps per split on (a
+    // CUDA graph of its kernels), where an address could be a freed split's.
+    static uint64_t next_uid() {
+        static std::atomic<uint64_t> n{0};
+        return ++n;
+    }
+    uint64_t uid = next_uid();
     int device = 0;
     std::vector<Tensor*> nodes;  // COPY nodes first, then the computing nodes
     // Filled by the scheduler: the COPY nodes of other splits whose source this split computes

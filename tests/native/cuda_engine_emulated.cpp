@@ -8,10 +8,13 @@
 // the CPU backend's. The launch counter: kernels per decode step against a count from the
 // architecture.
 // Built and run by tests/test_cuda_engine_emulated.py: argv[1] is the models directory.
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
+#include <atomic>
 
 #include "emulated_run.h"
 #include "engine/context.h"
@@ -21,6 +24,7 @@ using namespace stowlm;
 namespace stowlm::cuda {
 extern int g_split_calls;
 extern int g_fixed_split_calls;
+extern std::atomic<int> g_graphs_made;
 }
 
 namespace {
@@ -248,6 +252,75 @@ void check_launch_counts(const std::string& dir) {
     }
 }
 
+// CUDA graphs: the same decode with STOWLM_CUDA_GRAPHS=0 and with graphs (the default). The
+// emulated graph replays its launchers with the arguments of its capture, so an argument that
+// should have changed between steps (a length, a position, a cell) changes the logits: they must
+// be the same bits. With graphs, a shape's first run launches its kernels, its second is captured
+// and every later one is one graph launch per CUDA split and no kernel launched directly.
+struct GraphSteps {
+    std::vector<float> logits;
+    std::vector<uint64_t> graphs, direct;  // per decode step, over the CUDA devices
+};
+GraphSteps decode_steps(const std::string& path, const Run& r, bool graphs, int n_prompt, int n_decode, int64_t n_ctx,
+                        int64_t n_ubatch, std::vector<int32_t>& forced) {
+    setenv("STOWLM_CUDA_GRAPHS", graphs ? "1" : "0", 1);
+    auto m = Model::load(path, r.devices, r.split, true, r.overrides);
+    unsetenv("STOWLM_CUDA_GRAPHS");
+    ContextParams p;
+    p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies;
+    Context c(*m, p);
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < n_prompt; i++) prompt.push_back(1 + (i * 7919) % 2000);
+    GraphSteps out;
+    out.logits = c.eval(prompt, {}, true);
+    const int64_t nv = m->hp().n_vocab;
+    for (int i = 0; i < n_decode; i++) {
+        if ((int)forced.size() <= i) {
+            const auto best = std::max_element(out.logits.end() - nv, out.logits.end());
+            forced.push_back((int32_t)(best - (out.logits.end() - nv)));
+        }
+        for (Backend* b : m->backends()) b->take_kernel_stats();
+        const std::vector<float> l = c.eval({forced[i]}, {}, false);
+        out.logits.insert(out.logits.end(), l.begin(), l.end());
+        uint64_t g = 0, d = 0;
+        for (Backend* b : m->backends()) {
+            const KernelStats k = b->take_kernel_stats();
+            g += k.graph_launches, d += k.launches - k.graph_kernels;
+        }
+        out.graphs.push_back(g), out.direct.push_back(d);
+    }
+    return out;
+}
+
+// one_graph: a single CUDA split per step (all of the model's nodes on one device, or one range).
+void check_graphs(const std::string& dir, const std::string& name, const Run& r, const std::string& what,
+                  bool one_graph, int n_prompt = 40, int n_decode = 8, int64_t n_ctx = 128, int64_t n_ubatch = 16) {
+    const std::string path = dir + "/" + name + ".gguf";
+    std::vector<int32_t> forced;
+    const int made = cuda::g_graphs_made;
+    const GraphSteps off = decode_steps(path, r, false, n_prompt, n_decode, n_ctx, n_ubatch, forced);
+    const bool none_made = cuda::g_graphs_made == made;
+    const GraphSteps on = decode_steps(path, r, true, n_prompt, n_decode, n_ctx, n_ubatch, forced);
+    const bool same = on.logits == off.logits;
+    bool ok = same && none_made;
+    std::string steps;
+    int direct_steps = 0;
+    for (int i = 0; i < n_decode; i++) {
+        steps += " " + std::to_string(on.graphs[i]) + "/" + std::to_string(on.direct[i]);
+        direct_steps += on.direct[i] > 0;
+        ok = ok && off.graphs[i] == 0 && off.direct[i] > 0;
+    }
+    // A shape's first run is direct: one shape, or two where the steps cross a 256-cell bucket.
+    const int shapes = 1 + (int)((n_prompt + n_decode - 1) / 256 - (n_prompt - 1) / 256);
+    ok = ok && direct_steps == shapes;
+    for (int i = n_decode - 2; i < n_decode; i++)
+        ok = ok && on.direct[i] == 0 && on.graphs[i] >= 1 && (!one_graph || on.graphs[i] == 1);
+    printf("%s %-22s %-40s graphs on = off: %s; graphs/direct kernels per step:%s\n", ok ? "ok  " : "FAIL",
+           name.c_str(), what.c_str(), same ? "same bits" : "DIFFERENT", steps.c_str());
+    if (!none_made) printf("FAIL STOWLM_CUDA_GRAPHS=0 still captured graphs\n");
+    if (!ok) failures++;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -258,6 +331,22 @@ int main(int argc, char** argv) {
     const std::string dir = argv[1];
     try {
         check_launch_counts(dir);
+        const Run on0{{spec("cuda", 0)}, {}, {}};
+        check_graphs(dir, "smollm2-135m", on0, "cuda:0", true);
+        check_graphs(dir, "smollm2-135m", on0, "cuda:0, decode across 256 cells", true, 250, 12, 640, 64);
+        // the tied embedding's rows are looked up on cuda:0 before cpu:0's layers: two CUDA splits
+        check_graphs(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}}, "cpu:0 + cuda:0 [15, 15]",
+                     false);
+        check_graphs(dir, "qwen2.5-coder-0.5b", {{spec("cuda", 0), spec("cuda", 1)}, {12, 12}, {}},
+                     "cuda:0 + cuda:1 [12, 12]", false);
+        {
+            const std::vector<TensorOverride> experts_cpu = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1, ""}};
+            const int n_layer =
+                (int)Model::load(dir + "/qwen3moe-tiny.gguf", {spec("cpu", 0)}, {}, false)->hp().n_layer;
+            check_graphs(dir, "qwen3moe-tiny", {{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_cpu},
+                         "layers on cuda:0, experts on cpu:0", false);
+        }
+        for (const char* name : {"gptoss-tiny", "deepseek2-tiny"}) check_graphs(dir, name, on0, "cuda:0", true);
         const Run cuda0{{spec("cuda", 0)}, {}, {}};
         for (const char* name : {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"})
             check(dir, name, cuda0, "cuda:0");

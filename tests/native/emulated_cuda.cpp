@@ -9,11 +9,18 @@
 // themselves are checked by tests/test_cuda_ops.py on a GPU; this checks the engine's plumbing.
 // Each launcher counts the kernels its real counterpart launches for the same arguments (the
 // backend's launch counter), and a timed span is the host time between begin_timed and end_timed
-// (the emulated kernels run synchronously, so that is their time).
+// (the emulated kernels run synchronously, so that is their time). A CUDA graph is the list of
+// the launchers' CPU work recorded between begin_capture and end_capture, each with the arguments
+// it was called with, run again at every replay: as on a GPU, a replay sees what device memory
+// holds then but the arguments of its capture, so an argument that should have changed between
+// steps gives other logits than running without graphs.
+#include <array>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -33,6 +40,7 @@
 namespace stowlm::cuda {
 
 int g_split_calls = 0;        // flash_attn calls with n_split > 1
+std::atomic<int> g_graphs_made{0}, g_graph_launches{0};
 int g_fixed_split_calls = 0;  // of which with fixed splits (several sequences)
 
 namespace {
@@ -41,6 +49,13 @@ std::mutex g_mu;
 std::map<const char*, size_t> g_live;  // every emulated device's allocations
 
 thread_local uint64_t t_launches = 0;
+using Recorded = std::vector<std::function<void()>>;
+thread_local Recorded* t_capture = nullptr;  // the graph this thread is capturing, if any
+// Runs a launcher's work now, or records it (with copies of its arguments) while capturing.
+void exec(std::function<void()> work) {
+    if (t_capture) t_capture->push_back(std::move(work));
+    else work();
+}
 // n kernels launched by the real launcher being emulated; none for an empty shape, as there.
 void launched(bool work, uint64_t n = 1) {
     if (work) t_launches += n;
@@ -82,6 +97,14 @@ void cpu_matmul(const cpu::WeightRef& w, const float* x, int64_t n, int64_t ldx,
     cpu::matmul(w, x, n, ldx, y, ldy, scratch.data(), pool());
 }
 
+// What cannot be captured (host copies and waits, timing; the engine must never capture them).
+void not_capturing(const char* what) {
+    if (t_capture) {
+        fprintf(stderr, "%s while capturing a CUDA graph\n", what);
+        abort();
+    }
+}
+
 [[noreturn]] void unused(const char* what) { throw std::logic_error(std::string(what) + ": not used by the engine"); }
 
 }  // namespace
@@ -97,12 +120,14 @@ struct CudaDevice::Timing {
 };
 
 void CudaDevice::begin_timed(Stream) {
+    not_capturing("timing");
     if (!timing_) timing_ = std::make_unique<Timing>();
     if (timing_->open) throw InvalidInput(name_ + ": begin_timed while a timed span is open");
     timing_->open = true;
     timing_->start = Timing::Clock::now();
 }
 void CudaDevice::end_timed(Stream) {
+    not_capturing("timing");
     if (!timing_ || !timing_->open) throw InvalidInput(name_ + ": end_timed without begin_timed");
     timing_->open = false;
     timing_->total.seconds += std::chrono::duration<double>(Timing::Clock::now() - timing_->start).count();
@@ -171,22 +196,45 @@ void CudaDevice::release(Event) {}
 void CudaDevice::synchronize() {}
 
 void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream) {
+    not_capturing("copy_to_device");
     if (!bytes) return;
     dev_ptr(dst, bytes, "copy_to_device dst");
     memcpy(dst, src, bytes);
 }
 void CudaDevice::copy_to_host(void* dst, const void* src, size_t bytes, Stream) {
+    not_capturing("copy_to_host");
     if (!bytes) return;
     dev_ptr(src, bytes, "copy_to_host src");
     memcpy(dst, src, bytes);
 }
+// ---- graphs: the recorded work of the launchers called between begin_capture and end_capture --
+
+void CudaDevice::begin_capture(Stream) {
+    if (t_capture) throw InvalidInput(name_ + ": begin_capture while capturing");
+    t_capture = new Recorded();
+}
+CudaDevice::GraphExec CudaDevice::end_capture(Stream) {
+    if (!t_capture) throw InvalidInput(name_ + ": end_capture without begin_capture");
+    Recorded* g = t_capture;
+    t_capture = nullptr;
+    g_graphs_made++;
+    return g;
+}
+void CudaDevice::launch_graph(GraphExec g, Stream) {
+    not_capturing("launch_graph");
+    g_graph_launches++;
+    for (auto& work : *(Recorded*)g) work();
+}
+void CudaDevice::destroy_graph(GraphExec g) { delete (Recorded*)g; }
+
 void CudaDevice::copy_device(void* dst, const void* src, size_t bytes, Stream) {
     if (!bytes) return;
     dev_ptr(dst, bytes, "copy_device dst");
     dev_ptr(src, bytes, "copy_device src");
-    memcpy(dst, src, bytes);
+    exec([=] { memcpy(dst, src, bytes); });
 }
 void CudaDevice::copy_from_peer(void* dst, const CudaDevice&, const void* src, size_t bytes, Stream) {
+    not_capturing("copy_from_peer");
     if (!bytes) return;
     dev_ptr(dst, bytes, "copy_from_peer dst");
     dev_ptr(src, bytes, "copy_from_peer src");
@@ -209,7 +257,7 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
     dev_ptr(y, span(n_tok, ldy, w.rows), "matmul y");
     if (!is_float_type(w.type)) dev_ptr(scratch, q8_1_bytes(n_tok, w.cols), "matmul scratch");
     launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 1 : 2);  // quantize_q8_1 + the product
-    cpu_matmul(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, x, n_tok, ldx, y, ldy);
+    exec([=] { cpu_matmul(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, x, n_tok, ldx, y, ldy); });
 }
 
 void router_topk(const float*, int64_t, int, const RouterParams&, int32_t*, float*, Stream) { unused("router_topk"); }
@@ -223,9 +271,12 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
     e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
     if (!expert_select_plain(e) && n > kTopKMaxScored) throw InvalidInput("top_k: more experts than the kernel scores");
-    std::vector<float> score((size_t)n);  // the kernel's shared-memory row
     launched(n_rows > 0);
-    for (int64_t r = 0; r < n_rows; r++) expert_select(x + r * ldx, e, score.data(), ids + r * p.k);
+    const int64_t k = p.k;
+    exec([=] {
+        std::vector<float> score((size_t)n);  // the kernel's shared-memory row
+        for (int64_t r = 0; r < n_rows; r++) expert_select(x + r * ldx, e, score.data(), ids + r * k);
+    });
 }
 
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
@@ -234,9 +285,11 @@ void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int
     dev_ptr(ids, span(n_tok, k, k), "moe_weights ids");
     dev_ptr(w, span(n_tok, k, k), "moe_weights w");
     launched(n_tok > 0);
-    for (int64_t t = 0; t < n_tok; t++)
-        moe_gate_weights_any(logits + t * n_expert, (int)n_expert, ids + t * k, (int)k, (int)gating, normalize, scale,
-                             w + t * k);
+    exec([=] {
+        for (int64_t t = 0; t < n_tok; t++)
+            moe_gate_weights_any(logits + t * n_expert, (int)n_expert, ids + t * k, (int)k, (int)gating, normalize,
+                                 scale, w + t * k);
+    });
 }
 
 void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,
@@ -245,7 +298,7 @@ void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, i
     dev_ptr(bias, span(n_expert, d, d), "add_id bias");
     dev_ptr(ids, span(n_tok * k, 1, 1), "add_id ids");
     launched(n_tok * k > 0 && d > 0);
-    cpu::add_id(x, bias, n_expert, ids, n_tok, k, d, pool());
+    exec([=] { cpu::add_id(x, bias, n_expert, ids, n_tok, k, d, pool()); });
 }
 
 size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {
@@ -264,10 +317,12 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     dev_ptr(scratch, moe_scratch_bytes(w, n_expert, n_act, n_tok * k), "moe_matmul scratch");
     // count, scan, scatter; then quantize_q8_1 and the grouped product (the float product alone)
     launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 4 : 5);
-    thread_local std::vector<char> sc;
-    sc.resize(cpu::mul_mat_id_scratch_bytes(w.type, w.rows, w.cols, n_expert, k, n_tok) + 64);
-    cpu::mul_mat_id(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, n_expert, ids, k, x, per_slot_input ? k : 1, ldx,
-                    n_tok, y, ldy, sc.data(), pool());
+    exec([=] {
+        thread_local std::vector<char> sc;
+        sc.resize(cpu::mul_mat_id_scratch_bytes(w.type, w.rows, w.cols, n_expert, k, n_tok) + 64);
+        cpu::mul_mat_id(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, n_expert, ids, k, x, per_slot_input ? k : 1,
+                        ldx, n_tok, y, ldy, sc.data(), pool());
+    });
 }
 
 void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
@@ -277,12 +332,14 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
     dev_ptr(weights, span(n_tok, k, k), "moe_combine weights");
     dev_ptr(out, span(n_tok, ld_out, dim), "moe_combine out");
     launched(n_tok > 0 && dim > 0);
-    for (int64_t t = 0; t < n_tok; t++)
-        for (int64_t i = 0; i < dim; i++) {
-            float s = 0;
-            for (int j = 0; j < k; j++) s += weights[t * k + j] * y[(t * k + j) * ldy + i];
-            out[t * ld_out + i] = s;
-        }
+    exec([=] {
+        for (int64_t t = 0; t < n_tok; t++)
+            for (int64_t i = 0; i < dim; i++) {
+                float s = 0;
+                for (int j = 0; j < k; j++) s += weights[t * k + j] * y[(t * k + j) * ldy + i];
+                out[t * ld_out + i] = s;
+            }
+    });
 }
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
@@ -310,7 +367,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         if (p.split_cells > 0) g_fixed_split_calls++;
     }
     launched(n_tok > 0 && n_head > 0, n_split > 1 ? 2 : 1);  // the split partials' merge is a kernel of its own
-    cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool());
+    exec([=] { cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool()); });
 }
 
 void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
@@ -324,7 +381,7 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
         abort();
     }
     launched(n_ids > 0 && n_cols > 0);
-    cpu::get_rows(table, type, n_rows, n_cols, ids, n_ids, out, ld_out, pool());
+    exec([=] { cpu::get_rows(table, type, n_rows, n_cols, ids, n_ids, out, ld_out, pool()); });
 }
 
 void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
@@ -333,7 +390,7 @@ void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const fl
     if (weight) dev_ptr(weight, span(1, dim, dim), "rms_norm weight");
     dev_ptr(y, span(n_rows, ldy, dim), "rms_norm y");
     launched(n_rows > 0 && dim > 0);
-    cpu::rms_norm(x, n_rows, dim, ldx, weight, eps, y, ldy, pool());
+    exec([=] { cpu::rms_norm(x, n_rows, dim, ldx, weight, eps, y, ldy, pool()); });
 }
 
 void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
@@ -341,7 +398,7 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
     dev_ptr(x, span(n_tok, ld_tok, n_head * head_dim), "rope x");
     dev_ptr(pos, span(n_tok, 1, 1), "rope pos");
     launched(n_tok > 0 && n_head > 0);
-    cpu::rope(x, n_tok, n_head, head_dim, ld_tok, pos, p, pool());
+    exec([=] { cpu::rope(x, n_tok, n_head, head_dim, ld_tok, pos, p, pool()); });
 }
 
 void softmax(const float*, int64_t, int64_t, int64_t, float, float*, int64_t, Stream) { unused("softmax"); }
@@ -355,7 +412,10 @@ void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, S
     dev_ptr(x, strided_span(ne, nb), "cont x");
     dev_ptr(out, (size_t)(ne[0] * ne[1] * ne[2] * ne[3]) * 4, "cont out");
     launched(ne[0] > 0 && ne[1] * ne[2] * ne[3] > 0);
-    cpu::cont(x, ne, nb, out, pool());
+    // ne and nb are the caller's arrays: a kernel's parameters are copies
+    const std::array<int64_t, 4> e{ne[0], ne[1], ne[2], ne[3]};
+    const std::array<size_t, 4> b{nb[0], nb[1], nb[2], nb[3]};
+    exec([=] { cpu::cont(x, e.data(), b.data(), out, pool()); });
 }
 void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const float* b, int64_t b_ne0,
             const size_t b_nb[4], float* out, Stream) {
@@ -364,14 +424,16 @@ void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const f
     dev_ptr(b, strided_span(b_ne, b_nb), "concat b");
     dev_ptr(out, (size_t)((a_ne[0] + b_ne0) * a_ne[1] * a_ne[2] * a_ne[3]) * 4, "concat out");
     launched(a_ne[1] * a_ne[2] * a_ne[3] > 0 && a_ne[0] + b_ne0 > 0);
-    cpu::concat(a, a_ne, a_nb, b, b_ne0, b_nb, out, pool());
+    const std::array<int64_t, 4> ae{a_ne[0], a_ne[1], a_ne[2], a_ne[3]};
+    const std::array<size_t, 4> ab{a_nb[0], a_nb[1], a_nb[2], a_nb[3]}, bb{b_nb[0], b_nb[1], b_nb[2], b_nb[3]};
+    exec([=] { cpu::concat(a, ae.data(), ab.data(), b, b_ne0, bb.data(), out, pool()); });
 }
 void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream) {
     dev_ptr(gate, span(n, 1, 1), "swiglu_oai gate");
     dev_ptr(up, span(n, 1, 1), "swiglu_oai up");
     dev_ptr(out, span(n, 1, 1), "swiglu_oai out");
     launched(n > 0);
-    cpu::swiglu_oai(gate, up, n, alpha, limit, out, pool());
+    exec([=] { cpu::swiglu_oai(gate, up, n, alpha, limit, out, pool()); });
 }
 
 using CpuBinary = void (*)(const float*, int64_t, const float*, int64_t, int64_t, int64_t, float*, int64_t,
@@ -383,7 +445,7 @@ static void binary(const char* name, CpuBinary op, const float* a, int64_t ld_a,
     dev_ptr(b, span(n, ld_b, dim), name);
     dev_ptr(out, span(n, ld_out, dim), name);
     launched(n > 0 && dim > 0);
-    op(a, ld_a, b, ld_b, n, dim, out, ld_out, pool());
+    exec([=] { op(a, ld_a, b, ld_b, n, dim, out, ld_out, pool()); });
 }
 void swiglu(const float* g, int64_t ld_g, const float* u, int64_t ld_u, int64_t n, int64_t dim, float* out,
             int64_t ld_out, Stream) {
@@ -406,13 +468,13 @@ void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream) {
     rows_limit("scale", n);
     dev_ptr(x, span(n, ldx, dim), "scale x");
     launched(n > 0 && dim > 0);
-    cpu::scale(x, n, dim, ldx, sc, pool());
+    exec([=] { cpu::scale(x, n, dim, ldx, sc, pool()); });
 }
 void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream) {
     rows_limit("softcap", n);
     dev_ptr(x, span(n, ldx, dim), "softcap x");
     launched(n > 0 && dim > 0);
-    cpu::softcap(x, n, dim, ldx, cap, pool());
+    exec([=] { cpu::softcap(x, n, dim, ldx, cap, pool()); });
 }
 
 // Tensor parallelism: the kernels' HOST_DEVICE arithmetic (collective_math.h), element by element.
@@ -426,9 +488,12 @@ void local_ids(const int32_t* ids, int64_t n, int32_t first, int32_t count, int3
         g_local_ids_calls++;
     }
     launched(n > 0);
-    for (int64_t i = 0; i < n; i++) out[i] = local_expert_id(ids[i], first, count);
+    exec([=] {
+        for (int64_t i = 0; i < n; i++) out[i] = local_expert_id(ids[i], first, count);
+    });
 }
 void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* out, Stream) {
+    not_capturing("a collective");
     if (n_parts < 0 || n_parts > kMaxShards) throw InvalidInput("all_reduce_sum: too many partials");
     for (int i = 0; i < n_parts; i++) dev_ptr(parts[i], span(n, 1, 1), "all_reduce_sum part");
     dev_ptr(out, span(n, 1, 1), "all_reduce_sum out");
@@ -442,6 +507,7 @@ void all_reduce_sum(const float* const* parts, int n_parts, int64_t n, float* ou
 int g_all_gather_calls = 0;
 void all_gather_rows(const float* const* parts, const int64_t* row0, int n_parts, int64_t d, int64_t cols, float* out,
                      Stream) {
+    not_capturing("a collective");
     if (n_parts <= 0 || n_parts > kMaxShards || row0[0] != 0 || row0[n_parts] != d)
         throw InvalidInput("all_gather_rows: bad parts");
     for (int i = 0; i < n_parts; i++)
@@ -469,10 +535,12 @@ void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, in
     rows_limit("store_kv", n_tok);
     dev_ptr(x, span(n_tok, ld_x, n_head_kv * head_dim), "store_kv x");
     dev_ptr(dst_cells, span(n_tok, 1, 1), "store_kv cells");
-    for (int64_t t = 0; t < n_tok; t++)
-        dev_ptr((const char*)cache + (size_t)dst_cells[t] * kv_cell_bytes, kv_cell_bytes, "store_kv cell");
     launched(n_tok > 0 && n_head_kv * head_dim > 0);
-    cpu::store_kv(x, n_tok, ld_x, n_head_kv, head_dim, kv_type, cache, kv_cell_bytes, dst_cells, pool());
+    exec([=] {
+        for (int64_t t = 0; t < n_tok; t++)  // the cells are device memory: read when the kernel runs
+            dev_ptr((const char*)cache + (size_t)dst_cells[t] * kv_cell_bytes, kv_cell_bytes, "store_kv cell");
+        cpu::store_kv(x, n_tok, ld_x, n_head_kv, head_dim, kv_type, cache, kv_cell_bytes, dst_cells, pool());
+    });
 }
 
 }  // namespace stowlm::cuda
