@@ -328,7 +328,7 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
 }
 
 void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
-            Stream s, MatmulPath path) {
+            Stream s, MatmulPath path, bool x_quantized) {
     const QTypeInfo& info = qtype_checked((uint32_t)w.type);
     if (w.rows < 0 || n_tok < 0) throw InvalidInput("cuda matmul: negative rows or n_tok");
     if (w.cols <= 0 || w.cols % info.block_elems || (!is_float_type(w.type) && w.cols % 32))
@@ -343,7 +343,7 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
         return;
     }
     if (scratch == nullptr) throw InvalidInput("cuda matmul: quantized weights need matmul_scratch_bytes() of scratch");
-    quantize_q8_1(x, n_tok, w.cols, ldx, scratch, s);
+    if (!x_quantized) quantize_q8_1(x, n_tok, w.cols, ldx, scratch, s);
     const block_q8_1* xq = (const block_q8_1*)scratch;
     bool tiled = path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= kCudaBatchedMinTokens);
     if (tiled && current_cc_major() < 8) {

@@ -187,7 +187,8 @@ public:
         }
         const uint64_t first = cu::launches_on_this_thread();
         if (!timing_ || has_collective(split)) {
-            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, dev_->compute_stream());
+            ScratchHolds held;
+            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, dev_->compute_stream(), held);
         } else {
             timed_splits_++;
             run_timed(split, scratch, scratch_bytes);
@@ -279,7 +280,8 @@ private:
         const uint64_t first = cu::launches_on_this_thread();
         dev_->begin_capture(s);
         try {
-            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, s);
+            ScratchHolds held;
+            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, s, held);
         } catch (...) {
             dev_->destroy_graph(dev_->end_capture(s));
             c.failed = true;  // run directly (an argument error then says what it is)
@@ -331,8 +333,9 @@ private:
         dev_->begin_timed(s);
         try {
             uint64_t span0 = cu::launches_on_this_thread();
+            ScratchHolds held;
             for (Tensor* n : split.nodes) {
-                run(n, scratch, scratch_bytes, s);
+                run(n, scratch, scratch_bytes, s, held);
                 if (cu::launches_on_this_thread() - span0 >= kTimedSpanLaunches) {
                     dev_->end_timed(s);
                     dev_->begin_timed(s);
@@ -442,10 +445,18 @@ private:
         if (out->data != x->data) dev_->copy_device(out->data, x->data, out->nbytes(), s);
     }
 
+    // What the split's scratch holds: the block_q8_1 rows of this activation tensor, left by a
+    // product of quantized weights, until a node that writes the scratch otherwise runs.
+    struct ScratchHolds {
+        const Tensor* x = nullptr;
+    };
+
     // Enqueues node n on stream s (the compute stream, or the capture stream while capturing).
-    void run(Tensor* n, void* scratch, size_t scratch_bytes, cu::Stream s) {
+    void run(Tensor* n, void* scratch, size_t scratch_bytes, cu::Stream s, ScratchHolds& held) {
         Tensor* a = n->src[0];
         Tensor* b = n->src[1];
+        if (n->op == Op::MUL_MAT_ID || n->op == Op::FLASH_ATTN || n->op == Op::ALL_REDUCE || n->op == Op::ALL_GATHER)
+            held.x = nullptr;
         switch (n->op) {
             case Op::CONT:
                 cu::cont(f32(a), a->ne, a->nb, f32(n), s);
@@ -472,9 +483,14 @@ private:
                 });
                 return;
             }
-            case Op::MUL_MAT:
-                cu::matmul(weight(a), f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, s);
+            case Op::MUL_MAT: {
+                // a graph tensor's bytes hold its value until its last reader: the same tensor, the same rows
+                const bool quantized = !is_float_type(a->type);
+                cu::matmul(weight(a), f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, s, cu::MatmulPath::Auto,
+                           quantized && held.x == b);
+                if (quantized) held.x = b;
                 return;
+            }
             case Op::ADD:
             case Op::MUL: {
                 const int64_t ld_b = b->n_rows() == 1 ? 0 : b->ne[0];

@@ -95,6 +95,20 @@ def test_matmul_vector_and_tiled_paths_agree(dev, name):
     check_matmul(yt, w, x, True)
 
 
+@pytest.mark.parametrize("path,n_tok", [("vector", 3), ("tiled", 40)])
+def test_matmul_reusing_the_quantized_activations(dev, path, n_tok):
+    """The second product of the same x with x_quantized (the scratch holds the rows the first
+    quantized, as the q, k and v products of one input do) gives the bits of its own product."""
+    cuda_only(dev)
+    rng = np.random.default_rng(9)
+    raw1, _ = random_weights("Q4_K", 64, 512, rng)
+    raw2, _ = random_weights("Q4_K", 64, 512, rng)
+    x = rng.standard_normal((n_tok, 512)).astype(np.float32)
+    y1, y2 = run(dev, "matmul_reusing", raw1, raw2, int(T["Q4_K"]), 64, 512, x, path=path)
+    np.testing.assert_array_equal(y1, run(dev, "matmul_raw", raw1, int(T["Q4_K"]), 64, 512, x, path=path))
+    np.testing.assert_array_equal(y2, run(dev, "matmul_raw", raw2, int(T["Q4_K"]), 64, 512, x, path=path))
+
+
 def test_device_quantizer_bit_exact_with_host(dev):
     cuda_only(dev)
     rng = np.random.default_rng(8)

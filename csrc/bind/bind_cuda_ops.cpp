@@ -108,6 +108,27 @@ Out<float> matmul_raw(In<uint8_t> w, uint32_t qtype, int64_t rows, int64_t cols,
     return download<float>(d, yb, {(size_t)n, (size_t)rows});
 }
 
+// The products of two weights of one type and shape with the same x, the second reusing the
+// activations the first quantized into the scratch (x_quantized): (y1, y2) stacked.
+Out<float> matmul_reusing(In<uint8_t> w1, In<uint8_t> w2, uint32_t qtype, int64_t rows, int64_t cols, In<float> x,
+                          const std::string& path, int dev_index) {
+    stowlm::qtype_checked(qtype);
+    const QType tt = (QType)qtype;
+    const size_t rb = stowlm::row_bytes(tt, cols);
+    if (w1.size() != rb * (size_t)rows || w2.size() != rb * (size_t)rows)
+        throw InvalidInput("matmul_reusing: w1 and w2 must have rows*row_bytes bytes each");
+    if (x.ndim() != 2 || (int64_t)x.shape(1) != cols) throw InvalidInput("matmul_reusing: x must be (n_tok, cols)");
+    cu::CudaDevice& d = device(dev_index);
+    const int64_t n = (int64_t)x.shape(0);
+    Buf wb1(d, w1.data(), w1.size()), wb2(d, w2.data(), w2.size()), xb(d, x.data(), x.size() * 4),
+        yb(d, (size_t)(2 * n * rows) * 4), sb(d, cu::matmul_scratch_bytes(tt, cols, n));
+    cu::matmul({wb1.p, tt, rows, cols}, xb.as<float>(), n, cols, yb.as<float>(), rows, sb.p, d.compute_stream(),
+               parse_path(path));
+    cu::matmul({wb2.p, tt, rows, cols}, xb.as<float>(), n, cols, yb.as<float>() + n * rows, rows, sb.p,
+               d.compute_stream(), parse_path(path), true);
+    return download<float>(d, yb, {2, (size_t)n, (size_t)rows});
+}
+
 Out<uint8_t> quantize_q8_1(In<float> x, int dev_index) {
     if (x.ndim() != 2) throw InvalidInput("quantize_q8_1: x must be 2-D");
     cu::CudaDevice& d = device(dev_index);
@@ -255,6 +276,8 @@ STOWLM_BIND(cuda_ops) {
     nb::module_ co = stowlm::bind::submodule(m, "cuda_ops");
     co.def("matmul_raw", &matmul_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"), nb::arg("x"),
            nb::arg("path") = "auto", nb::arg("device") = 0);
+    co.def("matmul_reusing", &matmul_reusing, nb::arg("w1"), nb::arg("w2"), nb::arg("qtype"), nb::arg("rows"),
+           nb::arg("cols"), nb::arg("x"), nb::arg("path") = "auto", nb::arg("device") = 0);
     co.def("quantize_q8_1", &quantize_q8_1, nb::arg("x"), nb::arg("device") = 0,
            "block_q8_1 bytes (n, cols/32*48) as the device quantizer writes them");
     co.def("flash_attn", &flash_attn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"),

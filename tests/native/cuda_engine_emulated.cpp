@@ -167,16 +167,16 @@ void check_seqs(const std::string& model_dir, const std::string& name, Run r, co
 // Kernels one decode step of a llama model (smollm2: every product of quantized weights, tied
 // output) launches on a device, counted from the architecture (models/blocks.cpp) and each
 // launcher's kernels (cuda_backend.h): a product of quantized weights quantizes its activations
-// first; attention over fewer than 512 cells runs in one KV split.
+// first, unless the product before it quantized the same ones; attention over fewer than 512 cells runs in one KV split.
 constexpr int kLlamaLayerKernels = 1     // attn_norm
-                                   + 6   // q, k, v: quantize + product each
+                                   + 4   // q, k, v: the input quantized once, three products
                                    + 2   // rope q, k
                                    + 2   // store k, v
                                    + 1   // flash attention
                                    + 2   // attn_output
                                    + 1   // residual add
                                    + 1   // ffn_norm
-                                   + 4   // ffn_gate, ffn_up
+                                   + 3   // ffn_gate, ffn_up: quantized once, two products
                                    + 1   // swiglu
                                    + 2   // ffn_down
                                    + 1;  // residual add

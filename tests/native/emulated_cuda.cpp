@@ -250,14 +250,35 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok) {
     return is_float_type(wtype) ? 0 : q8_1_bytes(n_tok, cols);
 }
 
+// x's block_q8_1 rows, as the device quantizer writes them into a product's scratch.
+static std::vector<block_q8_1> q8_1_rows(const float* x, int64_t n_tok, int64_t cols, int64_t ldx) {
+    std::vector<block_q8_1> q((size_t)(n_tok * (cols / 32)));
+    for (int64_t t = 0; t < n_tok; t++)
+        for (int64_t c = 0; c < cols / 32; c++) quantize_block_q8_1(x + t * ldx + c * 32, &q[t * (cols / 32) + c]);
+    return q;
+}
+
 void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
-            Stream, MatmulPath) {
+            Stream, MatmulPath, bool x_quantized) {
     dev_ptr(w.data, row_bytes(w.type, w.cols) * w.rows, "matmul w");
     dev_ptr(x, span(n_tok, ldx, w.cols), "matmul x");
     dev_ptr(y, span(n_tok, ldy, w.rows), "matmul y");
-    if (!is_float_type(w.type)) dev_ptr(scratch, q8_1_bytes(n_tok, w.cols), "matmul scratch");
-    launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 1 : 2);  // quantize_q8_1 + the product
-    exec([=] { cpu_matmul(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, x, n_tok, ldx, y, ldy); });
+    const bool quantized = !is_float_type(w.type);
+    if (quantized) dev_ptr(scratch, q8_1_bytes(n_tok, w.cols), "matmul scratch");
+    if (n_tok == 0 || w.rows == 0) return;
+    launched(true, !quantized || x_quantized ? 1 : 2);  // quantize_q8_1 (unless done) + the product
+    exec([=] {
+        if (quantized) {  // the scratch holds x's rows after this: written here, or checked where reused
+            const std::vector<block_q8_1> q = q8_1_rows(x, n_tok, w.cols, ldx);
+            if (!x_quantized) {
+                memcpy(scratch, q.data(), q.size() * sizeof(block_q8_1));
+            } else if (memcmp(scratch, q.data(), q.size() * sizeof(block_q8_1)) != 0) {
+                fprintf(stderr, "matmul: x_quantized, but the scratch does not hold x's quantized rows\n");
+                abort();
+            }
+        }
+        cpu_matmul(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, x, n_tok, ldx, y, ldy);
+    });
 }
 
 void router_topk(const float*, int64_t, int, const RouterParams&, int32_t*, float*, Stream) { unused("router_topk"); }
@@ -318,6 +339,7 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     // count, scan, scatter; then quantize_q8_1 and the grouped product (the float product alone)
     launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 4 : 5);
     exec([=] {
+        memset(scratch, 0x5a, moe_scratch_bytes(w, n_expert, n_act, n_tok * k));  // the device's counts and rows
         thread_local std::vector<char> sc;
         sc.resize(cpu::mul_mat_id_scratch_bytes(w.type, w.rows, w.cols, n_expert, k, n_tok) + 64);
         cpu::mul_mat_id(cpu::WeightRef{w.data, w.type, w.rows, w.cols}, n_expert, ids, k, x, per_slot_input ? k : 1,
@@ -367,7 +389,11 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         if (p.split_cells > 0) g_fixed_split_calls++;
     }
     launched(n_tok > 0 && n_head > 0, n_split > 1 ? 2 : 1);  // the split partials' merge is a kernel of its own
-    exec([=] { cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool()); });
+    exec([=] {
+        // the split partials overwrite the scratch, as on the device
+        if (n_split > 1) memset(scratch, 0x5a, flash_attn_scratch_bytes(n_tok, n_head, kv.hd_v, n_split));
+        cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool());
+    });
 }
 
 void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, const int32_t* ids,
