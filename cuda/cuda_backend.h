@@ -252,6 +252,11 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
               const int32_t* ids_host, int64_t n_ids, float* out, int64_t ld_out, Stream s);
 void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
               int64_t ldy, Stream s);
+// sum = a + b and y = rms_norm(sum) * weight (weight may be null) over n_rows contiguous rows of
+// dim: a residual add and the norm that reads it in one kernel, the bits of add then rms_norm.
+// y may be a's or b's bytes, not sum's.
+void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, float* sum, const float* weight,
+                  float eps, float* y, Stream s);
 // Plain RoPE or YaRN (p.ext_factor / p.attn_factor, attn_math.h rope_yarn_angle).
 void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
           const cpu::RopeParams& p, Stream s);

@@ -188,7 +188,8 @@ public:
         const uint64_t first = cu::launches_on_this_thread();
         if (!timing_ || has_collective(split)) {
             ScratchHolds held;
-            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, dev_->compute_stream(), held);
+            for (size_t i = 0; i < split.nodes.size();)
+                i = run_at(split.nodes, i, scratch, scratch_bytes, dev_->compute_stream(), held);
         } else {
             timed_splits_++;
             run_timed(split, scratch, scratch_bytes);
@@ -281,7 +282,7 @@ private:
         dev_->begin_capture(s);
         try {
             ScratchHolds held;
-            for (Tensor* n : split.nodes) run(n, scratch, scratch_bytes, s, held);
+            for (size_t i = 0; i < split.nodes.size();) i = run_at(split.nodes, i, scratch, scratch_bytes, s, held);
         } catch (...) {
             dev_->destroy_graph(dev_->end_capture(s));
             c.failed = true;  // run directly (an argument error then says what it is)
@@ -334,8 +335,8 @@ private:
         try {
             uint64_t span0 = cu::launches_on_this_thread();
             ScratchHolds held;
-            for (Tensor* n : split.nodes) {
-                run(n, scratch, scratch_bytes, s, held);
+            for (size_t i = 0; i < split.nodes.size();) {
+                i = run_at(split.nodes, i, scratch, scratch_bytes, s, held);
                 if (cu::launches_on_this_thread() - span0 >= kTimedSpanLaunches) {
                     dev_->end_timed(s);
                     dev_->begin_timed(s);
@@ -450,6 +451,30 @@ private:
     struct ScratchHolds {
         const Tensor* x = nullptr;
     };
+
+    // A residual ADD whose sum the next node, an RMS_NORM, reads: one add_rms_norm kernel (the
+    // same bits), when both are whole contiguous rows of one shape.
+    static bool add_then_norm(const std::vector<Tensor*>& nodes, size_t i) {
+        if (i + 1 >= nodes.size()) return false;
+        const Tensor *add = nodes[i], *norm = nodes[i + 1];
+        if (add->op != Op::ADD || norm->op != Op::RMS_NORM || norm->src[0] != add) return false;
+        const Tensor *a = add->src[0], *b = add->src[1];
+        auto rows = [&](const Tensor* t) { return t->is_contiguous() && t->ne[0] == add->ne[0] && t->n_rows() == add->n_rows(); };
+        return rows(a) && rows(b) && rows(add) && rows(norm) && norm->data != add->data;
+    }
+
+    // Runs nodes[i] (with nodes[i + 1] where the two fuse) on stream s; the index of the next node.
+    size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
+                  ScratchHolds& held) {
+        if (add_then_norm(nodes, i)) {
+            Tensor *add = nodes[i], *norm = nodes[i + 1];
+            cu::add_rms_norm(f32(add->src[0]), f32(add->src[1]), add->n_rows(), add->ne[0], f32(add),
+                             norm->src[1] ? f32(norm->src[1]) : nullptr, norm->fparams[0], f32(norm), s);
+            return i + 2;
+        }
+        run(nodes[i], scratch, scratch_bytes, s, held);
+        return i + 1;
+    }
 
     // Enqueues node n on stream s (the compute stream, or the capture stream while capturing).
     void run(Tensor* n, void* scratch, size_t scratch_bytes, cu::Stream s, ScratchHolds& held) {

@@ -68,6 +68,25 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float* __restrict__
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) yr[i] = xr[i] * r * (w ? w[i] : 1.0f);
 }
 
+// The residual add and the norm after it in one pass: sum = a + b (kept: the residual stream goes
+// on), y = rms_norm(sum) * w. Each thread sums, squares and normalizes the same elements as
+// add_kernel and rms_norm_kernel, so the bits are theirs. y may be a's or b's bytes: every read
+// of a row is done before block_sum's barrier, every write of y after it.
+__global__ void __launch_bounds__(256) add_rms_norm_kernel(const float* a, const float* b, int64_t dim,
+                                                           float* sum, const float* __restrict__ w, float eps,
+                                                           float* y) {
+    __shared__ float red[8];
+    const int64_t row = (int64_t)blockIdx.x * dim;
+    float ss = 0.0f;
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = a[row + i] + b[row + i];
+        sum[row + i] = v;
+        ss += v * v;
+    }
+    const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)dim + eps);
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) y[row + i] = sum[row + i] * r * (w ? w[i] : 1.0f);
+}
+
 __global__ void __launch_bounds__(256) softmax_kernel(const float* __restrict__ x, int64_t dim, int64_t ldx, float sc,
                                                       float* y, int64_t ldy) {
     __shared__ float red[8];
@@ -277,6 +296,14 @@ void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const fl
     if (n_rows == 0 || dim == 0) return;
     rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(x, dim, ldx, weight, eps, y, ldy);
     check_launch("rms_norm_kernel");
+}
+
+void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, float* sum, const float* weight,
+                  float eps, float* y, Stream s) {
+    if (n_rows < 0 || dim < 0) throw InvalidInput("add_rms_norm: negative size");
+    if (n_rows == 0 || dim == 0) return;
+    add_rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(a, b, dim, sum, weight, eps, y);
+    check_launch("add_rms_norm_kernel");
 }
 
 void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float sc, float* y, int64_t ldy, Stream s) {

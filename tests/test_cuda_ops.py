@@ -227,6 +227,19 @@ def test_rms_norm(dev):
     np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("y_in_a", [False, True])
+def test_add_rms_norm_gives_the_bits_of_add_then_rms_norm(dev, y_in_a):
+    """The fused residual add and norm (a decode step's add_rms_norm) against the two kernels it
+    replaces, bit for bit, also when its output takes the bytes of an input (as the planner may)."""
+    cuda_only(dev)
+    rng = np.random.default_rng(12)
+    a, b = (rng.standard_normal((5, 896)).astype(np.float32) for _ in range(2))
+    w = rng.standard_normal(896).astype(np.float32)
+    s, y = run(dev, "add_rms_norm", a, b, w, 1e-6, y_in_a=y_in_a)
+    np.testing.assert_array_equal(s, run(dev, "add", a, b))
+    np.testing.assert_array_equal(y, run(dev, "rms_norm", s, w, 1e-6))
+
+
 @pytest.mark.parametrize("neox", [False, True])
 def test_rope(dev, neox):
     rng = np.random.default_rng(11)

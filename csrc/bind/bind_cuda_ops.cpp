@@ -302,6 +302,21 @@ STOWLM_BIND(cuda_ops) {
         return download<float>(d, yb, shape_of(x));
     }, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("device") = 0);
 
+    co.def("add_rms_norm", [](In<float> a, In<float> b, In<float> w, float eps, bool y_in_a, int di) {
+        auto [n, dim] = rows_dim(a);
+        if (b.size() != a.size() || (int64_t)w.size() != dim)
+            throw InvalidInput("add_rms_norm: b must have a's shape and the weight a's last dim");
+        cu::CudaDevice& d = device(di);
+        Buf ab(d, a.data(), a.size() * 4), bb(d, b.data(), b.size() * 4), wb(d, w.data(), w.size() * 4),
+            sb(d, a.size() * 4), yb(d, y_in_a ? 0 : a.size() * 4);
+        float* y = y_in_a ? ab.as<float>() : yb.as<float>();  // the planner may give y a's bytes
+        cu::add_rms_norm(ab.as<float>(), bb.as<float>(), n, dim, sb.as<float>(), wb.as<float>(), eps, y,
+                         d.compute_stream());
+        Out<float> s = download<float>(d, sb, shape_of(a));
+        return nb::make_tuple(s, download<float>(d, y_in_a ? ab : yb, shape_of(a)));
+    }, nb::arg("a"), nb::arg("b"), nb::arg("weight"), nb::arg("eps"), nb::arg("y_in_a") = false, nb::arg("device") = 0,
+       "(a + b, rms_norm(a + b) * weight) in one kernel");
+
     co.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox, float ext_factor,
                       float attn_factor, float beta_fast, float beta_slow, int n_ctx_orig, int di) {
         if (x.ndim() != 3 || (size_t)pos.size() != x.shape(0)) throw InvalidInput("rope: x (n_tok, n_head, head_dim), pos (n_tok,)");

@@ -167,19 +167,20 @@ void check_seqs(const std::string& model_dir, const std::string& name, Run r, co
 // Kernels one decode step of a llama model (smollm2: every product of quantized weights, tied
 // output) launches on a device, counted from the architecture (models/blocks.cpp) and each
 // launcher's kernels (cuda_backend.h): a product of quantized weights quantizes its activations
-// first, unless the product before it quantized the same ones; attention over fewer than 512 cells runs in one KV split.
-constexpr int kLlamaLayerKernels = 1     // attn_norm
-                                   + 4   // q, k, v: the input quantized once, three products
+// first, unless the product before it quantized the same ones; a residual add and the norm after
+// it are one kernel; attention over fewer than 512 cells runs in one KV split.
+constexpr int kLlamaLayerKernels = 4     // q, k, v: the input quantized once, three products
                                    + 2   // rope q, k
                                    + 2   // store k, v
                                    + 1   // flash attention
                                    + 2   // attn_output
-                                   + 1   // residual add
-                                   + 1   // ffn_norm
+                                   + 1   // residual add + ffn_norm
                                    + 3   // ffn_gate, ffn_up: quantized once, two products
                                    + 1   // swiglu
                                    + 2   // ffn_down
-                                   + 1;  // residual add
+                                   + 1;  // residual add + the next layer's attn_norm (or the last add)
+// The first layer of a device's range normalizes what no add of its own made: one more kernel.
+constexpr int kRangeKernels = 1;
 // smollm2's output is its token_embd (tied), which lives with the output on the last device: the
 // embedding's rows are looked up there too.
 constexpr int kOutputKernels = 1         // the embedding rows of the token
@@ -201,9 +202,10 @@ void check_launch_counts(const std::string& dir) {
     };
     const int n_layer = 30;
     const std::vector<Layout> layouts = {
-        {{spec("cuda", 0)}, {}, 0, n_layer * kLlamaLayerKernels + kOutputKernels, "cuda:0"},
-        {{spec("cuda", 0), spec("cpu", 0)}, {15, 15}, 0, 15 * kLlamaLayerKernels, "cuda:0 + cpu:0 [15, 15]"},
-        {{spec("cpu", 0), spec("cuda", 0)}, {10, 20}, 1, 20 * kLlamaLayerKernels + kOutputKernels,
+        {{spec("cuda", 0)}, {}, 0, kRangeKernels + n_layer * kLlamaLayerKernels + kOutputKernels, "cuda:0"},
+        {{spec("cuda", 0), spec("cpu", 0)}, {15, 15}, 0, kRangeKernels + 15 * kLlamaLayerKernels,
+         "cuda:0 + cpu:0 [15, 15]"},
+        {{spec("cpu", 0), spec("cuda", 0)}, {10, 20}, 1, kRangeKernels + 20 * kLlamaLayerKernels + kOutputKernels,
          "cpu:0 + cuda:0 [10, 20]"},
     };
     for (const Layout& l : layouts) {

@@ -427,6 +427,21 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
     exec([=] { cpu::rope(x, n_tok, n_head, head_dim, ld_tok, pos, p, pool()); });
 }
 
+void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, float* sum, const float* weight,
+                  float eps, float* y, Stream) {
+    dev_ptr(a, span(n_rows, dim, dim), "add_rms_norm a");
+    dev_ptr(b, span(n_rows, dim, dim), "add_rms_norm b");
+    dev_ptr(sum, span(n_rows, dim, dim), "add_rms_norm sum");
+    if (weight) dev_ptr(weight, span(1, dim, dim), "add_rms_norm weight");
+    dev_ptr(y, span(n_rows, dim, dim), "add_rms_norm y");
+    if (y == sum) throw InvalidInput("add_rms_norm: y must not be sum's bytes");
+    launched(n_rows > 0 && dim > 0);
+    exec([=] {
+        cpu::add(a, dim, b, dim, n_rows, dim, sum, dim, pool());
+        cpu::rms_norm(sum, n_rows, dim, dim, weight, eps, y, dim, pool());
+    });
+}
+
 void softmax(const float*, int64_t, int64_t, int64_t, float, float*, int64_t, Stream) { unused("softmax"); }
 
 // Bytes a strided F32 tensor spans from its first element.
