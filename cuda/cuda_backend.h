@@ -253,10 +253,12 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
 void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
               int64_t ldy, Stream s);
 // sum = a + b and y = rms_norm(sum) * weight (weight may be null) over n_rows contiguous rows of
-// dim: a residual add and the norm that reads it in one kernel, the bits of add then rms_norm.
-// y may be a's or b's bytes, not sum's.
+// dim: a residual add and the norm that reads it in one kernel, the bits of add then rms_norm
+// (b null: no add, y = rms_norm(a) * weight). yq (optional): y's block_q8_1 rows as well, the
+// bits of quantize_q8_1 (q8_1_bytes(n_rows, dim)), for the products that read y (dim a multiple
+// of 32). y may be a's or b's bytes, not sum's.
 void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, float* sum, const float* weight,
-                  float eps, float* y, Stream s);
+                  float eps, float* y, void* yq, Stream s);
 // Plain RoPE or YaRN (p.ext_factor / p.attn_factor, attn_math.h rope_yarn_angle).
 void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
           const cpu::RopeParams& p, Stream s);

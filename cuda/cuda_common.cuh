@@ -42,6 +42,25 @@ __device__ __forceinline__ int warp_sum_int(int v) {
     return v;
 }
 
+// One warp quantizes the 32 values of a block_q8_1, lane i holding value i: the host quantizer's
+// rounding (quant/dot_q8_1.h) with an exact max and exact sums, so its blocks are the host's bits.
+// Every op that writes block_q8_1 activations (quantize.cu, the fused norm) goes through it.
+__device__ __forceinline__ void warp_quantize_q8_1(float v, block_q8_1* out) {
+    const int lane = threadIdx.x & 31;
+    const float amax = warp_max(abs_f(v));
+    const float d = amax / 127.0f, id = q8_1_inverse_scale(amax);
+    const int q = q8_1_value(v, id);
+    // sum of each 16-lane half: reduce within halves only
+    int s = q;
+#pragma unroll
+    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+    ((int8_t*)out->qs)[lane] = (int8_t)q;
+    if (lane == 0) out->s0 = d * (float)s;
+    if (lane == 16) out->s1 = d * (float)s;
+    if (lane == 1) out->d = d;
+    if (lane == 2) out->pad = 0.0f;
+}
+
 // Rows handled by token groups. Plain product: one group, slot i reads activation row i and
 // writes output row i. Grouped (MoE): group g (blockIdx.y) owns slots [off[g], off[g+1]) of
 // the sorted lists, act_row[slot] / out_row[slot] give the rows, and its weights start

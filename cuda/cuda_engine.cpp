@@ -452,25 +452,46 @@ private:
         const Tensor* x = nullptr;
     };
 
-    // A residual ADD whose sum the next node, an RMS_NORM, reads: one add_rms_norm kernel (the
-    // same bits), when both are whole contiguous rows of one shape.
+    // ---- fused kernels ---------------------------------------------------------------------------
+    // Whole contiguous rows of t's shape.
+    static bool same_rows(const Tensor* t, const Tensor* like) {
+        return t->is_contiguous() && t->ne[0] == like->ne[0] && t->n_rows() == like->n_rows();
+    }
+    // A residual ADD whose sum the next node, an RMS_NORM, reads: one add_rms_norm kernel.
     static bool add_then_norm(const std::vector<Tensor*>& nodes, size_t i) {
         if (i + 1 >= nodes.size()) return false;
         const Tensor *add = nodes[i], *norm = nodes[i + 1];
         if (add->op != Op::ADD || norm->op != Op::RMS_NORM || norm->src[0] != add) return false;
-        const Tensor *a = add->src[0], *b = add->src[1];
-        auto rows = [&](const Tensor* t) { return t->is_contiguous() && t->ne[0] == add->ne[0] && t->n_rows() == add->n_rows(); };
-        return rows(a) && rows(b) && rows(add) && rows(norm) && norm->data != add->data;
+        return same_rows(add->src[0], add) && same_rows(add->src[1], add) && same_rows(add, add) &&
+               same_rows(norm, add) && norm->data != add->data;
+    }
+    // An RMS_NORM (nodes[i]) whose output the next node multiplies by quantized weights: the norm
+    // writes the product's q8_1 rows into the scratch too (the product then reuses them).
+    static bool norm_feeds_product(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes) {
+        const Tensor* norm = nodes[i];
+        if (i + 1 >= nodes.size() || !scratch || !same_rows(norm, norm) || norm->ne[0] % 32) return false;
+        const Tensor* mm = nodes[i + 1];
+        return mm->op == Op::MUL_MAT && mm->src[1] == norm && !is_float_type(mm->src[0]->type) &&
+               cu::q8_1_bytes(norm->n_rows(), norm->ne[0]) <= scratch_bytes;
     }
 
-    // Runs nodes[i] (with nodes[i + 1] where the two fuse) on stream s; the index of the next node.
+    // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
+    // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it].
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
-        if (add_then_norm(nodes, i)) {
-            Tensor *add = nodes[i], *norm = nodes[i + 1];
-            cu::add_rms_norm(f32(add->src[0]), f32(add->src[1]), add->n_rows(), add->ne[0], f32(add),
-                             norm->src[1] ? f32(norm->src[1]) : nullptr, norm->fparams[0], f32(norm), s);
-            return i + 2;
+        const bool with_add = add_then_norm(nodes, i);
+        const size_t ni = with_add ? i + 1 : i;
+        Tensor* norm = nodes[ni];
+        if (norm->op == Op::RMS_NORM && (with_add || same_rows(norm->src[0], norm))) {
+            void* yq = norm_feeds_product(nodes, ni, scratch, scratch_bytes) ? scratch : nullptr;
+            if (with_add || yq) {
+                const Tensor* add = with_add ? nodes[i] : nullptr;
+                cu::add_rms_norm(f32(with_add ? add->src[0] : norm->src[0]), with_add ? f32(add->src[1]) : nullptr,
+                                 norm->n_rows(), norm->ne[0], with_add ? f32(add) : nullptr,
+                                 norm->src[1] ? f32(norm->src[1]) : nullptr, norm->fparams[0], f32(norm), yq, s);
+                if (yq) held.x = norm;
+                return ni + 1;
+            }
         }
         run(nodes[i], scratch, scratch_bytes, s, held);
         return i + 1;

@@ -69,22 +69,30 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float* __restrict__
 }
 
 // The residual add and the norm after it in one pass: sum = a + b (kept: the residual stream goes
-// on), y = rms_norm(sum) * w. Each thread sums, squares and normalizes the same elements as
-// add_kernel and rms_norm_kernel, so the bits are theirs. y may be a's or b's bytes: every read
-// of a row is done before block_sum's barrier, every write of y after it.
+// on; b null: no add, x = a), y = rms_norm(x) * w, and with yq y's block_q8_1 rows for the
+// products that read y. Each thread sums, squares and normalizes the same elements as add_kernel
+// and rms_norm_kernel, and each warp's 32 consecutive elements are one block quantized as
+// quantize_q8_1_kernel does, so the bits are theirs. y may be a's or b's bytes: every read of a
+// row is done before block_sum's barrier, every write of y after it.
 __global__ void __launch_bounds__(256) add_rms_norm_kernel(const float* a, const float* b, int64_t dim,
                                                            float* sum, const float* __restrict__ w, float eps,
-                                                           float* y) {
+                                                           float* y, block_q8_1* yq) {
     __shared__ float red[8];
     const int64_t row = (int64_t)blockIdx.x * dim;
+    const float* x = b ? sum : a;
     float ss = 0.0f;
     for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
-        const float v = a[row + i] + b[row + i];
-        sum[row + i] = v;
+        float v = a[row + i];
+        if (b) sum[row + i] = v = v + b[row + i];
         ss += v * v;
     }
     const float r = 1.0f / sqrtf(block_sum(ss, red) / (float)dim + eps);
-    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) y[row + i] = sum[row + i] * r * (w ? w[i] : 1.0f);
+    // dim is a multiple of 32 with yq: a warp's lanes are all in range or all out
+    for (int64_t i = threadIdx.x; i < dim; i += blockDim.x) {
+        const float v = x[row + i] * r * (w ? w[i] : 1.0f);
+        y[row + i] = v;
+        if (yq) warp_quantize_q8_1(v, yq + (row + i) / 32);
+    }
 }
 
 __global__ void __launch_bounds__(256) softmax_kernel(const float* __restrict__ x, int64_t dim, int64_t ldx, float sc,
@@ -299,10 +307,13 @@ void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const fl
 }
 
 void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, float* sum, const float* weight,
-                  float eps, float* y, Stream s) {
+                  float eps, float* y, void* yq, Stream s) {
     if (n_rows < 0 || dim < 0) throw InvalidInput("add_rms_norm: negative size");
+    if (yq && dim % 32) throw InvalidInput("add_rms_norm: quantized rows need a multiple of 32 elements");
+    if (b && !sum) throw InvalidInput("add_rms_norm: an add needs its sum's bytes");
     if (n_rows == 0 || dim == 0) return;
-    add_rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(a, b, dim, sum, weight, eps, y);
+    add_rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(a, b, dim, sum, weight, eps, y,
+                                                                       (block_q8_1*)yq);
     check_launch("add_rms_norm_kernel");
 }
 

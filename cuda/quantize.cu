@@ -14,20 +14,7 @@ __global__ void __launch_bounds__(256) quantize_q8_1_kernel(const float* __restr
     if (b >= n_blocks) return;  // whole warps leave together
     const int lane = threadIdx.x & 31;
     const int64_t r = b / blocks_per_row, c = b % blocks_per_row;
-    const float v = x[r * ldx + c * 32 + lane];
-    const float amax = warp_max(abs_f(v));
-    const float d = amax / 127.0f, id = q8_1_inverse_scale(amax);
-    const int q = q8_1_value(v, id);
-    // sum of each 16-lane half: reduce within halves only
-    int s = q;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    block_q8_1* out = y + b;
-    ((int8_t*)out->qs)[lane] = (int8_t)q;
-    if (lane == 0) out->s0 = d * (float)s;
-    if (lane == 16) out->s1 = d * (float)s;
-    if (lane == 1) out->d = d;
-    if (lane == 2) out->pad = 0.0f;
+    warp_quantize_q8_1(x[r * ldx + c * 32 + lane], y + b);
 }
 
 size_t q8_1_bytes(int64_t n_rows, int64_t cols) { return (size_t)n_rows * (size_t)(cols / 32) * sizeof(block_q8_1); }

@@ -72,13 +72,13 @@ def test_cuda_engine_on_an_emulated_device(model_path, tmp_path):
     build_and_run("cuda_engine_emulated", MODELS, model_path, tmp_path, timeout=300)
 
 
-# A llama layer's decode step launches 19 kernels: seven products of quantized weights (each
-# quantizes its input unless the product before it read the same input: q, k, v quantize once,
-# gate and up once), two ropes, two KV stores, attention, swiglu and two residual adds, each fused
-# with the norm after it; the first layer's attn_norm follows no add (one more kernel)
-# (models/blocks.cpp; tests/native/cuda_engine_emulated.cpp counts them one by one). The tied
-# output adds the embedding rows, the output rows, output_norm and the logits' product (2).
-LLAMA_LAYER_KERNELS, LLAMA_TIED_OUTPUT_KERNELS = 19, 5
+# A llama layer's decode step launches 17 kernels: seven products of quantized weights (q, k, v,
+# gate and up read the q8_1 rows their norm wrote beside its output; attn_output and ffn_down
+# quantize their input first), two ropes, two KV stores, attention, swiglu and two residual adds,
+# each fused with the norm after it; the first layer's attn_norm follows no add (one more kernel).
+# The tied output: the embedding rows, the output rows, output_norm (with its q8_1 rows) and the
+# logits' product (models/blocks.cpp; tests/native/cuda_engine_emulated.cpp counts them one by one).
+LLAMA_LAYER_KERNELS, LLAMA_TIED_OUTPUT_KERNELS = 17, 4
 
 
 def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):

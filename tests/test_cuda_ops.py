@@ -235,9 +235,15 @@ def test_add_rms_norm_gives_the_bits_of_add_then_rms_norm(dev, y_in_a):
     rng = np.random.default_rng(12)
     a, b = (rng.standard_normal((5, 896)).astype(np.float32) for _ in range(2))
     w = rng.standard_normal(896).astype(np.float32)
-    s, y = run(dev, "add_rms_norm", a, b, w, 1e-6, y_in_a=y_in_a)
+    s, y, q = run(dev, "add_rms_norm", a, b, w, 1e-6, y_in_a=y_in_a, quantized=True)
     np.testing.assert_array_equal(s, run(dev, "add", a, b))
     np.testing.assert_array_equal(y, run(dev, "rms_norm", s, w, 1e-6))
+    # the q8_1 rows it writes for the products that read y: the quantizer's bytes
+    np.testing.assert_array_equal(q, run(dev, "quantize_q8_1", y))
+    none, y1, q1 = run(dev, "add_rms_norm", a, None, w, 1e-6, quantized=True)  # no add: the norm alone
+    assert none is None
+    np.testing.assert_array_equal(y1, run(dev, "rms_norm", a, w, 1e-6))
+    np.testing.assert_array_equal(q1, run(dev, "quantize_q8_1", y1))
 
 
 @pytest.mark.parametrize("neox", [False, True])

@@ -302,20 +302,25 @@ STOWLM_BIND(cuda_ops) {
         return download<float>(d, yb, shape_of(x));
     }, nb::arg("x"), nb::arg("weight"), nb::arg("eps"), nb::arg("device") = 0);
 
-    co.def("add_rms_norm", [](In<float> a, In<float> b, In<float> w, float eps, bool y_in_a, int di) {
+    co.def("add_rms_norm", [](In<float> a, std::optional<In<float>> b, In<float> w, float eps, bool y_in_a,
+                              bool quantized, int di) {
         auto [n, dim] = rows_dim(a);
-        if (b.size() != a.size() || (int64_t)w.size() != dim)
+        if ((b && b->size() != a.size()) || (int64_t)w.size() != dim)
             throw InvalidInput("add_rms_norm: b must have a's shape and the weight a's last dim");
         cu::CudaDevice& d = device(di);
-        Buf ab(d, a.data(), a.size() * 4), bb(d, b.data(), b.size() * 4), wb(d, w.data(), w.size() * 4),
-            sb(d, a.size() * 4), yb(d, y_in_a ? 0 : a.size() * 4);
+        Buf ab(d, a.data(), a.size() * 4), bb(d, b ? b->data() : nullptr, b ? b->size() * 4 : 0),
+            wb(d, w.data(), w.size() * 4), sb(d, b ? a.size() * 4 : 0), yb(d, y_in_a ? 0 : a.size() * 4),
+            qb(d, quantized ? cu::q8_1_bytes(n, dim) : 0);
         float* y = y_in_a ? ab.as<float>() : yb.as<float>();  // the planner may give y a's bytes
-        cu::add_rms_norm(ab.as<float>(), bb.as<float>(), n, dim, sb.as<float>(), wb.as<float>(), eps, y,
-                         d.compute_stream());
-        Out<float> s = download<float>(d, sb, shape_of(a));
-        return nb::make_tuple(s, download<float>(d, y_in_a ? ab : yb, shape_of(a)));
-    }, nb::arg("a"), nb::arg("b"), nb::arg("weight"), nb::arg("eps"), nb::arg("y_in_a") = false, nb::arg("device") = 0,
-       "(a + b, rms_norm(a + b) * weight) in one kernel");
+        cu::add_rms_norm(ab.as<float>(), b ? bb.as<float>() : nullptr, n, dim, b ? sb.as<float>() : nullptr,
+                         wb.as<float>(), eps, y, quantized ? qb.p : nullptr, d.compute_stream());
+        nb::object s = b ? nb::cast(download<float>(d, sb, shape_of(a))) : nb::none();
+        nb::object q = quantized ? nb::cast(download<uint8_t>(d, qb, {(size_t)n, (size_t)(dim / 32 * sizeof(stowlm::block_q8_1))}))
+                                 : nb::none();
+        return nb::make_tuple(s, download<float>(d, y_in_a ? ab : yb, shape_of(a)), q);
+    }, nb::arg("a"), nb::arg("b").none(), nb::arg("weight"), nb::arg("eps"), nb::arg("y_in_a") = false,
+       nb::arg("quantized") = false, nb::arg("device") = 0,
+       "(a + b or None, rms_norm(a [+ b]) * weight, its block_q8_1 bytes or None) in one kernel");
 
     co.def("rope", [](In<float> x, In<int32_t> pos, int n_rot, float base, float scale, bool neox, float ext_factor,
                       float attn_factor, float beta_fast, float beta_slow, int n_ctx_orig, int di) {

@@ -167,15 +167,16 @@ void check_seqs(const std::string& model_dir, const std::string& name, Run r, co
 // Kernels one decode step of a llama model (smollm2: every product of quantized weights, tied
 // output) launches on a device, counted from the architecture (models/blocks.cpp) and each
 // launcher's kernels (cuda_backend.h): a product of quantized weights quantizes its activations
-// first, unless the product before it quantized the same ones; a residual add and the norm after
-// it are one kernel; attention over fewer than 512 cells runs in one KV split.
-constexpr int kLlamaLayerKernels = 4     // q, k, v: the input quantized once, three products
+// first, unless the product before it or the norm that made them left their q8_1 rows in the
+// scratch; a residual add and the norm after it are one kernel; attention over fewer than 512
+// cells runs in one KV split.
+constexpr int kLlamaLayerKernels = 3     // q, k, v: three products of the rows attn_norm quantized
                                    + 2   // rope q, k
                                    + 2   // store k, v
                                    + 1   // flash attention
                                    + 2   // attn_output
                                    + 1   // residual add + ffn_norm
-                                   + 3   // ffn_gate, ffn_up: quantized once, two products
+                                   + 2   // ffn_gate, ffn_up: two products of the rows ffn_norm quantized
                                    + 1   // swiglu
                                    + 2   // ffn_down
                                    + 1;  // residual add + the next layer's attn_norm (or the last add)
@@ -185,8 +186,8 @@ constexpr int kRangeKernels = 1;
 // embedding's rows are looked up there too.
 constexpr int kOutputKernels = 1         // the embedding rows of the token
                                + 1       // the output rows
-                               + 1       // output_norm
-                               + 2;      // logits
+                               + 1       // output_norm, with its q8_1 rows
+                               + 1;      // logits
 
 // The launch counter through the backend interface: a decode step of smollm2 launches the
 // kernels counted above on the device holding each part, the same number every step; a CPU

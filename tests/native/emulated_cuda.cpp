@@ -428,17 +428,23 @@ void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_
 }
 
 void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, float* sum, const float* weight,
-                  float eps, float* y, Stream) {
+                  float eps, float* y, void* yq, Stream) {
     dev_ptr(a, span(n_rows, dim, dim), "add_rms_norm a");
-    dev_ptr(b, span(n_rows, dim, dim), "add_rms_norm b");
-    dev_ptr(sum, span(n_rows, dim, dim), "add_rms_norm sum");
+    if (b) dev_ptr(b, span(n_rows, dim, dim), "add_rms_norm b");
+    if (b) dev_ptr(sum, span(n_rows, dim, dim), "add_rms_norm sum");
     if (weight) dev_ptr(weight, span(1, dim, dim), "add_rms_norm weight");
     dev_ptr(y, span(n_rows, dim, dim), "add_rms_norm y");
-    if (y == sum) throw InvalidInput("add_rms_norm: y must not be sum's bytes");
+    if (yq) dev_ptr(yq, q8_1_bytes(n_rows, dim), "add_rms_norm yq");
+    if (b && y == sum) throw InvalidInput("add_rms_norm: y must not be sum's bytes");
+    if (yq && dim % 32) throw InvalidInput("add_rms_norm: quantized rows need a multiple of 32 elements");
     launched(n_rows > 0 && dim > 0);
     exec([=] {
-        cpu::add(a, dim, b, dim, n_rows, dim, sum, dim, pool());
-        cpu::rms_norm(sum, n_rows, dim, dim, weight, eps, y, dim, pool());
+        if (b) cpu::add(a, dim, b, dim, n_rows, dim, sum, dim, pool());
+        cpu::rms_norm(b ? sum : a, n_rows, dim, dim, weight, eps, y, dim, pool());
+        if (yq) {
+            const std::vector<block_q8_1> q = q8_1_rows(y, n_rows, dim, dim);
+            memcpy(yq, q.data(), q.size() * sizeof(block_q8_1));
+        }
     });
 }
 
