@@ -356,4 +356,22 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
         launch_mmvq(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, xq, w.cols / 32, n_tok, TokenGroups{}, y, ldy, st);
 }
 
+void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x, int64_t n_tok, int64_t ldx,
+                float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s, bool x_quantized) {
+    if (is_float_type(gate.type) || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
+        throw InvalidInput("cuda matmul_glu: gate and up must be quantized weights of one type and shape");
+    if (gate.cols <= 0 || gate.cols % 32 || gate.cols % qtype_checked((uint32_t)gate.type).block_elems)
+        throw InvalidInput("cuda matmul_glu: cols=" + std::to_string(gate.cols) + " is not a multiple of the block");
+    if (n_tok < 0 || n_tok >= kCudaBatchedMinTokens)
+        throw InvalidInput("cuda matmul_glu: " + std::to_string(n_tok) + " tokens (the vector kernel takes fewer than " +
+                           std::to_string(kCudaBatchedMinTokens) + ")");
+    if (ldx < gate.cols || ldy < gate.rows) throw InvalidInput("cuda matmul_glu: ldx < cols or ldy < rows");
+    if (n_tok == 0 || gate.rows == 0) return;
+    if (scratch == nullptr) throw InvalidInput("cuda matmul_glu: needs matmul_scratch_bytes() of scratch");
+    if (!x_quantized) quantize_q8_1(x, n_tok, gate.cols, ldx, scratch, s);
+    launch_mmvq_glu(gate.type, gelu, (const uint8_t*)gate.data, (const uint8_t*)up.data, row_bytes(gate.type, gate.cols),
+                    gate.rows, gate.cols, (const block_q8_1*)scratch, gate.cols / 32, n_tok, g, u, act, ldy,
+                    (cudaStream_t)s);
+}
+
 }  // namespace stowlm::cuda

@@ -141,6 +141,15 @@ enum class MatmulPath { Auto, Vector, Tiled };
 void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
             Stream s, MatmulPath path = MatmulPath::Auto, bool x_quantized = false);
 
+// The gate and up products of the same x joined by their GLU (gelu false: silu(g) * u, the SWIGLU
+// op; true: gelu_tanh(g) * u, GEGLU) for 1 to kCudaBatchedMinTokens - 1 tokens, in one kernel after
+// x's quantization (skipped with x_quantized, as matmul's): g, u and act ([n_tok][ldy] each) get
+// the bits of the two products and the GLU launched apart. Quantized weights of one type and
+// shape only.
+void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x, int64_t n_tok, int64_t ldx,
+                float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s,
+                bool x_quantized = false);
+
 // ---- mixture of experts (moe.cu) -------------------------------------------------------
 
 // Router for n_tok rows of n_expert logits: ids [n_tok][k] int32, weights [n_tok][k] f32.

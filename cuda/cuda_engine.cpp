@@ -475,10 +475,33 @@ private:
                cu::q8_1_bytes(norm->n_rows(), norm->ne[0]) <= scratch_bytes;
     }
 
+    // The gate and up products of one x (quantized weights of one type and shape, a decode-sized
+    // batch) and the SWIGLU or GEGLU of the two right after them: one matmul_glu kernel.
+    static bool gate_up_glu(const std::vector<Tensor*>& nodes, size_t i) {
+        if (i + 2 >= nodes.size()) return false;
+        const Tensor *g = nodes[i], *u = nodes[i + 1], *act = nodes[i + 2];
+        if (g->op != Op::MUL_MAT || u->op != Op::MUL_MAT || (act->op != Op::SWIGLU && act->op != Op::GEGLU))
+            return false;
+        const Tensor *wg = g->src[0], *wu = u->src[0], *x = g->src[1];
+        return u->src[1] == x && act->src[0] == g && act->src[1] == u && !is_float_type(wg->type) &&
+               wg->type == wu->type && wg->ne[0] == wu->ne[0] && wg->ne[1] == wu->ne[1] && wg->ne[0] % 32 == 0 &&
+               x->n_rows() < kCudaBatchedMinTokens && same_rows(x, x) && same_rows(u, g) && same_rows(act, g) &&
+               same_rows(g, g);
+    }
+
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
-    // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it].
+    // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
+    // gate and up products + their GLU.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
+        if (gate_up_glu(nodes, i)) {
+            Tensor *g = nodes[i], *u = nodes[i + 1], *act = nodes[i + 2];
+            Tensor* x = g->src[1];
+            cu::matmul_glu(weight(g->src[0]), weight(u->src[0]), f32(x), x->n_rows(), x->ne[0], f32(g), f32(u), f32(act),
+                           g->ne[0], act->op == Op::GEGLU, scratch, s, held.x == x);
+            held.x = x;
+            return i + 3;
+        }
         const bool with_add = add_then_norm(nodes, i);
         const size_t ni = with_add ? i + 1 : i;
         Tensor* norm = nodes[ni];

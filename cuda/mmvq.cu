@@ -4,6 +4,7 @@
 // (quant/dot_q8_1.h); float weights meet float activations. The same kernels serve the MoE
 // expert product through TokenGroups (one launch, blockIdx.y = expert).
 #include "cuda_backend.h"
+#include "cpu/attn_math.h"
 #include "cuda_common.cuh"
 
 namespace stowlm::cuda {
@@ -63,6 +64,51 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* 
     }
 }
 
+// The gate and up products of the same activations and the GLU that joins them, one warp per row
+// of both: each dot product is mmvq_kernel's (same lanes, order and reduction) and the GLU is the
+// swiglu/geglu kernel's expression, so g, u and act get the bits of the three kernels it replaces.
+template <QType T, bool Gelu>
+__global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_glu_kernel(const uint8_t* __restrict__ wg,
+                                                                  const uint8_t* __restrict__ wu, size_t row_bytes,
+                                                                  int64_t rows, int nsub,
+                                                                  const block_q8_1* __restrict__ xq, int64_t xq_ld,
+                                                                  int64_t n_tok, float* __restrict__ g,
+                                                                  float* __restrict__ u, float* __restrict__ act,
+                                                                  int64_t ldy) {
+    const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
+    if (row >= rows) return;
+    const uint8_t* grow = wg + (size_t)row * row_bytes;
+    const uint8_t* urow = wu + (size_t)row * row_bytes;
+    const int lane = threadIdx.x & 31;
+    for (int64_t c0 = 0; c0 < n_tok; c0 += kMmvBatch) {
+        const int n = (int)min((int64_t)kMmvBatch, n_tok - c0);
+        const block_q8_1* xr[kMmvBatch];
+#pragma unroll
+        for (int t = 0; t < kMmvBatch; t++) xr[t] = xq + (c0 + (t < n ? t : 0)) * xq_ld;
+        float ag[kMmvBatch] = {}, au[kMmvBatch] = {};
+        for (int sub = lane; sub < nsub; sub += 32) {
+            WSub ws;
+            WTraits<T>::load(grow, sub, ws);
+#pragma unroll
+            for (int t = 0; t < kMmvBatch; t++)
+                if (t < n) ag[t] += dot_wsub_q8_1(ws, xr[t][sub]);
+            WTraits<T>::load(urow, sub, ws);
+#pragma unroll
+            for (int t = 0; t < kMmvBatch; t++)
+                if (t < n) au[t] += dot_wsub_q8_1(ws, xr[t][sub]);
+        }
+#pragma unroll
+        for (int t = 0; t < kMmvBatch; t++) {
+            const float vg = warp_sum(ag[t]), vu = warp_sum(au[t]);
+            if (lane == t && t < n) {
+                const int64_t at = (c0 + t) * ldy + row;
+                g[at] = vg, u[at] = vu;
+                act[at] = Gelu ? gelu_tanh(vg) * vu : silu(vg) * vu;
+            }
+        }
+    }
+}
+
 template <QType T>
 __device__ __forceinline__ float load_float(const uint8_t* row, int64_t i) {
     if constexpr (T == QType::F32) return ((const float*)row)[i];
@@ -116,6 +162,33 @@ void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int6
         default: throw InvalidInput(std::string("mmvq: weight type ") + qtype_name(t) + " is not a quantized type");
     }
     check_launch("mmvq_kernel");
+}
+
+void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, size_t row_bytes, int64_t rows,
+                     int64_t cols, const block_q8_1* xq, int64_t xq_ld, int64_t n_tok, float* g, float* u, float* act,
+                     int64_t ldy, cudaStream_t s) {
+    if (rows == 0 || n_tok == 0) return;
+    const dim3 grid(ceil_div(rows, kMmvWarps));
+    const int nsub = (int)(cols / 32);
+    switch (t) {
+#define STOWLM_CASE(T)                                                                                              \
+    case QType::T:                                                                                                  \
+        if (gelu)                                                                                                   \
+            mmvq_glu_kernel<QType::T, true><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq, xq_ld, \
+                                                                         n_tok, g, u, act, ldy);                    \
+        else                                                                                                        \
+            mmvq_glu_kernel<QType::T, false><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq,      \
+                                                                          xq_ld, n_tok, g, u, act, ldy);            \
+        break;
+        STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
+        STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)
+        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS) STOWLM_CASE(MXFP4) STOWLM_CASE(IQ2_XXS)
+        STOWLM_CASE(IQ2_XS) STOWLM_CASE(IQ2_S) STOWLM_CASE(IQ3_XXS) STOWLM_CASE(IQ3_S) STOWLM_CASE(IQ1_S)
+        STOWLM_CASE(IQ1_M)
+#undef STOWLM_CASE
+        default: throw InvalidInput(std::string("mmvq_glu: weight type ") + qtype_name(t) + " is not a quantized type");
+    }
+    check_launch("mmvq_glu_kernel");
 }
 
 void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const float* x,

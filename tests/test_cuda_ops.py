@@ -109,6 +109,23 @@ def test_matmul_reusing_the_quantized_activations(dev, path, n_tok):
     np.testing.assert_array_equal(y2, run(dev, "matmul_raw", raw2, int(T["Q4_K"]), 64, 512, x, path=path))
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "Q6_K", "Q5_0", "IQ4_XS"])
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_matmul_glu_gives_the_bits_of_its_three_kernels(dev, name, n_tok, gelu):
+    """Gate and up products and their GLU in one kernel (a decode step's FFN) against the two
+    vector products and the swiglu / geglu kernel launched apart, bit for bit."""
+    cuda_only(dev)
+    rng = np.random.default_rng(13 + n_tok)
+    rawg, _ = random_weights(name, 136, 512, rng)
+    rawu, _ = random_weights(name, 136, 512, rng)
+    x = rng.standard_normal((n_tok, 512)).astype(np.float32)
+    g, u, act = run(dev, "matmul_glu", rawg, rawu, int(T[name]), 136, 512, x, gelu=gelu)
+    np.testing.assert_array_equal(g, run(dev, "matmul_raw", rawg, int(T[name]), 136, 512, x, path="vector"))
+    np.testing.assert_array_equal(u, run(dev, "matmul_raw", rawu, int(T[name]), 136, 512, x, path="vector"))
+    np.testing.assert_array_equal(act, run(dev, "geglu" if gelu else "swiglu", g, u))
+
+
 def test_device_quantizer_bit_exact_with_host(dev):
     cuda_only(dev)
     rng = np.random.default_rng(8)

@@ -129,6 +129,26 @@ Out<float> matmul_reusing(In<uint8_t> w1, In<uint8_t> w2, uint32_t qtype, int64_
     return download<float>(d, yb, {2, (size_t)n, (size_t)rows});
 }
 
+// The gate and up products of x joined by their GLU in one kernel (matmul_glu): (g, u, act).
+nb::tuple matmul_glu(In<uint8_t> wg, In<uint8_t> wu, uint32_t qtype, int64_t rows, int64_t cols, In<float> x,
+                     bool gelu, int dev_index) {
+    stowlm::qtype_checked(qtype);
+    const QType tt = (QType)qtype;
+    const size_t rb = stowlm::row_bytes(tt, cols);
+    if (wg.size() != rb * (size_t)rows || wu.size() != rb * (size_t)rows)
+        throw InvalidInput("matmul_glu: wg and wu must have rows*row_bytes bytes each");
+    if (x.ndim() != 2 || (int64_t)x.shape(1) != cols) throw InvalidInput("matmul_glu: x must be (n_tok, cols)");
+    cu::CudaDevice& d = device(dev_index);
+    const int64_t n = (int64_t)x.shape(0);
+    const size_t out = (size_t)(n * rows) * 4;
+    Buf gb(d, wg.data(), wg.size()), ub(d, wu.data(), wu.size()), xb(d, x.data(), x.size() * 4), yg(d, out),
+        yu(d, out), ya(d, out), sb(d, cu::matmul_scratch_bytes(tt, cols, n));
+    cu::matmul_glu({gb.p, tt, rows, cols}, {ub.p, tt, rows, cols}, xb.as<float>(), n, cols, yg.as<float>(),
+                   yu.as<float>(), ya.as<float>(), rows, gelu, sb.p, d.compute_stream());
+    const std::vector<size_t> shape = {(size_t)n, (size_t)rows};
+    return nb::make_tuple(download<float>(d, yg, shape), download<float>(d, yu, shape), download<float>(d, ya, shape));
+}
+
 Out<uint8_t> quantize_q8_1(In<float> x, int dev_index) {
     if (x.ndim() != 2) throw InvalidInput("quantize_q8_1: x must be 2-D");
     cu::CudaDevice& d = device(dev_index);
@@ -278,6 +298,8 @@ STOWLM_BIND(cuda_ops) {
            nb::arg("path") = "auto", nb::arg("device") = 0);
     co.def("matmul_reusing", &matmul_reusing, nb::arg("w1"), nb::arg("w2"), nb::arg("qtype"), nb::arg("rows"),
            nb::arg("cols"), nb::arg("x"), nb::arg("path") = "auto", nb::arg("device") = 0);
+    co.def("matmul_glu", &matmul_glu, nb::arg("wg"), nb::arg("wu"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+           nb::arg("x"), nb::arg("gelu") = false, nb::arg("device") = 0);
     co.def("quantize_q8_1", &quantize_q8_1, nb::arg("x"), nb::arg("device") = 0,
            "block_q8_1 bytes (n, cols/32*48) as the device quantizer writes them");
     co.def("flash_attn", &flash_attn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"),

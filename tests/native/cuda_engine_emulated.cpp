@@ -176,8 +176,7 @@ constexpr int kLlamaLayerKernels = 3     // q, k, v: three products of the rows 
                                    + 1   // flash attention
                                    + 2   // attn_output
                                    + 1   // residual add + ffn_norm
-                                   + 2   // ffn_gate, ffn_up: two products of the rows ffn_norm quantized
-                                   + 1   // swiglu
+                                   + 1   // ffn_gate, ffn_up and swiglu: one kernel on the rows ffn_norm quantized
                                    + 2   // ffn_down
                                    + 1;  // residual add + the next layer's attn_norm (or the last add)
 // The first layer of a device's range normalizes what no add of its own made: one more kernel.

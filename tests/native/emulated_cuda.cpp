@@ -281,6 +281,26 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
     });
 }
 
+void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x, int64_t n_tok, int64_t ldx,
+                float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s, bool x_quantized) {
+    if (is_float_type(gate.type) || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
+        throw InvalidInput("matmul_glu: gate and up must be quantized weights of one type and shape");
+    if (n_tok < 0 || n_tok >= kCudaBatchedMinTokens) throw InvalidInput("matmul_glu: too many tokens");
+    dev_ptr(up.data, row_bytes(up.type, up.cols) * up.rows, "matmul_glu up");
+    dev_ptr(act, span(n_tok, ldy, gate.rows), "matmul_glu act");
+    // the gate's product as matmul (quantizes x unless x_quantized, checks the scratch where reused),
+    // then the up product of the same rows and the GLU, in one kernel
+    const uint64_t before = t_launches;
+    matmul(gate, x, n_tok, ldx, g, ldy, scratch, s, MatmulPath::Vector, x_quantized);
+    t_launches = before;
+    launched(n_tok > 0 && gate.rows > 0, x_quantized ? 1 : 2);  // quantize_q8_1 (unless done) + mmvq_glu
+    dev_ptr(u, span(n_tok, ldy, up.rows), "matmul_glu u");
+    exec([=] {
+        cpu_matmul(cpu::WeightRef{up.data, up.type, up.rows, up.cols}, x, n_tok, ldx, u, ldy);
+        (gelu ? cpu::geglu : cpu::swiglu)(g, ldy, u, ldy, n_tok, gate.rows, act, ldy, pool());
+    });
+}
+
 void router_topk(const float*, int64_t, int, const RouterParams&, int32_t*, float*, Stream) { unused("router_topk"); }
 
 void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream) {
