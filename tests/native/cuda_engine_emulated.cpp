@@ -148,6 +148,24 @@ std::vector<float> run_seqs(const std::string& path, Run& r, int n_seq, int64_t 
     return all;
 }
 
+// Several sequences (batched decode, sequences joining and leaving the batch) with CUDA graphs
+// off and on: the same bits.
+void check_seqs_graphs(const std::string& model_dir, const std::string& name, const Run& r, const std::string& what) {
+    const std::string path = model_dir + "/" + name + ".gguf";
+    Run off_run = r, on_run = r;
+    const int made = cuda::g_graphs_made;
+    setenv("STOWLM_CUDA_GRAPHS", "0", 1);
+    const std::vector<float> off = run_seqs(path, off_run, 4, 1024, 32);
+    setenv("STOWLM_CUDA_GRAPHS", "1", 1);
+    const int before_on = cuda::g_graphs_made;
+    const std::vector<float> on = run_seqs(path, on_run, 4, 1024, 32);
+    unsetenv("STOWLM_CUDA_GRAPHS");
+    const bool ok = off == on && before_on == made && cuda::g_graphs_made > before_on;
+    printf("%s %-22s %-56s graphs on = off: %s, %d graphs made\n", ok ? "ok  " : "FAIL", name.c_str(), what.c_str(),
+           off == on ? "same bits" : "DIFFERENT", cuda::g_graphs_made - before_on);
+    if (!ok) failures++;
+}
+
 void check_seqs(const std::string& model_dir, const std::string& name, Run r, const std::string& what, int n_seq,
                 int64_t n_ctx, int64_t n_ubatch = 32, int span = 1) {
     const std::string path = model_dir + "/" + name + ".gguf";
@@ -349,6 +367,8 @@ int main(int argc, char** argv) {
                          "layers on cuda:0, experts on cpu:0", false);
         }
         for (const char* name : {"gptoss-tiny", "deepseek2-tiny"}) check_graphs(dir, name, on0, "cuda:0", true);
+        for (const char* name : {"smollm2-135m", "gptoss-tiny"})
+            check_seqs_graphs(dir, name, on0, "cuda:0, 4 sequences, graphs on and off");
         const Run cuda0{{spec("cuda", 0)}, {}, {}};
         for (const char* name : {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"})
             check(dir, name, cuda0, "cuda:0");
