@@ -295,6 +295,19 @@ void f16_to_f32(const uint16_t* x, float* y, int64_t n, Stream s);
 // Strided 2-D copy of n rows of `bytes` each.
 void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_bytes, int64_t n, size_t bytes,
                Stream s);
+// rope() of a layer's q and k (the same tokens, head width, positions and parameters) in one launch.
+void rope_pair(float* q, int64_t n_head_q, int64_t ld_q, float* k, int64_t n_head_k, int64_t ld_k, int64_t n_tok,
+               int64_t head_dim, const int32_t* pos, const cpu::RopeParams& p, Stream s);
+// Rows of a KV cache's tensor to store: n_tok rows of n_head_kv * head_dim floats, ld_x apart,
+// into cells of cell_bytes.
+struct KvRows {
+    const float* x;
+    int64_t ld_x, n_head_kv, head_dim;
+    void* cache;
+    size_t cell_bytes;
+};
+// store_kv() of a layer's K and V rows at the same cells, one launch.
+void store_kv_pair(const KvRows& k, const KvRows& v, int64_t n_tok, QType kv_type, const int32_t* dst_cells, Stream s);
 // As cpu::store_kv for F16 caches.
 void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
               void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s);

@@ -489,11 +489,44 @@ private:
                same_rows(g, g);
     }
 
+    // Two ROPEs of the same tokens, head width, positions and angles (a layer's q and k).
+    static bool rope_pair(const std::vector<Tensor*>& nodes, size_t i) {
+        if (i + 1 >= nodes.size()) return false;
+        const Tensor *q = nodes[i], *k = nodes[i + 1];
+        if (q->op != Op::ROPE || k->op != Op::ROPE || q->src[1] != k->src[1]) return false;
+        return q->ne[0] == k->ne[0] && q->ne[2] == k->ne[2] && q->is_contiguous() && k->is_contiguous() &&
+               std::equal(q->iparams, q->iparams + 3, k->iparams) && std::equal(q->fparams, q->fparams + 6, k->fparams);
+    }
+    // Two STORE_KVs into caches of one type at the same cells (a layer's K and V).
+    static bool store_pair(const std::vector<Tensor*>& nodes, size_t i) {
+        if (i + 1 >= nodes.size()) return false;
+        const Tensor *k = nodes[i], *v = nodes[i + 1];
+        if (k->op != Op::STORE_KV || v->op != Op::STORE_KV || k->src[2] != v->src[2]) return false;
+        return k->src[1]->type == v->src[1]->type && k->src[0]->ne[2] == v->src[0]->ne[2] &&
+               k->src[0]->ne[2] <= kMaxRows;
+    }
+    static cu::KvRows kv_rows(const Tensor* store) {
+        const Tensor *x = store->src[0], *cache = store->src[1];
+        return cu::KvRows{(const float*)x->data, x->ne[0] * x->ne[1], x->ne[1], x->ne[0], cache->data, cache->nb[1]};
+    }
+
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
-    // gate and up products + their GLU.
+    // gate and up products + their GLU; q and k ROPEs; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
+        if (rope_pair(nodes, i)) {
+            Tensor *q = nodes[i], *k = nodes[i + 1];
+            prepare_in_place(q, s), prepare_in_place(k, s);
+            cu::rope_pair(f32(q), q->ne[1], q->ne[0] * q->ne[1], f32(k), k->ne[1], k->ne[0] * k->ne[1], q->ne[2],
+                          q->ne[0], i32(q->src[1]), rope_params(*q), s);
+            return i + 2;
+        }
+        if (store_pair(nodes, i)) {
+            const Tensor *k = nodes[i], *v = nodes[i + 1];
+            cu::store_kv_pair(kv_rows(k), kv_rows(v), k->src[0]->ne[2], k->src[1]->type, i32(k->src[2]), s);
+            return i + 2;
+        }
         if (gate_up_glu(nodes, i)) {
             Tensor *g = nodes[i], *u = nodes[i + 1], *act = nodes[i + 2];
             Tensor* x = g->src[1];

@@ -111,9 +111,24 @@ __global__ void __launch_bounds__(256) softmax_kernel(const float* __restrict__ 
 
 // ---- rope: one thread per rotated pair ------------------------------------------------------
 
-__global__ void __launch_bounds__(256) rope_kernel(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim,
-                                                   int64_t ld_tok, const int32_t* __restrict__ pos, bool neox,
-                                                   RopeAngleParams a) {
+// Entry j of a kernel parameter's pair, by a select (a dynamic index would copy the parameters
+// to local memory).
+template <typename T>
+__device__ __forceinline__ T pick(const T (&a)[2], unsigned j) {
+    return j ? a[1] : a[0];
+}
+
+// The tensors one launch rotates (blockIdx.y picks one): q and k of a layer share the positions
+// and the angles.
+struct RopeJobs {
+    float* x[2];
+    int64_t n_head[2], ld_tok[2];
+};
+
+__global__ void __launch_bounds__(256) rope_kernel(RopeJobs jobs, int64_t n_tok, int64_t head_dim,
+                                                   const int32_t* __restrict__ pos, bool neox, RopeAngleParams a) {
+    float* x = pick(jobs.x, blockIdx.y);
+    const int64_t n_head = pick(jobs.n_head, blockIdx.y), ld_tok = pick(jobs.ld_tok, blockIdx.y);
     const int64_t half = a.n_rot / 2;
     const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= n_tok * n_head * half) return;
@@ -215,25 +230,33 @@ __global__ void __launch_bounds__(256) f16_to_f32_kernel(const uint16_t* x, floa
 // Row t of [n_head_kv * head_dim] floats into cell cells[t] (cells < 0 skipped): halves, or
 // Q8_0 blocks made by the shared quantize_block_q8_0 (one thread per block, bit-identical to
 // the CPU cache). Heads are contiguous in a cell, so block b of the row is block b of the cell.
-__global__ void __launch_bounds__(256) store_kv_f16_kernel(const float* x, int64_t ld_x, int64_t width,
-                                                           uint8_t* cache, size_t cell_bytes,
-                                                           const int32_t* __restrict__ cells) {
-    const int64_t t = blockIdx.y;
+// The caches one launch writes (blockIdx.z picks one): a layer's K and V go to the same cells.
+// width: floats a row (F16) or Q8_0 blocks a row.
+struct StoreJobs {
+    const float* x[2];
+    int64_t ld_x[2], width[2];
+    uint8_t* cache[2];
+    size_t cell_bytes[2];
+};
+__global__ void __launch_bounds__(256) store_kv_f16_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
+    const unsigned j = blockIdx.z;
+    const int64_t t = blockIdx.y, width = pick(jobs.width, j);
     const int32_t c = cells[t];
     if (c < 0) return;
-    uint16_t* dst = (uint16_t*)(cache + (size_t)c * cell_bytes);
+    const float* x = pick(jobs.x, j) + t * pick(jobs.ld_x, j);
+    uint16_t* dst = (uint16_t*)(pick(jobs.cache, j) + (size_t)c * pick(jobs.cell_bytes, j));
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < width; i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = f32_to_fp16(x[t * ld_x + i]);
+        dst[i] = f32_to_fp16(x[i]);
 }
-__global__ void __launch_bounds__(128) store_kv_q8_0_kernel(const float* x, int64_t ld_x, int64_t n_blocks,
-                                                            uint8_t* cache, size_t cell_bytes,
-                                                            const int32_t* __restrict__ cells) {
-    const int64_t t = blockIdx.y;
+__global__ void __launch_bounds__(128) store_kv_q8_0_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
+    const unsigned j = blockIdx.z;
+    const int64_t t = blockIdx.y, n_blocks = pick(jobs.width, j);
     const int32_t c = cells[t];
     if (c < 0) return;
-    block_q8_0* dst = (block_q8_0*)(cache + (size_t)c * cell_bytes);
+    const float* x = pick(jobs.x, j) + t * pick(jobs.ld_x, j);
+    block_q8_0* dst = (block_q8_0*)(pick(jobs.cache, j) + (size_t)c * pick(jobs.cell_bytes, j));
     for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks; b += (int64_t)gridDim.x * blockDim.x)
-        quantize_block_q8_0(x + t * ld_x + b * QK, dst + b);
+        quantize_block_q8_0(x + b * QK, dst + b);
 }
 
 dim3 rows_grid(int64_t n, int64_t dim) { return dim3((unsigned)std::min<int64_t>(ceil_div(dim, 256), 64), (unsigned)n); }
@@ -324,21 +347,36 @@ void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float sc, floa
     check_launch("softmax_kernel");
 }
 
-void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
-          const cpu::RopeParams& p, Stream s) {
-    if (n_tok < 0 || n_head < 0) throw InvalidInput("rope: negative size");
+// rope() over one or two tensors of the same tokens, head width and positions, one launch.
+static void rope_jobs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t head_dim, const int32_t* pos,
+                      const cpu::RopeParams& p, Stream s) {
+    int64_t n = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        if (n_tok < 0 || jobs.n_head[j] < 0) throw InvalidInput("rope: negative size");
+        n = std::max(n, n_tok * jobs.n_head[j] * (p.n_rot / 2));
+    }
     if (p.n_rot <= 0 || p.n_rot % 2 != 0 || p.n_rot > head_dim)
         throw InvalidInput("rope: n_rot " + std::to_string(p.n_rot) + " must be even, > 0 and <= head_dim " +
                            std::to_string(head_dim));
-    const int64_t n = n_tok * n_head * (p.n_rot / 2);
     if (n == 0) return;
     RopeAngleParams a;
     a.n_rot = p.n_rot, a.freq_base = p.freq_base, a.freq_scale = p.freq_scale;
     a.yarn = rope_is_yarn(p.ext_factor, p.attn_factor), a.ext_factor = p.ext_factor, a.attn_factor = p.attn_factor;
     // the corrected dims once, on the host, as the CPU's table does
     if (a.yarn) rope_yarn_corr_dims(p.n_rot, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow, &a.corr_lo, &a.corr_hi);
-    rope_kernel<<<ceil_div(n, 256), 256, 0, (cudaStream_t)s>>>(x, n_tok, n_head, head_dim, ld_tok, pos, p.neox, a);
+    rope_kernel<<<dim3(ceil_div(n, 256), (unsigned)n_jobs), 256, 0, (cudaStream_t)s>>>(jobs, n_tok, head_dim, pos,
+                                                                                       p.neox, a);
     check_launch("rope_kernel");
+}
+
+void rope(float* x, int64_t n_tok, int64_t n_head, int64_t head_dim, int64_t ld_tok, const int32_t* pos,
+          const cpu::RopeParams& p, Stream s) {
+    rope_jobs(RopeJobs{{x, nullptr}, {n_head, 0}, {ld_tok, 0}}, 1, n_tok, head_dim, pos, p, s);
+}
+
+void rope_pair(float* q, int64_t n_head_q, int64_t ld_q, float* k, int64_t n_head_k, int64_t ld_k, int64_t n_tok,
+               int64_t head_dim, const int32_t* pos, const cpu::RopeParams& p, Stream s) {
+    rope_jobs(RopeJobs{{q, k}, {n_head_q, n_head_k}, {ld_q, ld_k}}, 2, n_tok, head_dim, pos, p, s);
 }
 
 void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, Stream s) {
@@ -421,26 +459,46 @@ void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_by
                "copy_rows");
 }
 
-void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
-              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s) {
+// store_kv() of one or two row sets into their caches at the same cells, one launch.
+static void store_kv_jobs(const KvRows* rows, int n_jobs, int64_t n_tok, QType kv_type, const int32_t* cells,
+                          Stream s) {
     if (kv_type != QType::F16 && kv_type != QType::Q8_0)
         throw InvalidInput(std::string("cuda store_kv: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
-    check_rows("store_kv", n_tok, head_dim);
-    const size_t rb = row_bytes(kv_type, head_dim);
-    if (kv_cell_bytes < (size_t)n_head_kv * rb)
-        throw InvalidInput("cuda store_kv: kv_cell_bytes " + std::to_string(kv_cell_bytes) + " < n_head_kv * row bytes " +
-                           std::to_string((size_t)n_head_kv * rb));
-    const int64_t width = n_head_kv * head_dim;
-    if (n_tok == 0 || width == 0) return;
+    StoreJobs jobs{};
+    int64_t widest = 0;
+    for (int j = 0; j < n_jobs; j++) {
+        const KvRows& r = rows[j];
+        check_rows("store_kv", n_tok, r.head_dim);
+        const size_t rb = row_bytes(kv_type, r.head_dim);
+        if (r.cell_bytes < (size_t)r.n_head_kv * rb)
+            throw InvalidInput("cuda store_kv: kv_cell_bytes " + std::to_string(r.cell_bytes) +
+                               " < n_head_kv * row bytes " + std::to_string((size_t)r.n_head_kv * rb));
+        const int64_t width = r.n_head_kv * r.head_dim;
+        jobs.x[j] = r.x, jobs.ld_x[j] = r.ld_x, jobs.cache[j] = (uint8_t*)r.cache, jobs.cell_bytes[j] = r.cell_bytes;
+        jobs.width[j] = kv_type == QType::F16 ? width : width / QK;
+        widest = std::max(widest, jobs.width[j]);
+    }
+    if (n_tok == 0 || widest == 0) return;
     if (kv_type == QType::F16) {
-        store_kv_f16_kernel<<<rows_grid(n_tok, width), 256, 0, (cudaStream_t)s>>>(x, ld_x, width, (uint8_t*)cache,
-                                                                                  kv_cell_bytes, dst_cells);
+        const dim3 grid((unsigned)std::min<int64_t>(ceil_div(widest, 256), 64), (unsigned)n_tok, (unsigned)n_jobs);
+        store_kv_f16_kernel<<<grid, 256, 0, (cudaStream_t)s>>>(jobs, cells);
     } else {
-        const int64_t nb = width / QK;
-        const dim3 grid((unsigned)std::min<int64_t>(ceil_div(nb, 128), 64), (unsigned)n_tok);
-        store_kv_q8_0_kernel<<<grid, 128, 0, (cudaStream_t)s>>>(x, ld_x, nb, (uint8_t*)cache, kv_cell_bytes, dst_cells);
+        const dim3 grid((unsigned)std::min<int64_t>(ceil_div(widest, 128), 64), (unsigned)n_tok, (unsigned)n_jobs);
+        store_kv_q8_0_kernel<<<grid, 128, 0, (cudaStream_t)s>>>(jobs, cells);
     }
     check_launch("store_kv");
+}
+
+void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
+              void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s) {
+    const KvRows r{x, ld_x, n_head_kv, head_dim, cache, kv_cell_bytes};
+    store_kv_jobs(&r, 1, n_tok, kv_type, dst_cells, s);
+}
+
+void store_kv_pair(const KvRows& k, const KvRows& v, int64_t n_tok, QType kv_type, const int32_t* dst_cells,
+                   Stream s) {
+    const KvRows rows[2] = {k, v};
+    store_kv_jobs(rows, 2, n_tok, kv_type, dst_cells, s);
 }
 
 }  // namespace stowlm::cuda

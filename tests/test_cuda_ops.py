@@ -282,6 +282,19 @@ def test_rope(dev, neox):
     np.testing.assert_allclose(y, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_pair_rotates_as_two_ropes(dev, neox):
+    """q (6 heads) and k (2 heads) rotated in one launch: the bits of rope on each."""
+    cuda_only(dev)
+    rng = np.random.default_rng(17)
+    q = rng.standard_normal((4, 6, 64)).astype(np.float32)
+    k = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    pos = np.array([0, 5, 300, 4095], np.int32)
+    qr, kr = run(dev, "rope_pair", q, k, pos, 48, 10000.0, 0.5, neox)
+    np.testing.assert_array_equal(qr, run(dev, "rope", q, pos, 48, 10000.0, 0.5, neox))
+    np.testing.assert_array_equal(kr, run(dev, "rope", k, pos, 48, 10000.0, 0.5, neox))
+
+
 @pytest.mark.parametrize("op", ["add", "mul", "swiglu", "geglu"])
 @pytest.mark.parametrize("bcast", [False, True])
 def test_binary(dev, op, bcast):
@@ -335,6 +348,24 @@ def test_store_kv_matches_cpu_cache_bytes(dev, kv_type):
         want = gguf.quants.quantize(x.reshape(-1, 64), T.Q8_0).reshape(3, -1)
     np.testing.assert_array_equal(cache[cells], want)
     assert not cache[[1, 2, 3, 5, 6, 7, 8]].any()
+
+
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+def test_store_kv_pair_writes_what_two_stores_write(dev, kv_type):
+    """A layer's K and V stored in one launch (K 2 heads of 64, V 2 heads of 32): each cache gets
+    the bytes its own store gives."""
+    cuda_only(dev)
+    rng = np.random.default_rng(16)
+    k = rng.standard_normal((3, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((3, 2, 32)).astype(np.float32)
+    cells = np.array([4, 0, 9], np.int32)
+    kb, vb = (64 * 2, 32 * 2) if kv_type == "F16" else (2 * 34, 34)
+    caches = [np.zeros((10, 2 * kb), np.uint8), np.zeros((10, 2 * vb), np.uint8)]
+    run(dev, "store_kv_pair", k, v, kv_type, caches[0], caches[1], cells)
+    for x, c, b in ((k, caches[0], kb), (v, caches[1], vb)):
+        want = np.zeros((10, 2 * b), np.uint8)
+        run(dev, "store_kv", x, kv_type, want, cells)
+        np.testing.assert_array_equal(c, want)
 
 
 # ---- mixture of experts --------------------------------------------------------------------

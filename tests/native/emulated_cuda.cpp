@@ -468,6 +468,16 @@ void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, f
     });
 }
 
+void rope_pair(float* q, int64_t n_head_q, int64_t ld_q, float* k, int64_t n_head_k, int64_t ld_k, int64_t n_tok,
+               int64_t head_dim, const int32_t* pos, const cpu::RopeParams& p, Stream s) {
+    // the two launches' checks and work, counted as one kernel
+    const uint64_t before = t_launches;
+    rope(q, n_tok, n_head_q, head_dim, ld_q, pos, p, s);
+    rope(k, n_tok, n_head_k, head_dim, ld_k, pos, p, s);
+    t_launches = before;
+    launched(n_tok > 0 && (n_head_q > 0 || n_head_k > 0));
+}
+
 void softmax(const float*, int64_t, int64_t, int64_t, float, float*, int64_t, Stream) { unused("softmax"); }
 
 // Bytes a strided F32 tensor spans from its first element.
@@ -596,6 +606,15 @@ void all_gather_rows(const float* const* parts, const int64_t* row0, int n_parts
 void f32_to_f16(const float*, uint16_t*, int64_t, Stream) { unused("f32_to_f16"); }
 void f16_to_f32(const uint16_t*, float*, int64_t, Stream) { unused("f16_to_f32"); }
 void copy_rows(const void*, size_t, void*, size_t, int64_t, size_t, Stream) { unused("copy_rows"); }
+
+void store_kv_pair(const KvRows& k, const KvRows& v, int64_t n_tok, QType kv_type, const int32_t* dst_cells,
+                   Stream s) {
+    const uint64_t before = t_launches;
+    store_kv(k.x, n_tok, k.ld_x, k.n_head_kv, k.head_dim, kv_type, k.cache, k.cell_bytes, dst_cells, s);
+    store_kv(v.x, n_tok, v.ld_x, v.n_head_kv, v.head_dim, kv_type, v.cache, v.cell_bytes, dst_cells, s);
+    t_launches = before;
+    launched(n_tok > 0);
+}
 
 void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
               void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream) {
