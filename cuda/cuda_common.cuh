@@ -65,12 +65,18 @@ __device__ __forceinline__ void warp_quantize_q8_1(float v, block_q8_1* out) {
 // writes output row i. Grouped (MoE): group g (blockIdx.y) owns slots [off[g], off[g+1]) of
 // the sorted lists, act_row[slot] / out_row[slot] give the rows, and its weights start
 // g * group_stride bytes further.
+// By slot (slot_ids set, one token's experts): block y is slot y, its weights those of expert
+// slot_ids[y] (outside [0, n_expert), as -1 for an expert on another shard: a zero row), its
+// activation row y (per_slot) or 0, its output row y.
 struct TokenGroups {
     const int32_t* off = nullptr;
     const int32_t* act_row = nullptr;
     const int32_t* out_row = nullptr;
     size_t group_stride = 0;
     int n_groups = 1;
+    const int32_t* slot_ids = nullptr;
+    int n_expert = 0;
+    bool per_slot = false;
 };
 
 // mmvq.cu: y rows for every slot, weights of a quantized type against block_q8_1 rows (xq_ld

@@ -12,9 +12,15 @@ namespace stowlm::cuda {
 constexpr int kMmvWarps = 4;   // rows per block
 constexpr int kMmvBatch = 8;   // activation rows per pass
 
-// Slots [*begin, *end) of this block's group, and its weight base.
+// Slots [*begin, *end) of this block's group, and its weight base (nullptr: a slot of an expert
+// held elsewhere, whose output row is zero).
 __device__ __forceinline__ const uint8_t* group_slots(const uint8_t* w, int64_t n_slots, const TokenGroups& g,
                                                       int64_t* begin, int64_t* end) {
+    if (g.slot_ids) {
+        *begin = blockIdx.y, *end = blockIdx.y + 1;
+        const int32_t e = g.slot_ids[blockIdx.y];
+        return e < 0 || e >= g.n_expert ? nullptr : w + (size_t)e * g.group_stride;
+    }
     if (g.off == nullptr) {
         *begin = 0, *end = n_slots;
         return w;
@@ -23,7 +29,13 @@ __device__ __forceinline__ const uint8_t* group_slots(const uint8_t* w, int64_t 
     return w + (size_t)blockIdx.y * g.group_stride;
 }
 
-__device__ __forceinline__ int64_t slot_row(const int32_t* map, int64_t slot) { return map ? map[slot] : slot; }
+__device__ __forceinline__ int64_t act_row(const TokenGroups& g, int64_t slot) {
+    if (g.slot_ids) return g.per_slot ? slot : 0;
+    return g.act_row ? g.act_row[slot] : slot;
+}
+__device__ __forceinline__ int64_t out_row(const TokenGroups& g, int64_t slot) {
+    return g.out_row && !g.slot_ids ? g.out_row[slot] : slot;
+}
 
 // Reduces the per-lane partial sums of n rows and writes them (lane t writes row t).
 __device__ __forceinline__ void write_rows(float (&acc)[kMmvBatch], int n, const TokenGroups& g, int64_t c0,
@@ -32,7 +44,7 @@ __device__ __forceinline__ void write_rows(float (&acc)[kMmvBatch], int n, const
 #pragma unroll
     for (int t = 0; t < kMmvBatch; t++) {
         const float v = warp_sum(acc[t]);
-        if (lane == t && t < n) y[slot_row(g.out_row, c0 + t) * ldy + row] = v;
+        if (lane == t && t < n) y[out_row(g, c0 + t) * ldy + row] = v;
     }
 }
 
@@ -45,13 +57,18 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* 
     const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
     if (row >= rows) return;
     int64_t begin, end;
-    const uint8_t* wrow = group_slots(w, n_slots, g, &begin, &end) + (size_t)row * row_bytes;
+    const uint8_t* wbase = group_slots(w, n_slots, g, &begin, &end);
     const int lane = threadIdx.x & 31;
+    if (!wbase) {  // by slot: an expert held elsewhere
+        if (lane == 0) y[out_row(g, begin) * ldy + row] = 0.0f;
+        return;
+    }
+    const uint8_t* wrow = wbase + (size_t)row * row_bytes;
     for (int64_t c0 = begin; c0 < end; c0 += kMmvBatch) {
         const int n = (int)min((int64_t)kMmvBatch, end - c0);
         const block_q8_1* xr[kMmvBatch];
 #pragma unroll
-        for (int t = 0; t < kMmvBatch; t++) xr[t] = xq + slot_row(g.act_row, c0 + (t < n ? t : 0)) * xq_ld;
+        for (int t = 0; t < kMmvBatch; t++) xr[t] = xq + act_row(g, c0 + (t < n ? t : 0)) * xq_ld;
         float acc[kMmvBatch] = {};
         for (int sub = lane; sub < nsub; sub += 32) {
             WSub ws;
@@ -125,13 +142,18 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmv_float_kernel(const uint
     const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
     if (row >= rows) return;
     int64_t begin, end;
-    const uint8_t* wrow = group_slots(w, n_slots, g, &begin, &end) + (size_t)row * row_bytes;
+    const uint8_t* wbase = group_slots(w, n_slots, g, &begin, &end);
     const int lane = threadIdx.x & 31;
+    if (!wbase) {  // by slot: an expert held elsewhere
+        if (lane == 0) y[out_row(g, begin) * ldy + row] = 0.0f;
+        return;
+    }
+    const uint8_t* wrow = wbase + (size_t)row * row_bytes;
     for (int64_t c0 = begin; c0 < end; c0 += kMmvBatch) {
         const int n = (int)min((int64_t)kMmvBatch, end - c0);
         const float* xr[kMmvBatch];
 #pragma unroll
-        for (int t = 0; t < kMmvBatch; t++) xr[t] = x + slot_row(g.act_row, c0 + (t < n ? t : 0)) * ldx;
+        for (int t = 0; t < kMmvBatch; t++) xr[t] = x + act_row(g, c0 + (t < n ? t : 0)) * ldx;
         float acc[kMmvBatch] = {};
         for (int64_t i = lane; i < cols; i += 32) {
             const float wv = load_float<T>(wrow, i);

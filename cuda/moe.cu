@@ -218,6 +218,23 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     const int64_t n_slots = n_tok * k;
     const cudaStream_t st = (cudaStream_t)s;
     MoeScratch sc = moe_layout(scratch, n_expert, n_slots);
+    const size_t rb = row_bytes(w.type, w.cols);
+    const bool is_float = w.type == QType::F32 || w.type == QType::F16 || w.type == QType::BF16;
+    if (n_tok == 1 && n_slots <= 65535) {
+        // One token (decoding): a block per slot reads its expert's id itself, no sorting (the
+        // same dot products, so the bits of the grouped launch).
+        TokenGroups g;
+        g.slot_ids = ids, g.n_expert = n_expert, g.per_slot = per_slot_input;
+        g.group_stride = rb * (size_t)w.rows, g.n_groups = (int)n_slots;
+        if (is_float) {
+            launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, 0, g, y, ldy, st);
+        } else {
+            quantize_q8_1(x, per_slot_input ? n_slots : 1, w.cols, ldx, sc.xq, s);
+            launch_mmvq(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, (const block_q8_1*)sc.xq, w.cols / 32, 0, g,
+                        y, ldy, st);
+        }
+        return;
+    }
     check_cuda(cudaMemsetAsync(sc.counts, 0, sizeof(int32_t) * (size_t)n_expert, st), "moe_matmul memset");
     moe_count_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, n_expert, sc.counts);
     check_launch("moe_count_kernel");
@@ -226,12 +243,10 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     moe_scatter_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, k, n_expert, per_slot_input, sc.cursor,
                                                                 sc.act_row, sc.out_row, y, ldy, w.rows);
     check_launch("moe_scatter_kernel");
-    const size_t rb = row_bytes(w.type, w.cols);
     TokenGroups g;
     g.off = sc.off, g.act_row = sc.act_row, g.out_row = sc.out_row;
     g.group_stride = rb * (size_t)w.rows;
     g.n_groups = n_expert;
-    const bool is_float = w.type == QType::F32 || w.type == QType::F16 || w.type == QType::BF16;
     if (is_float) {
         launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, 0, g, y, ldy, st);
     } else {

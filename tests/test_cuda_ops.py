@@ -435,6 +435,27 @@ def test_moe_matmul_gives_zero_rows_for_experts_elsewhere(dev, name):
                 check_matmul(y[t, j][None], ws[ids[t, j]], x[t][None], name != "F16")
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "F16"])
+@pytest.mark.parametrize("per_slot_input", [False, True])
+def test_moe_matmul_of_one_token_gives_the_grouped_launchs_bits(dev, name, per_slot_input):
+    """One token (a decode step) takes the launch by slot, each block reading its expert's id: its
+    rows are the bits the grouped launch gives the same token among others, ids -1 (tensor
+    parallelism: the expert is on another shard) included."""
+    cuda_only(dev)
+    rng = np.random.default_rng(19)
+    n_expert, rows, cols, n_tok, k = 6, 40, 256, 5, 4
+    raws, _ = zip(*[random_weights(name, rows, cols, rng) for _ in range(n_expert)])
+    raw = np.concatenate([r.reshape(-1) for r in raws])
+    ids = np.stack([rng.choice(n_expert, k, replace=False) for _ in range(n_tok)]).astype(np.int32)
+    ids[0, 1] = ids[0, 3] = -1  # routed to another shard: zero rows
+    x = rng.standard_normal((n_tok * k if per_slot_input else n_tok, cols)).astype(np.float32)
+    grouped = run(dev, "moe_matmul", raw, int(T[name]), n_expert, rows, cols, x, ids, per_slot_input)
+    x0 = x[:k] if per_slot_input else x[:1]
+    alone = run(dev, "moe_matmul", raw, int(T[name]), n_expert, rows, cols, x0, ids[:1], per_slot_input)
+    np.testing.assert_array_equal(alone[0], grouped[0])
+    np.testing.assert_array_equal(alone[0, [1, 3]], 0.0)
+
+
 def test_local_ids_and_all_reduce_sum_match_the_host(dev):
     """The tensor-parallel kernels run collective_math.h's HOST_DEVICE functions: the same ids, sums
     and gathered rows as the host (which the CPU backend runs), over more elements than one grid pass."""

@@ -356,8 +356,10 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     dev_ptr(ids, span(n_tok, k, k), "moe_matmul ids");
     dev_ptr(y, span(n_tok * k, ldy, w.rows), "moe_matmul y");
     dev_ptr(scratch, moe_scratch_bytes(w, n_expert, n_act, n_tok * k), "moe_matmul scratch");
-    // count, scan, scatter; then quantize_q8_1 and the grouped product (the float product alone)
-    launched(n_tok > 0 && w.rows > 0, is_float_type(w.type) ? 4 : 5);
+    // One token: quantize_q8_1 and the product by slot (the float product alone). More: count,
+    // scan, scatter, then quantize_q8_1 and the grouped product (the float product alone).
+    const uint64_t kernels = n_tok == 1 ? 1 : 4;
+    launched(n_tok > 0 && w.rows > 0, kernels + (is_float_type(w.type) ? 0 : 1));
     exec([=] {
         memset(scratch, 0x5a, moe_scratch_bytes(w, n_expert, n_act, n_tok * k));  // the device's counts and rows
         thread_local std::vector<char> sc;
