@@ -16,6 +16,10 @@ namespace stowlm {
 // CPU's GEMMs, the CUDA tiled kernel); below it a token's product is the same in any batch.
 constexpr int64_t kCpuBatchedMinTokens = 24;
 constexpr int64_t kCudaBatchedMinTokens = 9;
+// Micro-batches from this many tokens copy host-resident experts to the GPU for their products
+// (ContextParams::moe_offload_min). Provisional, to be measured on a GPU: the copy of a layer's
+// experts must cost less than the CPU's work on them.
+constexpr int64_t kMoeOffloadMin = 256;
 
 HOST_DEVICE float bits_to_f32(uint32_t u) {
     float f;

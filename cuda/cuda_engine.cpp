@@ -139,6 +139,8 @@ public:
         b.data = nullptr, b.size = 0, b.backend = nullptr;
     }
 
+    bool can_stage(const Tensor& n) const override { return n.op == Op::MUL_MAT_ID && unsupported_reason(n).empty(); }
+
     bool supports(const Tensor& n) const override {
         const std::string why = unsupported_reason(n);
         if (why.empty()) return true;
@@ -153,11 +155,8 @@ public:
         switch (n.op) {
             case Op::MUL_MAT:
                 return cu::matmul_scratch_bytes(a->type, a->ne[0], n.src[1]->n_rows());
-            case Op::MUL_MAT_ID: {
-                const Tensor *x = n.src[1], *ids = n.src[2];
-                const int64_t slots = ids->ne[0] * ids->ne[1];
-                return cu::moe_scratch_bytes(weight(a), (int)a->ne[2], x->ne[1] == 1 ? ids->ne[1] : slots, slots);
-            }
+            case Op::MUL_MAT_ID:
+                return moe_scratch(n) + (n.staged ? a->nbytes() : 0);
             case Op::FLASH_ATTN: {
                 // The plan is made on the largest graph, but a smaller one (decoding) may split
                 // the KV range more. Free splits: the launcher's choice keeps n_tok * n_head *
@@ -180,13 +179,15 @@ public:
 
     void compute(const Split& split, void* scratch, size_t scratch_bytes) override {
         dev_->set_current();
-        // A collective waits on the host inside the split: never captured nor held.
-        if (graphs_on_ && !has_collective(split)) {
+        // A collective waits on the host inside the split, and staged experts are copied from the
+        // host in it: such splits are never captured nor held.
+        const bool host_bound = has_collective(split) || has_staged(split);
+        if (graphs_on_ && !host_bound) {
             std::lock_guard<std::mutex> lk(graphs_mu_);
             if (const Captured* g = graph_of(split, scratch, scratch_bytes)) return replay(*g);
         }
         const uint64_t first = cu::launches_on_this_thread();
-        if (!timing_ || has_collective(split)) {
+        if (!timing_ || host_bound) {
             ScratchHolds held;
             for (size_t i = 0; i < split.nodes.size();)
                 i = run_at(split.nodes, i, scratch, scratch_bytes, dev_->compute_stream(), held);
@@ -246,6 +247,18 @@ private:
         for (const Tensor* n : split.nodes)
             if (n->op == Op::ALL_REDUCE || n->op == Op::ALL_GATHER) return true;
         return false;
+    }
+    static bool has_staged(const Split& split) {
+        for (const Tensor* n : split.nodes)
+            if (n->staged) return true;
+        return false;
+    }
+    // The expert product's scratch, before the staged experts' bytes (scratch_bytes).
+    static size_t moe_scratch(const Tensor& n) {
+        const Tensor *a = n.src[0], *x = n.src[1], *ids = n.src[2];
+        const int64_t slots = ids->ne[0] * ids->ne[1];
+        return (cu::moe_scratch_bytes(weight(a), (int)a->ne[2], x->ne[1] == 1 ? ids->ne[1] : slots, slots) + 255) &
+               ~(size_t)255;
     }
 
     // ---- CUDA graphs ---------------------------------------------------------------------------
@@ -658,9 +671,21 @@ private:
                 return;
             case Op::MUL_MAT_ID: {
                 Tensor* ids = n->src[2];
+                cu::DeviceWeight w = weight(a);
+                if (n->staged) {
+                    // The experts live in host memory: copied in after the product's own scratch
+                    // (the kernels before it on this stream are done with those bytes first).
+                    const size_t at = moe_scratch(*n);
+                    if (at + a->nbytes() > scratch_bytes)
+                        throw InvalidInput(name_ + ": " + n->name + " needs " + std::to_string(at + a->nbytes()) +
+                                           " bytes of scratch to stage its experts, the plan gave " +
+                                           std::to_string(scratch_bytes));
+                    w.data = (char*)scratch + at;
+                    dev_->copy_to_device((void*)w.data, a->data, a->nbytes(), s);
+                }
                 // x [cols, 1, n]: every slot of a token reads its row (gate/up); x [cols, k, n]:
                 // each slot its own row (down). With k = 1 both read row t.
-                cu::moe_matmul(weight(a), (int)a->ne[2], f32(b), b->ne[0], b->ne[1] != 1, i32(ids), ids->ne[1],
+                cu::moe_matmul(w, (int)a->ne[2], f32(b), b->ne[0], b->ne[1] != 1, i32(ids), ids->ne[1],
                                (int)ids->ne[0], f32(n), n->ne[0], scratch, s);
                 return;
             }

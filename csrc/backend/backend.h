@@ -68,6 +68,10 @@ public:
     virtual void free_buffer(BackendBuffer& b) = 0;
 
     virtual bool supports(const Tensor& node) const = 0;
+    // Can run node (a MUL_MAT_ID) though its weights live in host memory, copying them into its
+    // scratch as it runs (scratch_bytes counts that): a prompt's expert products on a GPU whose
+    // experts stay in RAM.
+    virtual bool can_stage(const Tensor&) const { return false; }
     // Runs the split's nodes in order; their tensors are placed (data set) already.
     virtual void compute(const Split& split, void* scratch, size_t scratch_bytes) = 0;
     // Scratch bytes node needs while it runs (matmul activation quantization, attention).

@@ -60,8 +60,9 @@ nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* 
 }
 
 ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs, int n_copies,
-                     int n_seq = 1) {
+                     int n_seq = 1, int64_t moe_offload_min = kMoeOffloadMin) {
     ContextParams p;
+    p.moe_offload_min = moe_offload_min;
     p.n_seq = n_seq;
     p.n_ctx = n_ctx;
     p.n_ubatch = n_ubatch;
@@ -168,17 +169,20 @@ STOWLM_BIND(engine) {
              })
         .def("plan",
              [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs,
-                int n_copies, int n_seq) {
-                 return projection_py(project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
+                int n_copies, int n_seq, int64_t moe_offload_min) {
+                 return projection_py(
+                     project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min)));
              },
              nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"),
-             nb::arg("n_seq") = 1);
+             nb::arg("n_seq") = 1, nb::arg("moe_offload_min") = kMoeOffloadMin);
+
+    e.attr("DEFAULT_MOE_OFFLOAD_MIN") = kMoeOffloadMin;
 
     nb::class_<BoundContext>(e, "Context")
         .def("__init__",
              [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type,
-                int64_t n_outputs, int n_copies, int n_seq) {
-                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq);
+                int64_t n_outputs, int n_copies, int n_seq, int64_t moe_offload_min) {
+                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min);
                  std::unique_ptr<Context> c;
                  {
                      nb::gil_scoped_release nogil;
@@ -187,7 +191,8 @@ STOWLM_BIND(engine) {
                  new (self) BoundContext{std::move(c)};
              },
              nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"),
-             nb::arg("n_copies"), nb::arg("n_seq") = 1, nb::keep_alive<1, 2>())
+             nb::arg("n_copies"), nb::arg("n_seq") = 1, nb::arg("moe_offload_min") = kMoeOffloadMin,
+             nb::keep_alive<1, 2>())
         .def("eval",
              [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions, bool all) {
                  std::vector<float>* out = nullptr;
@@ -311,15 +316,16 @@ STOWLM_BIND(engine) {
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
                 const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq,
-                const std::vector<double>& tensor_split, int interleave, bool tensor_sum) {
+                const std::vector<double>& tensor_split, int interleave, bool tensor_sum, int64_t moe_offload_min) {
                  auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides),
                                           tensor_split, interleave, tensor_sum);
-                 return projection_py(
-                     project_memory(*model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq)));
+                 return projection_py(project_memory(
+                     *model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
              nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1,
-             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0, nb::arg("tensor_sum") = false);
+             nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0, nb::arg("tensor_sum") = false,
+             nb::arg("moe_offload_min") = kMoeOffloadMin);
 
     // MPI ranks other than 0 (stowlm.mpi): repeat rank 0's contexts over this model until rank 0
     // ends the job; returns the status it ends with. model None: this rank could not load its

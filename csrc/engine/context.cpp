@@ -24,6 +24,8 @@ ContextParams checked(const Model& m, ContextParams p) {
     if (p.n_ubatch <= 0) throw InvalidInput("n_ubatch must be positive, got " + std::to_string(p.n_ubatch));
     if (p.n_outputs < 0) throw InvalidInput("n_outputs must be >= 0, got " + std::to_string(p.n_outputs));
     if (p.n_copies < 1) throw InvalidInput("n_copies must be >= 1, got " + std::to_string(p.n_copies));
+    if (p.moe_offload_min < 0)
+        throw InvalidInput("moe_offload_min must be >= 0 (0: never), got " + std::to_string(p.moe_offload_min));
     if (p.n_seq < 1 || p.n_seq > p.n_ctx)
         throw InvalidInput("n_seq must be in [1, n_ctx], got " + std::to_string(p.n_seq));
     if (p.n_ctx % p.n_seq)  // each sequence owns n_ctx / n_seq cells
@@ -84,7 +86,9 @@ bool own_copy_area(const Model& m) {
     return m.tensor_parallel();
 }
 
-std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, const ComputePlan& plan) {
+// other: a second plan sharing the buffers (expert staging's smaller shapes), or null.
+std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, const ComputePlan& plan,
+                                 const ComputePlan* other = nullptr) {
     std::vector<DeviceMemory> r;
     auto backends = m.backends();
     for (size_t d = 0; d < backends.size(); d++) {
@@ -94,6 +98,10 @@ std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, 
         dm.kv = kv[d];
         dm.compute = plan.devices[d].total();
         dm.copies = plan.devices[d].copy_bytes;
+        if (other) {
+            dm.compute = std::max(dm.compute, other->devices[d].total());
+            dm.copies = std::max(dm.copies, other->devices[d].copy_bytes);
+        }
         dm.total = dm.weights + dm.kv + dm.compute;
         dm.budget = backends[d]->memory_total();
         r.push_back(dm);
@@ -104,7 +112,7 @@ std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, 
 }  // namespace
 
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched) {
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched, bool stage) {
     in.tokens = g.new_input("inp_tokens", QType::I32, n_tok);
     in.pos = g.new_input("inp_pos", QType::I32, n_tok);
     in.cells = g.new_input("inp_kv_cells", QType::I32, n_tok);
@@ -140,8 +148,50 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
         for (Tensor* t : g.nodes())
             if ((t->op == Op::MUL_MAT && !heads.count(t->src[0])) || t->op == Op::FLASH_ATTN) mark_batched(*t);
     }
-    schedule(g, model.backends());
+    schedule(g, model.backends(), stage);
 }
+
+namespace {
+
+// The worst-case graphs of a context and their plans. Expert staging (ContextParams::
+// moe_offload_min) gives the micro-batches from stage_min tokens on another topology than the
+// smaller ones: `ref` is the worst staged shape and `small` the worst of the others, planned
+// apart into the same buffers (each device's buffer is the larger of the two; they never run at
+// once: with staging the devices take turns). Without staging (no device stages, or none of
+// the worst shape's expert products is staged), `ref` is the one worst shape and stage_min 0.
+struct ContextPlans {
+    ComputePlan plan, small_plan;
+    int64_t stage_min = 0;
+    PipelineMode pipeline;
+};
+ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape_only, int n_copies, Graph& ref,
+                          Graph& small) {
+    ContextPlans r;
+    const bool may_stage = p.moe_offload_min > 0 && p.n_ubatch >= p.moe_offload_min && !own_copy_area(m);
+    BuildInputs in, in_small;
+    build_scheduled_graph(m, shape_only, p.n_ubatch, p.n_ctx, p.n_outputs, ref, in, nullptr, false, may_stage);
+    bool staged = false;
+    for (const Tensor* n : ref.nodes()) staged = staged || n->staged;
+    if (!staged) {
+        r.pipeline = pipeline_mode(m, ref, n_copies);
+        r.plan = plan_compute(ref, m.backends(), r.pipeline.n_copies, own_copy_area(m));
+        return r;
+    }
+    r.stage_min = p.moe_offload_min;
+    r.pipeline.n_copies = 1;
+    r.pipeline.reason = "micro-batches of " + std::to_string(r.stage_min) +
+                        " tokens or more run host-resident experts on the GPU (moe_offload_min)";
+    r.plan = plan_compute(ref, m.backends(), 1, false);
+    if (r.stage_min > 1) {
+        const int64_t nt = r.stage_min - 1;
+        build_scheduled_graph(m, shape_only, nt, p.n_ctx, std::min(p.n_outputs, nt), small, in_small, nullptr, false,
+                              false);
+        r.small_plan = plan_compute(small, m.backends(), 1, false);
+    }
+    return r;
+}
+
+}  // namespace
 
 KVLayout context_kv_layout(const Model& model, const ContextParams& p) { return kv_layout(model, checked(model, p)); }
 
@@ -149,12 +199,11 @@ Projection project_memory(const Model& model, const ContextParams& params) {
     const ContextParams p = checked(model, params);
     const KVLayout layout = kv_layout(model, p);
     KVCache kv(layout, model.backends(), /*allocate=*/false, p.n_seq);
-    Graph g;
-    BuildInputs in;
-    build_scheduled_graph(model, kv, p.n_ubatch, p.n_ctx, p.n_outputs, g, in, nullptr);
+    Graph ref, small;
+    const ContextPlans plans = plan_context(model, p, kv, p.n_copies, ref, small);
     Projection r;
-    r.pipeline = pipeline_mode(model, g, p.n_copies);
-    r.devices = report(model, kv.device_bytes(), plan_compute(g, model.backends(), r.pipeline.n_copies, own_copy_area(model)));
+    r.pipeline = plans.pipeline;
+    r.devices = report(model, kv.device_bytes(), plans.plan, plans.stage_min > 1 ? &plans.small_plan : nullptr);
     return r;
 }
 
@@ -162,15 +211,18 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
     backends_ = model.backends();
     // Plan on the worst shape first; the smaller shapes reuse its offsets (same topology,
     // every tensor no larger), so nothing is allocated per token or per shape.
-    Graph ref;
-    BuildInputs in;
+    Graph ref, small;
     KVCache shape_only(kv_layout(model, params_), backends_, false, params_.n_seq);
-    build_scheduled_graph(model, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
-    pipeline_ = pipeline_mode(model, ref, params_.n_copies);
-    plan_ = plan_compute(ref, backends_, pipeline_.n_copies, own_copy_area(model));
+    {
+        ContextPlans plans = plan_context(model, params_, shape_only, params_.n_copies, ref, small);
+        pipeline_ = plans.pipeline;
+        plan_ = std::move(plans.plan);
+        small_plan_ = std::move(plans.small_plan);
+        stage_min_ = plans.stage_min;
+    }
     kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true, params_.n_seq);
     try {
-        compute_ = allocate_compute(plan_, backends_);
+        compute_ = stage_min_ > 1 ? allocate_compute({&plan_, &small_plan_}, backends_) : allocate_compute(plan_, backends_);
     } catch (const OutOfDeviceMemory& e) {
         if (pipeline_.n_copies == 1) throw;
         // What this attempt allocated is freed already (allocate_compute's buffers die with it).
@@ -206,11 +258,12 @@ void Context::clear(int seq) {
 }
 
 std::string Context::check_plan_sound() const {
-    Graph ref;
-    BuildInputs in;
+    Graph ref, small;
     KVCache shape_only(kv_layout(model_, params_), backends_, false, params_.n_seq);
-    build_scheduled_graph(model_, shape_only, params_.n_ubatch, params_.n_ctx, params_.n_outputs, ref, in, nullptr);
-    return check_plan(ref, plan_);
+    plan_context(model_, params_, shape_only, pipeline_.n_copies, ref, small);  // the graphs the plans were made for
+    std::string why = check_plan(ref, plan_);
+    if (why.empty() && stage_min_ > 1) why = check_plan(small, small_plan_);
+    return why;
 }
 
 std::vector<uint8_t> Context::kv_bytes(int il, bool v) const {
@@ -221,19 +274,24 @@ std::vector<uint8_t> Context::kv_bytes(int il, bool v) const {
     return out;
 }
 
-std::vector<DeviceMemory> Context::memory_report() const { return report(model_, kv_->device_bytes(), plan_); }
+std::vector<DeviceMemory> Context::memory_report() const {
+    return report(model_, kv_->device_bytes(), plan_, stage_min_ > 1 ? &small_plan_ : nullptr);
+}
 
 Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot, bool batched) {
     auto key = std::make_tuple(n_tok, n_kv, n_out, slot, batched);
     auto it = graphs_.find(key);
     if (it != graphs_.end()) return *it->second;
     auto sg = std::make_unique<ShapeGraph>();
-    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage, batched);
-    place_graph(sg->g, plan_, compute_, slot);
+    const bool stage = stage_min_ > 0 && n_tok >= stage_min_;
+    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage, batched, stage);
+    sg->plan = stage || stage_min_ == 0 ? &plan_ : &small_plan_;
+    place_graph(sg->g, *sg->plan, compute_, slot);
+    plan_of_[&sg->g] = sg->plan;
     return *graphs_.emplace(key, std::move(sg)).first->second;
 }
 
-void Context::run_split(const Split& s, bool pull_peers) {
+void Context::run_split(const Split& s, const ComputePlan& plan, bool pull_peers) {
     Backend& b = *backends_[s.device];
     for (Tensor* n : s.nodes) {
         if (n->op != Op::COPY) continue;
@@ -244,12 +302,12 @@ void Context::run_split(const Split& s, bool pull_peers) {
             b.copy_from_peer(*n, *src, *backends_[src->storage_root()->device]);
     }
     BackendBuffer& buf = *compute_.buffers[s.device];
-    const size_t scratch = plan_.devices[s.device].scratch_bytes;
+    const size_t scratch = plan.devices[s.device].scratch_bytes;
     b.compute(s, (char*)buf.data + (buf.size - scratch), scratch);
 }
 
 void Context::run(ShapeGraph& sg) {
-    for (const Split& s : sg.g.splits) run_split(s, true);
+    for (const Split& s : sg.g.splits) run_split(s, *sg.plan, true);
     for (Backend* b : backends_) b->synchronize();
 }
 
@@ -399,7 +457,7 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
             }
             run_pipeline(
                 (int)micro.size(), slots, backends_, [&](int i) { return &start(i, i % slots).g; },
-                [&](const Graph&, const Split& s) { run_split(s, false); }, copy_logits, &stats_,
+                [&](const Graph& g, const Split& s) { run_split(s, *plan_of_.at(&g), false); }, copy_logits, &stats_,
                 link_ ? &pl : nullptr);
         } else {
             for (int i = 0; i < (int)micro.size(); i++) {

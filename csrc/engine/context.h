@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common.h"
 #include "engine/pipeline.h"
 #include "graph/planner.h"
 #include "kv/kv_cache.h"
@@ -35,6 +36,10 @@ struct ContextParams {
     // Independent sequences sharing the n_ctx cells (a server's slots); each token of a batch
     // names its sequence.
     int n_seq = 1;
+    // Micro-batches of at least this many tokens run the expert products of experts kept in host
+    // memory on the GPU that computes the rest of their layer, which copies the experts in as it
+    // goes (graph/scheduler.h); smaller ones (decoding) leave them to the CPU. 0: never.
+    int64_t moe_offload_min = kMoeOffloadMin;
 };
 
 // Whether a context pipelines its micro-batches over the devices, and why not when it does not.
@@ -102,6 +107,8 @@ public:
     const PipelineStats& pipeline_stats() const { return stats_; }
     size_t n_graphs() const { return graphs_.size(); }
     const ComputePlan& plan() const { return plan_; }
+    // Micro-batches of this many tokens or more run the staged plan (0: one plan for all shapes).
+    int64_t staging_from() const { return stage_min_; }
     // check_plan() over the worst-case graph (the one the plan was made for).
     std::string check_plan_sound() const;
     // The other MPI ranks the context's devices are on (null when all are this process's).
@@ -114,13 +121,14 @@ private:
         Graph g;
         BuildInputs in;
         std::vector<std::vector<int32_t>> input_storage;
+        const ComputePlan* plan = nullptr;  // plan_, or small_plan_ for an unstaged shape
     };
     ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot, bool batched);
     // Fills sg's inputs for the tokens [b0, b0 + nt) (out: the rows of them whose logits are
     // wanted, micro-batch relative) and takes their KV cells.
     void prepare(ShapeGraph& sg, const std::vector<int32_t>& tokens, const std::vector<int32_t>& seqs,
                  const std::vector<int32_t>& pos, int64_t b0, int64_t nt, const std::vector<int32_t>& out);
-    void run_split(const Split& s, bool pull_peers);
+    void run_split(const Split& s, const ComputePlan& plan, bool pull_peers);
     void run(ShapeGraph& sg);
 
     Model& model_;
@@ -128,17 +136,24 @@ private:
     std::vector<Backend*> backends_;
     std::unique_ptr<KVCache> kv_;
     ComputePlan plan_;
+    // With expert staging (stage_min_ > 0) plan_ is the staged shapes' and small_plan_ the
+    // smaller shapes' (another topology: the experts on the host); both use the same buffers.
+    ComputePlan small_plan_;
+    int64_t stage_min_ = 0;
     ComputeBuffers compute_;
     PipelineMode pipeline_;
     PipelineStats stats_;
     std::map<std::tuple<int64_t, int64_t, int64_t, int, bool>, std::unique_ptr<ShapeGraph>> graphs_;
+    std::map<const Graph*, const ComputePlan*> plan_of_;
     std::mutex mu_;  // eval runs without the GIL: one call at a time per context
     std::unique_ptr<dist::ContextLink> link_;
 };
 
 // Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg);
 // batched: its products over the tokens and its attention marked for the batched kernels.
+// stage: expert products of host-resident experts go to a GPU that stages them (Backend::can_stage).
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched = false);
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched = false,
+                           bool stage = false);
 
 }  // namespace stowlm

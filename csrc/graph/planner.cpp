@@ -261,14 +261,19 @@ std::string check_plan(const Graph& g, const ComputePlan& plan) {
     return "";
 }
 
-ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backend*>& backends) {
+ComputeBuffers allocate_compute(const std::vector<const ComputePlan*>& plans, const std::vector<Backend*>& backends) {
     ComputeBuffers bufs;
     bufs.buffers.resize(backends.size());
     for (size_t d = 0; d < backends.size(); d++) {
-        const size_t bytes = plan.devices[d].total();
+        size_t bytes = 0;
+        for (const ComputePlan* p : plans) bytes = std::max(bytes, p->devices[d].total());
         if (bytes) bufs.buffers[d] = backends[d]->alloc_buffer(bytes, "compute buffer");
     }
     return bufs;  // on a throw, the buffers made so far are freed with `bufs`
+}
+
+ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backend*>& backends) {
+    return allocate_compute(std::vector<const ComputePlan*>{&plan}, backends);
 }
 
 void place_graph(Graph& g, const ComputePlan& plan, const ComputeBuffers& bufs, int slot) {

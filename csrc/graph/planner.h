@@ -54,6 +54,8 @@ struct ComputeBuffers {
 };
 
 ComputeBuffers allocate_compute(const ComputePlan& plan, const std::vector<Backend*>& backends);
+// Buffers for several plans used in turn: each device's is the largest of theirs.
+ComputeBuffers allocate_compute(const std::vector<const ComputePlan*>& plans, const std::vector<Backend*>& backends);
 
 // Points every tensor of g at its bytes: nodes into the compute buffers by the plan (which may
 // come from a larger graph of the same topology), COPY nodes into copy slot `slot`, views into

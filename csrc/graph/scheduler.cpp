@@ -52,6 +52,25 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
     return dev;
 }
 
+// The device that stages n's host-resident experts (where its activations come from), or -1.
+int staging_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
+    if (n->op != Op::MUL_MAT_ID || !n->src[0]) return -1;
+    const Tensor* w = n->src[0]->storage_root();
+    if (w->role != TensorRole::WEIGHT || w->device < 0 || !backends.at(w->device)->host_accessible()) return -1;
+    int dev = -1, latest = -1;
+    for (int i = 1; i < n->n_src(); i++) {
+        const Tensor* s = n->src[i];
+        if (!s) continue;
+        const Tensor* r = s->storage_root();
+        if (r->role != TensorRole::COMPUTE) continue;
+        auto it = index.find(r);
+        const int at = it == index.end() ? -1 : it->second;
+        if (dev < 0 || at > latest) latest = at, dev = r->device;
+    }
+    if (dev < 0 || backends.at(dev)->host_accessible() || !backends[dev]->can_stage(*n)) return -1;
+    return dev;
+}
+
 // Who pushes into whom (Split::pushes, Split::deps) and which split computes the output.
 void link_splits(Graph& g) {
     const auto split_at = g.split_of();
@@ -104,13 +123,15 @@ void join_quiet_splits(Graph& g) {
 
 }  // namespace
 
-void schedule(Graph& g, const std::vector<Backend*>& backends) {
+void schedule(Graph& g, const std::vector<Backend*>& backends, bool stage_host_experts) {
     g.splits.clear();
     std::map<std::pair<const Tensor*, int>, Tensor*> copies;
     NodeIndex index;
     for (Tensor* n : g.nodes()) index.emplace(n, (int)index.size());
     for (Tensor* n : g.nodes()) {
-        const int dev = choose_device(n, backends, index);
+        const int staged_on = stage_host_experts ? staging_device(n, backends, index) : -1;
+        n->staged = staged_on >= 0;
+        const int dev = n->staged ? staged_on : choose_device(n, backends, index);
         n->device = dev;
         // An all-reduce waits for the other shards: it starts a split, so that what the split
         // before it sends to other devices is sent before the wait.
@@ -133,6 +154,7 @@ void schedule(Graph& g, const std::vector<Backend*>& backends) {
             Tensor* s = n->src[i];
             if (!s) continue;
             Tensor* r = s->storage_root();
+            if (n->staged && r->role == TensorRole::WEIGHT) continue;  // the device copies them in itself
             bool needs_copy;
             if (r->role == TensorRole::INPUT)
                 needs_copy = !backends[dev]->host_accessible();

@@ -6,7 +6,9 @@
 // that needs it (one copy per tensor and device). Graph inputs live in host memory and are
 // read in place by host-accessible devices. Each split records what it pushes to other splits
 // and which it waits for; a device's consecutive splits with nothing crossing between them are
-// one split.
+// one split. With stage_host_experts, an expert product (MUL_MAT_ID) whose experts live in host
+// memory runs where its activations come from when that device can stage them (a GPU copying
+// the experts in as it goes: Backend::can_stage), instead of on the host.
 #pragma once
 #include <vector>
 
@@ -15,6 +17,6 @@
 
 namespace stowlm {
 
-void schedule(Graph& g, const std::vector<Backend*>& backends);
+void schedule(Graph& g, const std::vector<Backend*>& backends, bool stage_host_experts = false);
 
 }  // namespace stowlm

@@ -93,6 +93,9 @@ struct Tensor {
     Tensor* view_src = nullptr;
     size_t view_offset = 0;
     Collective* collective = nullptr;  // ALL_REDUCE/ALL_GATHER: the shards it meets (graph-owned)
+    // A MUL_MAT_ID the scheduler gave to a device that stages its host-resident weights itself
+    // (Backend::can_stage): its weights stay where they are, no COPY node brings them.
+    bool staged = false;
 
     int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
     int64_t n_rows() const { return ne[1] * ne[2] * ne[3]; }

@@ -15,7 +15,8 @@ from .placement.costs import check_made_for
 from .placement.data import Placement
 # the rules for calling the core live with the placements; the names stay importable from here
 from .placement.rules import (DEFAULT_KV_TYPE, DEFAULT_N_COPIES, DEFAULT_N_CTX, DEFAULT_N_UBATCH,  # noqa: F401
-                              SHARD_FIELDS, _interleave, _layer_split, _n_copies, _n_outputs, _native_overrides,
+                              SHARD_FIELDS, _interleave, _layer_split, _moe_offload_min, _n_copies, _n_outputs,
+                              _native_overrides,
                               _overrides, _tensor_overrides, _tensor_split, check_split_mode, layer_devices, plan,
                               tensor_names)
 
@@ -47,6 +48,10 @@ class Model:
     device 1 7-13, device 0 14-21, ...), so a pipeline's stages are shorter and so are its fill
     and drain; on a GPU each extra range costs a sync per generated token, so there it is 1
     unless asked for. 1 keeps one range per device. `layer_devices` says where each layer went.
+    moe_offload_min (default 256): with experts kept in RAM (tensor_overrides, fit's spill) and
+    the rest of their layers on a GPU, micro-batches of at least this many tokens multiply them on
+    the GPU, which copies each layer's experts in as it goes (its compute buffer holds the largest
+    expert tensor); smaller ones (decoding) leave them to the CPU. 0: never.
 
     split_mode="tensor" (tensor parallelism) cuts every layer over the devices instead, in the
     proportions tensor_split gives (one share per device, default equal; 0 leaves a device out):
@@ -61,7 +66,7 @@ class Model:
 
     def __init__(self, path, devices=None, layer_split: Optional[Sequence[int]] = None, overrides=None,
                  tensor_overrides: Optional[Sequence[str]] = None, placement=None,
-                 n_copies: Optional[int] = None, split_mode: str = "layer",
+                 n_copies: Optional[int] = None, split_mode: str = "layer", moe_offload_min: Optional[int] = None,
                  tensor_split: Optional[Sequence[float]] = None, interleave: Optional[int] = None):
         path = os.fspath(path)
         if not os.path.exists(path):
@@ -80,11 +85,16 @@ class Model:
             if n_copies is not None and n_copies != placement.n_copies:
                 raise ValueError(f"Model: n_copies={n_copies} differs from the placement's ({placement.n_copies})")
             n_copies = placement.n_copies
+            if moe_offload_min is not None and moe_offload_min != placement.moe_offload_min:
+                raise ValueError(f"Model: moe_offload_min={moe_offload_min} differs from the placement's "
+                                 f"({placement.moe_offload_min})")
+            moe_offload_min = placement.moe_offload_min
             if interleave is not None and interleave != placement.interleave:
                 raise ValueError(f"Model: interleave={interleave} differs from the placement's ({placement.interleave})")
             interleave = placement.interleave
             split_mode, tensor_split = placement.split_mode, placement.tensor_split
         self.n_copies = _n_copies(DEFAULT_N_COPIES if n_copies is None else n_copies)
+        self.moe_offload_min = _moe_offload_min(moe_offload_min)
         self.devices: List[DeviceSpec] = parse_devices(devices)
         shares = _tensor_split(split_mode, tensor_split, len(self.devices), layer_split, overrides, tensor_overrides)
         self.split_mode = split_mode
@@ -121,7 +131,8 @@ class Model:
              n_outputs: Optional[int] = None) -> List[dict]:
         """Bytes per device (weights, kv, compute, copies, total, budget) a Context with these
         parameters would take; allocates nothing."""
-        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), self.n_copies)["devices"]
+        return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), self.n_copies,
+                            moe_offload_min=self.moe_offload_min)["devices"]
 
     def __repr__(self) -> str:
         return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
@@ -166,7 +177,7 @@ class Context:
         self.model = model
         self.n_ubatch = int(n_ubatch)
         self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), model.n_copies,
-                                  n_seq)
+                                  n_seq, moe_offload_min=model.moe_offload_min)
         if self._c.pipeline["n_copies"] == 1 and model.n_copies > 1 and "retried" in self._c.pipeline["reason"]:
             _log.warning("stowlm: pipeline parallelism off: %s", self._c.pipeline["reason"])
 

@@ -49,6 +49,9 @@ class LLM(Conversation):
         micro-batch in flight (pipeline parallelism; default 4 when they fit, 1 turns it off).
     interleave: each device's layers in that many ranges taking turns with the other devices'
         (shorter pipeline stages; default 2 where only CPU devices hold layers, 1: one range each).
+    moe_offload_min: with experts in RAM and their layers on a GPU, micro-batches of at least this
+        many tokens multiply the experts on the GPU, copying them in layer by layer (default 256;
+        0: never; decoding leaves them to the CPU).
     split_mode="tensor" (tensor_split: shares per device): every layer cut over the devices, which
         all work on every token (tensor parallelism; fit picks the shares from free memory; the
         logits are one device's bit for bit). "tensor-sum": the devices' partial products summed
@@ -71,7 +74,8 @@ class LLM(Conversation):
                  fit_margin=None, cpu_moe: bool = False, n_cpu_moe: Optional[int] = None,
                  n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1,
                  split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None,
-                 interleave: Optional[int] = None, speculative=None, draft_max: Optional[int] = None):
+                 interleave: Optional[int] = None, speculative=None, draft_max: Optional[int] = None,
+                 moe_offload_min: Optional[int] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         if devices is None and n_threads is not None:
@@ -84,7 +88,8 @@ class LLM(Conversation):
                       layer_split=layer_split, chat_template=chat_template, progress=progress,
                       tensor_overrides=tensor_overrides, fit=fit, placement=placement, fit_margin=fit_margin,
                       cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, n_copies=n_copies, fit_ctx=fit_ctx, n_seq=n_seq,
-                      split_mode=split_mode, tensor_split=tensor_split, interleave=interleave, reserved=reserved)
+                      split_mode=split_mode, tensor_split=tensor_split, interleave=interleave, reserved=reserved,
+                      moe_offload_min=moe_offload_min)
         except BaseException:
             if draft is not None:
                 draft.close()

@@ -34,7 +34,7 @@ class Loaded:
 def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_split=None, chat_template=None,
          progress=True, tensor_overrides=None, fit=None, placement=None, fit_margin=None, cpu_moe=False,
          n_cpu_moe=None, n_copies=None, fit_ctx=None, n_seq=1, split_mode=None, tensor_split=None,
-         interleave=None, reserved=None) -> Loaded:
+         interleave=None, reserved=None, moe_offload_min=None) -> Loaded:
     """LLM's arguments (n_threads already made a device) as a loaded model and its context.
     reserved: device name -> bytes a draft model already holds there, which fit counts."""
     path = pull(model, progress=progress)
@@ -43,17 +43,18 @@ def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_spl
     with GGUFFile(path) as f:
         return _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress,
                      tensor_overrides, fit, placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq,
-                     split_mode, tensor_split, interleave, reserved)
+                     split_mode, tensor_split, interleave, reserved, moe_offload_min)
 
 
 def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress, tensor_overrides, fit,
           placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq, split_mode, tensor_split,
-          interleave, reserved) -> Loaded:
+          interleave, reserved, moe_offload_min) -> Loaded:
     if placement is not None:
         given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                 ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
                                 ("n_cpu_moe", n_cpu_moe), ("n_copies", n_copies), ("split_mode", split_mode),
-                                ("tensor_split", tensor_split), ("interleave", interleave)) if v is not None] + \
+                                ("tensor_split", tensor_split), ("interleave", interleave),
+                                ("moe_offload_min", moe_offload_min)) if v is not None] + \
             (["cpu_moe"] if cpu_moe else [])
         if given:
             raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
@@ -63,7 +64,7 @@ def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template
                                   layer_split=layer_split, tensor_overrides=tensor_overrides,
                                   cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
                                   n_seq=n_seq, split_mode=split_mode, tensor_split=tensor_split,
-                                  interleave=interleave, reserved=reserved,
+                                  interleave=interleave, reserved=reserved, moe_offload_min=moe_offload_min,
                                   **({} if fit_ctx is None else {"fit_ctx": fit_ctx}))
         if progress:
             print(f"[{placement.summary()}]", file=sys.stderr)
@@ -73,7 +74,7 @@ def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template
     else:
         m = Model(path, devices=devices, layer_split=layer_split, tensor_overrides=tensor_overrides,
                   n_copies=n_copies, split_mode=split_mode or "layer", tensor_split=tensor_split,
-                  interleave=interleave)
+                  interleave=interleave, moe_offload_min=moe_offload_min)
     template, template_error = None, None
     meta = f.metadata
     metadata = {k: v for k, v in meta.items() if not k.startswith("tokenizer.ggml.")}

@@ -47,6 +47,11 @@ struct Run {
     std::string not_pipelined = "";  // out: why not
     int interleave = 0;  // out: the model's layer ranges per device
     int ask_interleave = 0;  // what the model is loaded with (0: its default)
+    int64_t moe_min = kMoeOffloadMin;  // ContextParams::moe_offload_min
+    int64_t staged_from = 0;           // out: Context::staging_from()
+    size_t compute_bytes = 0;          // out: the compute bytes of the first device
+    size_t scratch_bytes = 0;          // out: the scratch of the first device (the staged plan's)
+    size_t largest_experts = 0;        // out: the largest expert tensor's bytes
 };
 
 // All-position logits of the prompt, then n_decode greedy single-token steps (the tokens come
@@ -55,11 +60,16 @@ std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_
                        int64_t n_ctx, int64_t n_ubatch, std::vector<int32_t>* forced) {
     auto m = Model::load(path, r.devices, r.split, true, r.overrides, {}, r.ask_interleave);
     ContextParams p;
-    p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies;
+    p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies, p.moe_offload_min = r.moe_min;
     Context c(*m, p);
     r.pipelined = c.pipeline().n_copies;
     r.not_pipelined = c.pipeline().reason;
     r.interleave = m->interleave();
+    r.staged_from = c.staging_from();
+    r.compute_bytes = c.memory_report().front().compute;
+    r.scratch_bytes = c.plan().devices[0].scratch_bytes;
+    for (const WeightInfo& w : m->weight_infos())
+        if (w.name.find("_exps") != std::string::npos) r.largest_experts = std::max(r.largest_experts, w.bytes);
     return emulated::prompt_then_greedy(*m, c, prompt, n_decode, forced, failures);
 }
 
@@ -272,6 +282,35 @@ void check_launch_counts(const std::string& dir) {
     }
 }
 
+// Experts in RAM, prompts on the GPU: with the layers on cuda:0 and the experts on cpu:0, the
+// micro-batches of at least moe_offload_min tokens run the expert products on cuda:0, which copies
+// the experts into its scratch (the emulated product aborts on a host pointer); smaller ones and
+// the decode steps leave them to cpu:0. The CPU's logits either way, exact accounting (cuda:0's
+// compute buffer holds the staged experts), and a prompt whose last micro-batch is below the
+// threshold switches plans within one eval.
+void check_staging(const std::string& dir, const std::string& name, int n_layer) {
+    const std::vector<TensorOverride> experts_cpu = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1, ""}};
+    Run plain{{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_cpu};
+    std::vector<int32_t> none;
+    run(dir + "/" + name + ".gguf", plain, {1, 2}, 0, 128, 16, &none);
+    for (int64_t min : {8, 12}) {
+        Run staged = plain;
+        staged.moe_min = min;
+        check(dir, name, staged, "experts on cpu:0, prompts of >= " + std::to_string(min) + " staged on cuda:0");
+        // (the check's runs do not report back: run once more for the plan's figures)
+        run(dir + "/" + name + ".gguf", staged, {1, 2}, 0, 128, 16, &none);
+        // cuda:0's scratch holds the largest experts (the accounting check: and it is allocated)
+        const bool ok = staged.staged_from == min && plain.staged_from == 0 &&
+                        staged.scratch_bytes >= staged.largest_experts && staged.largest_experts > 0 &&
+                        plain.scratch_bytes < plain.largest_experts && staged.pipelined == 1;
+        printf("%s %-22s staging from %lld tokens; cuda:0 scratch %zu bytes unstaged, %zu staged (largest experts "
+               "%zu); compute %zu, %zu\n",
+               ok ? "ok  " : "FAIL", name.c_str(), (long long)staged.staged_from, plain.scratch_bytes,
+               staged.scratch_bytes, staged.largest_experts, plain.compute_bytes, staged.compute_bytes);
+        if (!ok) failures++;
+    }
+}
+
 // CUDA graphs: the same decode with STOWLM_CUDA_GRAPHS=0 and with graphs (the default). The
 // emulated graph replays its launchers with the arguments of its capture, so an argument that
 // should have changed between steps (a length, a position, a cell) changes the logits: they must
@@ -389,6 +428,7 @@ int main(int argc, char** argv) {
         const std::vector<TensorOverride> experts_on_1 = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1, ""}};
         for (const char* name : {"qwen3moe-tiny", "smollm2-moe"}) {
             const int n_layer = (int)Model::load(dir + "/" + name + ".gguf", {spec("cpu", 0)}, {}, false)->hp().n_layer;
+            check_staging(dir, name, n_layer);
             check(dir, name, cuda0, "cuda:0");
             check(dir, name, {{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_on_1},
                   "layers on cuda:0, experts on cpu:0");

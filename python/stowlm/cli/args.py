@@ -8,7 +8,8 @@ from typing import Optional
 
 from .. import __version__
 from ..placement.budgets import MARGIN_DIVISOR, MARGIN_MAX
-from ..placement.rules import (DEFAULT_FIT_CTX, DEFAULT_KV_TYPE, DEFAULT_MAX_CTX, DEFAULT_N_COPIES, DEFAULT_N_CTX,
+from ..placement.rules import (DEFAULT_FIT_CTX, DEFAULT_KV_TYPE, DEFAULT_MAX_CTX, DEFAULT_MOE_OFFLOAD_MIN,
+                               DEFAULT_N_COPIES, DEFAULT_N_CTX,
                                DEFAULT_N_UBATCH, SPLIT_MODES)
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -129,6 +130,10 @@ def add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                    help="each device's layers in N ranges that take turns with the other devices' (shorter "
                         "pipeline stages; default 2 where only CPU devices hold layers and it fits, 1 = one "
                         "range each)")
+    g.add_argument("--moe-offload-min", type=int, default=None, metavar="N",
+                   help="with experts in RAM and their layers on a GPU: micro-batches of at least N tokens multiply "
+                        "the experts on the GPU, which copies them in layer by layer (default "
+                        f"{DEFAULT_MOE_OFFLOAD_MIN}; 0 = never; decoding leaves them to the CPU)")
     g.add_argument("--placement", default=None, metavar="FILE", help="load the placement saved in FILE "
                    "(from `stowlm fit --json` or -o)")
     if not for_fit:
@@ -150,7 +155,7 @@ def placement_kwargs(a: argparse.Namespace) -> dict:
     return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
                 n_copies=a.n_copies, margin=margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares,
-                interleave=a.interleave)
+                interleave=a.interleave, moe_offload_min=a.moe_offload_min)
 
 
 def number_list(text: Optional[str], flag: str, kind, what: str):

@@ -43,7 +43,7 @@ def load(a: argparse.Namespace, **extra):
     placement = a.placement
     if placement:
         placement = _given_placement(placement, kw_place)
-        given = [k for k, v in kw_place.items() if v]
+        given = [k for k, v in kw_place.items() if v is not None and v is not False]
         if given:
             raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
         kw_place = {}
@@ -104,7 +104,7 @@ def fit(a: argparse.Namespace) -> int:
     kw = placement_kwargs(a)
     if a.placement:
         placement = _given_placement(a.placement, kw, always=True)
-        given = [k for k, v in kw.items() if v and k != "margin"]
+        given = [k for k, v in kw.items() if v is not None and v is not False and k != "margin"]
         if given:
             raise ValueError(f"--placement fixes the devices and what fit decides; drop {', '.join(given)}")
         kw = {"margin": kw["margin"], "placement": placement}

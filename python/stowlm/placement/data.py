@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from ..devices import DeviceSpec, parse_device, parse_devices
-from .rules import DEFAULT_KV_TYPE, DEFAULT_N_COPIES, check_split_mode, layer_devices
+from .rules import DEFAULT_KV_TYPE, DEFAULT_MOE_OFFLOAD_MIN, DEFAULT_N_COPIES, check_split_mode, layer_devices
 from .split import describe_layers, describe_runs
 
 PROJECTED_KEYS = ("weights", "kv", "compute", "copies", "total")
@@ -94,6 +94,7 @@ class Placement:
     split_mode: str = "layer"              # "tensor"/"tensor-sum": every layer cut over the used devices
     tensor_split: Optional[List[float]] = None  # tensor mode: share per used device
     interleave: int = 1                    # layer ranges per device, the devices taking turns
+    moe_offload_min: int = DEFAULT_MOE_OFFLOAD_MIN  # micro-batches that run RAM-resident experts on the GPU
 
     # -- what the engine is given ------------------------------------------------------------
     @property
@@ -122,7 +123,7 @@ class Placement:
     def to_dict(self) -> dict:
         d = {"format": FORMAT, "model": dict(self.model), "n_ctx": self.n_ctx, "n_ubatch": self.n_ubatch,
              "n_outputs": self.n_outputs, "kv_type": self.kv_type, "n_copies": self.n_copies, "n_seq": self.n_seq,
-             "split_mode": self.split_mode, "interleave": self.interleave,
+             "split_mode": self.split_mode, "interleave": self.interleave, "moe_offload_min": self.moe_offload_min,
              "tensor_overrides": list(self.tensor_overrides),
              "devices": [dev.to_dict() for dev in self.devices], "decisions": list(self.decisions)}
         if self.tensor_split is not None:
@@ -313,7 +314,8 @@ def _fields(data, source: str) -> dict:
                                                                                    "decisions")],
                 host=host, n_copies=r.int(data.get("n_copies", DEFAULT_N_COPIES), "n_copies", 1),
                 n_seq=r.int(data.get("n_seq", 1), "n_seq", 1), pipeline=pipeline,
-                split_mode=split_mode, tensor_split=tensor_split, interleave=interleave)
+                split_mode=split_mode, tensor_split=tensor_split, interleave=interleave,
+                moe_offload_min=r.int(data.get("moe_offload_min", DEFAULT_MOE_OFFLOAD_MIN), "moe_offload_min", 0))
 
 
 def _device(r: "_Reader", dd, where: str, source: str) -> DevicePlacement:

@@ -13,11 +13,13 @@ from .data import Placement
 from .layer_problem import LayerProblem
 from .layers import fit_layers
 from .rules import (CTX_STEP, DEFAULT_FIT_CTX, DEFAULT_KV_TYPE, DEFAULT_MAX_CTX, DEFAULT_N_COPIES, DEFAULT_N_OUTPUTS,
-                    DEFAULT_N_UBATCH, _interleave, _n_copies, _tensor_split, check_split_mode, slot_context)
+                    DEFAULT_N_UBATCH, _interleave, _moe_offload_min, _n_copies, _tensor_split, check_split_mode,
+                    slot_context)
 from .tensor import fit_tensor
 
 # what a saved placement fixes, whoever gives it again
-_FIXED = ("n_ctx", "n_copies", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe", "interleave")
+_FIXED = ("n_ctx", "n_copies", "layer_split", "tensor_overrides", "cpu_moe", "n_cpu_moe", "interleave",
+          "moe_offload_min")
 
 
 def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = None,
@@ -27,7 +29,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
         margin=None, max_ctx: int = DEFAULT_MAX_CTX, fit_ctx: int = DEFAULT_FIT_CTX,
         placement: Optional[Union[Placement, str, os.PathLike]] = None, split_mode: Optional[str] = "layer",
         tensor_split: Optional[Sequence[float]] = None, interleave: Optional[int] = None,
-        reserved: Optional[Dict[str, int]] = None) -> Placement:
+        reserved: Optional[Dict[str, int]] = None, moe_offload_min: Optional[int] = None) -> Placement:
     """Decide a placement of the GGUF file `model` on `devices` (a list or "cpu:0[...],cuda:0";
     "auto": every CUDA device and the CPU). Every argument given is kept as is; FitError (a
     MemoryError) says which device is short, by how much, and the largest context that fits.
@@ -37,6 +39,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     layers, and it fits; 1: one range each). split_mode="tensor" or "tensor-sum": every layer cut
     over the devices (the shares are decided unless tensor_split gives them). reserved: device
     name -> bytes a draft model of this process already holds on that CPU device.
+    moe_offload_min: as Model's (the GPU's compute buffer then holds the staged experts).
     Allocates nothing."""
     path = os.fspath(model)
     if not os.path.exists(path):
@@ -44,7 +47,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     s = dict(devices=devices, n_ctx=n_ctx, n_ubatch=n_ubatch, n_outputs=n_outputs, kv_type=kv_type,
              n_copies=n_copies, n_seq=n_seq, layer_split=layer_split, tensor_overrides=tensor_overrides,
              cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=margin, split_mode=split_mode or "layer",
-             tensor_split=tensor_split, interleave=interleave)
+             tensor_split=tensor_split, interleave=interleave, moe_offload_min=moe_offload_min)
     set_by = _set_by_user(s)
     check_split_mode(s["split_mode"])
     if tensor_split is not None and s["split_mode"] == "layer":
@@ -66,6 +69,7 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     kv_type = s["kv_type"] or DEFAULT_KV_TYPE
     n_copies = _n_copies(DEFAULT_N_COPIES if s["n_copies"] is None else s["n_copies"])
     _interleave(s["interleave"])
+    offload_min = _moe_offload_min(s["moe_offload_min"])
     devs, host_free, host_margin = describe_devices(specs, s["margin"], reserved)
     n_seq = s["n_seq"]
     if isinstance(n_seq, bool) or not isinstance(n_seq, int) or n_seq < 1:
@@ -84,14 +88,15 @@ def fit(model: Union[str, os.PathLike], devices=None, *, n_ctx: Optional[int] = 
     problem = LayerProblem(path, devs, host_free, host_margin, n_ctx=ctx, n_ubatch=n_ubatch, n_outputs=n_outputs,
                            kv_type=kv_type, n_copies=n_copies, n_seq=n_seq, layer_split=s["layer_split"],
                            user_overrides=s["tensor_overrides"], cpu_moe=s["cpu_moe"], n_cpu_moe=s["n_cpu_moe"],
-                           max_ctx=int(max_ctx), fit_ctx=int(fit_ctx), set_by=set_by, interleave=s["interleave"])
+                           max_ctx=int(max_ctx), fit_ctx=int(fit_ctx), set_by=set_by, interleave=s["interleave"],
+                           moe_offload_min=offload_min)
     return fit_layers(problem)
 
 
 def _set_by_user(s: dict) -> Dict[str, str]:
     """Who set what, for the explanations: every setting given here was set by the user."""
     set_by = {k: "set by the user" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "n_copies",
-                                             "layer_split", "margin", "n_cpu_moe", "interleave")
+                                             "layer_split", "margin", "n_cpu_moe", "interleave", "moe_offload_min")
               if s[k] is not None}
     if s["tensor_overrides"]:
         set_by["tensor_overrides"] = "set by the user"
@@ -123,9 +128,10 @@ def _take_placement(s: dict, set_by: Dict[str, str], placement, path: str) -> Di
         return {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "margin",
                                                     "tensor_split")}
     s.update(devices=[d.spec for d in placement.devices], n_copies=placement.n_copies,
-             interleave=placement.interleave, layer_split=[d.n_layers for d in placement.devices],
+             interleave=placement.interleave, moe_offload_min=placement.moe_offload_min, layer_split=[d.n_layers for d in placement.devices],
              tensor_overrides=list(placement.tensor_overrides))
     if s["margin"] is None:
         s["margin"] = [d.margin for d in placement.devices]
     return {k: "set by the placement" for k in ("n_ctx", "n_ubatch", "n_outputs", "kv_type", "n_copies",
-                                                "layer_split", "margin", "tensor_overrides", "interleave")}
+                                                "layer_split", "margin", "tensor_overrides", "interleave",
+                                                "moe_offload_min")}

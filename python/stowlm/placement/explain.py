@@ -47,7 +47,8 @@ def left_out_reason(p: LayerProblem, d: int, layout: Layout, ctx: int) -> str:
     def alone(split, i):  # exactly what the device takes with `split` over [it, other] or [other, it]
         specs = [dev.spec, other.spec] if i == 0 else [other.spec, dev.spec]
         row = p.projector.project([s.as_tuple() for s in specs], split, [], ctx, p.n_ubatch, p.kv_type,
-                                  p.n_outputs, p.n_copies, p.n_seq, interleave=1)["devices"][i]
+                                  p.n_outputs, p.n_copies, p.n_seq, interleave=1,
+                                  moe_offload_min=p.moe_offload_min)["devices"][i]
         p.projections += 1
         return row["total"]
 

@@ -12,7 +12,7 @@ from typing import Dict, List, Optional, Tuple
 from .. import _core
 from .budgets import Dev
 from .costs import Costs
-from .rules import _tensor_overrides, tensor_names
+from .rules import DEFAULT_MOE_OFFLOAD_MIN, _tensor_overrides, tensor_names
 
 ROUNDS = 64  # projections that may correct a compute-buffer estimate before fit gives up
 TIER_NAMES = {0: "GPU memory", 1: "CPU devices with a budget", 2: "the host's RAM"}
@@ -43,7 +43,8 @@ class Layout:
 class LayerProblem:
     def __init__(self, path: str, devs: List[Dev], host_free: int, host_margin: int, *, n_ctx, n_ubatch,
                  n_outputs, kv_type, n_copies, n_seq, layer_split, user_overrides, cpu_moe, n_cpu_moe, max_ctx,
-                 fit_ctx, set_by: Dict[str, str], interleave: Optional[int] = None):
+                 fit_ctx, set_by: Dict[str, str], interleave: Optional[int] = None,
+                 moe_offload_min: int = DEFAULT_MOE_OFFLOAD_MIN):
         self.path, self.devs = path, devs
         self.host_free, self.host_margin = host_free, host_margin
         self.n_ubatch, self.n_outputs, self.kv_type, self.n_seq = n_ubatch, n_outputs, kv_type, n_seq
@@ -51,6 +52,7 @@ class LayerProblem:
         self.wanted_copies = n_copies
         self.n_copies = n_copies if "n_copies" in set_by else 1
         self.n_ctx, self.max_ctx, self.fit_ctx = n_ctx, max_ctx, fit_ctx
+        self.moe_offload_min = moe_offload_min  # staged experts count in the GPU's compute buffer
         self.set_by = set_by
         # Searched with contiguous ranges, then interleaved if that fits too (see upgrades.with_interleave).
         self.wanted_interleave, self.interleave, self.interleave_reason = interleave, 1, ""

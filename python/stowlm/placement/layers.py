@@ -55,6 +55,7 @@ def _placement(p: LayerProblem, layout: Layout, ctx: int, proj: Dict[int, dict])
     pl = Placement(model=model_record(p.path, p.projector, p.costs.fingerprint), n_ctx=ctx, n_ubatch=p.n_ubatch,
                    n_outputs=p.n_outputs, kv_type=p.kv_type, devices=devices,
                    tensor_overrides=[f"{o}={name}" for o, name in rules], host=host, n_copies=p.n_copies,
-                   n_seq=p.n_seq, pipeline=dict(p.pipeline), interleave=p.interleave)
+                   n_seq=p.n_seq, pipeline=dict(p.pipeline), interleave=p.interleave,
+                   moe_offload_min=p.moe_offload_min)
     pl.decisions = decisions(p, layout, ctx, pl)
     return pl

@@ -38,7 +38,8 @@ def project(p: LayerProblem, layout: Layout, ctx: int, interleave: int = 1) -> D
     specs = [p.devs[d].spec for d in devices]
     native = _tensor_overrides([f"{rx}={dev}" for rx, dev in overrides(p, layout)], specs, p.names)
     result = p.projector.project([s.as_tuple() for s in specs], [layout.count(d) for d in devices], native,
-                                 ctx, p.n_ubatch, p.kv_type, p.n_outputs, p.n_copies, p.n_seq, interleave=interleave)
+                                 ctx, p.n_ubatch, p.kv_type, p.n_outputs, p.n_copies, p.n_seq, interleave=interleave,
+                                 moe_offload_min=p.moe_offload_min)
     p.projections += 1
     p.pipeline = dict(result["pipeline"])
     out = {d: dict(r) for d, r in zip(devices, result["devices"])}

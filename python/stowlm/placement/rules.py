@@ -22,6 +22,8 @@ DEFAULT_N_CTX = 4096       # a Context's cells when none is given (capped by the
 DEFAULT_N_UBATCH = 512     # tokens per micro-batch
 DEFAULT_N_OUTPUTS = 32     # rows of logits per micro-batch an LLM asks for: one to generate, a few for logits()
 DEFAULT_N_COPIES = 4       # copies of the tensors that cross devices (pipeline parallelism)
+# micro-batches from this many tokens run RAM-resident experts on the GPU (the core's kMoeOffloadMin)
+DEFAULT_MOE_OFFLOAD_MIN = int(_native.DEFAULT_MOE_OFFLOAD_MIN)
 DEFAULT_KV_TYPE = "f16"
 DEFAULT_MAX_CTX = 131072   # fit: the cap on the training context it starts from
 DEFAULT_FIT_CTX = 4096     # fit: the floor it reduces the context to before moving weights
@@ -45,6 +47,14 @@ def check_split_mode(mode, where: str = "split_mode") -> str:
 def _n_copies(n) -> int:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n_copies must be a positive integer, got {n!r}")
+    return n
+
+
+def _moe_offload_min(n) -> int:
+    if n is None:
+        return DEFAULT_MOE_OFFLOAD_MIN
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise ValueError(f"moe_offload_min must be an integer >= 0 (0: never), got {n!r}")
     return n
 
 
