@@ -21,6 +21,7 @@
 #include <cstring>
 #include <ctime>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <random>
 #include <sstream>
@@ -56,6 +57,9 @@ struct Options {
     int interleave = 0;                             // chunks per device's layers (0: auto)
     std::string split_mode = "layer";               // or "tensor" / "tensor-sum": every layer cut over the devices
     std::vector<double> tensor_split;               // shares per device (tensor; default equal)
+    std::vector<std::pair<std::string, std::string>> overrides;  // -ot REGEX=DEVICE, first match wins
+    int n_cpu_moe = -1;                             // experts of the first N layers on the CPU (-1: none)
+    int64_t moe_offload_min = kMoeOffloadMin;       // prompts' experts in RAM multiplied on the GPU from here
     std::string dump_logits;  // hidden: last logits of every test's last repetition (tests)
     uint64_t seed = 1234;
 };
@@ -94,6 +98,13 @@ void print_usage(FILE* f) {
             "  -ts, --tensor-split N,.. shares of the devices for -sm tensor[-sum] (default equal)\n"
             "  --n-copies N             with several devices: copies of the tensors that cross them, one per\n"
             "                           micro-batch in flight (pipeline parallelism; default 4, 1 = off)\n"
+            "  -ot REGEX=DEVICE         the weights whose names match REGEX on DEVICE of -dev (cpu:0, cuda:0;\n"
+            "                           CPU: the first CPU device, as llama-bench writes it); repeatable, first\n"
+            "                           match wins\n"
+            "  --cpu-moe, --n-cpu-moe N every expert tensor (of the first N layers) on the first CPU device\n"
+            "  --moe-offload-min N      experts on the CPU, their layers on a GPU: micro-batches of N tokens\n"
+            "                           or more multiply them on the GPU, copying them in (default %lld, 0 =\n"
+            "                           never)\n"
             "  -ub, --ubatch-size N     tokens per micro-batch of prompt processing (default 512)\n"
             "  -ctk, --cache-type-k T   KV cache type: f16 or q8_0 (default f16)\n"
             "  -r, --repetitions N      timed repetitions per test (default 5)\n"
@@ -106,7 +117,7 @@ void print_usage(FILE* f) {
             "                           and on a CUDA device the kernels per generated token and the time\n"
             "                           per token outside them (from one more run with the kernels timed),\n"
             "                           on stderr\n",
-            default_threads());
+            default_threads(), (long long)kMoeOffloadMin);
 }
 
 int64_t parse_int(const std::string& flag, const std::string& s, int64_t min) {
@@ -197,6 +208,18 @@ Options parse_args(int argc, char** argv) {
             }
         } else if (a == "--n-copies") {
             int_list(a, "nc", value(), o.n_copies, 1);
+        } else if (a == "-ot" || a == "--override-tensor") {
+            const std::string v = value();
+            const size_t eq = v.rfind('=');
+            if (eq == std::string::npos || eq == 0 || eq + 1 == v.size())
+                throw UsageError(a + ": expected REGEX=DEVICE, got '" + v + "'");
+            o.overrides.emplace_back(v.substr(0, eq), v.substr(eq + 1));
+        } else if (a == "--cpu-moe") {
+            o.n_cpu_moe = std::numeric_limits<int>::max();
+        } else if (a == "--n-cpu-moe") {
+            o.n_cpu_moe = (int)parse_int(a, value(), 0);
+        } else if (a == "--moe-offload-min") {
+            o.moe_offload_min = parse_int(a, value(), 0);
         } else if (a == "-ub" || a == "--ubatch-size") {
             int_list(a, "ub", value(), o.n_ubatch, 1);
         } else if (a == "-pg") {
@@ -703,6 +726,30 @@ void report_kernels(Context& ctx, const Model& model, const Test& t, const Resul
     }
 }
 
+// -ot and --n-cpu-moe as the core's overrides over the devices of -dev (by name; CPU: the
+// first CPU device).
+std::vector<TensorOverride> tensor_overrides(const Options& o, const std::vector<DeviceSpec>& specs) {
+    auto device_of = [&](const std::string& name, const std::string& what) {
+        for (size_t d = 0; d < specs.size(); d++)
+            if (specs[d].name() == name || (name == "CPU" && specs[d].kind == "cpu")) return (int)d;
+        throw UsageError(what + ": no device '" + name + "' in -dev (" + std::to_string(specs.size()) + " devices)");
+    };
+    std::vector<TensorOverride> out;
+    // the core matches a whole name; -ot, as llama-bench's, matches anywhere in it
+    for (const auto& [rx, dev] : o.overrides)
+        out.push_back({".*(?:" + rx + ").*", device_of(dev, "-ot " + rx + "=" + dev), rx});
+    if (o.n_cpu_moe > 0) {
+        std::string layers = "[0-9]+";
+        if (o.n_cpu_moe != std::numeric_limits<int>::max()) {
+            layers = "(?:";
+            for (int l = 0; l < o.n_cpu_moe; l++) layers += (l ? "|" : "") + std::to_string(l);
+            layers += ")";
+        }
+        out.push_back({"blk\\." + layers + "\\.ffn_.*_exps.*", device_of("CPU", "--n-cpu-moe"), "--n-cpu-moe"});
+    }
+    return out;
+}
+
 std::string backend_label(const Model& model) {
     std::string s;
     for (Backend* b : model.backends()) {
@@ -742,7 +789,7 @@ int run(const Options& o) {
                 if (spec.kind == "cpu" && spec.threads == 0) spec.threads = (int)threads;
                 devices += (devices.empty() ? "" : "+") + spec.name();
             }
-            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split, true, {}, o.tensor_split,
+            std::unique_ptr<Model> model = Model::load(path, specs, o.layer_split, true, tensor_overrides(o, specs), o.tensor_split,
                                                        o.interleave, o.split_mode == "tensor-sum");
             if (o.split_mode != "layer") {
                 std::string ts;
@@ -764,6 +811,7 @@ int run(const Options& o) {
                         cp.n_ctx = t.n_depth + t.n_prompt + t.n_gen;
                         cp.n_ubatch = ub;
                         cp.n_copies = (int)n_copies;
+                        cp.moe_offload_min = o.moe_offload_min;
                         cp.kv_type = parse_kv_type(tk);
                         // Only the last token's logits are ever read: one row keeps the
                         // compute buffer as small as a generation loop needs.

@@ -189,6 +189,25 @@ def test_verbose_generation_bandwidth(small, gguf_facts):
     assert gbs == pytest.approx(mb * float(row["avg_ts"]) / 1e3, rel=0.02, abs=0.06)
 
 
+@pytest.mark.parametrize("how", [["-ot", "ffn_(gate|up|down)_exps=cpu:0"], ["--n-cpu-moe", "2"]])
+def test_expert_overrides_put_the_experts_where_asked(model_path, how):
+    """-ot (matched anywhere in a name, as llama-bench's) and --n-cpu-moe (the first N layers'
+    experts on the first CPU device): with every layer on cpu:1, cpu:0 holds exactly the expert
+    tensors asked for, by the gguf package's byte counts."""
+    import gguf
+
+    path = str(model_path("qwen3moe-tiny"))
+    r = bench("-m", path, "-dev", "cpu:0[threads=1],cpu:1[threads=1]", "--layer-split", "0,4", *how,
+              "-p", 8, "-n", 0, "-r", 1, "-v", "--no-warmup")
+    rows = {ln.split()[0]: dict(zip(ln.split()[1::3], map(float, ln.split()[2::3])))
+            for ln in r.stderr.splitlines() if ln.strip().startswith("cpu:")}
+    layers = None if how[0] == "-ot" else {0, 1}
+    want = sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors
+               if "_exps" in t.name and (layers is None or int(t.name.split(".")[1]) in layers))
+    assert want > 0
+    assert rows["cpu:0"]["weights"] == pytest.approx(want / 2**20, abs=0.006)
+
+
 @pytest.mark.parametrize("args,code,message", [
     ([], 2, "no model given"),
     (["--frobnicate"], 2, "unknown argument '--frobnicate'"),
@@ -204,6 +223,9 @@ def test_verbose_generation_bandwidth(small, gguf_facts):
     (["-m", "{garbage}"], 1, "garbage.gguf"),
     (["-m", "{small}", "-dev", "tpu:0"], 2, "-dev: device 'tpu:0': unknown kind 'tpu'"),
     (["-m", "{small}", "-dev", "cpu:0[color=red]"], 2, "-dev: device 'cpu:0[color=red]': unknown option 'color'"),
+    (["-m", "{small}", "-ot", "exps"], 2, "-ot: expected REGEX=DEVICE, got 'exps'"),
+    (["-m", "{small}", "-ot", "exps=cuda:3"], 2, "-ot exps=cuda:3: no device 'cuda:3' in -dev"),
+    (["-m", "{small}", "--moe-offload-min", "-1"], 2, "--moe-offload-min: must be >= 0"),
 ])
 def test_bad_arguments(small, tmp_path, args, code, message):
     garbage = tmp_path / "garbage.gguf"
