@@ -236,6 +236,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                     help="one stowlm-bench -v run per model for kernels per token (default: on for cuda)")
     ap.add_argument("--graphs-off", action=argparse.BooleanOptionalAction, default=None,
                     help="also stowlm-bench with STOWLM_CUDA_GRAPHS=0 in each round (default: on for cuda)")
+    ap.add_argument("--stowlm-args", default=None, metavar="ARGS",
+                    help="stowlm-bench's placement arguments instead of -dev cuda:0 (e.g. a device list, "
+                         "--layer-split and -ot from a fit; write --stowlm-args=..., the value starts with a dash)")
+    ap.add_argument("--peer-args", default=None, metavar="ARGS",
+                    help="llama-bench's placement arguments instead of -ngl 99 -fa 1 (e.g. -ot ...=CPU)")
+    ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
+                    help="one more stowlm-bench row per round with these arguments added, in a column of its own "
+                         "(repeatable; e.g. 'experts on the CPU=--moe-offload-min 0')")
     ap.add_argument("--call-timeout", type=float, default=300, help="seconds one tool call may take")
     ap.add_argument("--out", default=None, help="folder for gpu_compare.md/.json (default $OUT, else ./gpu_compare_out)")
     a = ap.parse_args(argv)
@@ -264,6 +272,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         common += ["-t", str(a.threads)]
     stowlm_args = ["-dev", "cuda:0" if a.device == "cuda" else "cpu"]
     peer_args = ["-ngl", "99", "-fa", "1"] if a.device == "cuda" else ["-ngl", "0", "-dev", "none", "-fa", "1"]
+    if a.stowlm_args is not None:
+        stowlm_args = shlex.split(a.stowlm_args)
+    if a.peer_args is not None:
+        peer_args = shlex.split(a.peer_args)
+    variants = []
+    for v in a.variant:
+        label, sep, extra = v.partition("=")
+        if not sep or not label.strip() or label.strip() in ("stowlm", "llama.cpp", "stowlm no graphs"):
+            ap.error(f"--variant {v!r}: expected LABEL=ARGS with a label of its own")
+        variants.append((label.strip(), shlex.split(extra)))
 
     # The peer and the libraries it needs.
     peer_exe, peer_env, peer_why = None, None, ""
@@ -302,6 +320,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     tools = [("stowlm", [stowlm_exe] + stowlm_args, None)]
     if a.device == "cuda" if a.graphs_off is None else a.graphs_off:
         tools.append(("stowlm no graphs", [stowlm_exe] + stowlm_args, dict(os.environ, STOWLM_CUDA_GRAPHS="0")))
+    tools += [(label, [stowlm_exe] + stowlm_args + extra, None) for label, extra in variants]
+    extra_columns = [t[0] for t in tools[1:]]  # every stowlm row but the first, in its own column
     if peer_exe:
         tools.append(("llama.cpp", [peer_exe] + peer_args, peer_env))
     samples: Dict[Tuple[str, str, str], List[float]] = {}
@@ -356,10 +376,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     head = (f"{when}; device {a.device}" + (f" ({gpu})" if gpu else "") + f"; CPU {cpu}; "
             f"{a.rounds} round(s) x {a.repetitions} repetitions; stowlm-bench {' '.join(stowlm_args)}; "
             + (f"llama-bench {' '.join(peer_args)}" if peer_exe else f"llama.cpp unavailable: {peer_why}"))
-    no_graphs = any(t[0] == "stowlm no graphs" for t in tools)
+    names = {"stowlm no graphs": "stowlm, CUDA graphs off"}
     lines = [head, "", "| model | test | stowlm t/s (median) | llama.cpp t/s (median) | stowlm/llama.cpp |"
-             + (" stowlm, CUDA graphs off |" if no_graphs else ""),
-             "| --- | --- | ---: | ---: | ---: |" + (" ---: |" if no_graphs else "")]
+             + "".join(f" {names.get(c, 'stowlm, ' + c)} |" for c in extra_columns),
+             "| --- | --- | ---: | ---: | ---: |" + " ---: |" * len(extra_columns)]
     table = []
     for model in models:
         tests = []
@@ -371,11 +391,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             om = median(ours) if ours else None
             pm = median(theirs) if theirs else None
             ratio = om / pm if om and pm else None
-            plain = samples.get((model.stem, t, "stowlm no graphs"))
-            nm = median(plain) if plain else None
-            table.append(dict(model=model.stem, test=t, stowlm=om, llama_cpp=pm, ratio=ratio, stowlm_no_graphs=nm,
+            others = {c: samples.get((model.stem, t, c)) for c in extra_columns}
+            others = {c: median(v) if v else None for c, v in others.items()}
+            table.append(dict(model=model.stem, test=t, stowlm=om, llama_cpp=pm, ratio=ratio,
+                              stowlm_no_graphs=others.get("stowlm no graphs"),
+                              variants={c: v for c, v in others.items() if c != "stowlm no graphs"},
                               stowlm_samples=ours or [], llama_cpp_samples=theirs or []))
-            cells = [f"{x:.2f}" if x is not None else "-" for x in (om, pm, ratio) + ((nm,) if no_graphs else ())]
+            cells = [f"{x:.2f}" if x is not None else "-" for x in (om, pm, ratio) + tuple(others.values())]
             lines.append(f"| {model.stem} | {t} | " + " | ".join(cells) + " |")
     if kernels:
         lines += ["", "stowlm-bench -v (one more run, kernels timed):"]

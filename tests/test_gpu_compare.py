@@ -341,3 +341,54 @@ def test_prebuilt_peer_on_the_cpu(tmp_path):
     assert row["ratio"] == pytest.approx(row["stowlm"] / row["llama_cpp"])
     peer = [c for c in data["calls"] if c["tool"] == "llama.cpp"][0]["command"]
     assert peer[0].endswith("llcuda-peer/llama-bench.sh") and peer[peer.index("-dev") + 1] == "none"
+
+
+def test_placement_arguments_and_variants(fakes):
+    """--stowlm-args / --peer-args replace each tool's placement (the big MoE: a fit's devices and
+    -ot for both); each --variant is one more stowlm row per round with its arguments added, in a
+    column of its own."""
+    assert gpu_compare.main(["--stowlm", fakes["stowlm"], "--peer", fakes["peer"], "-m", "alpha", "--rounds", "2",
+                             "-p", "64", "-n", "16", "--no-kernel-report", "--no-graphs-off", "--out", str(fakes["out"]),
+                             # (=: the values start with a dash)
+                             "--stowlm-args=-dev 'cuda:0[mem=8GiB],cpu' -ot exps=cpu:0",
+                             "--peer-args=-ngl 99 -ot exps=CPU",
+                             "--variant", "experts on the CPU=--moe-offload-min 0"]) == 0
+    calls = [json.loads(line) for line in fakes["log"].read_text().splitlines()]
+    ours = [c["argv"] for c in calls if c["tool"] == "stowlm"]
+    assert len(ours) == 4  # the plain row and the variant, two rounds
+    for a in ours:
+        assert a[a.index("-dev") + 1] == "cuda:0[mem=8GiB],cpu" and a[a.index("-ot") + 1] == "exps=cpu:0"
+    assert sum("--moe-offload-min" in a for a in ours) == 2
+    peer = [c["argv"] for c in calls if c["tool"] == "peer"]
+    assert len(peer) == 2 and all(a[a.index("-ot") + 1] == "exps=CPU" and "-fa" not in a for a in peer)
+    md = (fakes["out"] / "gpu_compare.md").read_text()
+    assert "| stowlm, experts on the CPU |" in md
+    data = json.loads((fakes["out"] / "gpu_compare.json").read_text())
+    assert all(set(r["variants"]) == {"experts on the CPU"} for r in data["table"])
+    with pytest.raises(SystemExit):
+        gpu_compare.main(["--stowlm", fakes["stowlm"], "--no-peer", "-m", "alpha", "--variant", "no label"])
+
+
+def test_big_moe_arguments_follow_the_fit(model_path):
+    """bench/big_moe_compare.py gives stowlm-bench a fitted placement's devices, layers and
+    overrides (each device then holds the weights fit projected for it) and llama-bench the GPU's
+    layer count and the overrides to the CPU; here on two CPU devices, the smaller spilling
+    experts to the host."""
+    import big_moe_compare
+    from stowlm.fit import fit
+    from test_bench import bench
+
+    path = str(model_path("smollm2-moe"))
+    pl = fit(path, "cpu:1[mem=64MiB],cpu:0", n_ctx=4096)
+    ours, theirs = big_moe_compare.tool_args(pl)
+    assert any(d.expert_layers and not d.n_layers for d in pl.devices) or \
+        any(set(d.expert_layers) - {l for r in d.layers for l in range(r[0], r[1] + 1)} for d in pl.devices)
+    r = bench("-m", path, *ours, "-p", 8, "-n", 0, "-r", 1, "-v", "--no-warmup")
+    rows = {ln.split()[0]: dict(zip(ln.split()[1::3], map(float, ln.split()[2::3])))
+            for ln in r.stderr.splitlines() if ln.strip().startswith("cpu:")}
+    for d in pl.used_devices:
+        assert rows[d.name]["weights"] == pytest.approx(d.projected["weights"] / 2**20, abs=0.006), d.name
+    assert theirs[:2] == ["-ngl", "0"]  # no GPU device here
+    ots = [theirs[i + 1] for i, x in enumerate(theirs) if x == "-ot"]
+    assert ots and all(o.endswith("=CPU") for o in ots)
+    assert len(ots) == sum(1 for o in pl.tensor_overrides if o.rpartition("=")[2].startswith("cpu"))
