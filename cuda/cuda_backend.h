@@ -164,6 +164,12 @@ constexpr int64_t kTopKMaxScored = 8192;
 void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream s);
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
                  cpu::Gating gating, bool normalize, float scale, float* w, Stream s);
+// Whether top_k takes its plain path for rows of n (one thread per row, no scores kept).
+bool top_k_is_plain(int64_t n, const cpu::TopKParams& p);
+// top_k (plain selection only) and then moe_weights of the picked over `logits` ([n_rows][n], the
+// router's logits) in one kernel, one thread per row: the ids and weights of the two launches.
+void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids,
+                   const float* logits, cpu::Gating gating, bool normalize, float scale, float* w, Stream s);
 // As cpu::add_id (in place): x[(t*k + j) * d + c] += bias[ids[t*k + j] * d + c]; the ids are on
 // the device, so an id outside [0, n_expert) cannot be reported: that slot is left as it is.
 void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, int64_t n_tok, int64_t k, int64_t d,

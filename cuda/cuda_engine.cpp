@@ -523,11 +523,28 @@ private:
         return cu::KvRows{(const float*)x->data, x->ne[0] * x->ne[1], x->ne[1], x->ne[0], cache->data, cache->nb[1]};
     }
 
+    // The router's TOP_K (plain selection over contiguous rows) and the MOE_WEIGHTS of its picks.
+    static bool topk_then_weights(const std::vector<Tensor*>& nodes, size_t i) {
+        if (i + 1 >= nodes.size()) return false;
+        const Tensor *tk = nodes[i], *mw = nodes[i + 1];
+        if (tk->op != Op::TOP_K || mw->op != Op::MOE_WEIGHTS || mw->src[1] != tk) return false;
+        const Tensor* logits = mw->src[0];
+        return same_rows(tk->src[0], tk->src[0]) && same_rows(logits, logits) && logits->ne[0] == tk->src[0]->ne[0] &&
+               logits->n_rows() == tk->src[0]->n_rows() && cu::top_k_is_plain(tk->src[0]->ne[0], top_k_params(*tk));
+    }
+
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
     // gate and up products + their GLU; q and k ROPEs; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
+        if (topk_then_weights(nodes, i)) {
+            Tensor *tk = nodes[i], *mw = nodes[i + 1];
+            const Tensor *x = tk->src[0], *logits = mw->src[0];
+            cu::top_k_weights(f32(x), x->n_rows(), x->ne[0], x->ne[0], top_k_params(*tk), (int32_t*)tk->data,
+                              f32(logits), (cpu::Gating)mw->iparams[0], mw->iparams[1] != 0, mw->fparams[0], f32(mw), s);
+            return i + 2;
+        }
         if (rope_pair(nodes, i)) {
             Tensor *q = nodes[i], *k = nodes[i + 1];
             prepare_in_place(q, s), prepare_in_place(k, s);

@@ -32,6 +32,18 @@ __global__ void __launch_bounds__(128) top_k_kernel(const float* __restrict__ x,
     router_top_ids(x + r * ldx, p.n, p.k, ids + r * p.k);
 }
 
+// The router's plain top-k and the weights of the picked (the MOE_WEIGHTS op after it) in one
+// thread per row: the two kernels' HOST_DEVICE calls in the same order, so their bits.
+__global__ void __launch_bounds__(128) top_k_weights_kernel(const float* __restrict__ x, int64_t n_rows, int64_t ldx,
+                                                            ExpertSelect p, int32_t* ids,
+                                                            const float* __restrict__ logits, int n_expert,
+                                                            int gating, bool normalize, float scale, float* w) {
+    const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (r >= n_rows) return;
+    router_top_ids(x + r * ldx, p.n, p.k, ids + r * p.k);
+    moe_gate_weights_any(logits + r * n_expert, n_expert, ids + r * p.k, p.k, gating, normalize, scale, w + r * p.k);
+}
+
 // Gated / biased / grouped selection: one warp per row; the lanes write the scores to shared
 // memory, lane 0 picks.
 __global__ void __launch_bounds__(32) top_k_scored_kernel(const float* __restrict__ x, int64_t ldx, ExpertSelect p,
@@ -174,6 +186,27 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     if (n_rows > 0x7fffffff) throw InvalidInput("cuda top_k: too many rows");
     top_k_scored_kernel<<<(unsigned)n_rows, 32, (size_t)n * sizeof(float), (cudaStream_t)s>>>(x, ldx, e, ids);
     check_launch("top_k_scored_kernel");
+}
+
+bool top_k_is_plain(int64_t n, const cpu::TopKParams& p) {
+    ExpertSelect e;
+    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
+    return expert_select_plain(e);
+}
+
+void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids,
+                   const float* logits, cpu::Gating gating, bool normalize, float scale, float* w, Stream s) {
+    if (n <= 0 || n > (1 << 20)) throw InvalidInput("cuda top_k_weights: row length " + std::to_string(n) + " outside 1..2^20");
+    if (p.k < 1 || p.k > n) throw InvalidInput("cuda top_k_weights: k=" + std::to_string(p.k) + " outside 1..n");
+    if (ldx < n) throw InvalidInput("cuda top_k_weights: ldx < n");
+    if (!top_k_is_plain(n, p)) throw InvalidInput("cuda top_k_weights: only the plain selection (top_k otherwise)");
+    if (n_rows <= 0) return;
+    ExpertSelect e;
+    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    top_k_weights_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids, logits, (int)n,
+                                                                             (int)gating, normalize, scale, w);
+    check_launch("top_k_weights_kernel");
 }
 
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,

@@ -612,6 +612,21 @@ def test_expert_selection_of_deepseek_v3_shape(dev):
     np.testing.assert_array_equal(got, select_ref(x, 8, 1, bias, 8, 4))
 
 
+@pytest.mark.parametrize("gating", [0, 2])
+@pytest.mark.parametrize("normalize,scale", [(False, 0.0), (True, 2.5)])
+def test_top_k_weights_gives_the_two_kernels_bits(dev, gating, normalize, scale):
+    """The router's plain top-k and its picks' weights in one kernel (a decode step's router)
+    against top_k then moe_weights launched apart, bit for bit, ties included."""
+    cuda_only(dev)
+    rng = np.random.default_rng(27)
+    logits = (rng.standard_normal((70, 64)) * 2).astype(np.float32)
+    logits[:, 9] = logits[:, 2]
+    ids, w = run(dev, "top_k_weights", logits, 6, gating, normalize, scale)
+    want = run(dev, "top_k", logits, 6, gating)
+    np.testing.assert_array_equal(ids, want)
+    np.testing.assert_array_equal(w, run(dev, "moe_weights", logits, want, gating, normalize, scale))
+
+
 @pytest.mark.parametrize("gating", [0, 1, 2])
 @pytest.mark.parametrize("normalize,scale", [(False, 0.0), (True, 2.5)])
 def test_moe_weights_every_gating(dev, gating, normalize, scale):

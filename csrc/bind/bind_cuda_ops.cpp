@@ -516,6 +516,18 @@ STOWLM_BIND(cuda_ops) {
         return download<float>(d, wb, {(size_t)n, (size_t)k});
     }, nb::arg("logits"), nb::arg("ids"), nb::arg("gating") = 0, nb::arg("normalize") = false, nb::arg("scale") = 0.0f,
        nb::arg("device") = 0);
+    co.def("top_k_weights", [](In<float> logits, int k, int gating, bool normalize, float scale, int di) {
+        auto [n, ne] = rows_dim(logits);
+        cu::CudaDevice& d = device(di);
+        Buf lb(d, logits.data(), logits.size() * 4), ib(d, (size_t)(n * k) * 4), wb(d, (size_t)(n * k) * 4);
+        stowlm::cpu::TopKParams p;
+        p.k = k, p.gating = (stowlm::cpu::Gating)gating;
+        cu::top_k_weights(lb.as<float>(), n, ne, ne, p, ib.as<int32_t>(), lb.as<float>(), p.gating, normalize, scale,
+                          wb.as<float>(), d.compute_stream());
+        return nb::make_tuple(download<int32_t>(d, ib, {(size_t)n, (size_t)k}),
+                              download<float>(d, wb, {(size_t)n, (size_t)k}));
+    }, nb::arg("logits"), nb::arg("k"), nb::arg("gating") = 0, nb::arg("normalize") = false, nb::arg("scale") = 0.0f,
+       nb::arg("device") = 0, "the router's plain top-k and the picked experts' weights in one kernel: (ids, weights)");
     co.def("add_id", [](In<float> x, In<float> bias, In<int32_t> ids, int di) {
         if (x.ndim() != 3 || bias.ndim() != 2 || ids.ndim() != 2 || bias.shape(1) != x.shape(2) ||
             ids.shape(0) != x.shape(0) || ids.shape(1) != x.shape(1))

@@ -320,6 +320,23 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     });
 }
 
+bool top_k_is_plain(int64_t n, const cpu::TopKParams& p) {
+    ExpertSelect e;
+    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
+    return expert_select_plain(e);
+}
+
+void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids,
+                   const float* logits, cpu::Gating gating, bool normalize, float scale, float* w, Stream s) {
+    if (!top_k_is_plain(n, p)) throw InvalidInput("top_k_weights: only the plain selection");
+    const uint64_t before = t_launches;
+    top_k(x, n_rows, n, ldx, p, ids, s);
+    moe_weights(logits, n_rows, n, ids, p.k, gating, normalize, scale, w, s);
+    t_launches = before;
+    launched(n_rows > 0);  // one kernel
+}
+
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
                  cpu::Gating gating, bool normalize, float scale, float* w, Stream) {
     dev_ptr(logits, span(n_tok, n_expert, n_expert), "moe_weights logits");
