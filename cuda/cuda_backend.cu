@@ -370,8 +370,8 @@ void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x
     if (scratch == nullptr) throw InvalidInput("cuda matmul_glu: needs matmul_scratch_bytes() of scratch");
     if (!x_quantized) quantize_q8_1(x, n_tok, gate.cols, ldx, scratch, s);
     launch_mmvq_glu(gate.type, gelu, (const uint8_t*)gate.data, (const uint8_t*)up.data, row_bytes(gate.type, gate.cols),
-                    gate.rows, gate.cols, (const block_q8_1*)scratch, gate.cols / 32, n_tok, g, u, act, ldy,
-                    (cudaStream_t)s);
+                    gate.rows, gate.cols, (const block_q8_1*)scratch, gate.cols / 32, n_tok, TokenGroups{}, g, u, act,
+                    ldy, (cudaStream_t)s);
 }
 
 }  // namespace stowlm::cuda

@@ -183,6 +183,12 @@ size_t moe_scratch_bytes(const DeviceWeight& expert0, int n_expert, int64_t n_ac
 // are stacked: expert e at w.data + e * rows * row_bytes. One grouped launch for all experts.
 void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx, bool per_slot_input,
                 const int32_t* ids, int64_t n_tok, int k, float* y, int64_t ldy, void* scratch, Stream s);
+// One token's gate and up expert products (the k slots of ids, ids outside [0, n_expert): zero
+// rows) joined by their GLU (gelu false: SWIGLU), in one kernel after x's quantization: g, u and
+// act ([k][ldy] each) get the bits of the two moe_matmul launches and the GLU kernel. Scratch:
+// moe_scratch_bytes(gate, n_expert, 1, k).
+void moe_matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, int n_expert, const float* x, const int32_t* ids,
+                    int k, float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s);
 // out[t, :] = sum_j weights[t, j] * y[(t*k + j), :]
 void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
                  int64_t ld_out, Stream s);

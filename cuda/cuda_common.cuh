@@ -84,10 +84,11 @@ struct TokenGroups {
 void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const block_q8_1* xq,
                  int64_t xq_ld, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s);
 // mmvq.cu: the gate and up products of n_tok (< kCudaBatchedMinTokens) block_q8_1 rows joined by
-// the GLU (gelu: gelu_tanh(g) * u, else silu(g) * u), all three written with row stride ldy.
+// the GLU (gelu: gelu_tanh(g) * u, else silu(g) * u), all three written with row stride ldy; or,
+// with grp by slot (one token's experts), grp.n_groups slots' products of their experts.
 void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, size_t row_bytes, int64_t rows,
-                     int64_t cols, const block_q8_1* xq, int64_t xq_ld, int64_t n_tok, float* g, float* u, float* act,
-                     int64_t ldy, cudaStream_t s);
+                     int64_t cols, const block_q8_1* xq, int64_t xq_ld, int64_t n_tok, const TokenGroups& grp, float* g,
+                     float* u, float* act, int64_t ldy, cudaStream_t s);
 // mmvq.cu: the same for F32/F16/BF16 weights against float activations (ldx floats apart).
 void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
                       int64_t ldx, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s);

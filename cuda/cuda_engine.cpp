@@ -533,11 +533,34 @@ private:
                logits->n_rows() == tk->src[0]->n_rows() && cu::top_k_is_plain(tk->src[0]->ne[0], top_k_params(*tk));
     }
 
+    // One token's gate and up expert products (one x, one ids, quantized experts of one type and
+    // shape, weights on this device) and the SWIGLU or GEGLU of the two: one moe_matmul_glu.
+    static bool experts_glu(const std::vector<Tensor*>& nodes, size_t i) {
+        if (i + 2 >= nodes.size()) return false;
+        const Tensor *g = nodes[i], *u = nodes[i + 1], *act = nodes[i + 2];
+        if (g->op != Op::MUL_MAT_ID || u->op != Op::MUL_MAT_ID || (act->op != Op::SWIGLU && act->op != Op::GEGLU))
+            return false;
+        const Tensor *wg = g->src[0], *wu = u->src[0], *x = g->src[1], *ids = g->src[2];
+        return !g->staged && !u->staged && u->src[1] == x && u->src[2] == ids && act->src[0] == g &&
+               act->src[1] == u && !is_float_type(wg->type) && wg->type == wu->type && wg->ne[0] == wu->ne[0] &&
+               wg->ne[1] == wu->ne[1] && wg->ne[2] == wu->ne[2] && x->ne[1] == 1 && ids->ne[1] == 1 &&
+               x->ne[0] == wg->ne[0] && x->is_contiguous() && same_rows(g, g) && same_rows(u, g) &&
+               same_rows(act, g) && ids->is_contiguous();
+    }
+
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
     // gate and up products + their GLU; q and k ROPEs; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
+        if (experts_glu(nodes, i)) {
+            Tensor *g = nodes[i], *u = nodes[i + 1], *act = nodes[i + 2];
+            const Tensor* ids = g->src[2];
+            cu::moe_matmul_glu(weight(g->src[0]), weight(u->src[0]), (int)g->src[0]->ne[2], f32(g->src[1]), i32(ids),
+                               (int)ids->ne[0], f32(g), f32(u), f32(act), g->ne[0], act->op == Op::GEGLU, scratch, s);
+            held.x = nullptr;  // the scratch holds the expert product's rows now
+            return i + 3;
+        }
         if (topk_then_weights(nodes, i)) {
             Tensor *tk = nodes[i], *mw = nodes[i + 1];
             const Tensor *x = tk->src[0], *logits = mw->src[0];

@@ -84,24 +84,37 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* 
 // The gate and up products of the same activations and the GLU that joins them, one warp per row
 // of both: each dot product is mmvq_kernel's (same lanes, order and reduction) and the GLU is the
 // swiglu/geglu kernel's expression, so g, u and act get the bits of the three kernels it replaces.
+// Plain (grp empty): n_tok activation rows. By slot (grp.slot_ids: one token's experts, block y
+// is slot y): the weights of expert slot_ids[y], zero rows for an expert held elsewhere.
 template <QType T, bool Gelu>
 __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_glu_kernel(const uint8_t* __restrict__ wg,
                                                                   const uint8_t* __restrict__ wu, size_t row_bytes,
                                                                   int64_t rows, int nsub,
                                                                   const block_q8_1* __restrict__ xq, int64_t xq_ld,
-                                                                  int64_t n_tok, float* __restrict__ g,
-                                                                  float* __restrict__ u, float* __restrict__ act,
-                                                                  int64_t ldy) {
+                                                                  int64_t n_tok, TokenGroups grp,
+                                                                  float* __restrict__ g, float* __restrict__ u,
+                                                                  float* __restrict__ act, int64_t ldy) {
     const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
     if (row >= rows) return;
-    const uint8_t* grow = wg + (size_t)row * row_bytes;
-    const uint8_t* urow = wu + (size_t)row * row_bytes;
     const int lane = threadIdx.x & 31;
-    for (int64_t c0 = 0; c0 < n_tok; c0 += kMmvBatch) {
-        const int n = (int)min((int64_t)kMmvBatch, n_tok - c0);
+    int64_t begin = 0, end = n_tok;
+    size_t base = 0;
+    if (grp.slot_ids) {
+        begin = blockIdx.y, end = begin + 1;
+        const int32_t e = grp.slot_ids[blockIdx.y];
+        if (e < 0 || e >= grp.n_expert) {  // as the expert product's zero rows, and silu(0) * 0
+            if (lane == 0) g[begin * ldy + row] = 0.0f, u[begin * ldy + row] = 0.0f, act[begin * ldy + row] = 0.0f;
+            return;
+        }
+        base = (size_t)e * grp.group_stride;
+    }
+    const uint8_t* grow = wg + base + (size_t)row * row_bytes;
+    const uint8_t* urow = wu + base + (size_t)row * row_bytes;
+    for (int64_t c0 = begin; c0 < end; c0 += kMmvBatch) {
+        const int n = (int)min((int64_t)kMmvBatch, end - c0);
         const block_q8_1* xr[kMmvBatch];
 #pragma unroll
-        for (int t = 0; t < kMmvBatch; t++) xr[t] = xq + (c0 + (t < n ? t : 0)) * xq_ld;
+        for (int t = 0; t < kMmvBatch; t++) xr[t] = xq + act_row(grp, c0 + (t < n ? t : 0)) * xq_ld;
         float ag[kMmvBatch] = {}, au[kMmvBatch] = {};
         for (int sub = lane; sub < nsub; sub += 32) {
             WSub ws;
@@ -118,7 +131,7 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_glu_kernel(const uint8
         for (int t = 0; t < kMmvBatch; t++) {
             const float vg = warp_sum(ag[t]), vu = warp_sum(au[t]);
             if (lane == t && t < n) {
-                const int64_t at = (c0 + t) * ldy + row;
+                const int64_t at = out_row(grp, c0 + t) * ldy + row;
                 g[at] = vg, u[at] = vu;
                 act[at] = Gelu ? gelu_tanh(vg) * vu : silu(vg) * vu;
             }
@@ -187,20 +200,20 @@ void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int6
 }
 
 void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, size_t row_bytes, int64_t rows,
-                     int64_t cols, const block_q8_1* xq, int64_t xq_ld, int64_t n_tok, float* g, float* u, float* act,
-                     int64_t ldy, cudaStream_t s) {
+                     int64_t cols, const block_q8_1* xq, int64_t xq_ld, int64_t n_tok, const TokenGroups& grp, float* g,
+                     float* u, float* act, int64_t ldy, cudaStream_t s) {
     if (rows == 0 || n_tok == 0) return;
-    const dim3 grid(ceil_div(rows, kMmvWarps));
+    const dim3 grid(ceil_div(rows, kMmvWarps), grp.slot_ids ? (unsigned)grp.n_groups : 1u);
     const int nsub = (int)(cols / 32);
     switch (t) {
 #define STOWLM_CASE(T)                                                                                              \
     case QType::T:                                                                                                  \
         if (gelu)                                                                                                   \
             mmvq_glu_kernel<QType::T, true><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq, xq_ld, \
-                                                                         n_tok, g, u, act, ldy);                    \
+                                                                         n_tok, grp, g, u, act, ldy);               \
         else                                                                                                        \
             mmvq_glu_kernel<QType::T, false><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq,      \
-                                                                          xq_ld, n_tok, g, u, act, ldy);            \
+                                                                          xq_ld, n_tok, grp, g, u, act, ldy);       \
         break;
         STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
         STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)

@@ -290,6 +290,25 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     }
 }
 
+void moe_matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, int n_expert, const float* x, const int32_t* ids,
+                    int k, float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s) {
+    const bool is_float = gate.type == QType::F32 || gate.type == QType::F16 || gate.type == QType::BF16;
+    if (is_float || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
+        throw InvalidInput("moe_matmul_glu: gate and up must be quantized experts of one type and shape");
+    if (n_expert <= 0 || n_expert > 65535 || k <= 0 || k > 65535)
+        throw InvalidInput("moe_matmul_glu: n_expert and k must be in 1..65535");
+    if (gate.cols <= 0 || gate.cols % 32 || gate.cols % qtype_checked((uint32_t)gate.type).block_elems)
+        throw InvalidInput("moe_matmul_glu: cols=" + std::to_string(gate.cols) + " is not a multiple of the block");
+    if (gate.rows == 0) return;
+    const MoeScratch sc = moe_layout(scratch, n_expert, k);
+    quantize_q8_1(x, 1, gate.cols, gate.cols, sc.xq, s);
+    const size_t rb = row_bytes(gate.type, gate.cols);
+    TokenGroups grp;
+    grp.slot_ids = ids, grp.n_expert = n_expert, grp.group_stride = rb * (size_t)gate.rows, grp.n_groups = k;
+    launch_mmvq_glu(gate.type, gelu, (const uint8_t*)gate.data, (const uint8_t*)up.data, rb, gate.rows, gate.cols,
+                    (const block_q8_1*)sc.xq, gate.cols / 32, 1, grp, g, u, act, ldy, (cudaStream_t)s);
+}
+
 void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
                  int64_t ld_out, Stream s) {
     if (n_tok <= 0 || dim <= 0) return;

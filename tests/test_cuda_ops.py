@@ -456,6 +456,26 @@ def test_moe_matmul_of_one_token_gives_the_grouped_launchs_bits(dev, name, per_s
     np.testing.assert_array_equal(alone[0, [1, 3]], 0.0)
 
 
+@pytest.mark.parametrize("name", ["Q4_K", "Q8_0", "MXFP4"])
+@pytest.mark.parametrize("gelu", [False, True])
+def test_moe_matmul_glu_gives_the_bits_of_its_three_kernels(dev, name, gelu):
+    """One token's gate and up expert products and their GLU in one kernel (a decode step's MoE
+    FFN) against the two expert launches and the GLU kernel, bit for bit; a slot routed to another
+    shard (-1) gets zero rows as there."""
+    cuda_only(dev)
+    rng = np.random.default_rng(28)
+    n_expert, rows, cols, k = 6, 40, 256, 4
+    rawg = np.concatenate([random_weights(name, rows, cols, rng)[0].reshape(-1) for _ in range(n_expert)])
+    rawu = np.concatenate([random_weights(name, rows, cols, rng)[0].reshape(-1) for _ in range(n_expert)])
+    ids = np.array([[3, -1, 0, 5]], np.int32)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    g, u, act = run(dev, "moe_matmul_glu", rawg, rawu, int(T[name]), n_expert, rows, cols, x, ids, gelu=gelu)
+    np.testing.assert_array_equal(g, run(dev, "moe_matmul", rawg, int(T[name]), n_expert, rows, cols, x, ids, False)[0])
+    np.testing.assert_array_equal(u, run(dev, "moe_matmul", rawu, int(T[name]), n_expert, rows, cols, x, ids, False)[0])
+    np.testing.assert_array_equal(act, run(dev, "geglu" if gelu else "swiglu", g, u))
+    assert not g[1].any() and not act[1].any()
+
+
 def test_local_ids_and_all_reduce_sum_match_the_host(dev):
     """The tensor-parallel kernels run collective_math.h's HOST_DEVICE functions: the same ids, sums
     and gathered rows as the host (which the CPU backend runs), over more elements than one grid pass."""

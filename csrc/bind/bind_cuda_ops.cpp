@@ -268,6 +268,32 @@ Out<float> get_rows(In<uint8_t> raw, uint32_t qtype, In<int32_t> ids, int64_t n_
     return download<float>(d, ob, {(size_t)n_ids, (size_t)n_cols});
 }
 
+// One token's gate and up expert products joined by their GLU (moe_matmul_glu): (g, u, act), (k, rows) each.
+nb::tuple moe_glu(In<uint8_t> wg, In<uint8_t> wu, uint32_t qtype, int n_expert, int64_t rows, int64_t cols,
+                  In<float> x, In<int32_t> ids, bool gelu, int dev_index) {
+    const QType t = (QType)qtype;
+    const size_t rb = stowlm::row_bytes(t, cols);
+    if (wg.size() != rb * (size_t)rows * (size_t)n_expert || wu.size() != wg.size())
+        throw InvalidInput("moe_glu: wg and wu bytes != n_expert*rows*row_bytes");
+    if (ids.ndim() != 2 || ids.shape(0) != 1) throw InvalidInput("moe_glu: ids must be (1, k)");
+    const int k = (int)ids.shape(1);
+    if (x.ndim() != 2 || x.shape(0) != 1 || (int64_t)x.shape(1) != cols) throw InvalidInput("moe_glu: x must be (1, cols)");
+    for (size_t i = 0; i < ids.size(); i++)
+        if (ids.data()[i] < -1 || ids.data()[i] >= n_expert) throw InvalidInput("moe_glu: expert id out of range");
+    cu::CudaDevice& d = device(dev_index);
+    cu::DeviceWeight dw{nullptr, t, rows, cols};
+    const size_t out = (size_t)(k * rows) * 4;
+    Buf gb(d, wg.data(), wg.size()), ub(d, wu.data(), wu.size()), xb(d, x.data(), x.size() * 4),
+        ib(d, ids.data(), ids.size() * 4), yg(d, out), yu(d, out), ya(d, out),
+        sb(d, cu::moe_scratch_bytes(dw, n_expert, 1, k));
+    cu::DeviceWeight g = dw, u = dw;
+    g.data = gb.p, u.data = ub.p;
+    cu::moe_matmul_glu(g, u, n_expert, xb.as<float>(), ib.as<int32_t>(), k, yg.as<float>(), yu.as<float>(),
+                       ya.as<float>(), rows, gelu, sb.p, d.compute_stream());
+    const std::vector<size_t> shape = {(size_t)k, (size_t)rows};
+    return nb::make_tuple(download<float>(d, yg, shape), download<float>(d, yu, shape), download<float>(d, ya, shape));
+}
+
 Out<float> moe(In<uint8_t> w, uint32_t qtype, int n_expert, int64_t rows, int64_t cols, In<float> x, In<int32_t> ids,
                bool per_slot_input, int dev_index) {
     const QType t = (QType)qtype;
@@ -312,6 +338,9 @@ STOWLM_BIND(cuda_ops) {
     co.def("flash_attn_v_in_k", &flash_attn_v_in_k, nb::arg("q"), nb::arg("k"), nb::arg("hd_v"), nb::arg("q_pos"),
            nb::arg("kv_pos"), nb::arg("scale"), nb::arg("n_split") = 1, nb::arg("device") = 0);
     co.def("get_rows", &get_rows, nb::arg("raw"), nb::arg("qtype"), nb::arg("ids"), nb::arg("n_cols"), nb::arg("device") = 0);
+    co.def("moe_matmul_glu", &moe_glu, nb::arg("wg"), nb::arg("wu"), nb::arg("qtype"), nb::arg("n_expert"),
+           nb::arg("rows"), nb::arg("cols"), nb::arg("x"), nb::arg("ids"), nb::arg("gelu") = false,
+           nb::arg("device") = 0);
     co.def("moe_matmul", &moe, nb::arg("w"), nb::arg("qtype"), nb::arg("n_expert"), nb::arg("rows"), nb::arg("cols"),
            nb::arg("x"), nb::arg("ids"), nb::arg("per_slot_input") = false, nb::arg("device") = 0);
 

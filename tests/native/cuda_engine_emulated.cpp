@@ -405,7 +405,7 @@ int main(int argc, char** argv) {
             check_graphs(dir, "qwen3moe-tiny", {{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_cpu},
                          "layers on cuda:0, experts on cpu:0", false);
         }
-        for (const char* name : {"gptoss-tiny", "deepseek2-tiny"}) check_graphs(dir, name, on0, "cuda:0", true);
+        for (const char* name : {"qwen3moe-tiny", "gptoss-tiny", "deepseek2-tiny"}) check_graphs(dir, name, on0, "cuda:0", true);
         for (const char* name : {"smollm2-135m", "gptoss-tiny"})
             check_seqs_graphs(dir, name, on0, "cuda:0, 4 sequences, graphs on and off");
         const Run cuda0{{spec("cuda", 0)}, {}, {}};

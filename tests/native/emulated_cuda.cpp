@@ -386,6 +386,20 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     });
 }
 
+void moe_matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, int n_expert, const float* x, const int32_t* ids,
+                    int k, float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s) {
+    if (is_float_type(gate.type) || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
+        throw InvalidInput("moe_matmul_glu: gate and up must be quantized experts of one type and shape");
+    // the two expert products of one token and the GLU (their checks and work), one kernel after the quantization
+    const uint64_t before = t_launches;
+    moe_matmul(gate, n_expert, x, gate.cols, false, ids, 1, k, g, ldy, scratch, s);
+    moe_matmul(up, n_expert, x, gate.cols, false, ids, 1, k, u, ldy, scratch, s);
+    dev_ptr(act, span(k, ldy, gate.rows), "moe_matmul_glu act");
+    exec([=] { (gelu ? cpu::geglu : cpu::swiglu)(g, ldy, u, ldy, k, gate.rows, act, ldy, pool()); });
+    t_launches = before;
+    launched(gate.rows > 0, 2);
+}
+
 void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_tok, int k, int64_t dim, float* out,
                  int64_t ld_out, Stream) {
     rows_limit("moe_combine", n_tok);
