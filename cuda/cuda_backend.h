@@ -20,6 +20,7 @@
 #include "cpu/moe.h"
 #include "cpu/ops.h"
 #include "moe_router.h"
+#include "moe_select.h"
 #include "quant/types.h"
 
 namespace stowlm::cuda {
@@ -164,8 +165,15 @@ constexpr int64_t kTopKMaxScored = 8192;
 void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids, Stream s);
 void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int32_t* ids, int64_t k,
                  cpu::Gating gating, bool normalize, float scale, float* w, Stream s);
+// The selection the TOP_K kernels run (moe_select.h) for rows of n experts.
+inline ExpertSelect expert_select_of(int64_t n, const cpu::TopKParams& p) {
+    ExpertSelect e;
+    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
+    return e;
+}
 // Whether top_k takes its plain path for rows of n (one thread per row, no scores kept).
-bool top_k_is_plain(int64_t n, const cpu::TopKParams& p);
+inline bool top_k_is_plain(int64_t n, const cpu::TopKParams& p) { return expert_select_plain(expert_select_of(n, p)); }
 // top_k (plain selection only) and then moe_weights of the picked over `logits` ([n_rows][n], the
 // router's logits) in one kernel, one thread per row: the ids and weights of the two launches.
 void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids,

@@ -31,6 +31,7 @@
 #include "cuda_backend.h"
 #include "error.h"
 #include "moe_select.h"
+#include "quant/dot_q8_1.h"
 
 namespace stowlm {
 
@@ -47,11 +48,9 @@ bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == 
 // elementwise.cu get_rows).
 bool is_kernel_qtype(QType t) {
     switch (t) {
-        case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
-        case QType::IQ4_NL: case QType::Q2_K: case QType::Q3_K: case QType::Q4_K: case QType::Q5_K:
-        case QType::Q6_K: case QType::Q8_K: case QType::IQ4_XS: case QType::MXFP4: case QType::IQ1_S:
-        case QType::IQ1_M: case QType::IQ2_XXS: case QType::IQ2_XS: case QType::IQ2_S: case QType::IQ3_XXS:
-        case QType::IQ3_S:
+#define STOWLM_CASE(T) case QType::T:
+        STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
+#undef STOWLM_CASE
             return true;
         default:
             return false;

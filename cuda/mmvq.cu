@@ -188,11 +188,7 @@ void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int6
     case QType::T:                                                                                         \
         mmvq_kernel<QType::T><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, nsub, xq, xq_ld, n_slots, g, y, ldy); \
         break;
-        STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
-        STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)
-        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS) STOWLM_CASE(MXFP4) STOWLM_CASE(IQ2_XXS)
-        STOWLM_CASE(IQ2_XS) STOWLM_CASE(IQ2_S) STOWLM_CASE(IQ3_XXS) STOWLM_CASE(IQ3_S) STOWLM_CASE(IQ1_S)
-        STOWLM_CASE(IQ1_M)
+        STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
         default: throw InvalidInput(std::string("mmvq: weight type ") + qtype_name(t) + " is not a quantized type");
     }
@@ -215,11 +211,7 @@ void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, s
             mmvq_glu_kernel<QType::T, false><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq,      \
                                                                           xq_ld, n_tok, grp, g, u, act, ldy);       \
         break;
-        STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
-        STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)
-        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS) STOWLM_CASE(MXFP4) STOWLM_CASE(IQ2_XXS)
-        STOWLM_CASE(IQ2_XS) STOWLM_CASE(IQ2_S) STOWLM_CASE(IQ3_XXS) STOWLM_CASE(IQ3_S) STOWLM_CASE(IQ1_S)
-        STOWLM_CASE(IQ1_M)
+        STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
         default: throw InvalidInput(std::string("mmvq_glu: weight type ") + qtype_name(t) + " is not a quantized type");
     }

@@ -172,9 +172,7 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
         throw InvalidInput("cuda top_k: " + std::to_string(p.n_groups) + " expert groups, the kernel takes at most " +
                            std::to_string(kMaxExpertGroups));
     if (n_rows <= 0) return;
-    ExpertSelect e;
-    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
-    e.n_groups = grouped ? (int)p.n_groups : 0, e.n_group_used = grouped ? (int)p.n_group_used : 0;
+    const ExpertSelect e = expert_select_of(n, p);
     if (expert_select_plain(e)) {
         top_k_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids);
         check_launch("top_k_kernel");
@@ -188,13 +186,6 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     check_launch("top_k_scored_kernel");
 }
 
-bool top_k_is_plain(int64_t n, const cpu::TopKParams& p) {
-    ExpertSelect e;
-    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
-    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
-    return expert_select_plain(e);
-}
-
 void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids,
                    const float* logits, cpu::Gating gating, bool normalize, float scale, float* w, Stream s) {
     if (n <= 0 || n > (1 << 20)) throw InvalidInput("cuda top_k_weights: row length " + std::to_string(n) + " outside 1..2^20");
@@ -202,8 +193,7 @@ void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const
     if (ldx < n) throw InvalidInput("cuda top_k_weights: ldx < n");
     if (!top_k_is_plain(n, p)) throw InvalidInput("cuda top_k_weights: only the plain selection (top_k otherwise)");
     if (n_rows <= 0) return;
-    ExpertSelect e;
-    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
+    const ExpertSelect e = expert_select_of(n, p);
     top_k_weights_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids, logits, (int)n,
                                                                              (int)gating, normalize, scale, w);
     check_launch("top_k_weights_kernel");

@@ -20,6 +20,21 @@ int fallback_device(const std::vector<Backend*>& backends) {
 // the residual stream came from, which would send the stream back and forth between devices.
 using NodeIndex = std::map<const Tensor*, int>;
 
+// The device of n's most recently produced computed input among src[first..] (-1: none).
+int latest_source_device(const Tensor* n, const NodeIndex& index, int first = 0) {
+    int dev = -1, latest = -1;
+    for (int i = first; i < n->n_src(); i++) {
+        const Tensor* s = n->src[i];
+        if (!s) continue;
+        const Tensor* r = s->storage_root();
+        if (r->role != TensorRole::COMPUTE) continue;
+        auto it = index.find(r);
+        const int at = it == index.end() ? -1 : it->second;
+        if (dev < 0 || at > latest) latest = at, dev = r->device;
+    }
+    return dev;
+}
+
 int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
     if (is_collective(n->op)) {  // one node per shard, on that shard's device
         if (!backends.at(n->device)->supports(*n))
@@ -35,18 +50,7 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
         const Tensor* r = s->storage_root();
         if (r->role == TensorRole::WEIGHT || r->role == TensorRole::KV) dev = r->device;
     }
-    if (dev < 0) {
-        int latest = -1;
-        for (int i = 0; i < n->n_src(); i++) {
-            const Tensor* s = n->src[i];
-            if (!s) continue;
-            const Tensor* r = s->storage_root();
-            if (r->role != TensorRole::COMPUTE) continue;
-            auto it = index.find(r);
-            const int at = it == index.end() ? -1 : it->second;
-            if (dev < 0 || at > latest) latest = at, dev = r->device;
-        }
-    }
+    if (dev < 0) dev = latest_source_device(n, index);
     if (dev < 0) dev = 0;
     if (!backends.at(dev)->supports(*n)) dev = fallback_device(backends);
     return dev;
@@ -57,16 +61,7 @@ int staging_device(const Tensor* n, const std::vector<Backend*>& backends, const
     if (n->op != Op::MUL_MAT_ID || !n->src[0]) return -1;
     const Tensor* w = n->src[0]->storage_root();
     if (w->role != TensorRole::WEIGHT || w->device < 0 || !backends.at(w->device)->host_accessible()) return -1;
-    int dev = -1, latest = -1;
-    for (int i = 1; i < n->n_src(); i++) {
-        const Tensor* s = n->src[i];
-        if (!s) continue;
-        const Tensor* r = s->storage_root();
-        if (r->role != TensorRole::COMPUTE) continue;
-        auto it = index.find(r);
-        const int at = it == index.end() ? -1 : it->second;
-        if (dev < 0 || at > latest) latest = at, dev = r->device;
-    }
+    const int dev = latest_source_device(n, index, 1);
     if (dev < 0 || backends.at(dev)->host_accessible() || !backends[dev]->can_stage(*n)) return -1;
     return dev;
 }

@@ -264,16 +264,18 @@ STOWLM_WTRAITS(IQ1_S, block_iq1_s, load_wsub_iq, 8)
 STOWLM_WTRAITS(IQ1_M, block_iq1_m, load_wsub_iq, 8)
 #undef STOWLM_WTRAITS
 
+// Every weight type the q8_1 products take (WTraits above), for the switches that dispatch on
+// them: X(Q4_0) X(Q4_1) ...
+#define STOWLM_Q8_1_WEIGHT_TYPES(X)                                                                                \
+    X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(IQ4_NL) X(Q2_K) X(Q3_K) X(Q4_K) X(Q5_K) X(Q6_K) X(Q8_K) X(IQ4_XS) \
+    X(MXFP4) X(IQ2_XXS) X(IQ2_XS) X(IQ2_S) X(IQ3_XXS) X(IQ3_S) X(IQ1_S) X(IQ1_M)
+
 // Runtime dispatch of the loader (host tests; kernels use WTraits). False for a type that
 // is not a quantized weight type.
 HOST_DEVICE bool load_wsub(QType t, const uint8_t* row, int sub, WSub& w) {
     switch (t) {
 #define STOWLM_CASE(T) case QType::T: WTraits<QType::T>::load(row, sub, w); return true;
-        STOWLM_CASE(Q4_0) STOWLM_CASE(Q4_1) STOWLM_CASE(Q5_0) STOWLM_CASE(Q5_1) STOWLM_CASE(Q8_0)
-        STOWLM_CASE(IQ4_NL) STOWLM_CASE(Q2_K) STOWLM_CASE(Q3_K) STOWLM_CASE(Q4_K) STOWLM_CASE(Q5_K)
-        STOWLM_CASE(Q6_K) STOWLM_CASE(Q8_K) STOWLM_CASE(IQ4_XS) STOWLM_CASE(MXFP4) STOWLM_CASE(IQ2_XXS)
-        STOWLM_CASE(IQ2_XS) STOWLM_CASE(IQ2_S) STOWLM_CASE(IQ3_XXS) STOWLM_CASE(IQ3_S) STOWLM_CASE(IQ1_S)
-        STOWLM_CASE(IQ1_M)
+        STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
         default: return false;
     }

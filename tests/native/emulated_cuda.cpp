@@ -308,9 +308,7 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     dev_ptr(ids, span(n_rows, p.k, p.k), "top_k ids");
     if (p.bias) dev_ptr(p.bias, span(1, n, n), "top_k bias");
     if (p.n_groups > kMaxExpertGroups) throw InvalidInput("top_k: more expert groups than the kernel takes");
-    ExpertSelect e;
-    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
-    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
+    const ExpertSelect e = expert_select_of(n, p);
     if (!expert_select_plain(e) && n > kTopKMaxScored) throw InvalidInput("top_k: more experts than the kernel scores");
     launched(n_rows > 0);
     const int64_t k = p.k;
@@ -318,13 +316,6 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
         std::vector<float> score((size_t)n);  // the kernel's shared-memory row
         for (int64_t r = 0; r < n_rows; r++) expert_select(x + r * ldx, e, score.data(), ids + r * k);
     });
-}
-
-bool top_k_is_plain(int64_t n, const cpu::TopKParams& p) {
-    ExpertSelect e;
-    e.n = (int)n, e.k = (int)p.k, e.gating = (int)p.gating, e.bias = p.bias;
-    e.n_groups = p.n_groups > 1 ? (int)p.n_groups : 0, e.n_group_used = p.n_groups > 1 ? (int)p.n_group_used : 0;
-    return expert_select_plain(e);
 }
 
 void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::TopKParams& p, int32_t* ids,
