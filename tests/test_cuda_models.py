@@ -255,6 +255,29 @@ def test_split_between_cpu_and_cuda(model_path, name, devices, split, overrides)
         assert report[1]["weights"] > 0 and report[1]["copies"] > 0
 
 
+def test_prompts_stage_ram_experts_on_the_gpu(model_path):
+    """Layers on cuda:0, experts on the CPU: prompt micro-batches of >= moe_offload_min tokens
+    multiply the experts on cuda:0 (copied in layer by layer), smaller ones and decoding on the
+    CPU. The logits follow the CPU engine's either way, cuda:0 allocates exactly its plan (which
+    holds the staged experts), and a prompt whose last micro-batch falls below the threshold
+    switches plans within one eval."""
+    require_devices(CUDA, CPU)
+    name = "qwen3moe-tiny"
+    path = model_path(name)
+    ids = next(r for r in load_fixture(name) if r["kind"] == "logits")["ids"]
+    prompt = (ids * (40 // len(ids) + 1))[:40]
+    n_layer = stowlm.Model(path, devices=[CPU]).n_layer
+    ref = stowlm.Context(stowlm.Model(path, devices=[CPU]), n_ctx=128, n_ubatch=16).eval(prompt, logits="all")
+    for offload_min in (0, 8, 12):  # 0: never; 8: every micro-batch (16, 16, 8); 12: not the last
+        model = stowlm.Model(path, devices=[CUDA, CPU], layer_split=[n_layer, 0],
+                             tensor_overrides=[r"ffn_.*_exps=cpu:0"], moe_offload_min=offload_min)
+        ctx = stowlm.Context(model, n_ctx=128, n_ubatch=16)
+        assert ctx._c.check_plan() == ""
+        got = ctx.eval(prompt, logits="all")
+        assert_same_distributions(got, ref, f"{name}, experts on the CPU, moe_offload_min {offload_min}")
+        assert_exact_accounting(ctx)
+
+
 @pytest.mark.parametrize("mode", ["tensor", "tensor-sum"])
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3moe-tiny", "deepseek2-tiny"])
 @pytest.mark.parametrize("devices,shares", [([CUDA, CPU], [1, 1]), ([CPU, CUDA], [3, 1]),
