@@ -139,6 +139,7 @@ public:
     }
 
     bool can_stage(const Tensor& n) const override { return n.op == Op::MUL_MAT_ID && unsupported_reason(n).empty(); }
+    size_t staging_bytes(const Tensor& n) const override { return n.staged ? n.src[0]->nbytes() : 0; }
 
     bool supports(const Tensor& n) const override {
         const std::string why = unsupported_reason(n);
@@ -155,7 +156,7 @@ public:
             case Op::MUL_MAT:
                 return cu::matmul_scratch_bytes(a->type, a->ne[0], n.src[1]->n_rows());
             case Op::MUL_MAT_ID:
-                return moe_scratch(n) + (n.staged ? a->nbytes() : 0);
+                return moe_scratch(n);  // staged experts: in the staging slots (staging_bytes)
             case Op::FLASH_ATTN: {
                 // The plan is made on the largest graph, but a smaller one (decoding) may split
                 // the KV range more. Free splits: the launcher's choice keeps n_tok * n_head *
@@ -188,8 +189,16 @@ public:
         const uint64_t first = cu::launches_on_this_thread();
         if (!timing_ || host_bound) {
             ScratchHolds held;
-            for (size_t i = 0; i < split.nodes.size();)
-                i = run_at(split.nodes, i, scratch, scratch_bytes, dev_->compute_stream(), held);
+            Stager stager;
+            if (has_staged(split)) stage_begin(split, scratch, scratch_bytes, stager), held.stager = &stager;
+            try {
+                for (size_t i = 0; i < split.nodes.size();)
+                    i = run_at(split.nodes, i, scratch, scratch_bytes, dev_->compute_stream(), held);
+            } catch (...) {
+                stage_end(stager);
+                throw;
+            }
+            stage_end(stager);
         } else {
             timed_splits_++;
             run_timed(split, scratch, scratch_bytes);
@@ -460,9 +469,62 @@ private:
 
     // What the split's scratch holds: the block_q8_1 rows of this activation tensor, left by a
     // product of quantized weights, until a node that writes the scratch otherwise runs.
+    // Staged experts (Tensor::staged) of a split: each node's weights go by the copy stream into
+    // one of the two staging slots at the end of the scratch (the planner's), the next node's
+    // while this one's product runs; events keep a slot's copy after its last reader and before
+    // its next. (A split that stages is never captured nor timed.)
+    struct Stager {
+        std::vector<const Tensor*> nodes;  // the split's staged nodes, in order
+        char* slot[2] = {nullptr, nullptr};
+        size_t next = 0;  // the staged node to run next
+        cu::Event copied[2] = {nullptr, nullptr}, used[2] = {nullptr, nullptr};
+    };
     struct ScratchHolds {
         const Tensor* x = nullptr;
+        Stager* stager = nullptr;
     };
+
+    void stage_begin(const Split& split, void* scratch, size_t scratch_bytes, Stager& st) {
+        size_t slot = 0;
+        for (const Tensor* n : split.nodes)
+            if (n->staged) st.nodes.push_back(n), slot = std::max(slot, (staging_bytes(*n) + 255) & ~(size_t)255);
+        if (2 * slot > scratch_bytes)
+            throw InvalidInput(name_ + ": staging " + std::to_string(slot) + "-byte experts needs two slots, the plan's "
+                               "scratch has " + std::to_string(scratch_bytes) + " bytes");
+        st.slot[0] = (char*)scratch + scratch_bytes - 2 * slot, st.slot[1] = st.slot[0] + slot;
+        // the slots' bytes may have been read by this stream's earlier work: copies wait for it
+        for (int k = 0; k < 2; k++) st.used[k] = dev_->record(dev_->compute_stream());
+        stage_copy(st, 0);
+    }
+    // Starts the copy of staged node k's weights into slot k % 2, after that slot's last reader.
+    void stage_copy(Stager& st, size_t k) {
+        const int s = (int)(k % 2);
+        const cu::Stream cs = dev_->copy_stream();
+        const Tensor* w = st.nodes[k]->src[0];
+        if (st.used[s]) dev_->wait(cs, st.used[s]), dev_->release(st.used[s]), st.used[s] = nullptr;
+        dev_->copy_to_device(st.slot[s], w->data, w->nbytes(), cs);
+        st.copied[s] = dev_->record(cs);
+    }
+    // Where node n's staged weights are: its copy is waited for on stream s.
+    const void* stage_take(Stager& st, const Tensor* n, cu::Stream s) {
+        if (st.next >= st.nodes.size() || st.nodes[st.next] != n)
+            throw InvalidInput(name_ + ": staged node " + n->name + " runs out of order");
+        const int k = (int)(st.next % 2);
+        dev_->wait(s, st.copied[k]), dev_->release(st.copied[k]), st.copied[k] = nullptr;
+        return st.slot[k];
+    }
+    // After node n's product is enqueued: its slot is free once that is done; the next copy starts.
+    void stage_done(Stager& st, cu::Stream s) {
+        const int k = (int)(st.next % 2);
+        st.used[k] = dev_->record(s);
+        if (++st.next < st.nodes.size()) stage_copy(st, st.next);
+    }
+    void stage_end(Stager& st) {
+        for (int k = 0; k < 2; k++) {
+            if (st.used[k]) dev_->release(st.used[k]);
+            if (st.copied[k]) dev_->release(st.copied[k]);
+        }
+    }
 
     // ---- fused kernels ---------------------------------------------------------------------------
     // Whole contiguous rows of t's shape.
@@ -711,21 +773,15 @@ private:
             case Op::MUL_MAT_ID: {
                 Tensor* ids = n->src[2];
                 cu::DeviceWeight w = weight(a);
-                if (n->staged) {
-                    // The experts live in host memory: copied in after the product's own scratch
-                    // (the kernels before it on this stream are done with those bytes first).
-                    const size_t at = moe_scratch(*n);
-                    if (at + a->nbytes() > scratch_bytes)
-                        throw InvalidInput(name_ + ": " + n->name + " needs " + std::to_string(at + a->nbytes()) +
-                                           " bytes of scratch to stage its experts, the plan gave " +
-                                           std::to_string(scratch_bytes));
-                    w.data = (char*)scratch + at;
-                    dev_->copy_to_device((void*)w.data, a->data, a->nbytes(), s);
+                if (n->staged) {  // the experts live in host memory: the stager copied them in
+                    if (!held.stager) throw InvalidInput(name_ + ": staged node " + n->name + " outside a staging split");
+                    w.data = stage_take(*held.stager, n, s);
                 }
                 // x [cols, 1, n]: every slot of a token reads its row (gate/up); x [cols, k, n]:
                 // each slot its own row (down). With k = 1 both read row t.
                 cu::moe_matmul(w, (int)a->ne[2], f32(b), b->ne[0], b->ne[1] != 1, i32(ids), ids->ne[1],
                                (int)ids->ne[0], f32(n), n->ne[0], scratch, s);
+                if (n->staged) stage_done(*held.stager, s);
                 return;
             }
             case Op::LOCAL_IDS:

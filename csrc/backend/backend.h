@@ -76,6 +76,10 @@ public:
     virtual void compute(const Split& split, void* scratch, size_t scratch_bytes) = 0;
     // Scratch bytes node needs while it runs (matmul activation quantization, attention).
     virtual size_t scratch_bytes(const Tensor& node) const = 0;
+    // Bytes of host-resident weights a staged node (can_stage) copies in; the planner reserves two
+    // slots of the largest at the end of the device's scratch, so that the next staged node's copy
+    // runs while this one's product does.
+    virtual size_t staging_bytes(const Tensor&) const { return 0; }
 
     virtual void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset = 0) = 0;
     virtual void copy_to_host(const Tensor& src, void* dst, size_t bytes, size_t offset = 0) = 0;

@@ -138,12 +138,14 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
     std::vector<OffsetAllocator> alloc(backends.size());
     // offset held by each live tensor, and which tensors die at each step
     std::unordered_map<const Tensor*, size_t> held;
+    std::vector<size_t> staging(backends.size(), 0);  // the largest staged node's weights, per device
     for (int i = 0; i < (int)order.size(); i++) {
         Tensor* n = order[i];
         const int dev = n->device;
         if (dev < 0 || dev >= (int)backends.size()) throw InvalidInput("planner: node " + n->name + " has no device");
         DeviceComputePlan& dp = plan.devices[dev];
         dp.scratch_bytes = std::max(dp.scratch_bytes, backends[dev]->scratch_bytes(*n));
+        if (n->staged) staging[dev] = std::max(staging[dev], align_up(backends[dev]->staging_bytes(*n)));
         if (copy_area && n->op == Op::COPY) {
             // Its own bytes in every slot, for the whole micro-batch: written when its producer
             // finishes, read by this device whenever it gets to the micro-batch.
@@ -194,7 +196,11 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
             held.erase(n);
         }
     }
-    for (size_t d = 0; d < backends.size(); d++) plan.devices[d].tensor_bytes = alloc[d].peak();
+    for (size_t d = 0; d < backends.size(); d++) {
+        plan.devices[d].tensor_bytes = alloc[d].peak();
+        // two staging slots after the kernels' own scratch (Backend::staging_bytes)
+        if (staging[d]) plan.devices[d].scratch_bytes = align_up(plan.devices[d].scratch_bytes) + 2 * staging[d];
+    }
     return plan;
 }
 

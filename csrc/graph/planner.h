@@ -1,6 +1,7 @@
 // The memory planner: liveness over a scheduled graph's execution order gives each device's
 // compute buffer (tensor offsets, in-place reuse of a dying input where the op allows it,
-// peak bytes) plus one scratch region per device sized for its hungriest node. For pipeline
+// peak bytes) plus one scratch region per device sized for its hungriest node, and ending in two
+// slots for staged weights (Backend::staging_bytes) where the device stages any. For pipeline
 // parallelism the tensors that cross devices (COPY nodes) leave the liveness region for a copy
 // area of `copy_slots` slots, one per micro-batch in flight: only they are kept in copies.
 // plan_compute() allocates nothing; allocate_compute() allocates exactly what a plan says, so
