@@ -42,6 +42,9 @@
 #   3. carry [".carry/manifest.json", ".carry/smollm2-135m.gguf.part01"]
 #      command: bash bench/gpu_session.sh        timeout_s 560
 #   then give_back. The figures come back in $OUT (gpu_compare.md: the table for the README).
+#   If a CUDA model test fails there: STOWLM_CUDA_GRAPHS=0 (no graphs) and STOWLM_CUDA_FUSION=0
+#   (no fused kernels) in a rerun of that test tell which part; tests/test_cuda_ops.py checks each
+#   fused kernel against the kernels it replaces.
 #   Optional, with 7 minutes of device time left, right after call 3 on the same warm machine:
 #   4. command: PYTHONPATH=python python3 bench/big_moe_compare.py --rounds 1 --out $OUT
 #      (writes the Qwen3-30B-A3B-shaped big-moe.gguf with the carried shared tools, fits it on

@@ -14,7 +14,8 @@
 // A split run a second time is captured as a CUDA graph and replayed from then on (one launch
 // instead of hundreds): every graph (ShapeGraph) is placed once, so its kernels' arguments are
 // the same each time, and what changes per step (tokens, positions, cells, sequence ends) is in
-// the inputs the context uploads first. STOWLM_CUDA_GRAPHS=0 turns graphs off.
+// the inputs the context uploads first. STOWLM_CUDA_GRAPHS=0 turns graphs off; STOWLM_CUDA_FUSION=0
+// runs every node as its own kernels (the fusions of run_at off).
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -92,6 +93,8 @@ public:
         budget_ = spec.mem_bytes ? std::min(spec.mem_bytes, dev_->memory_total()) : dev_->memory_total();
         const char* e = std::getenv("STOWLM_CUDA_GRAPHS");
         graphs_on_ = !(e && std::string(e) == "0");
+        const char* f = std::getenv("STOWLM_CUDA_FUSION");
+        fusion_on_ = !(f && std::string(f) == "0");
     }
     ~CudaBackend() override {
         try {
@@ -614,6 +617,12 @@ private:
     // gate and up products + their GLU; q and k ROPEs; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
+        if (!fusion_on_) {  // every node its own kernels (STOWLM_CUDA_FUSION=0: to compare, or to isolate a fault)
+            held.x = nullptr;
+            run(nodes[i], scratch, scratch_bytes, s, held);
+            held.x = nullptr;
+            return i + 1;
+        }
         if (experts_glu(nodes, i)) {
             Tensor *g = nodes[i], *u = nodes[i + 1], *act = nodes[i + 2];
             const Tensor* ids = g->src[2];
@@ -947,6 +956,7 @@ private:
     std::atomic<bool> timing_{false};
     // CUDA graphs by Split::uid
     bool graphs_on_ = true;
+    bool fusion_on_ = true;  // fused kernels and reused activation rows (STOWLM_CUDA_FUSION=0: off)
     std::mutex graphs_mu_;
     std::unordered_map<uint64_t, Captured> graphs_;
     uint64_t graph_clock_ = 0;

@@ -312,6 +312,37 @@ void check_staging(const std::string& dir, const std::string& name, int n_layer)
     }
 }
 
+// STOWLM_CUDA_FUSION=0: every node its own kernels (24 a llama layer: each product quantizes its
+// input, the two ropes, the two stores, the adds, the norms and swiglu apart; the tied output 5),
+// the same logits as fused (on the emulated device every kernel is the CPU op it mirrors).
+void check_unfused(const std::string& dir) {
+    const std::string path = dir + "/smollm2-135m.gguf";
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 20; i++) prompt.push_back(1 + (i * 7919) % 2000);
+    std::vector<float> logits[2];
+    uint64_t kernels[2] = {0, 0};
+    for (int fused = 0; fused < 2; fused++) {
+        setenv("STOWLM_CUDA_FUSION", fused ? "1" : "0", 1);
+        auto m = Model::load(path, {spec("cuda", 0)}, {}, true);
+        unsetenv("STOWLM_CUDA_FUSION");
+        ContextParams p;
+        p.n_ctx = 128, p.n_ubatch = 16;
+        Context c(*m, p);
+        logits[fused] = c.eval(prompt, {}, true);
+        m->backends()[0]->take_kernel_stats();
+        const std::vector<float> l = c.eval({100}, {}, false);
+        kernels[fused] = m->backends()[0]->take_kernel_stats().launches;
+        logits[fused].insert(logits[fused].end(), l.begin(), l.end());
+    }
+    const uint64_t unfused_expected = 30 * 24 + 5, fused_expected = kRangeKernels + 30 * kLlamaLayerKernels + kOutputKernels;
+    const bool ok = logits[0] == logits[1] && kernels[0] == unfused_expected && kernels[1] == fused_expected;
+    printf("%s smollm2-135m cuda:0, STOWLM_CUDA_FUSION=0: %llu kernels a decode step (expected %llu), fused %llu "
+           "(expected %llu), logits %s\n",
+           ok ? "ok  " : "FAIL", (unsigned long long)kernels[0], (unsigned long long)unfused_expected,
+           (unsigned long long)kernels[1], (unsigned long long)fused_expected, logits[0] == logits[1] ? "the same" : "DIFFERENT");
+    if (!ok) failures++;
+}
+
 // CUDA graphs: the same decode with STOWLM_CUDA_GRAPHS=0 and with graphs (the default). The
 // emulated graph replays its launchers with the arguments of its capture, so an argument that
 // should have changed between steps (a length, a position, a cell) changes the logits: they must
@@ -391,6 +422,7 @@ int main(int argc, char** argv) {
     const std::string dir = argv[1];
     try {
         check_launch_counts(dir);
+        check_unfused(dir);
         const Run on0{{spec("cuda", 0)}, {}, {}};
         check_graphs(dir, "smollm2-135m", on0, "cuda:0", true);
         check_graphs(dir, "smollm2-135m", on0, "cuda:0, decode across 256 cells", true, 250, 12, 640, 64);
