@@ -16,8 +16,6 @@ namespace stowlm::cuda {
 namespace {
 constexpr size_t kStagingBytes = 4u << 20;  // per pinned staging buffer (two of them)
 
-bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
-
 int current_cc_major() {
     int dev = 0, major = 0;
     check_cuda(cudaGetDevice(&dev), "cudaGetDevice");

@@ -121,6 +121,9 @@ uint64_t launches_on_this_thread();
 
 // ---- matrix products (quantize.cu, mmvq.cu, mmq.cu) -----------------------------------
 
+// Weights the float kernels take as they are; every other type goes through q8_1 activations.
+inline bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
+
 struct DeviceWeight {
     const void* data = nullptr;  // rows * row_bytes(type, cols) device bytes
     QType type = QType::F32;

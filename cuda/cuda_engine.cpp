@@ -43,7 +43,7 @@ namespace cu = cuda;
 float* f32(const Tensor* t) { return (float*)t->data; }
 const int32_t* i32(const Tensor* t) { return (const int32_t*)t->data; }
 
-bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
+using cu::is_float_type;
 
 // Weight types the vector/tiled product kernels and the row decoder take (mmvq.cu, mmq.cu,
 // elementwise.cu get_rows).
@@ -142,7 +142,9 @@ public:
     }
 
     bool can_stage(const Tensor& n) const override { return n.op == Op::MUL_MAT_ID && unsupported_reason(n).empty(); }
-    size_t staging_bytes(const Tensor& n) const override { return n.staged ? n.src[0]->nbytes() : 0; }
+    size_t staging_bytes(const Tensor& n) const override {
+        return n.staged ? (n.src[0]->nbytes() + 255) & ~(size_t)255 : 0;  // the slot: 256-byte aligned
+    }
 
     bool supports(const Tensor& n) const override {
         const std::string why = unsupported_reason(n);
@@ -159,7 +161,7 @@ public:
             case Op::MUL_MAT:
                 return cu::matmul_scratch_bytes(a->type, a->ne[0], n.src[1]->n_rows());
             case Op::MUL_MAT_ID:
-                return moe_scratch(n);  // staged experts: in the staging slots (staging_bytes)
+                return moe_scratch(n);
             case Op::FLASH_ATTN: {
                 // The plan is made on the largest graph, but a smaller one (decoding) may split
                 // the KV range more. Free splits: the launcher's choice keeps n_tok * n_head *
@@ -264,12 +266,11 @@ private:
             if (n->staged) return true;
         return false;
     }
-    // The expert product's scratch, before the staged experts' bytes (scratch_bytes).
+    // The expert product's scratch (scratch_bytes; staged experts go in the staging slots).
     static size_t moe_scratch(const Tensor& n) {
         const Tensor *a = n.src[0], *x = n.src[1], *ids = n.src[2];
         const int64_t slots = ids->ne[0] * ids->ne[1];
-        return (cu::moe_scratch_bytes(weight(a), (int)a->ne[2], x->ne[1] == 1 ? ids->ne[1] : slots, slots) + 255) &
-               ~(size_t)255;
+        return cu::moe_scratch_bytes(weight(a), (int)a->ne[2], x->ne[1] == 1 ? ids->ne[1] : slots, slots);
     }
 
     // ---- CUDA graphs ---------------------------------------------------------------------------
@@ -470,8 +471,6 @@ private:
         if (out->data != x->data) dev_->copy_device(out->data, x->data, out->nbytes(), s);
     }
 
-    // What the split's scratch holds: the block_q8_1 rows of this activation tensor, left by a
-    // product of quantized weights, until a node that writes the scratch otherwise runs.
     // Staged experts (Tensor::staged) of a split: each node's weights go by the copy stream into
     // one of the two staging slots at the end of the scratch (the planner's), the next node's
     // while this one's product runs; events keep a slot's copy after its last reader and before
@@ -482,6 +481,9 @@ private:
         size_t next = 0;  // the staged node to run next
         cu::Event copied[2] = {nullptr, nullptr}, used[2] = {nullptr, nullptr};
     };
+    // What the split's scratch holds: the block_q8_1 rows of this activation tensor, left by a
+    // product of quantized weights or a norm, until a node that writes the scratch otherwise runs;
+    // and the split's stager, if it stages.
     struct ScratchHolds {
         const Tensor* x = nullptr;
         Stager* stager = nullptr;
@@ -490,7 +492,7 @@ private:
     void stage_begin(const Split& split, void* scratch, size_t scratch_bytes, Stager& st) {
         size_t slot = 0;
         for (const Tensor* n : split.nodes)
-            if (n->staged) st.nodes.push_back(n), slot = std::max(slot, (staging_bytes(*n) + 255) & ~(size_t)255);
+            if (n->staged) st.nodes.push_back(n), slot = std::max(slot, staging_bytes(*n));  // the planner's slot
         if (2 * slot > scratch_bytes)
             throw InvalidInput(name_ + ": staging " + std::to_string(slot) + "-byte experts needs two slots, the plan's "
                                "scratch has " + std::to_string(scratch_bytes) + " bytes");
@@ -618,9 +620,7 @@ private:
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
         if (!fusion_on_) {  // every node its own kernels (STOWLM_CUDA_FUSION=0: to compare, or to isolate a fault)
-            held.x = nullptr;
             run(nodes[i], scratch, scratch_bytes, s, held);
-            held.x = nullptr;
             return i + 1;
         }
         if (experts_glu(nodes, i)) {
@@ -712,7 +712,7 @@ private:
                 // a graph tensor's bytes hold its value until its last reader: the same tensor, the same rows
                 const bool quantized = !is_float_type(a->type);
                 cu::matmul(weight(a), f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, s, cu::MatmulPath::Auto,
-                           quantized && held.x == b);
+                           quantized && fusion_on_ && held.x == b);
                 if (quantized) held.x = b;
                 return;
             }

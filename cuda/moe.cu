@@ -222,8 +222,7 @@ void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, i
 
 size_t moe_scratch_bytes(const DeviceWeight& w, int n_expert, int64_t n_act_rows, int64_t n_slots) {
     size_t b = align256(sizeof(int32_t) * (size_t)(3 * n_expert + 1 + 2 * n_slots));
-    const bool is_float = w.type == QType::F32 || w.type == QType::F16 || w.type == QType::BF16;
-    if (!is_float) b += q8_1_bytes(n_act_rows, w.cols);
+    if (!is_float_type(w.type)) b += q8_1_bytes(n_act_rows, w.cols);
     return b;
 }
 
@@ -242,7 +241,7 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     const cudaStream_t st = (cudaStream_t)s;
     MoeScratch sc = moe_layout(scratch, n_expert, n_slots);
     const size_t rb = row_bytes(w.type, w.cols);
-    const bool is_float = w.type == QType::F32 || w.type == QType::F16 || w.type == QType::BF16;
+    const bool is_float = is_float_type(w.type);
     if (n_tok == 1 && n_slots <= 65535) {
         // One token (decoding): a block per slot reads its expert's id itself, no sorting (the
         // same dot products, so the bits of the grouped launch).
@@ -282,8 +281,7 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
 
 void moe_matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, int n_expert, const float* x, const int32_t* ids,
                     int k, float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s) {
-    const bool is_float = gate.type == QType::F32 || gate.type == QType::F16 || gate.type == QType::BF16;
-    if (is_float || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
+    if (is_float_type(gate.type) || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
         throw InvalidInput("moe_matmul_glu: gate and up must be quantized experts of one type and shape");
     if (n_expert <= 0 || n_expert > 65535 || k <= 0 || k > 65535)
         throw InvalidInput("moe_matmul_glu: n_expert and k must be in 1..65535");

@@ -68,17 +68,16 @@ public:
     virtual void free_buffer(BackendBuffer& b) = 0;
 
     virtual bool supports(const Tensor& node) const = 0;
-    // Can run node (a MUL_MAT_ID) though its weights live in host memory, copying them into its
-    // scratch as it runs (scratch_bytes counts that): a prompt's expert products on a GPU whose
-    // experts stay in RAM.
+    // Can run node (a MUL_MAT_ID) though its weights live in host memory, copying them in as it
+    // runs (staging_bytes): a prompt's expert products on a GPU whose experts stay in RAM.
     virtual bool can_stage(const Tensor&) const { return false; }
     // Runs the split's nodes in order; their tensors are placed (data set) already.
     virtual void compute(const Split& split, void* scratch, size_t scratch_bytes) = 0;
     // Scratch bytes node needs while it runs (matmul activation quantization, attention).
     virtual size_t scratch_bytes(const Tensor& node) const = 0;
-    // Bytes of host-resident weights a staged node (can_stage) copies in; the planner reserves two
-    // slots of the largest at the end of the device's scratch, so that the next staged node's copy
-    // runs while this one's product does.
+    // The slot a staged node (can_stage) copies its host-resident weights into (aligned as the
+    // backend wants it); the planner reserves two slots of the largest at the end of the device's
+    // scratch, so that the next staged node's copy runs while this one's product does.
     virtual size_t staging_bytes(const Tensor&) const { return 0; }
 
     virtual void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset = 0) = 0;

@@ -164,30 +164,38 @@ struct ContextPlans {
     int64_t stage_min = 0;
     PipelineMode pipeline;
 };
-ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape_only, int n_copies, Graph& ref,
-                          Graph& small) {
-    ContextPlans r;
+
+// Builds `ref` (and `small` where the shapes have two topologies); returns stage_min.
+int64_t context_graphs(const Model& m, const ContextParams& p, KVCache& shape_only, Graph& ref, Graph& small) {
     const bool may_stage = p.moe_offload_min > 0 && p.n_ubatch >= p.moe_offload_min && !own_copy_area(m);
-    BuildInputs in, in_small;
+    BuildInputs in;
     build_scheduled_graph(m, shape_only, p.n_ubatch, p.n_ctx, p.n_outputs, ref, in, nullptr, false, may_stage);
     bool staged = false;
     for (const Tensor* n : ref.nodes()) staged = staged || n->staged;
-    if (!staged) {
+    if (!staged) return 0;
+    if (p.moe_offload_min > 1) {
+        const int64_t nt = p.moe_offload_min - 1;
+        BuildInputs in_small;
+        build_scheduled_graph(m, shape_only, nt, p.n_ctx, std::min(p.n_outputs, nt), small, in_small, nullptr, false,
+                              false);
+    }
+    return p.moe_offload_min;
+}
+
+ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape_only, int n_copies, Graph& ref,
+                          Graph& small) {
+    ContextPlans r;
+    r.stage_min = context_graphs(m, p, shape_only, ref, small);
+    if (r.stage_min == 0) {
         r.pipeline = pipeline_mode(m, ref, n_copies);
         r.plan = plan_compute(ref, m.backends(), r.pipeline.n_copies, own_copy_area(m));
         return r;
     }
-    r.stage_min = p.moe_offload_min;
     r.pipeline.n_copies = 1;
     r.pipeline.reason = "micro-batches of " + std::to_string(r.stage_min) +
                         " tokens or more run host-resident experts on the GPU (moe_offload_min)";
     r.plan = plan_compute(ref, m.backends(), 1, false);
-    if (r.stage_min > 1) {
-        const int64_t nt = r.stage_min - 1;
-        build_scheduled_graph(m, shape_only, nt, p.n_ctx, std::min(p.n_outputs, nt), small, in_small, nullptr, false,
-                              false);
-        r.small_plan = plan_compute(small, m.backends(), 1, false);
-    }
+    if (r.stage_min > 1) r.small_plan = plan_compute(small, m.backends(), 1, false);
     return r;
 }
 
@@ -210,7 +218,8 @@ Projection project_memory(const Model& model, const ContextParams& params) {
 Context::Context(Model& model, const ContextParams& p) : model_(model), params_(checked(model, p)) {
     backends_ = model.backends();
     // Plan on the worst shape first; the smaller shapes reuse its offsets (same topology,
-    // every tensor no larger), so nothing is allocated per token or per shape.
+    // every tensor no larger), so nothing is allocated per token or per shape. (With expert
+    // staging, the worst of each of the two topologies: plan_context.)
     Graph ref, small;
     KVCache shape_only(kv_layout(model, params_), backends_, false, params_.n_seq);
     {
@@ -260,7 +269,7 @@ void Context::clear(int seq) {
 std::string Context::check_plan_sound() const {
     Graph ref, small;
     KVCache shape_only(kv_layout(model_, params_), backends_, false, params_.n_seq);
-    plan_context(model_, params_, shape_only, pipeline_.n_copies, ref, small);  // the graphs the plans were made for
+    context_graphs(model_, params_, shape_only, ref, small);  // the graphs the plans were made for
     std::string why = check_plan(ref, plan_);
     if (why.empty() && stage_min_ > 1) why = check_plan(small, small_plan_);
     return why;

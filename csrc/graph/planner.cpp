@@ -145,7 +145,7 @@ ComputePlan plan_compute(const Graph& g, const std::vector<Backend*>& backends, 
         if (dev < 0 || dev >= (int)backends.size()) throw InvalidInput("planner: node " + n->name + " has no device");
         DeviceComputePlan& dp = plan.devices[dev];
         dp.scratch_bytes = std::max(dp.scratch_bytes, backends[dev]->scratch_bytes(*n));
-        if (n->staged) staging[dev] = std::max(staging[dev], align_up(backends[dev]->staging_bytes(*n)));
+        if (n->staged) staging[dev] = std::max(staging[dev], backends[dev]->staging_bytes(*n));
         if (copy_area && n->op == Op::COPY) {
             // Its own bytes in every slot, for the whole micro-batch: written when its producer
             // finishes, read by this device whenever it gets to the micro-batch.

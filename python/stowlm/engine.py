@@ -50,8 +50,8 @@ class Model:
     unless asked for. 1 keeps one range per device. `layer_devices` says where each layer went.
     moe_offload_min (default 256): with experts kept in RAM (tensor_overrides, fit's spill) and
     the rest of their layers on a GPU, micro-batches of at least this many tokens multiply them on
-    the GPU, which copies each layer's experts in as it goes (its compute buffer holds the largest
-    expert tensor); smaller ones (decoding) leave them to the CPU. 0: never.
+    the GPU, which copies each layer's experts in as it goes (its compute buffer holds two slots of
+    the largest expert tensor); smaller ones (decoding) leave them to the CPU. 0: never.
 
     split_mode="tensor" (tensor parallelism) cuts every layer over the devices instead, in the
     proportions tensor_split gives (one share per device, default equal; 0 leaves a device out):

@@ -89,8 +89,6 @@ void rows_limit(const char* op, int64_t n) {
     if (n > 65535) throw InvalidInput(std::string(op) + ": more than 65535 rows in one launch");
 }
 
-bool is_float_type(QType t) { return t == QType::F32 || t == QType::F16 || t == QType::BF16; }
-
 void cpu_matmul(const cpu::WeightRef& w, const float* x, int64_t n, int64_t ldx, float* y, int64_t ldy) {
     thread_local std::vector<char> scratch;  // per thread: pipelined devices run at once
     scratch.resize(cpu::matmul_scratch_bytes(w.type, w.cols, n) + 64);
