@@ -16,6 +16,8 @@
 #include "cpu/matmul.h"
 #include "cpu/moe.h"
 #include "cpu/ops.h"
+#include "cpu/repack.h"
+#include "quant/dequant.h"
 #include "cpu/threadpool.h"
 #include "error.h"
 
@@ -238,13 +240,25 @@ private:
                b->src[1]->ne[0] == a->src[1]->ne[0] && b->src[1]->n_rows() == a->src[1]->n_rows();
     }
 
+    // Rows of a repacked table (no model reads one so now: its embedding keeps the GGUF layout).
+    void get_rows16(const Tensor* a, const Tensor* ids, Tensor* out) {
+        std::vector<uint8_t> row(row_bytes(a->type, a->ne[0]));
+        for (int64_t i = 0; i < ids->ne[0]; i++) {
+            const int32_t id = ((const int32_t*)ids->data)[i];
+            if (id < 0 || id >= a->ne[1])
+                throw InvalidInput("get_rows: id " + std::to_string(id) + " is outside [0, " + std::to_string(a->ne[1]) + ")");
+            cpu::unrepack_row16(a->type, a->ne[0], a->data, id, row.data());
+            dequantize_row(a->type, row.data(), f32(out) + i * out->ne[0], a->ne[0]);
+        }
+    }
+
     void run_products(Tensor* const* ns, int n, void* scratch) {
         cpu::WeightRef ws[cpu::kMaxMulti];
         float* ys[cpu::kMaxMulti];
         int64_t ldys[cpu::kMaxMulti];
         for (int i = 0; i < n; i++) {
             const Tensor* w = ns[i]->src[0];
-            ws[i] = cpu::WeightRef{w->data, w->type, w->ne[1], w->ne[0]};
+            ws[i] = cpu::WeightRef{w->data, w->type, w->ne[1], w->ne[0], w->rows16};
             ys[i] = f32(ns[i]);
             ldys[i] = ns[i]->ne[0];
         }
@@ -263,11 +277,12 @@ private:
             case Op::COPY:
                 return;  // done by the scheduler's copy step before the split runs
             case Op::GET_ROWS:
+                if (a->rows16) return get_rows16(a, b, n);
                 cpu::get_rows(a->data, a->type, a->ne[1], a->ne[0], (const int32_t*)b->data, b->ne[0], f32(n), n->ne[0],
                               pool);
                 return;
             case Op::MUL_MAT: {
-                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0]};
+                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0], a->rows16};
                 cpu::matmul(w, f32(b), b->n_rows(), b->ne[0], f32(n), n->ne[0], scratch, pool, batched_node(*n));
                 return;
             }

@@ -155,6 +155,7 @@ STOWLM_BIND(engine) {
         .def_prop_ro("layer_devices", [](const BoundModel& s) { return s.m->layer_devices(); })
         .def("tensor_device",
              [](const BoundModel& s, const std::string& name) { return s.m->weight_device(name); })
+        .def_prop_ro("repacked", [](const BoundModel& s) { return s.m->repacked_weights(); })
         .def_prop_ro("device_names",
                      [](const BoundModel& s) {
                          std::vector<std::string> n;

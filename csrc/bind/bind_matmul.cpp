@@ -14,6 +14,7 @@
 
 #include "bind.h"
 #include "cpu/matmul.h"
+#include "cpu/repack.h"
 #include "error.h"
 #include "quant/types.h"
 
@@ -38,7 +39,7 @@ using WArr = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using XArr = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, int64_t rows, int64_t cols, XArr x,
-                                                      int threads) {
+                                                      int threads, bool rows16) {
     const stowlm::QTypeInfo& info = stowlm::qtype_checked(qtype);
     const QType t = (QType)qtype;
     if (rows < 0) throw InvalidInput("matmul: rows must be >= 0");
@@ -59,7 +60,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, in
     {
         std::vector<uint8_t> scratch(scratch_bytes);
         nb::gil_scoped_release nogil;
-        stowlm::cpu::WeightRef wr{w.data(), t, rows, cols};
+        stowlm::cpu::WeightRef wr{w.data(), t, rows, cols, rows16};
         stowlm::cpu::matmul(wr, x.data(), n_tok, cols, out, rows, scratch.data(), pool_for(threads));
     }
     return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {(size_t)n_tok, (size_t)rows}, owner);
@@ -68,7 +69,8 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, in
 // Several weights against the same x through cpu::matmul_multi (the decoder's q/k/v and
 // gate/up products): a list of (raw bytes, qtype, rows), all with `cols` columns.
 std::vector<nb::ndarray<nb::numpy, float, nb::ndim<2>>> matmul_multi_raw(
-    const std::vector<std::tuple<WArr, uint32_t, int64_t>>& ws, int64_t cols, XArr x, int threads) {
+    const std::vector<std::tuple<WArr, uint32_t, int64_t>>& ws, int64_t cols, XArr x, int threads,
+    const std::vector<bool>& rows16) {
     const int n = (int)ws.size();
     if (n < 1 || n > stowlm::cpu::kMaxMulti)
         throw InvalidInput("matmul_multi: between 1 and " + std::to_string(stowlm::cpu::kMaxMulti) +
@@ -96,7 +98,7 @@ std::vector<nb::ndarray<nb::numpy, float, nb::ndim<2>>> matmul_multi_raw(
         float* out = new float[(size_t)std::max<int64_t>(1, n_tok * rows)];
         nb::capsule owner(out, [](void* p) noexcept { delete[] (float*)p; });
         outs.emplace_back(out, std::initializer_list<size_t>{(size_t)n_tok, (size_t)rows}, owner);
-        wr[i] = stowlm::cpu::WeightRef{w.data(), t, rows, cols};
+        wr[i] = stowlm::cpu::WeightRef{w.data(), t, rows, cols, i < (int)rows16.size() && rows16[i]};
         ys[i] = out;
         ldys[i] = rows;
     }
@@ -122,15 +124,48 @@ nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>> quantize_act_raw(XArr x, uint32_t q
     return nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>(out, {(size_t)n_tok, rb}, owner);
 }
 
+// Raw weight bytes repacked into 16-row groups (cpu/repack.h), and row r of such bytes back in
+// the GGUF layout.
+nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> repack_rows16_raw(WArr w, uint32_t qtype, int64_t rows, int64_t cols) {
+    const QType t = (QType)qtype;
+    stowlm::qtype_checked(qtype);
+    if (!stowlm::cpu::repack_supported(t, rows, cols))
+        throw InvalidInput(std::string("repack_rows16: ") + stowlm::qtype_checked(qtype).name + " " + std::to_string(rows) +
+                           " x " + std::to_string(cols) + " cannot be repacked");
+    const size_t bytes = stowlm::row_bytes(t, cols) * (size_t)rows;
+    if (w.size() != bytes) throw InvalidInput("repack_rows16: W_raw has " + std::to_string(w.size()) + " bytes, expected " + std::to_string(bytes));
+    uint8_t* out = new uint8_t[bytes];
+    nb::capsule owner(out, [](void* p) noexcept { delete[] (uint8_t*)p; });
+    stowlm::cpu::repack_rows16(t, rows, cols, w.data(), out);
+    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, {bytes}, owner);
+}
+nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> unrepack_row16_raw(WArr w, uint32_t qtype, int64_t rows, int64_t cols, int64_t r) {
+    const QType t = (QType)qtype;
+    if (!stowlm::cpu::repack_supported(t, rows, cols) || w.size() != stowlm::row_bytes(t, cols) * (size_t)rows)
+        throw InvalidInput("unrepack_row16: not a repacked matrix of that type and shape");
+    if (r < 0 || r >= rows) throw InvalidInput("unrepack_row16: row " + std::to_string(r) + " is outside [0, " + std::to_string(rows) + ")");
+    const size_t rb = stowlm::row_bytes(t, cols);
+    uint8_t* out = new uint8_t[rb];
+    nb::capsule owner(out, [](void* p) noexcept { delete[] (uint8_t*)p; });
+    stowlm::cpu::unrepack_row16(t, cols, w.data(), r, out);
+    return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, {rb}, owner);
+}
+
 }  // namespace
 
 STOWLM_BIND(matmul) {
     nb::module_ ops = stowlm::bind::submodule(m, "ops");
     ops.def("matmul_raw", &matmul_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
-            nb::arg("x"), nb::arg("threads") = 0,
+            nb::arg("x"), nb::arg("threads") = 0, nb::arg("rows16") = false,
             "y[t, r] = sum_c W[r, c] x[t, c] for raw GGUF weight bytes of type id `qtype`; returns float32 "
-            "(n_tok, rows). threads=0 uses the global pool.");
+            "(n_tok, rows). threads=0 uses the global pool. rows16: W_raw is repack_rows16_raw's layout.");
+    ops.def("repack_rows16_raw", &repack_rows16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+            "W_raw (Q4_0, Q5_0 or Q8_0, rows a multiple of 16) in groups of 16 interleaved rows, as the CPU "
+            "keeps such weights (cpu/repack.h).");
+    ops.def("unrepack_row16_raw", &unrepack_row16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+            nb::arg("r"), "Row r of repacked bytes in the GGUF layout again.");
     ops.def("matmul_multi_raw", &matmul_multi_raw, nb::arg("ws"), nb::arg("cols"), nb::arg("x"), nb::arg("threads") = 0,
+            nb::arg("rows16") = std::vector<bool>{},
             "[W_i x] for a list of (raw bytes, qtype, rows) sharing x (n_tok, cols), in one pass where the "
             "weights share an activation format; results equal matmul_raw's.");
     ops.def("quantize_act_raw", &quantize_act_raw, nb::arg("x"), nb::arg("qtype"),

@@ -8,6 +8,7 @@
 
 #include "cpu/cpu_features.h"
 #include "cpu/matmul_impl.h"
+#include "cpu/repack.h"
 #include "error.h"
 
 namespace stowlm::cpu {
@@ -81,6 +82,7 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok, bool batch
     check_type_cols(wtype, cols);
     n_tok = n_tok > 0 ? n_tok : 0;
     size_t bytes = act_row_bytes(wtype, cols) * (size_t)n_tok + 64;
+    if (dot_family(wtype) == DotFamily::Q32) bytes += act_sum_bytes(cols, n_tok);
 #ifdef STOWLM_X86
     // after the activations: the batched kernels' data, or the row kernels' regrouped activations
     if (dot_family(wtype) != DotFamily::Float && (n_tok >= kBatchMinTokens || batched))
@@ -214,6 +216,9 @@ void check_call(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, 
         throw InvalidInput("matmul: ldx must be >= cols and ldy >= rows");
     if (w.rows == 0 || n_tok == 0) return;
     if (!w.data || !x || !y) throw InvalidInput("matmul: null weight, activation or output pointer");
+    if (w.rows16 && !repack_supported(w.type, w.rows, w.cols))
+        throw InvalidInput("matmul: a " + std::string(qtype_checked((uint32_t)w.type).name) + " matrix of " +
+                           std::to_string(w.rows) + " rows cannot be in 16-row groups");
     if (dot_family(w.type) != DotFamily::Float && !scratch) throw InvalidInput("matmul: scratch is null");
 }
 
@@ -226,8 +231,14 @@ MatmulArgs make_args(const WeightRef& w, const float* x, int64_t n_tok, int64_t 
     A.rows = w.rows, A.cols = w.cols;
     A.x = x, A.ldx = ldx;
     A.act_stride = act_row_bytes(w.type, w.cols);
-    // 64-byte aligned activations for the SIMD loads
-    A.act = (const void*)(((uintptr_t)scratch + 63) & ~(uintptr_t)63);
+    A.rows16 = w.rows16;
+    // 64-byte aligned: the 32-element formats' block sums (repack.h), then the activations
+    uintptr_t p = ((uintptr_t)scratch + 63) & ~(uintptr_t)63;
+    if (dot_family(w.type) == DotFamily::Q32) {
+        A.asum = (const int32_t*)p;
+        p += act_sum_bytes(w.cols, n_tok);
+    }
+    A.act = (const void*)p;
     A.n_tok = n_tok, A.y = y, A.ldy = ldy;
     return A;
 }
@@ -287,11 +298,12 @@ namespace {
 // either way.
 void attach_nib_acts(MatmulArgs* A, int n, Isa isa) {
     if (!matmul_rows_read_nib(isa)) return;
+    auto kind_of = [&](int i) { return A[i].rows16 ? 0 : nib_act_kind(A[i].type, A[i].cols); };  // repacked: none
     int first = 0;
-    while (first < n && nib_act_kind(A[first].type, A[first].cols) != 1) first++;
+    while (first < n && kind_of(first) != 1) first++;
     if (first == n) {
         first = 0;
-        while (first < n && !nib_act_kind(A[first].type, A[first].cols)) first++;
+        while (first < n && !kind_of(first)) first++;
     }
     if (first == n) return;
     const int kind = nib_act_kind(A[first].type, A[first].cols);
@@ -299,7 +311,7 @@ void attach_nib_acts(MatmulArgs* A, int n, Isa isa) {
     void* dst = (void*)(((uintptr_t)A[0].act + A[0].act_stride * A[0].n_tok + 63) & ~(uintptr_t)63);
     build_nib_acts(A[first], dst, stride);
     for (int i = 0; i < n; i++)
-        if (nib_act_kind(A[i].type, A[i].cols) == kind) A[i].act_nib = dst, A[i].nib_stride = stride;
+        if (kind_of(i) == kind) A[i].act_nib = dst, A[i].nib_stride = stride;
 }
 #endif
 
@@ -311,6 +323,29 @@ int64_t row_chunk(int64_t rows, int nth) {
     return std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3);
 }
 
+// Repacked weights: the activations' block sums, then groups of 16 rows split as row_chunk
+// splits rows (scalar kernels off the AVX-512 paths: the same bits).
+void prepare_r16(const MatmulArgs& A, ThreadPool& pool) {
+    const int64_t nb = A.cols / QK;
+    int32_t* sums = const_cast<int32_t*>(A.asum);
+    auto run = [&](int64_t t0, int64_t t1, int) {
+        MatmulArgs B = A;
+        B.act = (const uint8_t*)A.act + t0 * A.act_stride;
+        B.n_tok = t1 - t0;
+        act_block_sums(B, sums + t0 * nb);
+    };
+    if (A.n_tok * A.cols <= kInlineQuantElems) run(0, A.n_tok, 0);
+    else pool.parallel_for(A.n_tok, run);
+}
+RowsFn r16_rows_for(Isa isa) {
+#ifdef STOWLM_X86
+    if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) return matmul_r16_avx512;
+#endif
+    (void)isa;
+    return matmul_r16_scalar;
+}
+int64_t group_chunk(int64_t rows, int nth) { return std::max<int64_t>(1, (rows / kRepackRows + nth - 1) / nth); }
+
 }  // namespace
 
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
@@ -321,6 +356,13 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     A.batched = batched;
     quantize_acts(A, pool);
     const Isa isa = active_isa();
+    if (A.rows16) {
+        prepare_r16(A, pool);
+        const RowsFn fn = r16_rows_for(isa);
+        pool.parallel_for_dynamic(w.rows / kRepackRows, group_chunk(w.rows, pool.size()),
+                                  [&](int64_t g0, int64_t g1, int) { fn(A, g0, g1); });
+        return;
+    }
 #ifdef STOWLM_X86
     if (matmul_batched(A, isa, pool)) return;
     attach_nib_acts(&A, 1, isa);
@@ -351,18 +393,28 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     for (int i = 0; i < n_w; i++) {
         A[i] = make_args(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
         A[i].batched = batched;
-        chunk[i] = row_chunk(ws[i].rows, pool.size());
-        first[i + 1] = first[i] + (ws[i].rows + chunk[i] - 1) / chunk[i];
+        // repacked matrices are cut in groups of 16 rows (units of their chunks)
+        const int64_t units = A[i].rows16 ? ws[i].rows / kRepackRows : ws[i].rows;
+        chunk[i] = A[i].rows16 ? group_chunk(ws[i].rows, pool.size()) : row_chunk(ws[i].rows, pool.size());
+        first[i + 1] = first[i] + (units + chunk[i] - 1) / chunk[i];
     }
     quantize_acts(A[0], pool);
+    bool any16 = false;
+    for (int i = 0; i < n_w; i++) any16 = any16 || A[i].rows16;
+    if (any16) prepare_r16(A[0], pool);  // the sums are the same for every matrix of the call
     const Isa isa = active_isa();
-    const RowsFn rows_fn = matmul_rows_for(isa);
+    const RowsFn rows_fn = matmul_rows_for(isa), r16_fn = r16_rows_for(isa);
+    auto part = [&](int i, int64_t u0) {
+        if (A[i].rows16) return r16_fn(A[i], u0, std::min(A[i].rows / kRepackRows, u0 + chunk[i]));
+        rows_fn(A[i], u0, std::min(A[i].rows, u0 + chunk[i]));
+    };
 #ifdef STOWLM_X86
     if (n_tok >= kBatchMinTokens || batched) {
         // a batch: the activations quantized once, each matrix through the batched kernel
         for (int i = 0; i < n_w; i++)
-            if (!matmul_batched(A[i], isa, pool))
-                pool.parallel_for_dynamic(A[i].rows, chunk[i], [&](int64_t r0, int64_t r1, int) { rows_fn(A[i], r0, r1); });
+            if (A[i].rows16 || !matmul_batched(A[i], isa, pool))
+                pool.parallel_for_dynamic(first[i + 1] - first[i], 1,
+                                          [&](int64_t c, int64_t, int) { part(i, c * chunk[i]); });
         return;
     }
     attach_nib_acts(A, n_w, isa);
@@ -370,8 +422,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     pool.parallel_for_dynamic(first[n_w], 1, [&](int64_t c, int64_t, int) {
         int i = 0;
         while (c >= first[i + 1]) i++;
-        const int64_t r0 = (c - first[i]) * chunk[i];
-        rows_fn(A[i], r0, std::min(A[i].rows, r0 + chunk[i]));
+        part(i, (c - first[i]) * chunk[i]);
     });
 }
 

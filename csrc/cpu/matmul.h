@@ -24,6 +24,7 @@ struct WeightRef {
     QType type = QType::F32;
     int64_t rows = 0;
     int64_t cols = 0;
+    bool rows16 = false;  // repacked at load into groups of 16 interleaved rows (cpu/repack.h)
 };
 
 // Bytes of scratch matmul() needs for n_tok activation rows of `cols` against this weight type

@@ -35,6 +35,10 @@ struct MatmulArgs {
     size_t nib_stride = 0;
     // The batched kernels whatever n_tok (a pass that must match the larger one it belongs to).
     bool batched = false;
+    // Rows interleaved by 16 (cpu/repack.h): the repacked kernels run for every batch size and
+    // read asum, the sums of each token's quantized activation blocks (token t at t * cols / 32).
+    bool rows16 = false;
+    const int32_t* asum = nullptr;
 };
 
 // Four 32-blocks of one token's quantized activations in the order of the nibbles of four

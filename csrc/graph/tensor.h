@@ -96,6 +96,8 @@ struct Tensor {
     // A MUL_MAT_ID the scheduler gave to a device that stages its host-resident weights itself
     // (Backend::can_stage): its weights stay where they are, no COPY node brings them.
     bool staged = false;
+    // A CPU weight repacked at load into groups of 16 interleaved rows (cpu/repack.h).
+    bool rows16 = false;
 
     int64_t n_elements() const { return ne[0] * ne[1] * ne[2] * ne[3]; }
     int64_t n_rows() const { return ne[1] * ne[2] * ne[3]; }

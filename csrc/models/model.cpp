@@ -6,6 +6,15 @@
 #include <string>
 #include <numeric>
 
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <thread>
+
+#include "cpu/cpu_features.h"
+#include "cpu/repack.h"
 #include "dist/remote_device.h"
 #include "error.h"
 
@@ -285,8 +294,57 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
             m->weight_buffers_.push_back(std::move(buf));
         }
         for (auto& kv : m->weights_) kv.second.buffer = nullptr;  // weights stay where the file put them
+        m->repack_cpu_weights(devices);
     }
     return m;
+}
+
+void Model::FreeDeleter::operator()(void* p) const { std::free(p); }
+
+// Products of a few tokens (speculative drafts, small batches) are instruction-bound on the
+// GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done only where every
+// device is this process's CPU (no device copies a weight elsewhere) and the AVX-512 VNNI row
+// kernels run: with AMX, prompts are faster on its tiles, which read the GGUF layout.
+// STOWLM_REPACK=0 keeps the GGUF layout.
+void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices) {
+    const char* env = std::getenv("STOWLM_REPACK");
+    if (env && std::string(env) == "0") return;
+    if (cpu::active_isa() != cpu::Isa::AVX512_VNNI) return;
+    for (const auto& d : devices)
+        if (d.kind != "cpu" || d.rank >= 0) return;
+    std::vector<Tensor*> todo;
+    size_t total = 0;
+    for (auto& kv : weights_) {
+        Tensor& t = kv.second;
+        // the embedding table is read by rows (get_rows), in its GGUF layout
+        if (&t == tok_embd_ || t.ne[2] != 1 || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
+            continue;
+        todo.push_back(&t);
+        total += (t.nbytes() + 63) & ~(size_t)63;
+    }
+    if (todo.empty()) return;
+    uint8_t* dst = (uint8_t*)std::aligned_alloc(64, total);
+    if (!dst) return;  // keep the GGUF layout rather than fail a load that fits
+    repacked_.reset(dst);
+    std::vector<uint8_t*> at(todo.size());
+    for (size_t i = 0, off = 0; i < todo.size(); i++) at[i] = dst + off, off += (todo[i]->nbytes() + 63) & ~(size_t)63;
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+        for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
+            Tensor& t = *todo[i];
+            cpu::repack_rows16(t.type, t.ne[1], t.ne[0], t.data, at[i]);
+            // the mapped pages of the old layout leave this process's memory
+            const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+            const uintptr_t a = ((uintptr_t)t.data + page - 1) & ~(page - 1), e = ((uintptr_t)t.data + t.nbytes()) & ~(page - 1);
+            if (e > a) madvise((void*)a, e - a, MADV_DONTNEED);
+        }
+    };
+    const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));
+    std::vector<std::thread> threads;
+    for (unsigned k = 1; k < n; k++) threads.emplace_back(work);
+    work();
+    for (auto& th : threads) th.join();
+    for (size_t i = 0; i < todo.size(); i++) todo[i]->data = at[i], todo[i]->rows16 = true;
 }
 
 std::vector<Backend*> Model::backends() const {
@@ -310,6 +368,13 @@ std::vector<WeightInfo> Model::weight_infos() const {
         r.push_back({kv.first, a.first, kv.second.nbytes(), packed(kv.second.nbytes()), a.second,
                      kv.second.n_elements()});
     }
+    return r;
+}
+
+std::vector<std::string> Model::repacked_weights() const {
+    std::vector<std::string> r;
+    for (const auto& kv : weights_)
+        if (kv.second.rows16) r.push_back(kv.first);
     return r;
 }
 

@@ -211,6 +211,8 @@ public:
     int interleave() const { return interleave_; }
     const std::vector<int>& layer_devices() const { return layer_device_; }
     const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
+    // Names of the weights repacked into 16-row groups at load (cpu/repack.h).
+    std::vector<std::string> repacked_weights() const;
     int weight_device(const std::string& name) const;  // -1 when the model does not use it
     std::vector<WeightInfo> weight_infos() const;      // every weight the model uses, by name
 
@@ -231,6 +233,11 @@ private:
     int interleave_ = 1;
     std::vector<size_t> weight_bytes_;
     std::vector<BufferPtr> weight_buffers_;
+    // CPU weights repacked at load (cpu/repack.h); their share of the budget is still counted
+    // through weight_buffers_, the mapped bytes they replace are given back to the page cache.
+    struct FreeDeleter { void operator()(void* p) const; };
+    std::unique_ptr<uint8_t, FreeDeleter> repacked_;
+    void repack_cpu_weights(const std::vector<DeviceSpec>& devices);
     int loading_device_ = 0;  // device for tensors named while loading a layer
     int loading_anchor_ = 0;  // and what that device follows (WeightInfo::anchor)
     std::map<std::string, std::pair<int, int>> anchors_;  // weight -> (anchor, override index)

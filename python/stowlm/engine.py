@@ -122,6 +122,8 @@ class Model:
     n_ctx_train = property(lambda self: self._m.n_ctx_train)
     layer_devices = property(lambda self: list(self._m.layer_devices))
     interleave = property(lambda self: self._m.interleave)
+    # weights the CPU keeps in 16-row groups (csrc/cpu/repack.h; STOWLM_REPACK=0 keeps none)
+    repacked = property(lambda self: list(self._m.repacked))
 
     def tensor_device(self, name: str) -> int:
         """Index of the device holding weight `name` (-1 if the model does not use it)."""

@@ -101,7 +101,8 @@ class LLM(Conversation):
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._grammars_lock = threading.Lock()
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
-        self._pass_costs = PassCosts()  # what passes of several tokens cost here, learnt from them
+        # what passes of several tokens cost here (cheaper with repacked weights), and their timings
+        self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)))
         self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
         if speculative is not None:
             self._drafter = parse_spec(draft if draft is not None else speculative)

@@ -45,11 +45,13 @@ def set_isa(name: str) -> None:
 
 # ---- matmul --------------------------------------------------------------------------------
 
-def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None, threads: int = 0):
+def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None, threads: int = 0,
+           rows16: bool = False):
     """y = W x for GGUF weight bytes W_raw of type `qtype` (id or name).
 
     W_raw: uint8 (rows, row_bytes), or flat with rows= and cols= given.
     x: float32 (n_tok, cols) -> returns (n_tok, rows); or (cols,) -> returns (rows,).
+    rows16: W_raw is in the CPU's 16-row groups (repack_rows16's bytes).
     """
     table = {v[0]: (k, v[1], v[2]) for k, v in _core.qtypes().items()}
     tid = _qtype_id(qtype)
@@ -74,8 +76,21 @@ def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None,
         raise ValueError(f"x must be (cols,) or (n_tok, cols), got shape {xa.shape}")
     vec = xa.ndim == 1
     x2 = np.ascontiguousarray(xa.reshape(1, -1) if vec else xa)
-    y = _ops.matmul_raw(W.reshape(-1), tid, int(rows), int(cols), x2, int(threads))
+    y = _ops.matmul_raw(W.reshape(-1), tid, int(rows), int(cols), x2, int(threads), bool(rows16))
     return y[0] if vec else y
+
+
+def repack_rows16(W_raw, qtype, rows: int, cols: int):
+    """GGUF weight bytes (Q4_0, Q5_0 or Q8_0, rows a multiple of 16) in the groups of 16
+    interleaved rows that the CPU keeps such weights in at load (flat uint8, the same size)."""
+    W = np.ascontiguousarray(W_raw).view(np.uint8).reshape(-1)
+    return _ops.repack_rows16_raw(W, _qtype_id(qtype), int(rows), int(cols))
+
+
+def unrepack_row16(W16, qtype, rows: int, cols: int, r: int):
+    """Row r of repack_rows16's bytes in the GGUF layout again."""
+    W = np.ascontiguousarray(W16).view(np.uint8).reshape(-1)
+    return _ops.unrepack_row16_raw(W, _qtype_id(qtype), int(rows), int(cols), int(r))
 
 
 # ---- mul_mat_id (mixture-of-experts products) ----------------------------------------------

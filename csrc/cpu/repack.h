@@ -1,0 +1,58 @@
+// Weights repacked at load into groups of 16 interleaved rows, for the CPU product of a few
+// tokens (a speculative draft's verification, a small batch). In GGUF's layout a 32-block of one
+// row fills part of a vector, so every (row, token) pair pays its own int -> float conversion and
+// scale; here one vector holds 4 consecutive elements of 16 rows, one vpdpbusd takes them with
+// a broadcast of 4 activations, and a block's conversion and scale serve all 16 rows (3x fewer
+// instructions per weight byte and token, the route of ik_llama.cpp's _R4/_R8 types).
+//
+// A group of 16 rows keeps the bytes the 16 rows had (the same size, the same place in the
+// tensor), so byte counts, row ranges at multiples of 16 and memory accounting are unchanged.
+// Every output is the same float sequence whatever the batch and the instruction set:
+//   acc = 0; for each block b: acc = fma(float(idot_b), d_w[b] * d_a[b], acc)
+// with idot_b the exact integer dot of the block (offsets removed in integers), so a token's
+// result does not depend on its batch, and the scalar path gives the AVX-512 path's bits.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "cpu/matmul_impl.h"
+#include "quant/types.h"
+
+namespace stowlm::cpu {
+
+constexpr int kRepackRows = 16;
+
+// Block b of a group of 16 rows. qs: vector k holds, for row r, bytes 4r..4r+3 = elements
+// 4k..4k+3 of that row's block b as unsigned values (Q8_0: q + 128; Q4_0/Q5_0: each byte has
+// element 4k+i in its low nibble and 16+4k+i in its high one, k < 4). d: the rows' fp16 scales.
+// Q5_0's fifth bits: qh[k] bit 4r+i belongs to element 4k+i of row r (k < 8).
+struct block_q8_0x16 { uint16_t d[16]; uint8_t qs[8][64]; };
+struct block_q4_0x16 { uint16_t d[16]; uint8_t qs[4][64]; };
+struct block_q5_0x16 { uint16_t d[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
+static_assert(sizeof(block_q8_0x16) == 16 * 34, "16 rows of Q8_0 blocks");
+static_assert(sizeof(block_q4_0x16) == 16 * 18, "16 rows of Q4_0 blocks");
+static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
+
+// The offset each format's unsigned values carry (removed as -OFF * sum(activations)).
+int repack_offset(QType t);
+// Whether a matrix of this type and shape can be repacked: Q4_0, Q5_0, Q8_0 with a multiple of
+// 16 rows.
+bool repack_supported(QType t, int64_t rows, int64_t cols);
+// dst (rows * row_bytes(t, cols) bytes, not overlapping src) = src repacked. Rows [r0, r1) only
+// when given (multiples of 16), so that callers can split the work.
+void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* dst, int64_t r0 = 0, int64_t r1 = -1);
+// Row r of a repacked matrix in GGUF's layout again (row_bytes(t, cols) bytes at dst).
+void unrepack_row16(QType t, int64_t cols, const void* packed, int64_t r, void* dst);
+
+// Bytes at the start of a 32-element format's matmul scratch for the sums of its quantized
+// activation blocks (MatmulArgs::asum; reserved whether or not the weights are repacked, so
+// that a projection of the scratch need not know).
+inline size_t act_sum_bytes(int64_t cols, int64_t n_tok) { return ((size_t)(cols / QK) * 4 * (size_t)n_tok + 63) & ~(size_t)63; }
+// sums[t * cols / 32 + b] = the sum of token t's quantized block b (A.act quantized).
+void act_block_sums(const MatmulArgs& A, int32_t* sums);
+// Groups [g0, g1) x every token (A.rows16 and A.asum set): the scalar reference, and the
+// AVX-512 VNNI kernels (matmul_r16_avx512.cpp), bit for bit the same.
+void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1);
+void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1);
+
+}  // namespace stowlm::cpu
