@@ -5,6 +5,7 @@
 // what a few tokens decoded together cost against one (the row kernels below 24 tokens).
 //   bench-matmul [--rows N] [--cols N] [--ntok 1,512] [--threads 1,2] [--types Q4_0,Q4_K,Q8_0,Q6_K]
 //                [--isa scalar,avx2,avx512,amx] [--seconds S] [--peak-vnni 1.9] [--peak-amx 15]
+//                [--layouts gguf,r16]   (r16: the weights repacked into 16-row groups, cpu/repack.h)
 #include <chrono>
 #include <map>
 #include <ctime>
@@ -19,6 +20,7 @@
 #include "common.h"
 #include "cpu/cpu_features.h"
 #include "cpu/matmul.h"
+#include "cpu/repack.h"
 #include "quant/blocks.h"
 #include "quant/types.h"
 
@@ -68,7 +70,7 @@ static std::vector<uint8_t> make_weights(QType t, int64_t rows, int64_t cols) {
 int main(int argc, char** argv) {
     int64_t rows = 4096, cols = 4096;
     std::vector<std::string> ntoks = {"1", "512"}, threads = {"1", "2"}, types = {"Q4_0", "Q4_K", "Q8_0", "Q6_K"};
-    std::vector<std::string> isas;
+    std::vector<std::string> isas, layouts = {"gguf"};
     double seconds = 1.0, peak_vnni = 1.9, peak_amx = 15;
     for (int i = 1; i + 1 < argc; i += 2) {
         std::string k = argv[i], v = argv[i + 1];
@@ -81,6 +83,7 @@ int main(int argc, char** argv) {
         else if (k == "--seconds") seconds = atof(v.c_str());
         else if (k == "--peak-vnni") peak_vnni = atof(v.c_str());
         else if (k == "--peak-amx") peak_amx = atof(v.c_str());
+        else if (k == "--layouts") layouts = split(v);
         else { fprintf(stderr, "unknown option %s\n", k.c_str()); return 2; }
     }
     if (isas.empty())
@@ -101,8 +104,21 @@ int main(int argc, char** argv) {
     printf("# left: wall clock; right: per-thread CPU time (what a dedicated core would give)\n");
     printf("%-7s %-7s %4s %5s %9s %8s %7s %7s | %9s %8s %7s %7s | %6s\n", "type", "isa", "thr", "n_tok", "ms/call", "GOP/s",
            "GB/s", "%peak", "cpu-ms", "GOP/s", "GB/s", "%peak", "x1tok");
-    for (auto& [tn, t] : names) {
+    std::vector<std::pair<std::string, QType>> runs;  // (label, type) per layout
+    for (auto& [tn, t] : names)
+        for (auto& l : layouts) {
+            if (l != "gguf" && l != "r16") { fprintf(stderr, "unknown layout %s (gguf, r16)\n", l.c_str()); return 2; }
+            if (l == "r16" && !cpu::repack_supported(t, rows, cols)) continue;
+            runs.push_back({l == "r16" ? tn + "/r16" : tn, t});
+        }
+    for (auto& [tn, t] : runs) {
+        const bool r16 = tn.size() > 4 && tn.substr(tn.size() - 4) == "/r16";
         std::vector<uint8_t> w = make_weights(t, rows, cols);
+        if (r16) {
+            std::vector<uint8_t> p(w.size());
+            cpu::repack_rows16(t, rows, cols, w.data(), p.data());
+            w.swap(p);
+        }
         std::map<std::pair<std::string, int>, double> one_tok;  // (isa, threads) -> ms at n_tok 1
         for (auto& nt_s : ntoks) {
             const int64_t n_tok = atoll(nt_s.c_str());
@@ -116,7 +132,7 @@ int main(int argc, char** argv) {
                 for (auto& th_s : threads) {
                     const int nth = atoi(th_s.c_str());
                     ThreadPool pool(nth);
-                    cpu::WeightRef wr{w.data(), t, rows, cols};
+                    cpu::WeightRef wr{w.data(), t, rows, cols, r16};
                     auto call = [&] { cpu::matmul(wr, x.data(), n_tok, cols, y.data(), rows, scratch.data(), pool); };
                     // warm-up call (skipped when one call is long anyway: the scalar path)
                     const auto w0 = std::chrono::steady_clock::now();

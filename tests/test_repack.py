@@ -18,7 +18,13 @@ from test_matmul import check, make_weights, restore_isa, with_outliers  # noqa:
 
 from stowlm import ops  # noqa: E402
 
-TYPES = ["Q4_0", "Q5_0", "Q8_0"]
+TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+KTYPES = {"Q4_K", "Q5_K", "Q6_K"}
+
+
+def _cols(name, cols):
+    """The 32-element shapes for the K formats: 256-element super-blocks, at least one."""
+    return max(256, cols // 256 * 256) if name in KTYPES else cols
 ISAS = ["scalar", "avx512"]
 
 
@@ -28,15 +34,21 @@ def _weights(name, rows, cols, seed=3):
 
 @pytest.mark.parametrize("name", TYPES)
 def test_repacked_rows_give_the_gguf_bytes_back(name):
-    raw, _ = _weights(name, 48, 320)
-    packed = ops.repack_rows16(raw, name, 48, 320)
+    cols = _cols(name, 320) * (2 if name in KTYPES else 1)
+    raw, _ = _weights(name, 48, cols)
+    packed = ops.repack_rows16(raw, name, 48, cols)
     assert packed.nbytes == raw.nbytes and not np.array_equal(packed, raw.reshape(-1))
     for r in range(48):
-        np.testing.assert_array_equal(ops.unrepack_row16(packed, name, 48, 320, r), raw[r], err_msg=f"{name} row {r}")
-    with pytest.raises(ValueError, match="cannot be repacked"):
-        ops.repack_rows16(raw[:40], name, 40, 320)
+        np.testing.assert_array_equal(ops.unrepack_row16(packed, name, 48, cols, r), raw[r], err_msg=f"{name} row {r}")
+    # rows after the last whole group keep their bytes
+    tail = ops.repack_rows16(raw[:40], name, 40, cols)
+    np.testing.assert_array_equal(tail[32 * raw.shape[1]:], raw[32:40].reshape(-1))
+    for r in (0, 31, 32, 39):
+        np.testing.assert_array_equal(ops.unrepack_row16(tail, name, 40, cols, r), raw[r])
     with pytest.raises(ValueError, match="cannot be repacked"):
         ops.repack_rows16(_weights("Q4_1", 16, 64)[0], "Q4_1", 16, 64)
+    with pytest.raises(ValueError, match="cannot be repacked"):
+        ops.repack_rows16(raw[:, : raw.shape[1] // 2].copy(), name, 48, cols // 2 + 1)
 
 
 @pytest.mark.parametrize("isa", ISAS)
@@ -46,7 +58,8 @@ def test_repacked_product_equals_the_dequantized_weights(name, isa, restore_isa)
         pytest.skip(f"this CPU/OS cannot run the {isa} path")
     ops.set_isa(isa)
     rng = np.random.default_rng(7)
-    for rows, cols, n_tok in [(16, 32, 1), (48, 320, 3), (64, 288, 9), (32, 512, 40), (16, 96, 8)]:
+    for rows, cols, n_tok in [(16, 32, 1), (48, 320, 3), (64, 288, 9), (32, 512, 40), (16, 96, 8), (32, 768, 5)]:
+        cols = _cols(name, cols)
         raw, ref = _weights(name, rows, cols)
         x = with_outliers(rng.standard_normal((n_tok, cols)).astype(np.float32), rng)
         y = ops.matmul(ops.repack_rows16(raw, name, rows, cols), name, x, rows=rows, cols=cols, rows16=True)
@@ -59,7 +72,7 @@ def test_repacked_token_bits_do_not_depend_on_batch_isa_or_threads(name, restore
     one it gets alone, whatever its batch (1 to 40 tokens, the batched sizes included), on the
     scalar reference and on the AVX-512 kernels, on one thread or two."""
     rng = np.random.default_rng(9)
-    rows, cols = 64, 320
+    rows, cols = 71, _cols(name, 320) * (2 if name in KTYPES else 1)  # 4 groups and a 7-row tail
     raw, _ = _weights(name, rows, cols)
     packed = ops.repack_rows16(raw, name, rows, cols)
     x = with_outliers(rng.standard_normal((40, cols)).astype(np.float32), rng)
@@ -74,6 +87,11 @@ def test_repacked_token_bits_do_not_depend_on_batch_isa_or_threads(name, restore
             start = (7 * k) % (41 - k)
             np.testing.assert_array_equal(mm(x[start:start + k], threads=1 + k % 2), alone[start:start + k],
                                           err_msg=f"{name} {isa}: {k} tokens")
+        # any slice of rows (a tensor-parallel shard), repacked on its own: the whole's bits
+        for r0, r1 in ((0, 16), (16, 71), (5, 40), (40, 49), (64, 71)):
+            part = ops.repack_rows16(raw[r0:r1], name, r1 - r0, cols)
+            y = ops.matmul(part, name, x[:9], rows=r1 - r0, cols=cols, rows16=True)
+            np.testing.assert_array_equal(y, alone[:9, r0:r1], err_msg=f"{name} {isa}: rows {r0}-{r1}")
 
 
 def test_repacked_and_plain_weights_share_one_multi_product():
@@ -82,14 +100,16 @@ def test_repacked_and_plain_weights_share_one_multi_product():
     rng = np.random.default_rng(4)
     cols = 256
     specs = [("Q5_0", 64, True), ("Q6_K", 32, False), ("Q8_0", 48, True), ("Q5_0", 40, False)]
-    ws = [(_weights(n, r, cols, seed=i)[0], n, r, p) for i, (n, r, p) in enumerate(specs)]
-    args = [(ops.repack_rows16(w, n, r, cols) if p else w.reshape(-1), n, r) for w, n, r, p in ws]
-    for n_tok in (1, 5, 30):
-        x = rng.standard_normal((n_tok, cols)).astype(np.float32)
-        outs = ops._ops.matmul_multi_raw([(w, ops._qtype_id(n), r) for w, n, r in args], cols, x, 0,
-                                         [p for *_, p in ws])
-        for (w, n, r), (_, _, _, p), y in zip(args, ws, outs):
-            np.testing.assert_array_equal(y, ops.matmul(w, n, x, rows=r, cols=cols, rows16=p), err_msg=f"{n} {n_tok}")
+    kspecs = [("Q4_K", 64, True), ("Q6_K", 32, True), ("Q4_K", 40, False), ("Q5_K", 16, True)]
+    for group in (specs, kspecs):
+        ws = [(_weights(n, r, cols, seed=i)[0], n, r, p) for i, (n, r, p) in enumerate(group)]
+        args = [(ops.repack_rows16(w, n, r, cols) if p else w.reshape(-1), n, r) for w, n, r, p in ws]
+        for n_tok in (1, 5, 30):
+            x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+            outs = ops._ops.matmul_multi_raw([(w, ops._qtype_id(n), r) for w, n, r in args], cols, x, 0,
+                                             [p for *_, p in ws])
+            for (w, n, r), (_, _, _, p), y in zip(args, ws, outs):
+                np.testing.assert_array_equal(y, ops.matmul(w, n, x, rows=r, cols=cols, rows16=p), err_msg=f"{n} {n_tok}")
 
 
 _LOGITS = textwrap.dedent("""
@@ -146,3 +166,24 @@ def stowlm_model(path):
     import stowlm
 
     return stowlm.Model(str(path), devices=["cpu:0[threads=1]"])
+
+
+def test_a_repacked_model_allocates_what_was_projected(model_path):
+    """Repacking moves bytes, it adds none that a device's budget sees: a model fitted onto a CPU
+    device with a budget loads repacked with allocated == projected on it, and its context's
+    plan is sound."""
+    import stowlm
+    from stowlm.fit import fit
+
+    if ops.cpu_info()["best"] != "avx512":
+        pytest.skip("repacking is for the AVX-512 VNNI kernels on a CPU without AMX")
+    placement = fit(str(model_path("qwen2.5-coder-0.5b")), ["cpu:0[mem=2GiB,threads=1]"], n_ctx=512)
+    m = stowlm.Model(str(model_path("qwen2.5-coder-0.5b")), placement=placement)
+    assert len(m.repacked) > 100
+    ctx = stowlm.Context(m)
+    for d in placement.used_devices:
+        r = {x["device"]: x for x in ctx.memory_report()}[d.name]
+        assert r["allocated"] == r["total"] == d.projected["total"], (d.name, r, d.projected)
+    assert ctx._c.check_plan() == ""
+    ids = [r for r in load_fixture("qwen2.5-coder-0.5b") if r["kind"] == "logits"][0]["ids"]
+    assert np.isfinite(ctx.eval(ids)).all()

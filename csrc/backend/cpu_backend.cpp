@@ -247,7 +247,7 @@ private:
             const int32_t id = ((const int32_t*)ids->data)[i];
             if (id < 0 || id >= a->ne[1])
                 throw InvalidInput("get_rows: id " + std::to_string(id) + " is outside [0, " + std::to_string(a->ne[1]) + ")");
-            cpu::unrepack_row16(a->type, a->ne[0], a->data, id, row.data());
+            cpu::unrepack_row16(a->type, a->ne[1], a->ne[0], a->data, id, row.data());
             dequantize_row(a->type, row.data(), f32(out) + i * out->ne[0], a->ne[0]);
         }
     }

@@ -147,7 +147,7 @@ nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> unrepack_row16_raw(WArr w, uint32_t
     const size_t rb = stowlm::row_bytes(t, cols);
     uint8_t* out = new uint8_t[rb];
     nb::capsule owner(out, [](void* p) noexcept { delete[] (uint8_t*)p; });
-    stowlm::cpu::unrepack_row16(t, cols, w.data(), r, out);
+    stowlm::cpu::unrepack_row16(t, rows, cols, w.data(), r, out);
     return nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>>(out, {rb}, owner);
 }
 
@@ -160,8 +160,8 @@ STOWLM_BIND(matmul) {
             "y[t, r] = sum_c W[r, c] x[t, c] for raw GGUF weight bytes of type id `qtype`; returns float32 "
             "(n_tok, rows). threads=0 uses the global pool. rows16: W_raw is repack_rows16_raw's layout.");
     ops.def("repack_rows16_raw", &repack_rows16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
-            "W_raw (Q4_0, Q5_0 or Q8_0, rows a multiple of 16) in groups of 16 interleaved rows, as the CPU "
-            "keeps such weights (cpu/repack.h).");
+            "W_raw (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K) in groups of 16 interleaved rows, the rows after the "
+            "last whole group as they were: the CPU keeps such weights so (cpu/repack.h).");
     ops.def("unrepack_row16_raw", &unrepack_row16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
             nb::arg("r"), "Row r of repacked bytes in the GGUF layout again.");
     ops.def("matmul_multi_raw", &matmul_multi_raw, nb::arg("ws"), nb::arg("cols"), nb::arg("x"), nb::arg("threads") = 0,

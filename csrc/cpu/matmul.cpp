@@ -344,7 +344,14 @@ RowsFn r16_rows_for(Isa isa) {
     (void)isa;
     return matmul_r16_scalar;
 }
-int64_t group_chunk(int64_t rows, int nth) { return std::max<int64_t>(1, (rows / kRepackRows + nth - 1) / nth); }
+// Work units of a repacked matrix: its groups of 16 rows, then its tail rows as one more.
+int64_t r16_units(int64_t rows) { return (rows + kRepackRows - 1) / kRepackRows; }
+int64_t group_chunk(int64_t rows, int nth) { return std::max<int64_t>(1, (r16_units(rows) + nth - 1) / nth); }
+void r16_part(RowsFn fn, const MatmulArgs& A, int64_t u0, int64_t u1) {
+    const int64_t groups = A.rows / kRepackRows;
+    if (u0 < groups) fn(A, u0, std::min(u1, groups));
+    if (u1 > groups) matmul_r16_tail(A);
+}
 
 }  // namespace
 
@@ -357,10 +364,10 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     quantize_acts(A, pool);
     const Isa isa = active_isa();
     if (A.rows16) {
-        prepare_r16(A, pool);
+        if (A.asum) prepare_r16(A, pool);  // the 32-element formats' offsets
         const RowsFn fn = r16_rows_for(isa);
-        pool.parallel_for_dynamic(w.rows / kRepackRows, group_chunk(w.rows, pool.size()),
-                                  [&](int64_t g0, int64_t g1, int) { fn(A, g0, g1); });
+        pool.parallel_for_dynamic(r16_units(w.rows), group_chunk(w.rows, pool.size()),
+                                  [&](int64_t u0, int64_t u1, int) { r16_part(fn, A, u0, u1); });
         return;
     }
 #ifdef STOWLM_X86
@@ -394,18 +401,18 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
         A[i] = make_args(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch);
         A[i].batched = batched;
         // repacked matrices are cut in groups of 16 rows (units of their chunks)
-        const int64_t units = A[i].rows16 ? ws[i].rows / kRepackRows : ws[i].rows;
+        const int64_t units = A[i].rows16 ? r16_units(ws[i].rows) : ws[i].rows;
         chunk[i] = A[i].rows16 ? group_chunk(ws[i].rows, pool.size()) : row_chunk(ws[i].rows, pool.size());
         first[i + 1] = first[i] + (units + chunk[i] - 1) / chunk[i];
     }
     quantize_acts(A[0], pool);
     bool any16 = false;
     for (int i = 0; i < n_w; i++) any16 = any16 || A[i].rows16;
-    if (any16) prepare_r16(A[0], pool);  // the sums are the same for every matrix of the call
+    if (any16 && A[0].asum) prepare_r16(A[0], pool);  // the sums are the same for every matrix of the call
     const Isa isa = active_isa();
     const RowsFn rows_fn = matmul_rows_for(isa), r16_fn = r16_rows_for(isa);
     auto part = [&](int i, int64_t u0) {
-        if (A[i].rows16) return r16_fn(A[i], u0, std::min(A[i].rows / kRepackRows, u0 + chunk[i]));
+        if (A[i].rows16) return r16_part(r16_fn, A[i], u0, std::min(r16_units(A[i].rows), u0 + chunk[i]));
         rows_fn(A[i], u0, std::min(A[i].rows, u0 + chunk[i]));
     };
 #ifdef STOWLM_X86

@@ -1,13 +1,16 @@
 // Repacking into 16-row groups and back, and the scalar reference product (repack.h).
 #include "cpu/repack.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <string>
 
 #include "error.h"
 #include "quant/blocks.h"
 #include "quant/float_types.h"
+#include "quant/dot.h"
 #include "quant/legacy.h"
 
 namespace stowlm::cpu {
@@ -21,29 +24,82 @@ int repack_offset(QType t) {
     }
 }
 
+bool is_kformat(QType t) { return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K; }
+
 bool repack_supported(QType t, int64_t rows, int64_t cols) {
-    return repack_offset(t) && rows > 0 && rows % kRepackRows == 0 && cols > 0 && cols % QK == 0;
+    const int64_t block = is_kformat(t) ? QK_K : QK;
+    return (repack_offset(t) || is_kformat(t)) && rows > 0 && cols > 0 && cols % block == 0;
 }
 
 namespace {
 
-size_t group_block_bytes(QType t) {
-    switch (t) {
-        case QType::Q8_0: return sizeof(block_q8_0x16);
-        case QType::Q4_0: return sizeof(block_q4_0x16);
-        default: return sizeof(block_q5_0x16);
+size_t group_block_bytes(QType t) { return kRepackRows * qtype_checked((uint32_t)t).block_bytes; }
+
+// The K formats' bytes moved between one row's super-block and its place in a group's (to the
+// group when `in` is false, back to the row when true): the layouts of repack.h.
+template <bool IN>
+void move_kblock(QType t, uint8_t* row_blk, uint8_t* grp_blk, int r) {
+    // IN: group -> row; else row -> group
+    auto mv = [&](uint8_t* rowp, uint8_t* grpp, size_t n) { IN ? memcpy(rowp, grpp, n) : memcpy(grpp, rowp, n); };
+    if (t == QType::Q6_K) {
+        block_q6_K* x = (block_q6_K*)row_blk;
+        block_q6_Kx16* y = (block_q6_Kx16*)grp_blk;
+        mv((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
+        for (int s = 0; s < 16; s++) mv((uint8_t*)&x->scales[s], (uint8_t*)&y->scales[s][r], 1);
+        for (int n = 0; n < 2; n++) {
+            for (int c = 0; c < 16; c++) mv(x->ql + 64 * n + 4 * c, y->ql[n][c] + 4 * r, 4);
+            for (int c = 0; c < 8; c++) mv(x->qh + 32 * n + 4 * c, y->qh[n][c] + 4 * r, 4);
+        }
+        return;
+    }
+    // Q4_K and Q5_K share d, dmin, scales and qs (Q5_K's qh apart)
+    const bool q5 = t == QType::Q5_K;
+    uint8_t* xd = row_blk;  // d, dmin, scales[12] lead both row blocks
+    uint8_t* xqs = row_blk + (q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
+    block_q4_Kx16* y4 = (block_q4_Kx16*)grp_blk;
+    block_q5_Kx16* y5 = (block_q5_Kx16*)grp_blk;
+    mv(xd, (uint8_t*)(q5 ? &y5->d[r] : &y4->d[r]), 2);
+    mv(xd + 2, (uint8_t*)(q5 ? &y5->dmin[r] : &y4->dmin[r]), 2);
+    for (int k = 0; k < 12; k++) mv(xd + 4 + k, q5 ? &y5->scales[k][r] : &y4->scales[k][r], 1);
+    for (int j = 0; j < 4; j++)
+        for (int c = 0; c < 8; c++) mv(xqs + 32 * j + 4 * c, (q5 ? y5->qs[j][c] : y4->qs[j][c]) + 4 * r, 4);
+    if (!q5) return;
+    uint8_t* xqh = row_blk + offsetof(block_q5_K, qh);  // qh[m] bit k: element 32k + m
+    for (int G = 0; G < QK_K / 4; G++) {
+        const int k = G / 8, m0 = 4 * (G % 8);  // element 4G + i is bit k of qh[m0 + i]
+        if (IN) {
+            const uint64_t v = y5->qh[G] >> (4 * r);
+            for (int i = 0; i < 4; i++) xqh[m0 + i] |= (uint8_t)(((v >> i) & 1) << k);
+        } else {
+            uint64_t v = 0;
+            for (int i = 0; i < 4; i++) v |= (uint64_t)((xqh[m0 + i] >> k) & 1) << i;
+            y5->qh[G] |= v << (4 * r);
+        }
     }
 }
 
-// Element e (0..31) of a plain block as the unsigned value the repacked layout keeps.
-int plain_u(QType t, const uint8_t* blk, int e) {
-    if (t == QType::Q8_0) return (int)((const block_q8_0*)blk)->qs[e] + 128;
-    if (t == QType::Q4_0) return nibble_at(((const block_q4_0*)blk)->qs, e);
-    const block_q5_0* b = (const block_q5_0*)blk;
-    uint32_t qh;
-    memcpy(&qh, b->qh, 4);
-    return nibble_at(b->qs, e) | (int)(((qh >> e) & 1) << 4);
+// The 6-bit scale and min of sub-block s of a Q4_K/Q5_K super-block (12 packed bytes).
+void scale_min_k4(const uint8_t* q, int s, int& sc, int& m) {
+    if (s < 4) sc = q[s] & 63, m = q[s + 4] & 63;
+    else sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4), m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
 }
+
+// Row r's value of element e (unsigned: Q4_K/Q5_K 0..31, Q6_K 0..63 = q + 32) in a group block.
+int kformat_u(QType t, const uint8_t* gb, int r, int e) {
+    if (t == QType::Q6_K) {
+        const block_q6_Kx16* y = (const block_q6_Kx16*)gb;
+        const int n = e / 128, m = e % 128;
+        const int lo = m < 64 ? y->ql[n][m / 4][4 * r + m % 4] & 0xF : y->ql[n][(m - 64) / 4][4 * r + m % 4] >> 4;
+        const int l = m % 32;
+        return lo | (((y->qh[n][l / 4][4 * r + l % 4] >> (2 * (m / 32))) & 3) << 4);
+    }
+    const int j = e / 64, h = (e % 64) / 32, l = e % 32;
+    const uint8_t* qs = t == QType::Q5_K ? ((const block_q5_Kx16*)gb)->qs[j][l / 4] : ((const block_q4_Kx16*)gb)->qs[j][l / 4];
+    int u = (qs[4 * r + l % 4] >> (4 * h)) & 0xF;
+    if (t == QType::Q5_K) u |= (int)((((const block_q5_Kx16*)gb)->qh[e / 4] >> (4 * r + e % 4)) & 1) << 4;
+    return u;
+}
+
 
 }  // namespace
 
@@ -52,6 +108,25 @@ void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* d
         throw InvalidInput("repack_rows16: " + std::string(qtype_checked((uint32_t)t).name) + " " +
                            std::to_string(rows) + " x " + std::to_string(cols) + " cannot be repacked");
     if (r1 < 0) r1 = rows;
+    {
+        // rows after the last whole group keep the GGUF layout (matmul_r16_tail)
+        const int64_t tail0 = rows / kRepackRows * kRepackRows, rb = (int64_t)row_bytes(t, cols);
+        const int64_t a = std::max(r0, tail0);
+        if (r1 > a) memcpy((uint8_t*)dst + a * rb, (const uint8_t*)src + a * rb, (size_t)((r1 - a) * rb));
+        r1 = std::min(r1, tail0);
+    }
+    if (is_kformat(t)) {
+        const int64_t nsb = cols / QK_K;
+        const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes;
+        for (int64_t g = r0 / kRepackRows; g < r1 / kRepackRows; g++) {
+            uint8_t* out = (uint8_t*)dst + g * kRepackRows * rb;
+            memset(out, 0, kRepackRows * rb);
+            for (int64_t b = 0; b < nsb; b++)
+                for (int r = 0; r < kRepackRows; r++)
+                    move_kblock<false>(t, (uint8_t*)src + (g * kRepackRows + r) * rb + b * pb, out + b * kRepackRows * pb, r);
+        }
+        return;
+    }
     const int64_t nb = cols / QK;
     const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes, gb = group_block_bytes(t);
     for (int64_t g = r0 / kRepackRows; g < r1 / kRepackRows; g++) {
@@ -62,28 +137,46 @@ void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* d
             memset(ob, 0, gb);
             uint16_t* d = (uint16_t*)ob;
             uint8_t* qs = ob + 32;
+            uint64_t* qh = (uint64_t*)(ob + 32 + 256);  // Q5_0's
             for (int r = 0; r < kRepackRows; r++) {
                 const uint8_t* blk = rowp + r * rb + b * pb;
                 memcpy(&d[r], blk, 2);  // every one of the three formats starts with its fp16 d
-                for (int e = 0; e < QK; e++) {
-                    const int u = plain_u(t, blk, e);
-                    if (t == QType::Q8_0) {
-                        qs[(e / 4) * 64 + 4 * r + e % 4] = (uint8_t)u;
-                        continue;
+                if (t == QType::Q8_0) {
+                    // 4 signed bytes at a time, flipped to q + 128
+                    for (int k = 0; k < 8; k++) {
+                        uint32_t v;
+                        memcpy(&v, ((const block_q8_0*)blk)->qs + 4 * k, 4);
+                        v ^= 0x80808080u;
+                        memcpy(qs + k * 64 + 4 * r, &v, 4);
                     }
-                    const int lo = e % 16, k = lo / 4, i = lo % 4;
-                    qs[k * 64 + 4 * r + i] |= (uint8_t)((u & 0xF) << (e < 16 ? 0 : 4));
-                    if (t == QType::Q5_0 && (u & 0x10)) {
-                        uint64_t* qh = (uint64_t*)(ob + 32 + 256);
-                        qh[e / 4] |= (uint64_t)1 << (4 * r + e % 4);
-                    }
+                    continue;
+                }
+                // Q4_0/Q5_0 bytes keep their nibble pairs (elements 4k + i and 16 + 4k + i)
+                const uint8_t* bq = t == QType::Q4_0 ? ((const block_q4_0*)blk)->qs : ((const block_q5_0*)blk)->qs;
+                for (int k = 0; k < 4; k++) memcpy(qs + k * 64 + 4 * r, bq + 4 * k, 4);
+                if (t == QType::Q5_0) {
+                    uint32_t h;
+                    memcpy(&h, ((const block_q5_0*)blk)->qh, 4);
+                    for (int k = 0; k < 8; k++) qh[k] |= (uint64_t)((h >> (4 * k)) & 0xF) << (4 * r);
                 }
             }
         }
     }
 }
 
-void unrepack_row16(QType t, int64_t cols, const void* packed, int64_t r, void* dst) {
+void unrepack_row16(QType t, int64_t rows, int64_t cols, const void* packed, int64_t r, void* dst) {
+    if (r >= rows / kRepackRows * kRepackRows) {  // a tail row, as it was
+        memcpy(dst, (const uint8_t*)packed + r * row_bytes(t, cols), row_bytes(t, cols));
+        return;
+    }
+    if (is_kformat(t)) {
+        const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes;
+        const uint8_t* in = (const uint8_t*)packed + (r / kRepackRows) * kRepackRows * rb;
+        memset(dst, 0, rb);
+        for (int64_t b = 0; b < cols / QK_K; b++)
+            move_kblock<true>(t, (uint8_t*)dst + b * pb, (uint8_t*)in + b * kRepackRows * pb, (int)(r % kRepackRows));
+        return;
+    }
     const int64_t nb = cols / QK, g = r / kRepackRows, rr = r % kRepackRows;
     const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes, gb = group_block_bytes(t);
     const uint8_t* in = (const uint8_t*)packed + g * kRepackRows * rb;
@@ -125,7 +218,100 @@ void act_block_sums(const MatmulArgs& A, int32_t* sums) {
     }
 }
 
+namespace {
+
+// The K formats' reference: the integer sums of repack.h's formula, then its one or two FMAs.
+void matmul_r16_scalar_k(const MatmulArgs& A, int64_t g0, int64_t g1) {
+    const int64_t nsb = A.cols / QK_K;
+    const size_t gb = group_block_bytes(A.type);
+    for (int64_t g = g0; g < g1; g++) {
+        const uint8_t* grp = A.w + g * kRepackRows * A.w_stride;
+        for (int64_t t = 0; t < A.n_tok; t++) {
+            const block_q8_K32* a = (const block_q8_K32*)((const uint8_t*)A.act + t * A.act_stride);
+            for (int r = 0; r < kRepackRows; r++) {
+                float acc = 0;
+                for (int64_t b = 0; b < nsb; b++) {
+                    const uint8_t* x = grp + b * gb;
+                    const float da = a[b].d[0];
+                    if (A.type == QType::Q6_K) {
+                        const block_q6_Kx16* y = (const block_q6_Kx16*)x;
+                        int32_t isum = 0, corr = 0;
+                        for (int s = 0; s < 16; s++) {
+                            int32_t dot = 0;
+                            for (int e = 16 * s; e < 16 * s + 16; e++) dot += kformat_u(A.type, x, r, e) * a[b].qs[e];
+                            isum += y->scales[s][r] * dot;
+                            corr += y->scales[s][r] * a[b].bsums[s];
+                        }
+                        acc = std::fma((float)(isum - 32 * corr), fp16_to_f32(y->d[r]) * da, acc);
+                        continue;
+                    }
+                    const bool q5 = A.type == QType::Q5_K;
+                    const uint16_t* d = q5 ? ((const block_q5_Kx16*)x)->d : ((const block_q4_Kx16*)x)->d;
+                    const uint16_t* dmin = q5 ? ((const block_q5_Kx16*)x)->dmin : ((const block_q4_Kx16*)x)->dmin;
+                    uint8_t sc12[12];
+                    for (int k = 0; k < 12; k++)
+                        sc12[k] = q5 ? ((const block_q5_Kx16*)x)->scales[k][r] : ((const block_q4_Kx16*)x)->scales[k][r];
+                    int32_t isum = 0, imin = 0;
+                    for (int s = 0; s < 8; s++) {
+                        int sc, m;
+                        scale_min_k4(sc12, s, sc, m);
+                        int32_t dot = 0;
+                        for (int e = 32 * s; e < 32 * s + 32; e++) dot += kformat_u(A.type, x, r, e) * a[b].qs[e];
+                        isum += sc * dot;
+                        imin += m * (a[b].bsums[2 * s] + a[b].bsums[2 * s + 1]);
+                    }
+                    acc = std::fma((float)isum, fp16_to_f32(d[r]) * da, acc);
+                    acc = std::fma(-(float)imin, fp16_to_f32(dmin[r]) * da, acc);
+                }
+                A.y[t * A.ldy + g * kRepackRows + r] = acc;
+            }
+        }
+    }
+}
+
+}  // namespace
+
+void matmul_r16_tail(const MatmulArgs& A) {
+    const bool k = is_kformat(A.type);
+    const int64_t nb = k ? A.cols / QK_K : A.cols / QK;
+    const size_t pb = qtype_checked((uint32_t)A.type).block_bytes;
+    int8_t q[QK_K];
+    int16_t sc[16], mn[16];
+    for (int64_t r = A.rows / kRepackRows * kRepackRows; r < A.rows; r++) {
+        const uint8_t* row = A.w + r * A.w_stride;
+        for (int64_t t = 0; t < A.n_tok; t++) {
+            const uint8_t* act = (const uint8_t*)A.act + t * A.act_stride;
+            float acc = 0;
+            for (int64_t b = 0; b < nb; b++) {
+                float d = 0, m = 0;
+                if (!k) {
+                    const block_q8_a& a = ((const block_q8_a*)act)[b];
+                    unpack_q32(A.type, row + b * pb, q, &d, &m);
+                    int32_t dot = 0;
+                    for (int e = 0; e < QK; e++) dot += q[e] * a.qs[e];
+                    acc = std::fma((float)dot, d * a.d, acc);
+                    continue;
+                }
+                const block_q8_K32& a = ((const block_q8_K32*)act)[b];
+                unpack_qk(A.type, row + b * pb, q, sc, mn, &d, &m);
+                int32_t isum = 0, imin = 0;
+                for (int j = 0; j < 16; j++) {
+                    int32_t dot = 0;
+                    for (int e = 16 * j; e < 16 * j + 16; e++) dot += q[e] * a.qs[e];
+                    isum += sc[j] * dot;
+                    imin += mn[j] * a.bsums[j];
+                }
+                // the same integers as the groups' formula (Q6_K's q are u - 32 here)
+                acc = std::fma((float)isum, d * a.d[0], acc);
+                if (A.type != QType::Q6_K) acc = std::fma(-(float)imin, m * a.d[0], acc);
+            }
+            A.y[t * A.ldy + r] = acc;
+        }
+    }
+}
+
 void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
+    if (is_kformat(A.type)) return matmul_r16_scalar_k(A, g0, g1);
     const int64_t nb = A.cols / QK;
     const size_t gb = group_block_bytes(A.type);
     for (int64_t g = g0; g < g1; g++) {

@@ -10,7 +10,10 @@
 // Every output is the same float sequence whatever the batch and the instruction set:
 //   acc = 0; for each block b: acc = fma(float(idot_b), d_w[b] * d_a[b], acc)
 // with idot_b the exact integer dot of the block (offsets removed in integers), so a token's
-// result does not depend on its batch, and the scalar path gives the AVX-512 path's bits.
+// result does not depend on its batch, and the scalar path gives the AVX-512 path's bits. The K
+// formats sum their sub-block scales in integers too, per super-block:
+//   Q4_K/Q5_K: acc = fma(float(sum_s sc_s idot_s), d d_a, acc); acc = fma(-float(sum_s m_s bsum_s), dmin d_a, acc)
+//   Q6_K:      acc = fma(float(sum_s sc_s idot_s - 32 sum_s sc_s bsum_s), d d_a, acc)
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -29,20 +32,34 @@ constexpr int kRepackRows = 16;
 struct block_q8_0x16 { uint16_t d[16]; uint8_t qs[8][64]; };
 struct block_q4_0x16 { uint16_t d[16]; uint8_t qs[4][64]; };
 struct block_q5_0x16 { uint16_t d[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
+// The K formats keep each row's bytes, moved: Q4_K/Q5_K qs[j][c] holds for row r bytes
+// 32j + 4c .. +3 of its qs (low nibbles elements 64j + 4c + i, high ones 32 further), scales[k][r]
+// byte k of its 12 packed 6-bit scales and mins; Q5_K's fifth bits as qh[G] bit 4r + i for
+// element 4G + i. Q6_K: ql[n][c] bytes 64n + 4c .. +3 of row r's ql (low nibbles elements
+// 128n + 4c + i, high ones 64 further), qh[n][c] bytes 32n + 4c .. +3 of its qh (bits 2k, 2k+1:
+// element 128n + 4c + i + 32k), scales[s][r] its 16-element scale s.
+struct block_q4_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint8_t qs[4][8][64]; };
+struct block_q5_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint64_t qh[64]; uint8_t qs[4][8][64]; };
+struct block_q6_Kx16 { uint8_t ql[2][16][64]; uint8_t qh[2][8][64]; int8_t scales[16][16]; uint16_t d[16]; };
 static_assert(sizeof(block_q8_0x16) == 16 * 34, "16 rows of Q8_0 blocks");
+static_assert(sizeof(block_q4_Kx16) == 16 * 144, "16 rows of Q4_K blocks");
+static_assert(sizeof(block_q5_Kx16) == 16 * 176, "16 rows of Q5_K blocks");
+static_assert(sizeof(block_q6_Kx16) == 16 * 210, "16 rows of Q6_K blocks");
 static_assert(sizeof(block_q4_0x16) == 16 * 18, "16 rows of Q4_0 blocks");
 static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
 
-// The offset each format's unsigned values carry (removed as -OFF * sum(activations)).
+// The offset the 32-element formats' unsigned values carry (removed as -OFF * sum(activations)).
 int repack_offset(QType t);
-// Whether a matrix of this type and shape can be repacked: Q4_0, Q5_0, Q8_0 with a multiple of
-// 16 rows.
+// Whether a matrix of this type and shape can be repacked: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
+// The rows after its last whole group of 16 keep the GGUF layout, and their products the same
+// float sequence (matmul_r16_tail), so any slice of rows (a tensor-parallel shard) gives the
+// bits of the whole matrix's rows.
 bool repack_supported(QType t, int64_t rows, int64_t cols);
 // dst (rows * row_bytes(t, cols) bytes, not overlapping src) = src repacked. Rows [r0, r1) only
 // when given (multiples of 16), so that callers can split the work.
 void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* dst, int64_t r0 = 0, int64_t r1 = -1);
 // Row r of a repacked matrix in GGUF's layout again (row_bytes(t, cols) bytes at dst).
-void unrepack_row16(QType t, int64_t cols, const void* packed, int64_t r, void* dst);
+void unrepack_row16(QType t, int64_t rows, int64_t cols, const void* packed, int64_t r, void* dst);
 
 // Bytes at the start of a 32-element format's matmul scratch for the sums of its quantized
 // activation blocks (MatmulArgs::asum; reserved whether or not the weights are repacked, so
@@ -54,5 +71,8 @@ void act_block_sums(const MatmulArgs& A, int32_t* sums);
 // AVX-512 VNNI kernels (matmul_r16_avx512.cpp), bit for bit the same.
 void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1);
 void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1);
+// The rows after the last whole group x every token, from their GGUF blocks, with the groups'
+// integers and FMAs (scalar: at most 15 rows).
+void matmul_r16_tail(const MatmulArgs& A);
 
 }  // namespace stowlm::cpu

@@ -263,6 +263,19 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
         m->tp_sum_ = tp_sum;
         m->build_shards(tensor_split);
         m->place_shard_weights(count_weights);
+        if (count_weights) {
+            // the row shards (not the column slices of -sm tensor-sum, nor a tied head's rows,
+            // which read the embedding): any rows of a matrix repack to the whole's bits
+            std::vector<Tensor*> rows;
+            const uint8_t* e0 = (const uint8_t*)m->tok_embd_->data;
+            for (const auto& t : m->shard_store_) {
+                bool slice = false;
+                for (const ColumnSlice& c : m->column_slices_) slice = slice || c.t == t.get();
+                const uint8_t* p = (const uint8_t*)t->data;
+                if (!slice && !(p >= e0 && p < e0 + m->tok_embd_->nbytes())) rows.push_back(t.get());
+            }
+            m->repack_cpu_weights(devices, rows);
+        }
         return m;
     }
     auto packed_bytes = [&](const Tensor& t) {
@@ -294,37 +307,43 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
             m->weight_buffers_.push_back(std::move(buf));
         }
         for (auto& kv : m->weights_) kv.second.buffer = nullptr;  // weights stay where the file put them
-        m->repack_cpu_weights(devices);
+        std::vector<Tensor*> all;
+        for (auto& kv : m->weights_)
+            if (&kv.second != m->tok_embd_) all.push_back(&kv.second);  // the embedding is read by rows (get_rows)
+        m->repack_cpu_weights(devices, all);
     }
     return m;
 }
 
-void Model::FreeDeleter::operator()(void* p) const { std::free(p); }
-
 // Products of a few tokens (speculative drafts, small batches) are instruction-bound on the
 // GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done only where every
-// device is this process's CPU (no device copies a weight elsewhere) and the AVX-512 VNNI row
-// kernels run: with AMX, prompts are faster on its tiles, which read the GGUF layout.
-// STOWLM_REPACK=0 keeps the GGUF layout.
-void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices) {
+// device of the job is a CPU (no device copies a weight elsewhere; every rank of an MPI job
+// repacks its own), and the AVX-512 VNNI row kernels run: with AMX, prompts are faster on its
+// tiles, which read the GGUF layout. A matrix repacks whatever its rows, and its rows give the
+// same bits wherever they are cut. STOWLM_REPACK=0 keeps the GGUF layout.
+void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
     if (cpu::active_isa() != cpu::Isa::AVX512_VNNI) return;
     for (const auto& d : devices)
-        if (d.kind != "cpu" || d.rank >= 0) return;
+        if (d.kind != "cpu") return;
     std::vector<Tensor*> todo;
     size_t total = 0;
-    for (auto& kv : weights_) {
-        Tensor& t = kv.second;
-        // the embedding table is read by rows (get_rows), in its GGUF layout
-        if (&t == tok_embd_ || t.ne[2] != 1 || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
+    for (Tensor* tp : candidates) {
+        Tensor& t = *tp;
+        const Backend* b = backends_[t.device].get();
+        if (dist::is_remote(b) || !b->host_accessible() || t.ne[2] != 1 || t.ne[3] != 1 ||
+            !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
             continue;
         todo.push_back(&t);
         total += (t.nbytes() + 63) & ~(size_t)63;
     }
     if (todo.empty()) return;
-    uint8_t* dst = (uint8_t*)std::aligned_alloc(64, total);
+    // 2 MiB aligned and advised as huge pages: a fault per 2 MiB, not per 4 KiB, while writing
+    constexpr size_t kHuge = (size_t)2 << 20;
+    uint8_t* dst = (uint8_t*)std::aligned_alloc(kHuge, (total + kHuge - 1) / kHuge * kHuge);
     if (!dst) return;  // keep the GGUF layout rather than fail a load that fits
+    madvise(dst, (total + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
     repacked_.reset(dst);
     std::vector<uint8_t*> at(todo.size());
     for (size_t i = 0, off = 0; i < todo.size(); i++) at[i] = dst + off, off += (todo[i]->nbytes() + 63) & ~(size_t)63;
@@ -332,6 +351,11 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices) {
     auto work = [&] {
         for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
             Tensor& t = *todo[i];
+            // the mapped pages in one call, not a fault each (MADV_POPULATE_READ, Linux 5.14; a
+            // no-op error elsewhere)
+            const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+            const uintptr_t p0 = (uintptr_t)t.data & ~(pg - 1);
+            madvise((void*)p0, (uintptr_t)t.data + t.nbytes() - p0, 22);
             cpu::repack_rows16(t.type, t.ne[1], t.ne[0], t.data, at[i]);
             // the mapped pages of the old layout leave this process's memory
             const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -375,6 +399,8 @@ std::vector<std::string> Model::repacked_weights() const {
     std::vector<std::string> r;
     for (const auto& kv : weights_)
         if (kv.second.rows16) r.push_back(kv.first);
+    for (const auto& t : shard_store_)  // tensor parallelism: each device's rows
+        if (t->rows16) r.push_back(t->name);
     return r;
 }
 

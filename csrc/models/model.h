@@ -3,6 +3,7 @@
 // embedding with the first layers unless it is tied to the output, which goes with the last).
 // Weights stay zero copy in the mapping on CPU devices but count against that device's budget.
 #pragma once
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <regex>
@@ -235,9 +236,9 @@ private:
     std::vector<BufferPtr> weight_buffers_;
     // CPU weights repacked at load (cpu/repack.h); their share of the budget is still counted
     // through weight_buffers_, the mapped bytes they replace are given back to the page cache.
-    struct FreeDeleter { void operator()(void* p) const; };
+    struct FreeDeleter { void operator()(void* p) const { std::free(p); } };
     std::unique_ptr<uint8_t, FreeDeleter> repacked_;
-    void repack_cpu_weights(const std::vector<DeviceSpec>& devices);
+    void repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates);
     int loading_device_ = 0;  // device for tensors named while loading a layer
     int loading_anchor_ = 0;  // and what that device follows (WeightInfo::anchor)
     std::map<std::string, std::pair<int, int>> anchors_;  // weight -> (anchor, override index)

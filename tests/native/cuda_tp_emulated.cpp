@@ -15,6 +15,7 @@
 // bits twice.
 // Built and run by tests/test_cuda_tp_emulated.py: argv[1] is the models directory.
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <string>
 #include <vector>
@@ -167,6 +168,7 @@ int main(int argc, char** argv) {
         return 2;
     }
     const std::string dir = argv[1];
+    setenv("STOWLM_REPACK", "0", 1);  // CPU shards in the GGUF layout, as the CUDA kernels sum (cpu/repack.h)
     try {
         const std::vector<std::vector<DeviceSpec>> two = {{spec("cuda", 0), spec("cuda", 1)},
                                                           {spec("cuda", 0), spec("cpu", 0)},
