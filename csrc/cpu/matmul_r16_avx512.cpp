@@ -227,33 +227,34 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             scp[p] = _mm512_permutex2var_epi16(_mm512_castsi256_si512(_mm256_cvtepi8_epi16(s0)), pidx,
                                                _mm512_castsi256_si512(_mm256_cvtepi8_epi16(s1)));
         }
+        // the super-block's 64 vectors of values, unpacked once for all TT tokens: a ql vector
+        // holds groups c and c + 16 of its half, a qh vector groups c, c + 8, c + 16, c + 24
+        alignas(64) __m512i u[64];
+        for (int n = 0; n < 2; n++)
+            for (int c = 0; c < 8; c++) {
+                const __m512i h = _mm512_loadu_si512(x.qh[n][c]);
+                const __m512i l0 = _mm512_loadu_si512(x.ql[n][c]), l1 = _mm512_loadu_si512(x.ql[n][c + 8]);
+                __m512i* o = u + 32 * n;
+                o[c] = _mm512_ternarylogic_epi32(l0, m4, _mm512_and_si512(_mm512_slli_epi16(h, 4), m30), 0xea);
+                o[c + 8] = _mm512_ternarylogic_epi32(l1, m4, _mm512_and_si512(_mm512_slli_epi16(h, 2), m30), 0xea);
+                o[c + 16] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l0, 4), m4, _mm512_and_si512(h, m30), 0xea);
+                o[c + 24] = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l1, 4), m4, _mm512_and_si512(_mm512_srli_epi16(h, 2), m30), 0xea);
+            }
         __m512i isum[TT];
         for (int j = 0; j < TT; j++) isum[j] = _mm512_setzero_si512();
-        for (int n = 0; n < 2; n++)
-            for (int q = 0; q < 32; q += 4) {
-                const int s = 8 * n + q / 4;
-                __m512i u[4];
-                for (int i = 0; i < 4; i++) {
-                    const int gq = q + i, k = gq / 8;
-                    const __m512i l = _mm512_loadu_si512(x.ql[n][gq % 16]);
-                    const __m512i lo = gq < 16 ? _mm512_and_si512(l, m4) : _mm512_and_si512(_mm512_srli_epi16(l, 4), m4);
-                    const __m512i h = _mm512_loadu_si512(x.qh[n][gq % 8]);
-                    // bits 2k, 2k + 1 to bits 4, 5
-                    const __m512i hi = 2 * k <= 4 ? _mm512_and_si512(_mm512_slli_epi16(h, 4 - 2 * k), m30)
-                                                  : _mm512_and_si512(_mm512_srli_epi16(h, 2 * k - 4), m30);
-                    u[i] = _mm512_or_si512(lo, hi);
-                }
-                const __m512i scv = _mm512_load_si512(sc[s]);
+        for (int s = 0; s < 16; s++) {
+            const __m512i scv = _mm512_load_si512(sc[s]);
+            const __m512i* us = u + 4 * s;
 #pragma GCC unroll 8
-                for (int j = 0; j < TT; j++) {
-                    const int8_t* qa = a[j][b].qs + 128 * n + 4 * q;
-                    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast4(qa));
-                    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], bcast4(qa + 4));
-                    s0 = _mm512_dpbusd_epi32(s0, u[2], bcast4(qa + 8));
-                    s1 = _mm512_dpbusd_epi32(s1, u[3], bcast4(qa + 12));
-                    isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
-                }
+            for (int j = 0; j < TT; j++) {
+                const int8_t* qa = a[j][b].qs + 16 * s;
+                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), us[0], bcast4(qa));
+                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), us[1], bcast4(qa + 4));
+                s0 = _mm512_dpbusd_epi32(s0, us[2], bcast4(qa + 8));
+                s1 = _mm512_dpbusd_epi32(s1, us[3], bcast4(qa + 12));
+                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
             }
+        }
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
         for (int j = 0; j < TT; j++) {
             __m512i corr = _mm512_setzero_si512();
@@ -269,34 +270,35 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
 }
 
-// The K formats: 4 tokens a tile (their per-token sums and the unpacked sub-block fill the
-// registers at 8).
-template <class F1, class F2, class F3, class F4>
-void k_groups(const MatmulArgs& A, int64_t g0, int64_t g1, F1 f1, F2 f2, F3 f3, F4 f4) {
+// Groups [g0, g1) x all tokens, 8 tokens a tile: a tile's kernel is K<TT>::run.
+template <template <int> class K>
+void groups8(const MatmulArgs& A, int64_t g0, int64_t g1) {
     for (int64_t g = g0; g < g1; g++) {
         int64_t t = 0;
-        for (; t + 4 <= A.n_tok; t += 4) f4(A, g, t);
+        for (; t + 8 <= A.n_tok; t += 8) K<8>::run(A, g, t);
         switch (A.n_tok - t) {
-            case 3: f3(A, g, t); break;
-            case 2: f2(A, g, t); break;
-            case 1: f1(A, g, t); break;
+            case 7: K<7>::run(A, g, t); break;
+            case 6: K<6>::run(A, g, t); break;
+            case 5: K<5>::run(A, g, t); break;
+            case 4: K<4>::run(A, g, t); break;
+            case 3: K<3>::run(A, g, t); break;
+            case 2: K<2>::run(A, g, t); break;
+            case 1: K<1>::run(A, g, t); break;
             default: break;
         }
     }
 }
+template <int TT> struct Q4K { static void run(const MatmulArgs& A, int64_t g, int64_t t) { r16_q45K_tile<false, TT>(A, g, t); } };
+template <int TT> struct Q5K { static void run(const MatmulArgs& A, int64_t g, int64_t t) { r16_q45K_tile<true, TT>(A, g, t); } };
+template <int TT> struct Q6K { static void run(const MatmulArgs& A, int64_t g, int64_t t) { r16_q6K_tile<TT>(A, g, t); } };
 
 }  // namespace
 
 void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
     switch (A.type) {
-        case QType::Q4_K:
-            return k_groups(A, g0, g1, r16_q45K_tile<false, 1>, r16_q45K_tile<false, 2>, r16_q45K_tile<false, 3>,
-                            r16_q45K_tile<false, 4>);
-        case QType::Q5_K:
-            return k_groups(A, g0, g1, r16_q45K_tile<true, 1>, r16_q45K_tile<true, 2>, r16_q45K_tile<true, 3>,
-                            r16_q45K_tile<true, 4>);
-        case QType::Q6_K:
-            return k_groups(A, g0, g1, r16_q6K_tile<1>, r16_q6K_tile<2>, r16_q6K_tile<3>, r16_q6K_tile<4>);
+        case QType::Q4_K: return groups8<Q4K>(A, g0, g1);
+        case QType::Q5_K: return groups8<Q5K>(A, g0, g1);
+        case QType::Q6_K: return groups8<Q6K>(A, g0, g1);
         case QType::Q8_0: return r16_groups<R8_0>(A, g0, g1);
         case QType::Q4_0: return r16_groups<R4_0>(A, g0, g1);
         case QType::Q5_0: return r16_groups<R5_0>(A, g0, g1);

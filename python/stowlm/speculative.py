@@ -38,9 +38,9 @@ MAX_BACKOFF = 16  # steps without drafting after repeated misses, at most
 # every token that is not kept.
 TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 # With the weights repacked into 16-row groups (csrc/cpu/repack.h: Model.repacked) a pass's
-# extra tokens cost a third of that (same machine, `stowlm-bench -p 1,2,3,4,5,6,8,12 -n 0 -d 256`:
-# 1.10x for 2 tokens, 1.32x for 4, 1.79x for 8, 2.46x for 12; what stays dear is the K formats).
-IN_TILE_R16, PAST_TILE_R16 = 0.11, 0.12
+# extra tokens cost far less (same model and machine, `stowlm-bench -p 1,2,3,4,5,6,8,12 -n 0
+# -d 256`: 0.99x for 2 tokens, 1.12x for 4, 1.62x for 8, 2.26x for 12).
+IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
 
 
 def prior_cost(n: int, repacked: bool = False) -> float:
