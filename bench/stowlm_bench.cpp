@@ -830,6 +830,8 @@ int run(const Options& o) {
                                 kv += d.kv;
                                 compute += d.compute;
                             }
+                            if (const size_t n16 = model->repacked_weights().size())
+                                fprintf(stderr, "  %zu matrices repacked into 16-row groups (STOWLM_REPACK=0: the GGUF layout)\n", n16);
                             const size_t expected = info.file_bytes + kv + compute;
                             if (expected > mem.expected) {
                                 mem.expected = expected;

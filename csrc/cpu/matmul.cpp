@@ -363,6 +363,10 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     A.batched = batched;
     quantize_acts(A, pool);
     const Isa isa = active_isa();
+#ifdef STOWLM_X86
+    // batches of a repacked matrix: the GEMMs, whose panels unpack its rows as they do GGUF's
+    if (A.rows16 && matmul_batched(A, isa, pool)) return;
+#endif
     if (A.rows16) {
         if (A.asum) prepare_r16(A, pool);  // the 32-element formats' offsets
         const RowsFn fn = r16_rows_for(isa);
@@ -419,7 +423,7 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
     if (n_tok >= kBatchMinTokens || batched) {
         // a batch: the activations quantized once, each matrix through the batched kernel
         for (int i = 0; i < n_w; i++)
-            if (A[i].rows16 || !matmul_batched(A[i], isa, pool))
+            if (!matmul_batched(A[i], isa, pool))
                 pool.parallel_for_dynamic(first[i + 1] - first[i], 1,
                                           [&](int64_t c, int64_t, int) { part(i, c * chunk[i]); });
         return;

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include "cpu/matmul_impl.h"
+#include "cpu/repack.h"
 
 namespace stowlm::cpu {
 namespace {
@@ -427,10 +428,16 @@ inline void quantize_q8_K32_simd(const float* x, block_q8_K32* y, int64_t k) {
 // un + n * L.bytes); rows past the matrix end are zero weights.
 inline void unpack_panel_rows(const MatmulArgs& A, const RowLayout& L, int64_t r0, int count, uint8_t* un) {
     const DotFamily fam = dot_family(A.type);
+    static thread_local Panel row16;  // a repacked matrix's row in its GGUF bytes again
     for (int n = 0; n < count; n++) {
         uint8_t* dst = un + n * L.bytes;
         if (r0 + n < A.rows) {
             const uint8_t* src = A.w + (r0 + n) * A.w_stride;
+            if (A.rows16) {
+                uint8_t* row = (uint8_t*)row16.get(A.w_stride);
+                unrepack_row16(A.type, A.rows, A.cols, A.w, r0 + n, row);
+                src = row;
+            }
             if (!unpack_row_simd(A.type, src, A.cols, dst, L)) unpack_row(A.type, fam, src, A.cols, dst, L);
         } else {
             memset(dst, 0, L.bytes);

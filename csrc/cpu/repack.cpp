@@ -180,28 +180,31 @@ void unrepack_row16(QType t, int64_t rows, int64_t cols, const void* packed, int
     const int64_t nb = cols / QK, g = r / kRepackRows, rr = r % kRepackRows;
     const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes, gb = group_block_bytes(t);
     const uint8_t* in = (const uint8_t*)packed + g * kRepackRows * rb;
+    // the byte moves of repack_rows16, backwards
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* ib = in + b * gb;
         uint8_t* blk = (uint8_t*)dst + b * pb;
-        memset(blk, 0, pb);
         memcpy(blk, ib + 2 * rr, 2);
         const uint8_t* qs = ib + 32;
-        for (int e = 0; e < QK; e++) {
-            int u;
-            if (t == QType::Q8_0) {
-                u = qs[(e / 4) * 64 + 4 * rr + e % 4];
-                ((block_q8_0*)blk)->qs[e] = (int8_t)(u - 128);
-                continue;
+        if (t == QType::Q8_0) {
+            for (int k = 0; k < 8; k++) {
+                uint32_t v;
+                memcpy(&v, qs + k * 64 + 4 * rr, 4);
+                v ^= 0x80808080u;
+                memcpy(((block_q8_0*)blk)->qs + 4 * k, &v, 4);
             }
-            const int lo = e % 16, k = lo / 4, i = lo % 4;
-            u = (qs[k * 64 + 4 * rr + i] >> (e < 16 ? 0 : 4)) & 0xF;
-            uint8_t* bq = t == QType::Q4_0 ? ((block_q4_0*)blk)->qs : ((block_q5_0*)blk)->qs;
-            bq[lo] |= (uint8_t)(u << (e < 16 ? 0 : 4));
-            if (t == QType::Q5_0) {
-                uint64_t qh;
-                memcpy(&qh, ib + 32 + 256 + 8 * (e / 4), 8);
-                if ((qh >> (4 * rr + e % 4)) & 1) ((block_q5_0*)blk)->qh[e / 8] |= (uint8_t)(1u << (e % 8));
+            continue;
+        }
+        uint8_t* bq = t == QType::Q4_0 ? ((block_q4_0*)blk)->qs : ((block_q5_0*)blk)->qs;
+        for (int k = 0; k < 4; k++) memcpy(bq + 4 * k, qs + k * 64 + 4 * rr, 4);
+        if (t == QType::Q5_0) {
+            uint32_t h = 0;
+            for (int k = 0; k < 8; k++) {
+                uint64_t m;
+                memcpy(&m, ib + 32 + 256 + 8 * k, 8);
+                h |= (uint32_t)((m >> (4 * rr)) & 0xF) << (4 * k);
             }
+            memcpy(((block_q5_0*)blk)->qh, &h, 4);
         }
     }
 }

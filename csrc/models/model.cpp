@@ -318,13 +318,14 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
 // Products of a few tokens (speculative drafts, small batches) are instruction-bound on the
 // GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done only where every
 // device of the job is a CPU (no device copies a weight elsewhere; every rank of an MPI job
-// repacks its own), and the AVX-512 VNNI row kernels run: with AMX, prompts are faster on its
-// tiles, which read the GGUF layout. A matrix repacks whatever its rows, and its rows give the
-// same bits wherever they are cut. STOWLM_REPACK=0 keeps the GGUF layout.
+// repacks its own) and the AVX-512 row kernels run (batches of 24+ keep their GEMM or AMX
+// tiles, whose panels unpack the repacked rows). A matrix repacks whatever its rows, and its
+// rows give the same bits wherever they are cut. STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
-    if (cpu::active_isa() != cpu::Isa::AVX512_VNNI) return;
+    const cpu::Isa isa = cpu::active_isa();
+    if (isa != cpu::Isa::AVX512_VNNI && isa != cpu::Isa::AMX) return;
     for (const auto& d : devices)
         if (d.kind != "cpu") return;
     std::vector<Tensor*> todo;
