@@ -18,7 +18,7 @@ from test_matmul import check, make_weights, restore_isa, with_outliers  # noqa:
 
 from stowlm import ops  # noqa: E402
 
-TYPES = ["Q4_0", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
 KTYPES = {"Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -46,7 +46,7 @@ def test_repacked_rows_give_the_gguf_bytes_back(name):
     for r in (0, 31, 32, 39):
         np.testing.assert_array_equal(ops.unrepack_row16(tail, name, 40, cols, r), raw[r])
     with pytest.raises(ValueError, match="cannot be repacked"):
-        ops.repack_rows16(_weights("Q4_1", 16, 64)[0], "Q4_1", 16, 64)
+        ops.repack_rows16(_weights("IQ4_NL", 16, 64)[0], "IQ4_NL", 16, 64)
     with pytest.raises(ValueError, match="cannot be repacked"):
         ops.repack_rows16(raw[:, : raw.shape[1] // 2].copy(), name, 48, cols // 2 + 1)
 

@@ -17,6 +17,20 @@ namespace stowlm::cpu {
 namespace {
 
 // Each format's 8 vectors of unsigned values: u[k] holds elements 4k..4k+3 of the 16 rows.
+inline void nibbles(const uint8_t (&qs)[4][64], __m512i (&u)[8]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    for (int k = 0; k < 4; k++) {
+        const __m512i z = _mm512_loadu_si512(qs[k]);
+        u[k] = _mm512_and_si512(z, m4);
+        u[4 + k] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
+    }
+}
+inline void fifth_bits(const uint64_t (&qh)[8], __m512i (&u)[8]) {
+    const __m512i b4 = _mm512_set1_epi8(0x10);
+    for (int k = 0; k < 8; k++) u[k] = _mm512_mask_add_epi8(u[k], _cvtu64_mask64(qh[k]), u[k], b4);
+}
+template <class G>
+constexpr bool kHasMin = std::is_same_v<G, block_q4_1x16> || std::is_same_v<G, block_q5_1x16>;
 struct R8_0 {
     using G = block_q8_0x16;
     static constexpr int OFF = 128;
@@ -27,23 +41,22 @@ struct R8_0 {
 struct R4_0 {
     using G = block_q4_0x16;
     static constexpr int OFF = 8;
-    static void unpack(const G& x, __m512i (&u)[8]) {
-        const __m512i m4 = _mm512_set1_epi8(0x0f);
-        for (int k = 0; k < 4; k++) {
-            const __m512i z = _mm512_loadu_si512(x.qs[k]);
-            u[k] = _mm512_and_si512(z, m4);
-            u[4 + k] = _mm512_and_si512(_mm512_srli_epi16(z, 4), m4);
-        }
-    }
+    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u); }
 };
 struct R5_0 {
     using G = block_q5_0x16;
     static constexpr int OFF = 16;
-    static void unpack(const G& x, __m512i (&u)[8]) {
-        R4_0::unpack((const block_q4_0x16&)x, u);  // the same d and qs up front
-        const __m512i b4 = _mm512_set1_epi8(0x10);
-        for (int k = 0; k < 8; k++) u[k] = _mm512_mask_add_epi8(u[k], _cvtu64_mask64(x.qh[k]), u[k], b4);
-    }
+    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u), fifth_bits(x.qh, u); }
+};
+struct R4_1 {
+    using G = block_q4_1x16;
+    static constexpr int OFF = 0;
+    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u); }
+};
+struct R5_1 {
+    using G = block_q5_1x16;
+    static constexpr int OFF = 0;
+    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u), fifth_bits(x.qh, u); }
 };
 
 inline __m512i bcast4(const int8_t* p) {
@@ -70,13 +83,15 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         const G& x = w[b];
         for (size_t off = 0; off < sizeof(G); off += 64) _mm_prefetch((const char*)&x + 2048 + off, _MM_HINT_T0);
         const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
+        __m512 mw = _mm512_setzero_ps();
+        if constexpr (kHasMin<G>) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.m));
         __m512i u[8];
         R::unpack(x, u);
 #pragma GCC unroll 8
         for (int j = 0; j < TT; j++) {
             const int8_t* q = a[j][b].qs;
             // two chains for latency; integer sums, exact in any order
-            __m512i s0 = _mm512_set1_epi32(-R::OFF * sum[j][b]), s1 = _mm512_setzero_si512();
+            __m512i s0 = R::OFF ? _mm512_set1_epi32(-R::OFF * sum[j][b]) : _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
             s0 = _mm512_dpbusd_epi32(s0, u[0], bcast4(q + 0));
             s1 = _mm512_dpbusd_epi32(s1, u[1], bcast4(q + 4));
             s0 = _mm512_dpbusd_epi32(s0, u[2], bcast4(q + 8));
@@ -87,6 +102,7 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             s1 = _mm512_dpbusd_epi32(s1, u[7], bcast4(q + 28));
             const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(a[j][b].d));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s, acc[j]);
+            if constexpr (kHasMin<G>) acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[j][b].s), acc[j]);
         }
     }
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
@@ -302,6 +318,8 @@ void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
         case QType::Q8_0: return r16_groups<R8_0>(A, g0, g1);
         case QType::Q4_0: return r16_groups<R4_0>(A, g0, g1);
         case QType::Q5_0: return r16_groups<R5_0>(A, g0, g1);
+        case QType::Q4_1: return r16_groups<R4_1>(A, g0, g1);
+        case QType::Q5_1: return r16_groups<R5_1>(A, g0, g1);
         default: return matmul_r16_scalar(A, g0, g1);
     }
 }

@@ -20,15 +20,40 @@ int repack_offset(QType t) {
         case QType::Q8_0: return 128;
         case QType::Q4_0: return 8;
         case QType::Q5_0: return 16;
-        default: return 0;
+        default: return 0;  // Q4_1, Q5_1: unsigned values, a min term instead
     }
+}
+
+bool is_q32_repackable(QType t) {
+    return t == QType::Q4_0 || t == QType::Q5_0 || t == QType::Q8_0 || t == QType::Q4_1 || t == QType::Q5_1;
 }
 
 bool is_kformat(QType t) { return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K; }
 
+namespace {
+
+// Where a 32-element format keeps its fields, in a row's block (byte offsets; 0: none) and in a
+// group's (repack.h: d[16], then m[16] where the format has a min, qs, then Q5's qh masks).
+struct Q32Form {
+    bool q8, min, fifth;
+    size_t m, qh, qs;        // in the row's block (d at 0)
+    size_t gm, gqs, gqh;     // in the group's block (d at 0)
+};
+Q32Form q32_form(QType t) {
+    switch (t) {
+        case QType::Q8_0: return {true, false, false, 0, 0, offsetof(block_q8_0, qs), 0, 32, 0};
+        case QType::Q4_0: return {false, false, false, 0, 0, offsetof(block_q4_0, qs), 0, 32, 0};
+        case QType::Q5_0: return {false, false, true, 0, offsetof(block_q5_0, qh), offsetof(block_q5_0, qs), 0, 32, 288};
+        case QType::Q4_1: return {false, true, false, offsetof(block_q4_1, m), 0, offsetof(block_q4_1, qs), 32, 64, 0};
+        default: return {false, true, true, offsetof(block_q5_1, m), offsetof(block_q5_1, qh), offsetof(block_q5_1, qs), 32, 64, 320};
+    }
+}
+
+}  // namespace
+
 bool repack_supported(QType t, int64_t rows, int64_t cols) {
     const int64_t block = is_kformat(t) ? QK_K : QK;
-    return (repack_offset(t) || is_kformat(t)) && rows > 0 && cols > 0 && cols % block == 0;
+    return (is_q32_repackable(t) || is_kformat(t)) && rows > 0 && cols > 0 && cols % block == 0;
 }
 
 namespace {
@@ -135,28 +160,28 @@ void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* d
         for (int64_t b = 0; b < nb; b++) {
             uint8_t* ob = out + b * gb;
             memset(ob, 0, gb);
-            uint16_t* d = (uint16_t*)ob;
-            uint8_t* qs = ob + 32;
-            uint64_t* qh = (uint64_t*)(ob + 32 + 256);  // Q5_0's
+            const Q32Form f = q32_form(t);
+            uint8_t* qs = ob + f.gqs;
+            uint64_t* qh = (uint64_t*)(ob + f.gqh);
             for (int r = 0; r < kRepackRows; r++) {
                 const uint8_t* blk = rowp + r * rb + b * pb;
-                memcpy(&d[r], blk, 2);  // every one of the three formats starts with its fp16 d
-                if (t == QType::Q8_0) {
+                memcpy(ob + 2 * r, blk, 2);  // every 32-element format starts with its fp16 d
+                if (f.min) memcpy(ob + f.gm + 2 * r, blk + f.m, 2);
+                if (f.q8) {
                     // 4 signed bytes at a time, flipped to q + 128
                     for (int k = 0; k < 8; k++) {
                         uint32_t v;
-                        memcpy(&v, ((const block_q8_0*)blk)->qs + 4 * k, 4);
+                        memcpy(&v, blk + f.qs + 4 * k, 4);
                         v ^= 0x80808080u;
                         memcpy(qs + k * 64 + 4 * r, &v, 4);
                     }
                     continue;
                 }
-                // Q4_0/Q5_0 bytes keep their nibble pairs (elements 4k + i and 16 + 4k + i)
-                const uint8_t* bq = t == QType::Q4_0 ? ((const block_q4_0*)blk)->qs : ((const block_q5_0*)blk)->qs;
-                for (int k = 0; k < 4; k++) memcpy(qs + k * 64 + 4 * r, bq + 4 * k, 4);
-                if (t == QType::Q5_0) {
+                // the 4/5-bit formats' bytes keep their nibble pairs (elements 4k + i and 16 + 4k + i)
+                for (int k = 0; k < 4; k++) memcpy(qs + k * 64 + 4 * r, blk + f.qs + 4 * k, 4);
+                if (f.fifth) {
                     uint32_t h;
-                    memcpy(&h, ((const block_q5_0*)blk)->qh, 4);
+                    memcpy(&h, blk + f.qh, 4);
                     for (int k = 0; k < 8; k++) qh[k] |= (uint64_t)((h >> (4 * k)) & 0xF) << (4 * r);
                 }
             }
@@ -181,30 +206,31 @@ void unrepack_row16(QType t, int64_t rows, int64_t cols, const void* packed, int
     const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes, gb = group_block_bytes(t);
     const uint8_t* in = (const uint8_t*)packed + g * kRepackRows * rb;
     // the byte moves of repack_rows16, backwards
+    const Q32Form f = q32_form(t);
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* ib = in + b * gb;
         uint8_t* blk = (uint8_t*)dst + b * pb;
         memcpy(blk, ib + 2 * rr, 2);
-        const uint8_t* qs = ib + 32;
-        if (t == QType::Q8_0) {
+        if (f.min) memcpy(blk + f.m, ib + f.gm + 2 * rr, 2);
+        const uint8_t* qs = ib + f.gqs;
+        if (f.q8) {
             for (int k = 0; k < 8; k++) {
                 uint32_t v;
                 memcpy(&v, qs + k * 64 + 4 * rr, 4);
                 v ^= 0x80808080u;
-                memcpy(((block_q8_0*)blk)->qs + 4 * k, &v, 4);
+                memcpy(blk + f.qs + 4 * k, &v, 4);
             }
             continue;
         }
-        uint8_t* bq = t == QType::Q4_0 ? ((block_q4_0*)blk)->qs : ((block_q5_0*)blk)->qs;
-        for (int k = 0; k < 4; k++) memcpy(bq + 4 * k, qs + k * 64 + 4 * rr, 4);
-        if (t == QType::Q5_0) {
+        for (int k = 0; k < 4; k++) memcpy(blk + f.qs + 4 * k, qs + k * 64 + 4 * rr, 4);
+        if (f.fifth) {
             uint32_t h = 0;
             for (int k = 0; k < 8; k++) {
                 uint64_t m;
-                memcpy(&m, ib + 32 + 256 + 8 * k, 8);
+                memcpy(&m, ib + f.gqh + 8 * k, 8);
                 h |= (uint32_t)((m >> (4 * rr)) & 0xF) << (4 * k);
             }
-            memcpy(((block_q5_0*)blk)->qh, &h, 4);
+            memcpy(blk + f.qh, &h, 4);
         }
     }
 }
@@ -293,6 +319,7 @@ void matmul_r16_tail(const MatmulArgs& A) {
                     int32_t dot = 0;
                     for (int e = 0; e < QK; e++) dot += q[e] * a.qs[e];
                     acc = std::fma((float)dot, d * a.d, acc);
+                    if (A.type == QType::Q4_1 || A.type == QType::Q5_1) acc = std::fma(m, a.s, acc);
                     continue;
                 }
                 const block_q8_K32& a = ((const block_q8_K32*)act)[b];
@@ -317,6 +344,7 @@ void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
     if (is_kformat(A.type)) return matmul_r16_scalar_k(A, g0, g1);
     const int64_t nb = A.cols / QK;
     const size_t gb = group_block_bytes(A.type);
+    const Q32Form f = q32_form(A.type);
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t* grp = A.w + g * kRepackRows * A.w_stride;
         for (int64_t t = 0; t < A.n_tok; t++) {
@@ -326,24 +354,26 @@ void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
                 float acc = 0;
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t* ib = grp + b * gb;
-                    uint16_t dh;
+                    uint16_t dh, mh = 0;
                     memcpy(&dh, ib + 2 * r, 2);
-                    const uint8_t* qs = ib + 32;
+                    if (f.min) memcpy(&mh, ib + f.gm + 2 * r, 2);
+                    const uint8_t* qs = ib + f.gqs;
                     uint64_t qh[8] = {};
-                    if (A.type == QType::Q5_0) memcpy(qh, ib + 32 + 256, 64);
+                    if (f.fifth) memcpy(qh, ib + f.gqh, 64);
                     int32_t dot = -repack_offset(A.type) * sum[b];
                     for (int e = 0; e < QK; e++) {
                         int u;
-                        if (A.type == QType::Q8_0) u = qs[(e / 4) * 64 + 4 * r + e % 4];
+                        if (f.q8) u = qs[(e / 4) * 64 + 4 * r + e % 4];
                         else {
                             const int lo = e % 16;
                             u = (qs[(lo / 4) * 64 + 4 * r + lo % 4] >> (e < 16 ? 0 : 4)) & 0xF;
-                            if (A.type == QType::Q5_0) u |= (int)((qh[e / 4] >> (4 * r + e % 4)) & 1) << 4;
+                            if (f.fifth) u |= (int)((qh[e / 4] >> (4 * r + e % 4)) & 1) << 4;
                         }
                         dot += u * a[b].qs[e];
                     }
                     const float s = fp16_to_f32(dh) * a[b].d;  // rounded to float before the FMA, as the SIMD path
                     acc = std::fma((float)dot, s, acc);
+                    if (f.min) acc = std::fma(fp16_to_f32(mh), a[b].s, acc);  // the min term, block by block
                 }
                 A.y[t * A.ldy + g * kRepackRows + r] = acc;
             }

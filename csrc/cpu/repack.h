@@ -9,6 +9,7 @@
 // tensor), so byte counts, row ranges at multiples of 16 and memory accounting are unchanged.
 // Every output is the same float sequence whatever the batch and the instruction set:
 //   acc = 0; for each block b: acc = fma(float(idot_b), d_w[b] * d_a[b], acc)
+//   (Q4_1/Q5_1 then acc = fma(m_w[b], s_a[b], acc), s_a = d_a * sum(a))
 // with idot_b the exact integer dot of the block (offsets removed in integers), so a token's
 // result does not depend on its batch, and the scalar path gives the AVX-512 path's bits. The K
 // formats sum their sub-block scales in integers too, per super-block:
@@ -32,6 +33,9 @@ constexpr int kRepackRows = 16;
 struct block_q8_0x16 { uint16_t d[16]; uint8_t qs[8][64]; };
 struct block_q4_0x16 { uint16_t d[16]; uint8_t qs[4][64]; };
 struct block_q5_0x16 { uint16_t d[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
+// Q4_1/Q5_1: the same with the rows' fp16 mins after d (w = d u + m; no offset).
+struct block_q4_1x16 { uint16_t d[16]; uint16_t m[16]; uint8_t qs[4][64]; };
+struct block_q5_1x16 { uint16_t d[16]; uint16_t m[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
 // The K formats keep each row's bytes, moved: Q4_K/Q5_K qs[j][c] holds for row r bytes
 // 32j + 4c .. +3 of its qs (low nibbles elements 64j + 4c + i, high ones 32 further), scales[k][r]
 // byte k of its 12 packed 6-bit scales and mins; Q5_K's fifth bits as qh[G] bit 4r + i for
@@ -42,6 +46,8 @@ struct block_q4_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]
 struct block_q5_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint64_t qh[64]; uint8_t qs[4][8][64]; };
 struct block_q6_Kx16 { uint8_t ql[2][16][64]; uint8_t qh[2][8][64]; int8_t scales[16][16]; uint16_t d[16]; };
 static_assert(sizeof(block_q8_0x16) == 16 * 34, "16 rows of Q8_0 blocks");
+static_assert(sizeof(block_q4_1x16) == 16 * 20, "16 rows of Q4_1 blocks");
+static_assert(sizeof(block_q5_1x16) == 16 * 24, "16 rows of Q5_1 blocks");
 static_assert(sizeof(block_q4_Kx16) == 16 * 144, "16 rows of Q4_K blocks");
 static_assert(sizeof(block_q5_Kx16) == 16 * 176, "16 rows of Q5_K blocks");
 static_assert(sizeof(block_q6_Kx16) == 16 * 210, "16 rows of Q6_K blocks");
@@ -50,7 +56,8 @@ static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
 
 // The offset the 32-element formats' unsigned values carry (removed as -OFF * sum(activations)).
 int repack_offset(QType t);
-// Whether a matrix of this type and shape can be repacked: Q4_0, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K.
+// Whether a matrix of this type and shape can be repacked: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
+// Q5_K, Q6_K.
 // The rows after its last whole group of 16 keep the GGUF layout, and their products the same
 // float sequence (matmul_r16_tail), so any slice of rows (a tensor-parallel shard) gives the
 // bits of the whole matrix's rows.
