@@ -7,7 +7,9 @@
 //
 // A group of 16 rows keeps the bytes the 16 rows had (the same size, the same place in the
 // tensor), so byte counts, row ranges at multiples of 16 and memory accounting are unchanged.
-// Every output is the same float sequence whatever the batch and the instruction set:
+// Batches of kBatchMinTokens or more keep the GEMM / AMX tiles, whose panels unpack these rows
+// back to GGUF bytes (unrepack_row16). Below that, every output is the same float sequence
+// whatever the batch and the instruction set:
 //   acc = 0; for each block b: acc = fma(float(idot_b), d_w[b] * d_a[b], acc)
 //   (Q4_1/Q5_1 then acc = fma(m_w[b], s_a[b], acc), s_a = d_a * sum(a))
 // with idot_b the exact integer dot of the block (offsets removed in integers), so a token's
