@@ -92,21 +92,6 @@ void with_step_min(QType t, F&& fn) {
     }
 }
 
-// tile(n, t0) over all tokens, n a compile-time count: tiles of NT tokens, then one of the rest.
-template <int N, class F>
-void tail_tile(int64_t rest, int64_t t0, F& tile) {
-    if constexpr (N > 0) {
-        if (rest == N) return tile(std::integral_constant<int, N>{}, t0);
-        tail_tile<N - 1>(rest, t0, tile);
-    }
-}
-template <int NT, class F>
-void over_token_tiles(int64_t n_tok, F&& tile) {
-    int64_t t = 0;
-    for (; t + NT <= n_tok; t += NT) tile(std::integral_constant<int, NT>{}, t);
-    tail_tile<NT - 1>(n_tok - t, t, tile);
-}
-
 // Tokens laid out in parallel, then panels of PR rows shared out: panel(bufs, r0) per panel.
 template <int PR, class F>
 void gemm_drive(const MatmulArgs& A, const GemmLayout& lo, int off, ThreadPool& pool, F&& panel) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "common.h"
 #include "cpu/cpu_features.h"
@@ -226,6 +227,21 @@ inline void step_scales(DotFamily fam, const uint8_t* row, const RowLayout& L, i
         D[s * stride] = d[sb] * (float)sc[j];
         M[s * stride] = -m[sb] * (float)mn[j];
     }
+}
+
+// tile(n, t0) over all tokens (the GEMMs' register tiles, the repacked kernels' token tiles), n a compile-time count: tiles of NT tokens, then one of the rest.
+template <int N, class F>
+void tail_tile(int64_t rest, int64_t t0, F& tile) {
+    if constexpr (N > 0) {
+        if (rest == N) return tile(std::integral_constant<int, N>{}, t0);
+        tail_tile<N - 1>(rest, t0, tile);
+    }
+}
+template <int NT, class F>
+void over_token_tiles(int64_t n_tok, F&& tile) {
+    int64_t t = 0;
+    for (; t + NT <= n_tok; t += NT) tile(std::integral_constant<int, NT>{}, t);
+    tail_tile<NT - 1>(n_tok - t, t, tile);
 }
 
 // Scalar unpack, used where a file has no faster one.

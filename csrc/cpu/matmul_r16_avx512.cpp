@@ -38,31 +38,53 @@ struct R8_0 {
         for (int k = 0; k < 8; k++) u[k] = _mm512_loadu_si512(x.qs[k]);
     }
 };
-struct R4_0 {
-    using G = block_q4_0x16;
-    static constexpr int OFF = 8;
-    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u); }
+// The 4/5-bit formats: nibbles, Q5's fifth bits, an offset (Q4_0, Q5_0) or a min (Q4_1, Q5_1).
+template <class Grp, int Off, bool Fifth>
+struct RNib {
+    using G = Grp;
+    static constexpr int OFF = Off;
+    static void unpack(const G& x, __m512i (&u)[8]) {
+        nibbles(x.qs, u);
+        if constexpr (Fifth) fifth_bits(x.qh, u);
+    }
 };
-struct R5_0 {
-    using G = block_q5_0x16;
-    static constexpr int OFF = 16;
-    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u), fifth_bits(x.qh, u); }
-};
-struct R4_1 {
-    using G = block_q4_1x16;
-    static constexpr int OFF = 0;
-    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u); }
-};
-struct R5_1 {
-    using G = block_q5_1x16;
-    static constexpr int OFF = 0;
-    static void unpack(const G& x, __m512i (&u)[8]) { nibbles(x.qs, u), fifth_bits(x.qh, u); }
-};
+using R4_0 = RNib<block_q4_0x16, 8, false>;
+using R5_0 = RNib<block_q5_0x16, 16, true>;
+using R4_1 = RNib<block_q4_1x16, 0, false>;
+using R5_1 = RNib<block_q5_1x16, 0, true>;
 
 inline __m512i bcast4(const int8_t* p) {
     int32_t v;
     memcpy(&v, p, 4);
     return _mm512_set1_epi32(v);
+}
+// init + the 16 rows' dots of N * 4 elements (u[k]: elements 4k..4k+3) with the activations at
+// q, in two chains for latency (integer sums: exact in any order).
+template <int N>
+inline __m512i dot_rows(__m512i init, const __m512i* u, const int8_t* q) {
+    __m512i s0 = init, s1 = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int k = 0; k < N; k += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, u[k], bcast4(q + 4 * k));
+        s1 = _mm512_dpbusd_epi32(s1, u[k + 1], bcast4(q + 4 * k + 4));
+    }
+    return _mm512_add_epi32(s0, s1);
+}
+// The word index that interleaves two 16-word vectors a, b as (a_r, b_r) pairs in lane r (for
+// vpmaddwd with a pair of the activations' sums).
+inline __m512i pair_index() {
+    alignas(64) static const auto idx = [] {
+        struct { int16_t v[32]; } t{};
+        for (int r = 0; r < 16; r++) t.v[2 * r] = (int16_t)r, t.v[2 * r + 1] = (int16_t)(32 + r);
+        return t;
+    }();
+    return _mm512_load_si512(idx.v);
+}
+// Groups [g0, g1) x all tokens, 8 tokens a tile (a group's blocks stay in L1/L2 between tiles):
+// tile(n, g, t0) with n a compile-time token count.
+template <class Tile>
+void groups(const MatmulArgs& A, int64_t g0, int64_t g1, Tile&& tile) {
+    for (int64_t g = g0; g < g1; g++) over_token_tiles<8>(A.n_tok, [&](auto n, int64_t t) { tile(n, g, t); });
 }
 
 // Group g x tokens [t0, t0 + TT).
@@ -89,42 +111,14 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         R::unpack(x, u);
 #pragma GCC unroll 8
         for (int j = 0; j < TT; j++) {
-            const int8_t* q = a[j][b].qs;
-            // two chains for latency; integer sums, exact in any order
-            __m512i s0 = R::OFF ? _mm512_set1_epi32(-R::OFF * sum[j][b]) : _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-            s0 = _mm512_dpbusd_epi32(s0, u[0], bcast4(q + 0));
-            s1 = _mm512_dpbusd_epi32(s1, u[1], bcast4(q + 4));
-            s0 = _mm512_dpbusd_epi32(s0, u[2], bcast4(q + 8));
-            s1 = _mm512_dpbusd_epi32(s1, u[3], bcast4(q + 12));
-            s0 = _mm512_dpbusd_epi32(s0, u[4], bcast4(q + 16));
-            s1 = _mm512_dpbusd_epi32(s1, u[5], bcast4(q + 20));
-            s0 = _mm512_dpbusd_epi32(s0, u[6], bcast4(q + 24));
-            s1 = _mm512_dpbusd_epi32(s1, u[7], bcast4(q + 28));
+            const __m512i init = R::OFF ? _mm512_set1_epi32(-R::OFF * sum[j][b]) : _mm512_setzero_si512();
+            const __m512i dot = dot_rows<8>(init, u, a[j][b].qs);
             const __m512 s = _mm512_mul_ps(dw, _mm512_set1_ps(a[j][b].d));
-            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), s, acc[j]);
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[j]);
             if constexpr (kHasMin<G>) acc[j] = _mm512_fmadd_ps(mw, _mm512_set1_ps(a[j][b].s), acc[j]);
         }
     }
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
-}
-
-// Groups [g0, g1) x all tokens, 8 tokens a tile (a group's blocks stay in L1/L2 between tiles).
-template <class R>
-void r16_groups(const MatmulArgs& A, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; g++) {
-        int64_t t = 0;
-        for (; t + 8 <= A.n_tok; t += 8) r16_tile<R, 8>(A, g, t);
-        switch (A.n_tok - t) {
-            case 7: r16_tile<R, 7>(A, g, t); break;
-            case 6: r16_tile<R, 6>(A, g, t); break;
-            case 5: r16_tile<R, 5>(A, g, t); break;
-            case 4: r16_tile<R, 4>(A, g, t); break;
-            case 3: r16_tile<R, 3>(A, g, t); break;
-            case 2: r16_tile<R, 2>(A, g, t); break;
-            case 1: r16_tile<R, 1>(A, g, t); break;
-            default: break;
-        }
-    }
 }
 
 // Q4_K/Q5_K: group g x tokens [t0, t0 + TT). Per super-block the 16 rows' 6-bit scales and
@@ -144,9 +138,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     }
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
     const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
-    alignas(64) int16_t pair_idx[32];
-    for (int r = 0; r < 16; r++) pair_idx[2 * r] = (int16_t)r, pair_idx[2 * r + 1] = (int16_t)(32 + r);
-    const __m512i pidx = _mm512_load_si512(pair_idx);
+    const __m512i pidx = pair_index();
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = w[b];
         for (size_t off = 0; off < sizeof(G); off += 64) _mm_prefetch((const char*)&x + 4096 + off, _MM_HINT_T0);
@@ -182,16 +174,8 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                 const __m512i scv = _mm512_load_si512(sc[s]);
 #pragma GCC unroll 8
                 for (int j = 0; j < TT; j++) {
-                    const int8_t* qa = a[j][b].qs + 32 * s;
-                    __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[0], bcast4(qa));
-                    __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), u[1], bcast4(qa + 4));
-                    s0 = _mm512_dpbusd_epi32(s0, u[2], bcast4(qa + 8));
-                    s1 = _mm512_dpbusd_epi32(s1, u[3], bcast4(qa + 12));
-                    s0 = _mm512_dpbusd_epi32(s0, u[4], bcast4(qa + 16));
-                    s1 = _mm512_dpbusd_epi32(s1, u[5], bcast4(qa + 20));
-                    s0 = _mm512_dpbusd_epi32(s0, u[6], bcast4(qa + 24));
-                    s1 = _mm512_dpbusd_epi32(s1, u[7], bcast4(qa + 28));
-                    isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
+                    const __m512i dot = dot_rows<8>(_mm512_setzero_si512(), u, a[j][b].qs + 32 * s);
+                    isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(dot, scv));
                 }
             }
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
@@ -227,9 +211,7 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         acc[j] = _mm512_setzero_ps();
     }
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
-    alignas(64) int16_t pair_idx[32];
-    for (int r = 0; r < 16; r++) pair_idx[2 * r] = (int16_t)r, pair_idx[2 * r + 1] = (int16_t)(32 + r);
-    const __m512i pidx = _mm512_load_si512(pair_idx);
+    const __m512i pidx = pair_index();
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = w[b];
         for (size_t off = 0; off < sizeof(G); off += 64) _mm_prefetch((const char*)&x + 4096 + off, _MM_HINT_T0);
@@ -263,12 +245,8 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             const __m512i* us = u + 4 * s;
 #pragma GCC unroll 8
             for (int j = 0; j < TT; j++) {
-                const int8_t* qa = a[j][b].qs + 16 * s;
-                __m512i s0 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), us[0], bcast4(qa));
-                __m512i s1 = _mm512_dpbusd_epi32(_mm512_setzero_si512(), us[1], bcast4(qa + 4));
-                s0 = _mm512_dpbusd_epi32(s0, us[2], bcast4(qa + 8));
-                s1 = _mm512_dpbusd_epi32(s1, us[3], bcast4(qa + 12));
-                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), scv));
+                const __m512i dot = dot_rows<4>(_mm512_setzero_si512(), us, a[j][b].qs + 16 * s);
+                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(dot, scv));
             }
         }
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
@@ -286,40 +264,22 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
 }
 
-// Groups [g0, g1) x all tokens, 8 tokens a tile: a tile's kernel is K<TT>::run.
-template <template <int> class K>
-void groups8(const MatmulArgs& A, int64_t g0, int64_t g1) {
-    for (int64_t g = g0; g < g1; g++) {
-        int64_t t = 0;
-        for (; t + 8 <= A.n_tok; t += 8) K<8>::run(A, g, t);
-        switch (A.n_tok - t) {
-            case 7: K<7>::run(A, g, t); break;
-            case 6: K<6>::run(A, g, t); break;
-            case 5: K<5>::run(A, g, t); break;
-            case 4: K<4>::run(A, g, t); break;
-            case 3: K<3>::run(A, g, t); break;
-            case 2: K<2>::run(A, g, t); break;
-            case 1: K<1>::run(A, g, t); break;
-            default: break;
-        }
-    }
-}
-template <int TT> struct Q4K { static void run(const MatmulArgs& A, int64_t g, int64_t t) { r16_q45K_tile<false, TT>(A, g, t); } };
-template <int TT> struct Q5K { static void run(const MatmulArgs& A, int64_t g, int64_t t) { r16_q45K_tile<true, TT>(A, g, t); } };
-template <int TT> struct Q6K { static void run(const MatmulArgs& A, int64_t g, int64_t t) { r16_q6K_tile<TT>(A, g, t); } };
-
 }  // namespace
 
 void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
+    auto q32 = [&](auto r) {
+        using R = decltype(r);
+        groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_tile<R, n()>(A, g, t); });
+    };
     switch (A.type) {
-        case QType::Q4_K: return groups8<Q4K>(A, g0, g1);
-        case QType::Q5_K: return groups8<Q5K>(A, g0, g1);
-        case QType::Q6_K: return groups8<Q6K>(A, g0, g1);
-        case QType::Q8_0: return r16_groups<R8_0>(A, g0, g1);
-        case QType::Q4_0: return r16_groups<R4_0>(A, g0, g1);
-        case QType::Q5_0: return r16_groups<R5_0>(A, g0, g1);
-        case QType::Q4_1: return r16_groups<R4_1>(A, g0, g1);
-        case QType::Q5_1: return r16_groups<R5_1>(A, g0, g1);
+        case QType::Q4_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
+        case QType::Q5_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
+        case QType::Q6_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });
+        case QType::Q8_0: return q32(R8_0{});
+        case QType::Q4_0: return q32(R4_0{});
+        case QType::Q5_0: return q32(R5_0{});
+        case QType::Q4_1: return q32(R4_1{});
+        case QType::Q5_1: return q32(R5_1{});
         default: return matmul_r16_scalar(A, g0, g1);
     }
 }
