@@ -364,8 +364,7 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     quantize_acts(A, pool);
     const Isa isa = active_isa();
 #ifdef STOWLM_X86
-    // batches of a repacked matrix: the GEMMs, whose panels unpack its rows as they do GGUF's
-    if (A.rows16 && matmul_batched(A, isa, pool)) return;
+    if (matmul_batched(A, isa, pool)) return;  // repacked rows too: the panels unpack them
 #endif
     if (A.rows16) {
         if (A.asum) prepare_r16(A, pool);  // the 32-element formats' offsets
@@ -375,7 +374,6 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
         return;
     }
 #ifdef STOWLM_X86
-    if (matmul_batched(A, isa, pool)) return;
     attach_nib_acts(&A, 1, isa);
 #endif
     const RowsFn rows_fn = matmul_rows_for(isa);

@@ -266,13 +266,12 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
         if (count_weights) {
             // the row shards (not the column slices of -sm tensor-sum, nor a tied head's rows,
             // which read the embedding): any rows of a matrix repack to the whole's bits
+            // (a tied head's rows on any device: one device reads them from the embedding, unpacked)
             std::vector<Tensor*> rows;
             const uint8_t* e0 = (const uint8_t*)m->tok_embd_->data;
             for (const auto& t : m->shard_store_) {
-                bool slice = false;
-                for (const ColumnSlice& c : m->column_slices_) slice = slice || c.t == t.get();
                 const uint8_t* p = (const uint8_t*)t->data;
-                if (!slice && !(p >= e0 && p < e0 + m->tok_embd_->nbytes())) rows.push_back(t.get());
+                if (!m->is_column_slice(t.get()) && !(p >= e0 && p < e0 + m->tok_embd_->nbytes())) rows.push_back(t.get());
             }
             m->repack_cpu_weights(devices, rows);
         }
@@ -328,6 +327,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
     if (isa != cpu::Isa::AVX512_VNNI && isa != cpu::Isa::AMX) return;
     for (const auto& d : devices)
         if (d.kind != "cpu") return;
+    auto padded = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };  // each tensor 64-byte aligned
     std::vector<Tensor*> todo;
     size_t total = 0;
     for (Tensor* tp : candidates) {
@@ -337,31 +337,31 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
             !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
             continue;
         todo.push_back(&t);
-        total += (t.nbytes() + 63) & ~(size_t)63;
+        total += padded(t.nbytes());
     }
     if (todo.empty()) return;
     // 2 MiB aligned and advised as huge pages: a fault per 2 MiB, not per 4 KiB, while writing
     constexpr size_t kHuge = (size_t)2 << 20;
-    uint8_t* dst = (uint8_t*)std::aligned_alloc(kHuge, (total + kHuge - 1) / kHuge * kHuge);
+    const size_t alloc = (total + kHuge - 1) / kHuge * kHuge;
+    uint8_t* dst = (uint8_t*)std::aligned_alloc(kHuge, alloc);
     if (!dst) return;  // keep the GGUF layout rather than fail a load that fits
-    madvise(dst, (total + kHuge - 1) / kHuge * kHuge, MADV_HUGEPAGE);
+    madvise(dst, alloc, MADV_HUGEPAGE);
     repacked_.reset(dst);
     std::vector<uint8_t*> at(todo.size());
-    for (size_t i = 0, off = 0; i < todo.size(); i++) at[i] = dst + off, off += (todo[i]->nbytes() + 63) & ~(size_t)63;
+    for (size_t i = 0, off = 0; i < todo.size(); i++) at[i] = dst + off, off += padded(todo[i]->nbytes());
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     std::atomic<size_t> next{0};
     auto work = [&] {
         for (size_t i; (i = next.fetch_add(1)) < todo.size();) {
             Tensor& t = *todo[i];
+            const uintptr_t b = (uintptr_t)t.data, e = b + t.nbytes();
             // the mapped pages in one call, not a fault each (MADV_POPULATE_READ, Linux 5.14; a
             // no-op error elsewhere)
-            const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
-            const uintptr_t p0 = (uintptr_t)t.data & ~(pg - 1);
-            madvise((void*)p0, (uintptr_t)t.data + t.nbytes() - p0, 22);
+            madvise((void*)(b & ~(page - 1)), e - (b & ~(page - 1)), 22);
             cpu::repack_rows16(t.type, t.ne[1], t.ne[0], t.data, at[i]);
-            // the mapped pages of the old layout leave this process's memory
-            const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
-            const uintptr_t a = ((uintptr_t)t.data + page - 1) & ~(page - 1), e = ((uintptr_t)t.data + t.nbytes()) & ~(page - 1);
-            if (e > a) madvise((void*)a, e - a, MADV_DONTNEED);
+            // the whole mapped pages of the old layout leave this process's memory
+            const uintptr_t a = (b + page - 1) & ~(page - 1), z = e & ~(page - 1);
+            if (z > a) madvise((void*)a, z - a, MADV_DONTNEED);
         }
     };
     const unsigned n = std::max(1u, std::min(8u, std::thread::hardware_concurrency()));

@@ -261,6 +261,7 @@ private:
         bool rows = false;  // rows [col0, col0 + cols) of each matrix of a stack instead of columns
     };
     std::vector<ColumnSlice> column_slices_;
+    bool is_column_slice(const Tensor* t) const;  // a -sm tensor-sum slice, in a buffer of its own
 };
 
 // Hyperparameter helpers for the arch files.

@@ -287,15 +287,21 @@ void Model::build_shards(const std::vector<double>& shares_all) {
     tok_embd_->device = shard_device_[0];
 }
 
+bool Model::is_column_slice(const Tensor* t) const {
+    for (const ColumnSlice& c : column_slices_)
+        if (c.t == t) return true;
+    return false;
+}
+
 void Model::place_shard_weights(bool count_weights) {
     const int n_dev = (int)backends_.size();
     auto packed = [&](const Tensor& t) {
         const size_t b = t.nbytes();
         return backends_[t.device]->host_accessible() ? b : (b + 255) / 256 * 256;
     };
-    const bool tied = output_ == tok_embd_;
     // A tied head's rows on the device holding the whole embedding read the embedding's bytes
     // (the mapping on a host device, the uploaded embedding on another).
+    const bool tied = output_ == tok_embd_;
     const uint8_t* embd_host = (const uint8_t*)tok_embd_->data;
     auto aliases_embd = [&](const Tensor* t) {
         return tied && t->device == tok_embd_->device && (const uint8_t*)t->data >= embd_host &&
@@ -303,16 +309,9 @@ void Model::place_shard_weights(bool count_weights) {
     };
     std::vector<size_t> mapped(n_dev, 0), copied(n_dev, 0);
     mapped[tok_embd_->device] += packed(*tok_embd_);
-    std::vector<const Tensor*> is_copy;
-    for (const ColumnSlice& c : column_slices_) is_copy.push_back(c.t);
-    auto copy_of = [&](const Tensor* t) {
-        for (const Tensor* c : is_copy)
-            if (c == t) return true;
-        return false;
-    };
     for (const auto& t : shard_store_) {
         if (aliases_embd(t.get())) continue;
-        (copy_of(t.get()) ? copied : mapped)[t->device] += packed(*t);
+        (is_column_slice(t.get()) ? copied : mapped)[t->device] += packed(*t);
     }
     weight_bytes_.assign(n_dev, 0);
     for (int d = 0; d < n_dev; d++) weight_bytes_[d] = mapped[d] + copied[d];
