@@ -220,7 +220,7 @@ def test_a_follow_up_reuses_the_slot_cache(served):
     # the follow-up's last chunk (past 256) is large enough for the batched kernels, which the
     # long prompt's tail used too: the whole prompt is reused, and the new tokens go in a pass
     # forced onto the batched kernels (CPU devices), else in the smallest batched pass
-    assert eng.forced and len(follow) - 256 >= eng.bounds[0]
+    assert eng.reuse.forced and len(follow) - 256 >= eng.bounds[0]
     assert evaluated == len(follow) - len(long_prompt)
     # the reused cache gives the text a fresh slot gives
     _forget(served)
@@ -271,7 +271,7 @@ def test_a_shared_prefix_is_reused_mid_chunk_with_the_bits_of_a_fresh_slot(serve
     # the pass would be extended back to the smallest batched one)
     common = len(system) + 3
     assert longer[:common] == cats[:common] and longer[common] != cats[common]
-    assert eng.forced and n == len(longer) - common
+    assert eng.reuse.forced and n == len(longer) - common
     got, n = _logprobs(eng, short)  # to an empty slot: 'longer' stays cached
     assert got == fresh["short"] and n == len(short)
     got, n = _logprobs(eng, cats)
@@ -329,13 +329,13 @@ def test_without_forced_passes_a_tail_is_extended_to_the_smallest_batched_pass(s
     longer = system + served.tokenize(" Tell me about dogs, and why they bark at night so often.", add_special=False)
     _forget(served)
     fresh, _ = _logprobs(eng, longer)
-    eng.forced = False
+    eng.reuse.forced = False
     try:
         _forget(served)
         _logprobs(eng, cats)
         got, n = _logprobs(eng, longer)
     finally:
-        eng.forced = served.ctx.can_force_batched
+        eng.reuse.forced = served.ctx.can_force_batched
     common = len(system) + 3
     assert got == fresh and n == max(len(longer) - common, eng.bounds[0]) < len(longer)
 
@@ -345,7 +345,7 @@ def test_with_routed_experts_a_prefix_is_reused_at_whole_chunks():
     mid-chunk could change a token's bits: an MoE model reuses whole chunks only."""
     with stowlm.LLM(str(get_model("qwen3moe-tiny")), n_ctx=2 * 256, n_seq=2, n_ubatch=64, progress=False) as llm:
         eng = llm.engine()
-        assert eng.whole_chunks and eng.chunk == 64
+        assert eng.reuse.whole_chunks and eng.chunk == 64
         rng = np.random.default_rng(3)
         a = list(map(int, rng.integers(10, 1000, 100)))
         b = a[:90] + list(map(int, rng.integers(10, 1000, 20)))

@@ -36,20 +36,42 @@ def test_temperature_zero_is_the_engine_greedy_loop(llm):
     assert out.finish_reason == ("length" if len(want) == 12 else "stop")
 
 
-def test_prefix_reuse_gives_the_same_logits_as_a_fresh_eval(llm):
-    a = llm.tokenize("The capital of France is Paris, and the capital of Germany is")
-    b = a + llm.tokenize(" Berlin. The capital of Italy is", add_special=False)
-    llm.generate(a, max_tokens=4, temperature=0)     # leaves a (+ generated tokens) in the cache
-    reused = llm._prefill(b).copy()                   # only the tail of b is evaluated
-    assert llm.ctx.n_past == len(b)
-    # The reuse path evaluates a (13 tokens) and b's tail in batches below the batched kernels'
-    # 24 tokens, where a token's product is the same in any batch; the fresh pass takes
-    # micro-batches of 8 to stay on those kernels (a GEMM rounds its sums in another order).
-    assert len(a) < 24 and len(b) - len(a) < 24
-    fresh_ctx = stowlm.Context(llm.model, n_ctx=512, n_ubatch=8)
-    fresh = fresh_ctx.eval(b, logits="last")
-    np.testing.assert_allclose(reused, fresh, rtol=0, atol=1e-3 * np.abs(fresh).max())
-    assert int(np.argmax(reused)) == int(np.argmax(fresh))
+@pytest.mark.parametrize("n_ubatch", [64, 512])
+def test_a_reused_prefix_gives_the_bits_of_a_fresh_evaluation(n_ubatch):
+    """Whatever the cache held before (a shorter prompt ending inside or past a chunk, the same
+    prompt, a generation followed by a turn that quotes it, logits()), a prompt's last logits are
+    the bits of evaluating it afresh, and the cache is still reused where that allows."""
+    with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=512, n_ubatch=n_ubatch, progress=False) as m:
+        p = m.tokenize("Once upon a time, in a village by the sea, there lived an old fisherman who "
+                       "told stories every evening. " * 5)
+        assert len(p) > 100
+        evaluated = []
+        eval_, eval_batch = m.ctx.eval, m.ctx.eval_batch
+        m.ctx.eval = lambda toks, *a, **k: evaluated.append(len(toks)) or eval_(toks, *a, **k)
+        m.ctx.eval_batch = lambda toks, *a, **k: evaluated.append(len(toks)) or eval_batch(toks, *a, **k)
+
+        def fresh(toks):
+            m._rewind(0)
+            return m._prefill(toks).copy()
+
+        def after(prepare, toks):
+            m._rewind(0)
+            prepare()
+            del evaluated[:]
+            return m._prefill(toks).copy(), sum(evaluated)
+
+        gen = m.generate(p[:50], max_tokens=8, temperature=0).tokens
+        turn = p[:50] + gen + p[50:80]
+        cases = [(lambda: m._prefill(p), p), (lambda: m.logits(p[:70]), p),
+                 (lambda: m.generate(p[:50], max_tokens=8, temperature=0), turn)]
+        cases += [(lambda n=n: m._prefill(p[:n]), p) for n in (10, 23, 30, 63, 64, 70, 100)]
+        cases += [(lambda: m._prefill(p), p[:90])]
+        reused = 0
+        for prepare, toks in cases:
+            got, n_eval = after(prepare, toks)
+            assert np.array_equal(got, fresh(toks)), (len(toks), n_eval)
+            reused += n_eval < len(toks)
+        assert reused >= 6, "the cache was hardly reused"
 
 
 def test_same_seed_same_text_and_stream_equals_whole(llm):

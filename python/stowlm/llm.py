@@ -19,9 +19,9 @@ from .devices import parse_devices
 from .generation import Completion, Generation, Served
 from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
 from .placement.rules import DEFAULT_N_OUTPUTS
+from .prefix import PrefixReuse
 from .speculative import DRAFT_MAX, PassCosts, Speculator, parse_spec
 from .text.sampling import SamplingParams
-from .text.stream import common_prefix
 
 __all__ = ["LLM", "Completion"]
 
@@ -98,6 +98,9 @@ class LLM(Conversation):
         self.tokenizer, self.ctx = ld.tokenizer, ld.ctx
         self._template, self._template_error = ld.template, ld.template_error
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
+        self._kernels: List[int] = []  # the kernel class of each cached token's pass (-1: not reusable)
+        # what of the cache a prompt keeps: a fresh prompt goes in passes of n_ubatch tokens
+        self._reuse = PrefixReuse.of(self.ctx, self.model, self.ctx.n_ubatch)
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._grammars_lock = threading.Lock()
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
@@ -132,7 +135,7 @@ class LLM(Conversation):
         if self._engine is None:
             from .batching import BatchEngine
 
-            self._cached = []
+            self._cached, self._kernels = [], []
             self._engine = BatchEngine(self, **({} if max_queue is None else {"max_queue": max_queue}))
         elif max_queue is not None:
             self._engine.max_queue = max_queue
@@ -154,7 +157,7 @@ class LLM(Conversation):
         tokens = self._check_tokens(tokens)
         self._rewind(0)
         out = self.ctx.eval(tokens, logits="all")
-        self._cached = list(tokens)
+        self._cached, self._kernels = list(tokens), [-1] * len(tokens)  # passes cut by n_outputs too
         return out
 
     # -- generation -------------------------------------------------------------------------
@@ -223,7 +226,7 @@ class LLM(Conversation):
         self._drafter = None
         self.ctx = None
         self.model = None
-        self._cached = []
+        self._cached, self._kernels = [], []
 
     def __enter__(self) -> "LLM":
         return self
@@ -252,30 +255,43 @@ class LLM(Conversation):
     def _rewind(self, n: int) -> None:
         if n < len(self._cached) or self.ctx.n_past != n:
             self.ctx.kv_truncate(n)
-        del self._cached[n:]
+        del self._cached[n:], self._kernels[n:]
 
     def _prefill(self, tokens: List[int]) -> np.ndarray:
-        """Brings the cache to exactly ``tokens`` and returns the last position's logits."""
-        n_keep = min(common_prefix(self._cached, tokens), len(tokens) - 1)
-        self._rewind(n_keep)
+        """Brings the cache to exactly ``tokens`` and returns the last position's logits: the
+        bits a fresh evaluation of ``tokens`` would give (stowlm.prefix)."""
+        reuse, n_tok = self._reuse, len(tokens)
+        k = reuse.reusable(self._cached, self._kernels, tokens)
+        self._rewind(k)
         try:
-            out = self.ctx.eval(tokens[n_keep:], logits="last")
+            if k % reuse.chunk:  # the rest of k's chunk, in one pass taking that chunk's kernels
+                n, cls, forced = reuse.next_pass(k, n_tok)
+                rows = [n - 1] if k + n == n_tok else []
+                out = self.ctx.eval_batch(tokens[k:k + n], [0] * n, rows=rows, batched=forced)
+                self._cached += tokens[k:k + n]
+                self._kernels += [cls] * n
+                out, k = (out[0] if rows else None), k + n
+            if k < n_tok:  # whole chunks from a chunk boundary, as a fresh evaluation goes
+                out = self.ctx.eval(tokens[k:], logits="last")
+                self._cached += tokens[k:]
+                self._kernels += reuse.classes(k, n_tok)
         except BaseException:
-            self._cached = []
+            self._cached, self._kernels = [], []
             self.ctx.clear()
             raise
-        self._cached = list(tokens)
         return out
 
     def _step(self, token: int) -> np.ndarray:
         out = self.ctx.eval([token], logits="last")
         self._cached.append(token)
+        self._kernels.append(self._reuse.kernels(1))
         return out
 
     def _step_many(self, tokens: List[int]) -> np.ndarray:
         """One pass over several tokens (a pending token and its drafts): every row of logits."""
         out = self.ctx.eval(tokens, logits="all")
         self._cached += tokens
+        self._kernels += [self._reuse.kernels(len(tokens))] * len(tokens)
         return out
 
     def _max_draft(self) -> int:

@@ -9,17 +9,9 @@ keep generating. A finished or cancelled request frees its slot at once.
 Batching does not change results, so the greedy text of a request is the same alone and among
 others: each slot owns an equal region of the KV cells and attention splits the cells on fixed
 boundaries (kv_cache.h); a prompt is evaluated in chunks of its own that end at multiples of
-`chunk` positions; and a token's product depends on its batch only through which kernels the
-batch's size selects (the model's batch_bounds: below the first, the row kernels; from it, the
-batched ones, whose result for a token is the same in any batch that takes them). So decode
-tokens go in batches below the first bound, and a slot's cached prompt tokens are reused where
-they were made by the kernels a fresh evaluation of the new prompt would use for them, and the
-rest of that chunk is evaluated in one pass that takes those kernels too (forced onto the batched
-kernels however short it is, where the context offers that: CPU devices), so a reused cache
-holds exactly what evaluating the prompt afresh would, and so do the tokens after it. (With routed
-experts an expert's kernels follow how many tokens of the pass picked it, and a GPU context of
-one sequence splits the KV cells by the call's size, so there a prefix is reused at whole chunks
-only, whose passes depend on the prompt alone.)
+`chunk` positions; decode tokens go in batches below the first batch bound (the row kernels); and
+a slot's cached prompt tokens are reused only where they hold the bits a fresh evaluation of the
+new prompt would (stowlm.prefix says how much, and in which passes the rest goes).
 """
 from __future__ import annotations
 
@@ -32,6 +24,7 @@ from typing import Callable, Deque, Dict, List, Optional, Sequence
 
 import numpy as np
 
+from ..prefix import PrefixReuse
 from ..speculative import PassCosts, Speculator
 from ..text.sampling import Sampler, SamplingParams
 from ..text.stream import TextStream
@@ -73,12 +66,7 @@ class BatchEngine(SlotPlanner, RequestOutput):
         if self.drafter is not None and getattr(self.drafter, "llm", None) is not None:
             raise ValueError("a draft model drafts for one sequence: serve it with one slot (n_seq=1, --parallel 1), "
                              "or draft with 'ngram'")
-        can_force = self.ctx.can_force_batched
-        # prefixes reused at chunk boundaries only: with routed experts, and in a context of one
-        # sequence on a GPU (its attention splits the cells by how many tokens the call has)
-        self.whole_chunks = llm.model.n_expert > 0 or (self.n_seq == 1 and not can_force)
-        # a prompt's tail after a reused prefix may go in a pass of any size on the batched kernels
-        self.forced = can_force and not self.whole_chunks
+        self.reuse = PrefixReuse.of(self.ctx, llm.model, self.chunk)  # what of a slot's cache a prompt keeps
         self.slots = [Slot(i) for i in range(self.n_seq)]
         self.ctx.clear()  # the slots start empty, whatever the context held
         self.queue: Deque[Request] = collections.deque()
@@ -239,11 +227,9 @@ class BatchEngine(SlotPlanner, RequestOutput):
             return
         s = pre[self._rr % len(pre)]
         self._rr += 1
-        toks = s.req.tokens[s.pos:(s.pos // self.chunk + 1) * self.chunk]  # up to the next chunk boundary
-        last = s.pos + len(toks) == len(s.req.tokens)
-        # the kernels of the whole chunk, which a tail after a reused prefix is forced onto
-        chunk = self._kernels(s.pos % self.chunk + len(toks))
-        forced = self.forced and chunk == len(self.bounds) and self._kernels(len(toks)) < chunk
+        n, chunk, forced = self.reuse.next_pass(s.pos, len(s.req.tokens))
+        toks = s.req.tokens[s.pos:s.pos + n]
+        last = s.pos + n == len(s.req.tokens)
         masks = self._masks_during([s] if last else [])
         logits = self.ctx.eval_batch(toks, [s.index] * len(toks), rows=[len(toks) - 1] if last else [],
                                      batched=forced)

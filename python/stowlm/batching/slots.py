@@ -1,13 +1,9 @@
 """Which slot a request gets and what of its cache it keeps: the slot that can keep the longest
 prefix of its cache for the new prompt (so a follow-up turn only evaluates its new tokens), the
-regions of KV cells a long request takes from idle slots after its own, and how much of a cached
-prefix gives exactly the bits a fresh evaluation would (see stowlm.batching.engine)."""
+regions of KV cells a long request takes from idle slots after its own (how much of a cached
+prefix gives exactly the bits a fresh evaluation would: stowlm.prefix)."""
 from __future__ import annotations
 
-import bisect
-from typing import List
-
-from ..text.stream import common_prefix
 from .requests import Event, Slot
 
 __all__ = ["SlotPlanner"]
@@ -15,7 +11,7 @@ __all__ = ["SlotPlanner"]
 
 class SlotPlanner:
     """BatchEngine's admission of waiting requests into slots (the engine gives ctx, slots, queue,
-    n_seq, slot_ctx, chunk, bounds, whole_chunks, forced, and _start(slot, request))."""
+    n_seq, slot_ctx, reuse: its PrefixReuse, and _start(slot, request))."""
 
     def _admit(self) -> None:
         waiting = []  # requests that need more idle slots than there are now: they keep their turn
@@ -37,7 +33,7 @@ class SlotPlanner:
                 continue
             # a request that may outgrow its regions prefers a start with idle regions after them
             want = -(-(len(req.tokens) + (req.params.max_tokens or self.ctx.n_ctx)) // self.slot_ctx)
-            keep, _, _, best = max(((self._reusable(s, req.tokens), self._room(s, want), -len(s.cached), s)
+            keep, _, _, best = max(((self.reuse.reusable(s.cached, s.kernels, req.tokens), self._room(s, want), -len(s.cached), s)
                                     for s in starts), key=lambda x: (x[0], x[1], x[2], -x[3].index))
             self._claim(best, need)
             if keep < len(best.cached):
@@ -98,29 +94,3 @@ class SlotPlanner:
             return False
         self._claim(s, nxt - s.index + 1)
         return True
-
-    def _kernels(self, n: int) -> int:
-        """Which kernels a pass of n tokens takes: the number of batch bounds it reaches."""
-        return bisect.bisect_right(self.bounds, n)
-
-    def _reusable(self, s: Slot, tokens: List[int]) -> int:
-        """How many of slot s's cached tokens a request for `tokens` keeps: a common prefix of
-        prompt tokens, each made by the kernels that a fresh evaluation of `tokens` would use for
-        it (those of its chunk's size), cut so that the rest of its chunk, evaluated in one pass,
-        is still large enough to take the same kernels. At least one token is left to evaluate."""
-        k = min(common_prefix(s.cached, tokens), len(s.kernels), len(tokens) - 1)
-        if self.whole_chunks:
-            return k - k % self.chunk
-        for c in range(0, k, self.chunk):
-            want = self._kernels(min(self.chunk, len(tokens) - c))
-            bad = next((i for i in range(c, min(c + self.chunk, k)) if s.kernels[i] != want), None)
-            if bad is not None:
-                k = bad
-                break
-        c0 = k - k % self.chunk
-        size = min(self.chunk, len(tokens) - c0)  # the fresh pass of k's chunk
-        cls = self._kernels(size)
-        if self.forced and cls == len(self.bounds):
-            return k  # the rest goes in a pass forced onto the batched kernels, however short
-        smallest = self.bounds[cls - 1] if cls else 1  # the smallest pass taking the same kernels
-        return min(k, c0 + size - smallest)
