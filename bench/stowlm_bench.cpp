@@ -684,15 +684,36 @@ void report_pipeline(const Context& ctx, const Model& model, const Test& t) {
     fprintf(stderr, "\n");
 }
 
-// -v on devices that launch kernels (CUDA): one more run of the test with their kernels timed
+// A CPU device's ops of the timed run, the dearest first: ms per token (or run), calls, and the
+// share of the repetitions' mean wall time; what no op took is the host's part (graph set-up,
+// logits copies) and, with several devices, the others' turns.
+void report_ops(const Test& t, Backend& b, const KernelStats& k, double wall_ms, double steps, const char* unit) {
+    std::vector<KernelStats::Op> ops = k.ops;
+    std::sort(ops.begin(), ops.end(), [](const auto& x, const auto& y) { return x.seconds > y.seconds; });
+    double sum_ms = 0;
+    for (const auto& o : ops) sum_ms += o.seconds * 1e3 / steps;
+    fprintf(stderr, "  %s on %s: %.3f ms per %s (timed run: %.3f ms in ops)\n", t.name().c_str(), b.name().c_str(),
+            wall_ms, unit, sum_ms);
+    for (const auto& o : ops) {
+        const double ms = o.seconds * 1e3 / steps;
+        if (ms < 0.005 * sum_ms) continue;
+        fprintf(stderr, "    %-52s %8.3f ms %5.1f%%  %6.1f calls\n", o.label.c_str(), ms,
+                wall_ms > 0 ? 100.0 * ms / wall_ms : 0.0, o.calls / steps);
+    }
+}
+
+// -v: one more run of the test with the devices' work timed (CUDA: kernels; CPU: ops)
 // (held until enqueued, which serialises host and device: not a timed repetition), then per
 // generated token (per run for a prompt) the kernels launched, the device time of those kernels
 // run back to back, and the rest of the repetitions' mean wall time: launch gaps and host work.
 void report_kernels(Context& ctx, const Model& model, const Test& t, const Result& r, const std::vector<int32_t>& prompt,
                     const std::vector<int32_t>& gen) {
-    std::vector<Backend*> counted;
-    for (Backend* b : model.backends())
+    std::vector<Backend*> counted, cpus;  // devices launching kernels; CPU devices (their ops timed)
+    for (Backend* b : model.backends()) {
         if (b->take_kernel_stats().counted) counted.push_back(b);
+        else if (b->host_accessible()) cpus.push_back(b);
+    }
+    counted.insert(counted.end(), cpus.begin(), cpus.end());
     if (counted.empty()) return;
     for (Backend* b : counted) b->set_kernel_timing(true);
     try {
@@ -711,6 +732,10 @@ void report_kernels(Context& ctx, const Model& model, const Test& t, const Resul
         const KernelStats k = b->take_kernel_stats();
         const double kernel_ms = k.kernel_s * 1e3 / steps;
         const char* unit = per_token ? "token" : "run";
+        if (!k.counted) {
+            report_ops(t, *b, k, wall_ms, steps, unit);
+            continue;
+        }
         fprintf(stderr,
                 "  %s on %s: %.1f kernels per %s; %.3f ms per %s, of which %.3f ms in kernels (run back to back) and "
                 "%.3f ms (%.0f%%) outside them (launch gaps, host work); host launches per %s: %.1f CUDA graphs and "

@@ -189,6 +189,27 @@ def test_verbose_generation_bandwidth(small, gguf_facts):
     assert gbs == pytest.approx(mb * float(row["avg_ts"]) / 1e3, rel=0.02, abs=0.06)
 
 
+def test_verbose_times_the_cpu_ops(small):
+    """-v times a CPU device's ops in one more run: every product is named by weights the file
+    holds (the gguf package's names, layer prefix dropped), one call a token for the output, one
+    per layer for the others, and the ops' times add up to about a token's."""
+    import gguf
+
+    names = {re.sub(r"^blk\.\d+\.", "", t.name) for t in gguf.GGUFReader(small).tensors}
+    n_layer = stowlm.Model(small).n_layer
+    r = bench("-m", small, "-p", 0, "-n", 4, "-r", 2, "-t", THREADS, "-v", "--no-warmup")
+    head = [ln for ln in r.stderr.splitlines() if re.match(r"\s+tg4 on cpu:0: [\d.]+ ms per token", ln)]
+    assert len(head) == 1, r.stderr
+    per_token, in_ops = map(float, re.findall(r"([\d.]+) ms", head[0]))
+    rows = {m.group(1): (float(m.group(2)), float(m.group(3))) for m in
+            (re.match(r"\s{4}(\S+)\s+([\d.]+) ms\s+[\d.]+%\s+([\d.]+) calls", ln) for ln in r.stderr.splitlines()) if m}
+    products = [k for k in rows if k.endswith(".weight") or "+" in k]
+    assert products and all(part in names for k in products for part in k.split("+")), rows
+    assert rows["output.weight" if "output.weight" in names else "token_embd.weight"][1] == 1.0
+    assert rows["ffn_down.weight"][1] == n_layer and rows["flash_attn"][1] == n_layer
+    assert sum(ms for ms, _ in rows.values()) <= in_ops * 1.001 and 0.2 * per_token < in_ops < 5 * per_token
+
+
 @pytest.mark.parametrize("how", [["-ot", "ffn_(gate|up|down)_exps=cpu:0"], ["--n-cpu-moe", "2"]])
 def test_expert_overrides_put_the_experts_where_asked(model_path, how):
     """-ot (matched anywhere in a name, as llama-bench's) and --n-cpu-moe (the first N layers'

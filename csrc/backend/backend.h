@@ -43,6 +43,14 @@ struct KernelStats {
     // held until all its kernels are enqueued, then timed with an event pair.
     double kernel_s = 0;
     uint64_t late_splits = 0;  // timed splits whose hold ran out first: their time includes host gaps
+    // A CPU device's timed ops: (label, calls, seconds); products are labelled by their weights'
+    // names without the layer ("attn_q.weight+attn_k.weight+attn_v.weight", "output.weight").
+    struct Op {
+        std::string label;
+        uint64_t calls = 0;
+        double seconds = 0;
+    };
+    std::vector<Op> ops;
 };
 
 class Backend {
