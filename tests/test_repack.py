@@ -18,8 +18,8 @@ from test_matmul import check, make_weights, restore_isa, with_outliers  # noqa:
 
 from stowlm import ops  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"]
-KTYPES = {"Q4_K", "Q5_K", "Q6_K"}
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+KTYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
 def _cols(name, cols):
@@ -105,7 +105,8 @@ def test_repacked_and_plain_weights_share_one_multi_product():
     cols = 256
     specs = [("Q5_0", 64, True), ("Q6_K", 32, False), ("Q8_0", 48, True), ("Q5_0", 40, False)]
     kspecs = [("Q4_K", 64, True), ("Q6_K", 32, True), ("Q4_K", 40, False), ("Q5_K", 16, True)]
-    for group in (specs, kspecs):
+    lowbit = [("Q3_K", 64, True), ("Q2_K", 48, True), ("Q3_K", 40, False), ("Q6_K", 32, True)]
+    for group in (specs, kspecs, lowbit):
         ws = [(_weights(n, r, cols, seed=i)[0], n, r, p) for i, (n, r, p) in enumerate(group)]
         args = [(ops.repack_rows16(w, n, r, cols) if p else w.reshape(-1), n, r) for w, n, r, p in ws]
         for n_tok in (1, 5, 30):

@@ -203,6 +203,106 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
 }
 
+// The (scale or min of sub-block 2p, of 2p + 1) int16 pairs of the 16 rows, from their int16 values.
+inline __m512i pairs16(__m256i even, __m256i odd, __m512i pidx) {
+    return _mm512_permutex2var_epi16(_mm512_castsi256_si512(even), pidx, _mm512_castsi256_si512(odd));
+}
+// sum_s v_s bsum_s of token activations a for the 16 rows (vp: the pairs of pairs16).
+inline __m512i pair_sums(const __m512i (&vp)[8], const int16_t* bsums) {
+    __m512i s = _mm512_setzero_si512();
+    for (int p = 0; p < 8; p++) {
+        int32_t pr;
+        memcpy(&pr, bsums + 2 * p, 4);  // the 16-sums of sub-blocks 2p, 2p + 1
+        s = _mm512_add_epi32(s, _mm512_madd_epi16(vp[p], _mm512_set1_epi32(pr)));
+    }
+    return s;
+}
+
+// Q2_K and Q3_K: per sub-block and token 4 vpdpbusd and a vpmulld by its scales, the values of
+// a half's sub-blocks 8n + 2j + h taken from the same 4 loads of qs (and of hmask: Q3_K's high
+// bits); Q2_K's mins and Q3_K's -4 offset leave through vpmaddwd with the activations' sums.
+template <bool Q3, int TT>
+void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
+    using G = std::conditional_t<Q3, block_q3_Kx16, block_q2_Kx16>;
+    const int64_t nsb = A.cols / QK_K;
+    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
+    const block_q8_K32* a[TT];
+    __m512 acc[TT];
+    for (int j = 0; j < TT; j++) {
+        a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+        acc[j] = _mm512_setzero_ps();
+    }
+    const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
+    const __m128i m15 = _mm_set1_epi8(15), m3x = _mm_set1_epi8(3), b32 = _mm_set1_epi8(32);
+    const __m512i pidx = pair_index();
+    for (int64_t b = 0; b < nsb; b++) {
+        const G& x = w[b];
+        prefetch_ahead(x, 8192);
+        __m128i sc8[16];  // the rows' scales (Q3_K: signed), byte r of sc8[s]; Q2_K's mins apart
+        __m512i mnp[8];   // Q2_K: min pairs; Q3_K: scale pairs (the offset's sums)
+        if constexpr (Q3) {
+            __m128i B[12];
+            for (int k = 0; k < 12; k++) B[k] = _mm_loadu_si128((const __m128i*)x.scales[k]);
+            for (int s = 0; s < 16; s++) {
+                const int i = s & 3, q = s >> 2;
+                const __m128i lo = s < 8 ? _mm_and_si128(B[s], m15) : _mm_and_si128(_mm_srli_epi16(B[s - 8], 4), m15);
+                const __m128i hi = _mm_and_si128(_mm_srli_epi16(B[8 + i], 2 * q), m3x);
+                sc8[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), b32);
+            }
+            for (int p = 0; p < 8; p++)
+                mnp[p] = pairs16(_mm256_cvtepi8_epi16(sc8[2 * p]), _mm256_cvtepi8_epi16(sc8[2 * p + 1]), pidx);
+        } else {
+            for (int s = 0; s < 16; s++) sc8[s] = _mm_loadu_si128((const __m128i*)x.scales[s]);
+            for (int p = 0; p < 8; p++)
+                mnp[p] = pairs16(_mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc8[2 * p], 4), m15)),
+                                 _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc8[2 * p + 1], 4), m15)), pidx);
+            for (int s = 0; s < 16; s++) sc8[s] = _mm_and_si128(sc8[s], m15);
+        }
+        __m512i isum[TT];
+        for (int j = 0; j < TT; j++) isum[j] = _mm512_setzero_si512();
+        for (int n = 0; n < 2; n++)
+            for (int h = 0; h < 2; h++) {
+                __m512i q[4], hm[4];
+                for (int c = 0; c < 4; c++) {
+                    q[c] = _mm512_loadu_si512(x.qs[n][4 * h + c]);
+                    if constexpr (Q3) hm[c] = _mm512_loadu_si512(x.hmask[4 * h + c]);
+                }
+                for (int jj = 0; jj < 4; jj++) {
+                    const int s = 8 * n + 2 * jj + h;
+                    __m512i v[4];
+                    for (int c = 0; c < 4; c++) {
+                        v[c] = _mm512_and_si512(_mm512_srli_epi16(q[c], 2 * jj), m3);
+                        if constexpr (Q3) {  // the high bit (4n + jj) to bit 2
+                            const int k = 4 * n + jj;
+                            const __m512i hb = k >= 2 ? _mm512_srli_epi16(hm[c], k - 2) : _mm512_slli_epi16(hm[c], 2 - k);
+                            v[c] = _mm512_ternarylogic_epi32(v[c], hb, m4, 0xf8);  // v | (hb & m4)
+                        }
+                    }
+                    const __m512i scv = Q3 ? _mm512_cvtepi8_epi32(sc8[s]) : _mm512_cvtepu8_epi32(sc8[s]);
+#pragma GCC unroll 8
+                    for (int j = 0; j < TT; j++) {
+                        const __m512i dot = dot_rows<4>(_mm512_setzero_si512(), v, a[j][b].qs + 16 * s);
+                        isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(dot, scv));
+                    }
+                }
+            }
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
+        for (int j = 0; j < TT; j++) {
+            const __m512i ps = pair_sums(mnp, a[j][b].bsums);
+            const __m512 da = _mm512_set1_ps(a[j][b].d[0]);
+            if constexpr (Q3) {
+                const __m512i v = _mm512_sub_epi32(isum[j], _mm512_slli_epi32(ps, 2));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, da), acc[j]);
+            } else {
+                const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.dmin));
+                acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_mul_ps(dd, da), acc[j]);
+                acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(ps), _mm512_mul_ps(dm, da), acc[j]);
+            }
+        }
+    }
+    for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
+}
+
 // Q6_K: per sub-block and token 4 vpdpbusd and a vpmulld by its scales (int32 lanes), the values
 // unpacked a quarter super-block at a time into registers; the +32 offset leaves as sum sc_s
 // bsum_s through vpmaddwd of the scales as int16 pairs.
@@ -251,17 +351,11 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             }
         __m512i scp[8];  // lane r: (scale of sub-block 2p, of 2p + 1) of row r, for the +32 offset
         for (int p = 0; p < 8; p++)
-            scp[p] = _mm512_permutex2var_epi16(
-                _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales[2 * p]))), pidx,
-                _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales[2 * p + 1]))));
+            scp[p] = pairs16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales[2 * p])),
+                             _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales[2 * p + 1])), pidx);
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
         for (int j = 0; j < TT; j++) {
-            __m512i corr = _mm512_setzero_si512();
-            for (int p = 0; p < 8; p++) {
-                int32_t pr;
-                memcpy(&pr, a[j][b].bsums + 2 * p, 4);  // the 16-sums of sub-blocks 2p, 2p + 1
-                corr = _mm512_add_epi32(corr, _mm512_madd_epi16(scp[p], _mm512_set1_epi32(pr)));
-            }
+            const __m512i corr = pair_sums(scp, a[j][b].bsums);
             const __m512i v = _mm512_sub_epi32(isum[j], _mm512_slli_epi32(corr, 5));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, _mm512_set1_ps(a[j][b].d[0])), acc[j]);
         }
@@ -277,6 +371,8 @@ void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
         groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_tile<R, n()>(A, g, t); });
     };
     switch (A.type) {
+        case QType::Q2_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q23K_tile<false, n()>(A, g, t); });
+        case QType::Q3_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q23K_tile<true, n()>(A, g, t); });
         case QType::Q4_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
         case QType::Q5_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
         case QType::Q6_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });

@@ -28,7 +28,9 @@ bool is_q32_repackable(QType t) {
     return t == QType::Q4_0 || t == QType::Q5_0 || t == QType::Q8_0 || t == QType::Q4_1 || t == QType::Q5_1;
 }
 
-bool is_kformat(QType t) { return t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K; }
+bool is_kformat(QType t) {
+    return t == QType::Q2_K || t == QType::Q3_K || t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K;
+}
 
 namespace {
 
@@ -66,6 +68,27 @@ template <bool IN>
 void move_kblock(QType t, uint8_t* row_blk, uint8_t* grp_blk, int r) {
     // IN: group -> row; else row -> group
     auto mv = [&](uint8_t* rowp, uint8_t* grpp, size_t n) { IN ? memcpy(rowp, grpp, n) : memcpy(grpp, rowp, n); };
+    if (t == QType::Q2_K || t == QType::Q3_K) {  // their qs share one layout
+        uint8_t *qs, (*gqs)[8][64];
+        if (t == QType::Q2_K) {
+            block_q2_K* x = (block_q2_K*)row_blk;
+            block_q2_Kx16* y = (block_q2_Kx16*)grp_blk;
+            mv((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
+            mv((uint8_t*)&x->dmin, (uint8_t*)&y->dmin[r], 2);
+            for (int k = 0; k < 16; k++) mv(&x->scales[k], &y->scales[k][r], 1);
+            qs = x->qs, gqs = y->qs;
+        } else {
+            block_q3_K* x = (block_q3_K*)row_blk;
+            block_q3_Kx16* y = (block_q3_Kx16*)grp_blk;
+            mv((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
+            for (int k = 0; k < 12; k++) mv(&x->scales[k], &y->scales[k][r], 1);
+            for (int c = 0; c < 8; c++) mv(x->hmask + 4 * c, y->hmask[c] + 4 * r, 4);
+            qs = x->qs, gqs = y->qs;
+        }
+        for (int n = 0; n < 2; n++)
+            for (int c = 0; c < 8; c++) mv(qs + 32 * n + 4 * c, gqs[n][c] + 4 * r, 4);
+        return;
+    }
     if (t == QType::Q6_K) {
         block_q6_K* x = (block_q6_K*)row_blk;
         block_q6_Kx16* y = (block_q6_Kx16*)grp_blk;
@@ -109,8 +132,16 @@ void scale_min_k4(const uint8_t* q, int s, int& sc, int& m) {
     else sc = (q[s + 4] & 0xF) | ((q[s - 4] >> 6) << 4), m = (q[s + 4] >> 4) | ((q[s] >> 6) << 4);
 }
 
-// Row r's value of element e (unsigned: Q4_K/Q5_K 0..31, Q6_K 0..63 = q + 32) in a group block.
+// Row r's value of element e (unsigned: Q2_K 0..3, Q3_K 0..7 = q + 4, Q4_K/Q5_K 0..31, Q6_K 0..63
+// = q + 32) in a group block.
 int kformat_u(QType t, const uint8_t* gb, int r, int e) {
+    if (t == QType::Q2_K || t == QType::Q3_K) {
+        const int n = e / 128, j = (e % 128) / 32, l = e % 32;
+        const uint8_t(*qs)[8][64] = t == QType::Q2_K ? ((const block_q2_Kx16*)gb)->qs : ((const block_q3_Kx16*)gb)->qs;
+        int u = (qs[n][l / 4][4 * r + l % 4] >> (2 * j)) & 3;
+        if (t == QType::Q3_K) u |= ((((const block_q3_Kx16*)gb)->hmask[l / 4][4 * r + l % 4] >> (4 * n + j)) & 1) << 2;
+        return u;
+    }
     if (t == QType::Q6_K) {
         const block_q6_Kx16* y = (const block_q6_Kx16*)gb;
         const int n = e / 128, m = e % 128;
@@ -262,6 +293,33 @@ void matmul_r16_scalar_k(const MatmulArgs& A, int64_t g0, int64_t g1) {
                 for (int64_t b = 0; b < nsb; b++) {
                     const uint8_t* x = grp + b * gb;
                     const float da = a[b].d[0];
+                    if (A.type == QType::Q2_K) {
+                        const block_q2_Kx16* y = (const block_q2_Kx16*)x;
+                        int32_t isum = 0, imin = 0;
+                        for (int s = 0; s < 16; s++) {
+                            int32_t dot = 0;
+                            for (int e = 16 * s; e < 16 * s + 16; e++) dot += kformat_u(A.type, x, r, e) * a[b].qs[e];
+                            isum += (y->scales[s][r] & 0xF) * dot;
+                            imin += (y->scales[s][r] >> 4) * a[b].bsums[s];
+                        }
+                        acc = std::fma((float)isum, fp16_to_f32(y->d[r]) * da, acc);
+                        acc = std::fma(-(float)imin, fp16_to_f32(y->dmin[r]) * da, acc);
+                        continue;
+                    }
+                    if (A.type == QType::Q3_K) {
+                        const block_q3_Kx16* y = (const block_q3_Kx16*)x;
+                        uint8_t sc12[12];
+                        for (int k = 0; k < 12; k++) sc12[k] = y->scales[k][r];
+                        int32_t isum = 0, corr = 0;
+                        for (int s = 0; s < 16; s++) {
+                            int32_t dot = 0;
+                            for (int e = 16 * s; e < 16 * s + 16; e++) dot += kformat_u(A.type, x, r, e) * a[b].qs[e];
+                            isum += q3k_scale(sc12, s) * dot;
+                            corr += q3k_scale(sc12, s) * a[b].bsums[s];
+                        }
+                        acc = std::fma((float)(isum - 4 * corr), fp16_to_f32(y->d[r]) * da, acc);
+                        continue;
+                    }
                     if (A.type == QType::Q6_K) {
                         const block_q6_Kx16* y = (const block_q6_Kx16*)x;
                         int32_t isum = 0, corr = 0;
@@ -331,9 +389,9 @@ void matmul_r16_tail(const MatmulArgs& A) {
                     isum += sc[j] * dot;
                     imin += mn[j] * a.bsums[j];
                 }
-                // the same integers as the groups' formula (Q6_K's q are u - 32 here)
+                // the same integers as the groups' formula (Q3_K's q are u - 4 here, Q6_K's u - 32)
                 acc = std::fma((float)isum, d * a.d[0], acc);
-                if (A.type != QType::Q6_K) acc = std::fma(-(float)imin, m * a.d[0], acc);
+                if (has_min_term(A.type)) acc = std::fma(-(float)imin, m * a.d[0], acc);
             }
             A.y[t * A.ldy + r] = acc;
         }

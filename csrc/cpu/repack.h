@@ -15,8 +15,9 @@
 // with idot_b the exact integer dot of the block (offsets removed in integers), so a token's
 // result does not depend on its batch, and the scalar path gives the AVX-512 path's bits. The K
 // formats sum their sub-block scales in integers too, per super-block:
-//   Q4_K/Q5_K: acc = fma(float(sum_s sc_s idot_s), d d_a, acc); acc = fma(-float(sum_s m_s bsum_s), dmin d_a, acc)
-//   Q6_K:      acc = fma(float(sum_s sc_s idot_s - 32 sum_s sc_s bsum_s), d d_a, acc)
+//   Q2_K/Q4_K/Q5_K: acc = fma(float(sum_s sc_s idot_s), d d_a, acc); acc = fma(-float(sum_s m_s bsum_s), dmin d_a, acc)
+//   Q3_K:           acc = fma(float(sum_s sc_s idot_s - 4 sum_s sc_s bsum_s), d d_a, acc)
+//   Q6_K:           acc = fma(float(sum_s sc_s idot_s - 32 sum_s sc_s bsum_s), d d_a, acc)
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -44,12 +45,20 @@ struct block_q5_1x16 { uint16_t d[16]; uint16_t m[16]; uint8_t qs[4][64]; uint64
 // element 4G + i. Q6_K: ql[n][c] bytes 64n + 4c .. +3 of row r's ql (low nibbles elements
 // 128n + 4c + i, high ones 64 further), qh[n][c] bytes 32n + 4c .. +3 of its qh (bits 2k, 2k+1:
 // element 128n + 4c + i + 32k), scales[s][r] its 16-element scale s.
+// Q2_K: qs[n][c] bytes 32n + 4c .. +3 of row r's qs (bits 2j, 2j+1: element 128n + 32j + 4c + i),
+// scales[s][r] its byte s (scale and min of sub-block s). Q3_K: qs as Q2_K's, hmask[c] bytes
+// 4c .. +3 of its hmask (bit 4n + j: the high bit of element 128n + 32j + 4c + i), scales[k][r]
+// byte k of its 12 packed 6-bit scales; its values u = q + 4 (0..7).
+struct block_q2_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[16][16]; uint8_t qs[2][8][64]; };
+struct block_q3_Kx16 { uint16_t d[16]; uint8_t scales[12][16]; uint8_t hmask[8][64]; uint8_t qs[2][8][64]; };
 struct block_q4_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint8_t qs[4][8][64]; };
 struct block_q5_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint64_t qh[64]; uint8_t qs[4][8][64]; };
 struct block_q6_Kx16 { uint8_t ql[2][16][64]; uint8_t qh[2][8][64]; int8_t scales[16][16]; uint16_t d[16]; };
 static_assert(sizeof(block_q8_0x16) == 16 * 34, "16 rows of Q8_0 blocks");
 static_assert(sizeof(block_q4_1x16) == 16 * 20, "16 rows of Q4_1 blocks");
 static_assert(sizeof(block_q5_1x16) == 16 * 24, "16 rows of Q5_1 blocks");
+static_assert(sizeof(block_q2_Kx16) == 16 * 84, "16 rows of Q2_K blocks");
+static_assert(sizeof(block_q3_Kx16) == 16 * 110, "16 rows of Q3_K blocks");
 static_assert(sizeof(block_q4_Kx16) == 16 * 144, "16 rows of Q4_K blocks");
 static_assert(sizeof(block_q5_Kx16) == 16 * 176, "16 rows of Q5_K blocks");
 static_assert(sizeof(block_q6_Kx16) == 16 * 210, "16 rows of Q6_K blocks");
@@ -58,8 +67,8 @@ static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
 
 // The offset the 32-element formats' unsigned values carry (removed as -OFF * sum(activations)).
 int repack_offset(QType t);
-// Whether a matrix of this type and shape can be repacked: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K,
-// Q5_K, Q6_K.
+// Whether a matrix of this type and shape can be repacked: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K,
+// Q3_K, Q4_K, Q5_K, Q6_K.
 // The rows after its last whole group of 16 keep the GGUF layout, and their products the same
 // float sequence (matmul_r16_tail), so any slice of rows (a tensor-parallel shard) gives the
 // bits of the whole matrix's rows.
