@@ -172,3 +172,38 @@ def test_mul_mat_id_errors():
         ops.mul_mat_id(raw[:-1], "Q4_0", N_EXPERT, ROWS, COLS, x, [[0], [1]])
     with pytest.raises(ValueError, match="x_rows"):
         ops.mul_mat_id(raw, "Q4_0", N_EXPERT, ROWS, COLS, np.zeros((2, 2, COLS), np.float32), [[0, 1, 2], [0, 1, 2]])
+
+
+@pytest.mark.parametrize("isa", ["scalar", "avx512"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
+def test_repacked_experts(name, isa, restore_isa):
+    """Experts repacked one by one (a model's expert stacks on an AVX-512 CPU): products within
+    the dequantized weights' bound; below 24 tokens an expert's slot has the bits of that expert's
+    repacked dense product of the token alone, whatever the batch; a group of 24+ has the GGUF
+    layout's batched bits (its panels unpack the rows)."""
+    if isa not in ops.cpu_info()["supported"]:
+        pytest.skip(f"this CPU/OS cannot run the {isa} path")
+    ops.set_isa(isa)
+    raw, ref_w = experts(name)
+    rb = len(raw) // N_EXPERT
+    packed = np.concatenate([ops.repack_rows16(raw[e * rb:(e + 1) * rb].reshape(ROWS, -1), name, ROWS, COLS)
+                             for e in range(N_EXPERT)])
+    rng = np.random.default_rng(17)
+    x = rng.standard_normal((23, 1, COLS)).astype(np.float32)
+    ids = picks(rng, 23, 3)
+    alone = np.stack([ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, x[t:t + 1], ids[t:t + 1], rows16=True)[0]
+                      for t in range(23)])
+    check(name, alone, ref_w, x, ids)
+    for t in (0, 9, 22):
+        for j in range(3):
+            e = ids[t, j]
+            dense = ops.matmul(packed[e * rb:(e + 1) * rb], name, x[t, 0][None, :], rows=ROWS, cols=COLS, rows16=True)
+            np.testing.assert_array_equal(alone[t, j], dense[0], err_msg=f"{name} {isa} token {t} slot {j}")
+    for n in (2, 7, 23):
+        y = ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, x[:n], ids[:n], rows16=True, threads=2)
+        np.testing.assert_array_equal(y, alone[:n], err_msg=f"{name} {isa}: {n} tokens")
+    one = np.full((40, 1), 4, np.int32)  # one expert's group of 40: the batched kernels (scalar: none)
+    xs = rng.standard_normal((40, 1, COLS)).astype(np.float32)
+    want = ops.matmul(packed[4 * rb:5 * rb], name, xs[:, 0], rows=ROWS, cols=COLS, rows16=True)[:, None] \
+        if isa == "scalar" else ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, xs, one)
+    np.testing.assert_array_equal(ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, xs, one, rows16=True), want)

@@ -389,7 +389,7 @@ private:
                 return;
             case Op::MUL_MAT_ID: {
                 Tensor* ids = n->src[2];
-                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0]};
+                cpu::WeightRef w{a->data, a->type, a->ne[1], a->ne[0], a->rows16};
                 cpu::mul_mat_id(w, a->ne[2], (const int32_t*)ids->data, ids->ne[0], f32(b), b->ne[1], b->ne[0],
                                 ids->ne[1], f32(n), n->ne[0], scratch, pool);
                 return;

@@ -21,7 +21,7 @@ using XArr = nb::ndarray<const float, nb::ndim<3>, nb::c_contig, nb::device::cpu
 using IArr = nb::ndarray<const int32_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id_raw(WArr w, uint32_t qtype, int64_t n_expert, int64_t rows,
-                                                          int64_t cols, XArr x, IArr ids, int threads) {
+                                                          int64_t cols, XArr x, IArr ids, int threads, bool rows16) {
     stowlm::qtype_checked(qtype);
     const QType t = (QType)qtype;
     if (n_expert <= 0 || rows < 0) throw InvalidInput("mul_mat_id: n_expert must be > 0 and rows >= 0");
@@ -45,7 +45,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id_raw(WArr w, uint32_t qtype
         std::unique_ptr<stowlm::ThreadPool> own;
         stowlm::ThreadPool* pool = &stowlm::ThreadPool::global();
         if (threads > 0) own = std::make_unique<stowlm::ThreadPool>(threads), pool = own.get();
-        stowlm::cpu::WeightRef wr{w.data(), t, rows, cols};
+        stowlm::cpu::WeightRef wr{w.data(), t, rows, cols, rows16};
         stowlm::cpu::mul_mat_id(wr, n_expert, ids.data(), k, x.data(), x_rows, cols, n_tok, out, rows, scratch.data(),
                                 *pool);
     }
@@ -57,7 +57,8 @@ nb::ndarray<nb::numpy, float, nb::ndim<3>> mul_mat_id_raw(WArr w, uint32_t qtype
 STOWLM_BIND(matmul_id) {
     nb::module_ ops = stowlm::bind::submodule(m, "ops");
     ops.def("mul_mat_id_raw", &mul_mat_id_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("n_expert"), nb::arg("rows"),
-            nb::arg("cols"), nb::arg("x"), nb::arg("ids"), nb::arg("threads") = 0,
+            nb::arg("cols"), nb::arg("x"), nb::arg("ids"), nb::arg("threads") = 0, nb::arg("rows16") = false,
             "y[t, j, r] = sum_c W[ids[t, j]][r, c] x[t, j or 0, c] for raw GGUF bytes of n_expert stacked "
-            "(rows, cols) matrices of type id `qtype`; returns float32 (n_tok, k, rows).");
+            "(rows, cols) matrices of type id `qtype` (rows16: each expert repacked, repack_rows16); returns "
+            "float32 (n_tok, k, rows).");
 }

@@ -355,6 +355,10 @@ void r16_part(RowsFn fn, const MatmulArgs& A, int64_t u0, int64_t u1) {
 
 }  // namespace
 
+void matmul_r16_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
+    r16_part(r16_rows_for(active_isa()), A, r0 / kRepackRows, r16_units(r1));
+}
+
 void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
             ThreadPool& pool, bool batched) {
     check_call(w, x, n_tok, ldx, y, ldy, scratch);

@@ -10,6 +10,7 @@
 #include "cpu/cpu_features.h"
 #include "cpu/matmul.h"
 #include "cpu/matmul_impl.h"
+#include "cpu/repack.h"
 #include "error.h"
 
 namespace stowlm::cpu {
@@ -26,7 +27,7 @@ constexpr int64_t kInlineWork = 1 << 15;
 // a staging area where one expert's activations are copied for the AMX path (which keeps its
 // own data right after them).
 struct Layout {
-    size_t offsets, entries, act, out, once, stage, total;
+    size_t offsets, entries, act, asum, out, once, stage, total;
     size_t act_row;  // bytes per sorted activation row
     size_t nib = 0, nib_row = 0;
     bool float_w;
@@ -41,6 +42,8 @@ Layout layout(QType t, int64_t rows, int64_t cols, int64_t n_expert, int64_t k, 
     L.offsets = off, off += up64((size_t)(n_expert + 1) * sizeof(int64_t));
     L.entries = off, off += up64((size_t)n * sizeof(int32_t));
     L.act = off, off += up64(L.act_row * (size_t)n);
+    // the 32-element formats' activation block sums, for repacked experts (reserved either way)
+    L.asum = off, off += dot_family(t) == DotFamily::Q32 ? act_sum_bytes(cols, n) : 0;
     L.out = off, off += up64((size_t)n * (size_t)rows * sizeof(float));
     // With one activation row per token and k > 1, each row is quantized once, here, then copied.
     L.once = off, off += k > 1 && !L.float_w ? up64(L.act_row * (size_t)n_tok) : 0;
@@ -134,7 +137,16 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         }
     });
 
-    const bool nib = L.nib_row && matmul_rows_read_nib(isa);
+    // repacked experts: their offsets' block sums, once for every sorted row
+    int32_t* asum = w.rows16 && fam == DotFamily::Q32 ? (int32_t*)(base + L.asum) : nullptr;
+    if (asum)
+        for_rows(n_valid, n_valid * w.cols, [&](int64_t p0, int64_t p1, int) {
+            MatmulArgs S;
+            S.type = w.type, S.cols = w.cols, S.n_tok = p1 - p0;
+            S.act = act + (size_t)p0 * L.act_row, S.act_stride = L.act_row;
+            act_block_sums(S, asum + p0 * (w.cols / QK));
+        });
+    const bool nib = L.nib_row && matmul_rows_read_nib(isa) && !w.rows16;
     const size_t wrow = row_bytes(w.type, w.cols);
     const size_t expert_bytes = wrow * (size_t)w.rows;
     auto args_for = [&](int64_t e) {
@@ -150,6 +162,8 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         A.n_tok = offs[e + 1] - offs[e];
         A.y = ys + offs[e] * w.rows;
         A.ldy = w.rows;
+        A.rows16 = w.rows16;
+        A.asum = asum ? asum + offs[e] * (w.cols / QK) : nullptr;
         return A;
     };
 
@@ -173,10 +187,10 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         small.push_back(e);
     }
     if (!small.empty()) {
-        const RowsFn rows_fn = matmul_rows_for(isa);
-        const int64_t nth = pool.size();
+        const RowsFn rows_fn = w.rows16 ? matmul_r16_rows : matmul_rows_for(isa);
+        const int64_t nth = pool.size(), align = w.rows16 ? kRepackRows : 4;  // repacked: whole groups
         int64_t chunk = (w.rows * (int64_t)small.size() + nth * 8 - 1) / (nth * 8);
-        chunk = std::min<int64_t>(w.rows, std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3));
+        chunk = std::min<int64_t>(w.rows, std::max<int64_t>(align, (chunk + align - 1) / align * align));
         const int64_t per_expert = (w.rows + chunk - 1) / chunk;
         std::vector<MatmulArgs> args;
         for (int64_t e : small) {

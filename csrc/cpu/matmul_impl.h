@@ -94,6 +94,9 @@ void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
 // The row kernels of an instruction set, and whether they read MatmulArgs::act_nib.
 using RowsFn = void (*)(const MatmulArgs&, int64_t, int64_t);
 RowsFn matmul_rows_for(Isa isa);
+// Rows [r0, r1) of a repacked matrix (A.rows16; r0 a multiple of 16, a range past the last whole
+// group takes the tail rows too), on the active instruction set's kernels.
+void matmul_r16_rows(const MatmulArgs& A, int64_t r0, int64_t r1);
 bool matmul_rows_read_nib(Isa isa);
 // Activation quantization of n elements of one token (Q8_a blocks for the 32-element
 // weight formats, block_q8_K32 otherwise), per instruction set.

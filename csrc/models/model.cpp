@@ -264,14 +264,14 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
         m->build_shards(tensor_split);
         m->place_shard_weights(count_weights);
         if (count_weights) {
-            // the row shards (not the column slices of -sm tensor-sum, nor a tied head's rows,
-            // which read the embedding): any rows of a matrix repack to the whole's bits
+            // the row shards and experts' rows (not the column slices of -sm tensor-sum, nor a tied
+            // head's rows, which read the embedding): any rows of a matrix repack to the whole's bits
             // (a tied head's rows on any device: one device reads them from the embedding, unpacked)
             std::vector<Tensor*> rows;
             const uint8_t* e0 = (const uint8_t*)m->tok_embd_->data;
             for (const auto& t : m->shard_store_) {
                 const uint8_t* p = (const uint8_t*)t->data;
-                if (!m->is_column_slice(t.get()) && !(p >= e0 && p < e0 + m->tok_embd_->nbytes())) rows.push_back(t.get());
+                if (!m->cuts_columns(t.get()) && !(p >= e0 && p < e0 + m->tok_embd_->nbytes())) rows.push_back(t.get());
             }
             m->repack_cpu_weights(devices, rows);
         }
@@ -319,7 +319,8 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
 // device of the job is a CPU (no device copies a weight elsewhere; every rank of an MPI job
 // repacks its own) and the AVX-512 row kernels run (batches of 24+ keep their GEMM or AMX
 // tiles, whose panels unpack the repacked rows). A matrix repacks whatever its rows, and its
-// rows give the same bits wherever they are cut. STOWLM_REPACK=0 keeps the GGUF layout.
+// rows give the same bits wherever they are cut; a stack of experts repacks each expert.
+// STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
@@ -333,8 +334,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
     for (Tensor* tp : candidates) {
         Tensor& t = *tp;
         const Backend* b = backends_[t.device].get();
-        if (dist::is_remote(b) || !b->host_accessible() || t.ne[2] != 1 || t.ne[3] != 1 ||
-            !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
+        if (dist::is_remote(b) || !b->host_accessible() || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
             continue;
         todo.push_back(&t);
         total += padded(t.nbytes());
@@ -358,7 +358,9 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
             // the mapped pages in one call, not a fault each (MADV_POPULATE_READ, Linux 5.14; a
             // no-op error elsewhere)
             madvise((void*)(b & ~(page - 1)), e - (b & ~(page - 1)), 22);
-            cpu::repack_rows16(t.type, t.ne[1], t.ne[0], t.data, at[i]);
+            const size_t per = t.nbytes() / (size_t)t.ne[2];  // experts (ne[2] of them) each on its own
+            for (int64_t e = 0; e < t.ne[2]; e++)
+                cpu::repack_rows16(t.type, t.ne[1], t.ne[0], (const uint8_t*)t.data + e * per, at[i] + e * per);
             // the whole mapped pages of the old layout leave this process's memory
             const uintptr_t a = (b + page - 1) & ~(page - 1), z = e & ~(page - 1);
             if (z > a) madvise((void*)a, z - a, MADV_DONTNEED);

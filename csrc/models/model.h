@@ -262,6 +262,7 @@ private:
     };
     std::vector<ColumnSlice> column_slices_;
     bool is_column_slice(const Tensor* t) const;  // a -sm tensor-sum slice, in a buffer of its own
+    bool cuts_columns(const Tensor* t) const;      // one of those cutting columns (not an expert's rows)
 };
 
 // Hyperparameter helpers for the arch files.

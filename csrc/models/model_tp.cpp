@@ -293,6 +293,12 @@ bool Model::is_column_slice(const Tensor* t) const {
     return false;
 }
 
+bool Model::cuts_columns(const Tensor* t) const {
+    for (const ColumnSlice& c : column_slices_)
+        if (c.t == t) return !c.rows;
+    return false;
+}
+
 void Model::place_shard_weights(bool count_weights) {
     const int n_dev = (int)backends_.size();
     auto packed = [&](const Tensor& t) {

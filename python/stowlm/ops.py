@@ -95,9 +95,10 @@ def unrepack_row16(W16, qtype, rows: int, cols: int, r: int):
 
 # ---- mul_mat_id (mixture-of-experts products) ----------------------------------------------
 
-def mul_mat_id(W_raw, qtype, n_expert: int, rows: int, cols: int, x, ids, *, threads: int = 0):
+def mul_mat_id(W_raw, qtype, n_expert: int, rows: int, cols: int, x, ids, *, threads: int = 0, rows16: bool = False):
     """Expert products: y[t, j] = W[ids[t, j]] @ x[t, j] (or x[t] for every j when x is 2-d),
-    W_raw holding n_expert stacked (rows, cols) matrices of GGUF type `qtype` (id or name).
+    W_raw holding n_expert stacked (rows, cols) matrices of GGUF type `qtype` (id or name), each
+    repacked by repack_rows16 where rows16.
     x: float32 (n_tok, cols) or (n_tok, k, cols); ids: int (n_tok, k). Returns (n_tok, k, rows)."""
     ids = np.ascontiguousarray(np.asarray(ids), dtype=np.int32)
     if ids.ndim != 2:
@@ -108,4 +109,5 @@ def mul_mat_id(W_raw, qtype, n_expert: int, rows: int, cols: int, x, ids, *, thr
     if x.ndim != 3:
         raise ValueError(f"mul_mat_id: x must be (n_tok, cols) or (n_tok, k, cols), got shape {x.shape}")
     w = np.ascontiguousarray(np.asarray(W_raw)).view(np.uint8).reshape(-1)
-    return _ops.mul_mat_id_raw(w, _qtype_id(qtype), int(n_expert), int(rows), int(cols), x, ids, int(threads))
+    return _ops.mul_mat_id_raw(w, _qtype_id(qtype), int(n_expert), int(rows), int(cols), x, ids, int(threads),
+                               bool(rows16))
