@@ -283,3 +283,103 @@ def test_fit_counts_the_draft_model(tmp_path):
         assert d["device"] == "cpu:1" and d["total"] == held
         assert d["total"] + llm.ctx.memory_report()[0]["total"] <= both
         assert llm.generate("The capital of France is", max_tokens=8, temperature=0).text
+
+
+def test_make_draft_keeps_the_first_tokens_and_the_special_ones(tmp_path):
+    """--vocab N: the draft's vocabulary is the target's first N tokens and its special ones (at
+    the end of qwen2.5's, renumbered after them), its embedding and output rows those tokens' rows
+    (the embedding's bytes as they were; the output requantized from the gguf package's
+    dequantization), its special ids following their tokens, and the ids it was cut from stored."""
+    import gguf
+    from gguf.quants import dequantize, quantize
+
+    from stowlm.draftmodel import TOKEN_IDS_KEY, keep_tokens, make_draft
+
+    src = get_model("qwen2.5-coder-0.5b")
+    draft = make_draft(src, tmp_path / "draft.gguf", keep=2, vocab=4096, weight_type="Q4_0")
+    a, b = gguf.GGUFReader(src), gguf.GGUFReader(draft)
+
+    def field(r, key):
+        f = r.fields[key]
+        return [bytes(f.parts[i]) if f.types[-1] == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0]
+                for i in f.data]
+
+    types = np.array(field(a, "tokenizer.ggml.token_type"))
+    rows = keep_tokens(types, 4096)
+    special = np.flatnonzero(np.isin(types, (3, 4)))
+    assert rows[:4096].tolist() == list(range(4096)) and rows[4096:].tolist() == special.tolist()
+    assert field(b, TOKEN_IDS_KEY) == rows.tolist()
+    src_tokens, tokens = field(a, "tokenizer.ggml.tokens"), field(b, "tokenizer.ggml.tokens")
+    assert tokens == [src_tokens[i] for i in rows]
+    for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.padding_token_id"):
+        assert tokens[field(b, key)[0]] == src_tokens[field(a, key)[0]]
+    ta, tb = ({t.name: t for t in r.tensors} for r in (a, b))
+    assert np.array_equal(np.asarray(tb["token_embd.weight"].data), np.asarray(ta["token_embd.weight"].data)[rows])
+    out = dequantize(np.asarray(ta["output.weight"].data), ta["output.weight"].tensor_type)[rows]
+    assert np.array_equal(np.asarray(tb["output.weight"].data).reshape(-1),
+                          quantize(out, gguf.GGMLQuantizationType.Q4_0).reshape(-1))
+    down = ta["blk.23.ffn_down.weight"]  # the last layer kept, as Q4_0 now
+    assert tb["blk.1.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q4_0
+    assert np.array_equal(np.asarray(tb["blk.1.ffn_down.weight"].data).reshape(-1),
+                          quantize(dequantize(np.asarray(down.data), down.tensor_type),
+                                   gguf.GGMLQuantizationType.Q4_0).reshape(-1))
+    with pytest.raises(ValueError, match="vocab"):
+        make_draft(src, tmp_path / "bad.gguf", keep=2, vocab=100)
+
+
+def test_a_draft_of_fewer_tokens_keeps_the_greedy_text(tmp_path):
+    """A draft cut to the first 16384 tokens reads the text in its own ids (a token it lacks as its
+    first character) and drafts the target's ids; the greedy text is the text without drafts."""
+    from stowlm.draftmodel import make_draft
+    from stowlm.speculative import ModelDrafter
+
+    src = str(get_model("smollm2-135m"))
+    draft = make_draft(src, tmp_path / "draft.gguf", vocab=16384)
+
+    class Free(ModelDrafter):  # its steps counted as free, so it always drafts
+        def draft(self, history, k):
+            out = super().draft(history, k)
+            self.seconds = 1e-9
+            return out
+
+    prompt = "The history of the Roman Empire began"
+    with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
+        want = plain.generate(prompt, max_tokens=60, temperature=0)
+        drafter = Free(stowlm.LLM(str(draft), n_ctx=1024, progress=False))
+        drafter.follow(plain)
+        ids = drafter.to_target
+        assert drafter.llm.model.n_vocab == len(ids) == 16384
+        assert np.array_equal(drafter.to_draft[ids], np.arange(16384))
+        lacking = next(i for i in range(16384, plain.model.n_vocab) if plain.tokenizer._tokens[i][:1] in
+                       drafter.llm.tokenizer._token_to_id)
+        first = plain.tokenizer._tokens[lacking][:1]
+        assert drafter.llm.tokenizer._tokens[drafter.to_draft[lacking]] == first
+    with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
+        got = spec.generate(prompt, max_tokens=60, temperature=0)
+    assert got.tokens == want.tokens and got.drafted > 20 and got.accepted > 10
+
+
+def test_a_draft_model_drafts_the_length_that_yields_most_per_second():
+    """A draft model's length maximises (tokens a pass yields) / (its cost + the draft steps), each
+    step weighed by its timed share of a target step; a draft rarely kept, or dear, drafts none."""
+    from stowlm.speculative import PassCosts, Speculator
+
+    class Timed:
+        cheap = False
+
+        def __init__(self, seconds):
+            self.seconds = seconds
+
+    def best(rate, d, n_max=7):
+        costs = PassCosts(repacked=True)
+        costs.observe(1, 0.01)
+        spec = Speculator(Timed(0.01 * d), n_max, costs)
+        k = spec.length(rate)
+        ratios = [(1 + sum(rate ** j for j in range(1, n + 1))) / (costs.cost(1 + n) + n * d) for n in range(n_max + 1)]
+        return k, ratios
+
+    for rate, d in [(0.95, 0.4), (0.9, 0.55), (0.8, 0.3), (0.99, 0.1)]:
+        k, ratios = best(rate, d)
+        assert k > 0 and ratios[k] == max(ratios), (rate, d, k, ratios)
+    for rate, d in [(0.3, 0.5), (0.9, 1.2)]:
+        assert best(rate, d)[0] == 0

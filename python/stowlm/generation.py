@@ -65,6 +65,8 @@ class Generation:
         constraint = self.grammar.start() if self.grammar is not None else None
         stream = TextStream(llm.tokenizer, self.params, skip_special=not self.special, constraint=constraint)
         logits = llm._prefill(self.prompt)
+        if spec is not None:
+            spec.ready(self.prompt)
         history = list(self.prompt)
 
         def pick(logits) -> int:

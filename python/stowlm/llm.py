@@ -112,12 +112,8 @@ class LLM(Conversation):
             if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():
                 raise ValueError(f"draft_max must be an integer in [1, {self._max_draft()}] (a draft and its "
                                  f"token stay below the batch bound), got {draft_max!r}")
-            other = getattr(self._drafter, "llm", None)
-            if other is not None and (other.model.n_vocab != self.model.n_vocab or
-                                      other.tokenizer._tokens != self.tokenizer._tokens):
-                raise ValueError(f"the draft model {os.path.basename(os.fspath(other.path))} has another vocabulary "
-                                 f"({other.model.n_vocab} tokens) than {os.path.basename(os.fspath(self.path))} "
-                                 f"({self.model.n_vocab}): its token ids would mean other text")
+            if hasattr(self._drafter, "follow"):  # a draft model: its vocabulary must be ours
+                self._drafter.follow(self)
         self._engine = None
         if self.ctx.n_seq > 1:
             self.engine()

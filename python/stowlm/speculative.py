@@ -41,6 +41,10 @@ TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 # extra tokens cost far less (same model and machine, `stowlm-bench -p 1,2,3,4,5,6,8,12 -n 0
 # -d 256`: 0.99x for 2 tokens, 1.12x for 4, 1.62x for 8, 2.26x for 12).
 IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
+# A draft model's drafts must yield this many times the tokens per second of no draft: its
+# acceptance and step time are estimates.
+MODEL_GAIN = 1.05
+MODEL_PROBE_MAX = 256  # steps between a draft model's probes, at most
 
 
 def prior_cost(n: int, repacked: bool = False) -> float:
@@ -122,39 +126,87 @@ class NgramDrafter:
 
 
 class ModelDrafter:
-    """Greedy drafts from a smaller model with the same vocabulary, in a context of its own that
-    follows the accepted text (its cache keeps the common prefix, the rest is re-evaluated)."""
+    """Greedy drafts from a smaller model with the same vocabulary (or the first part of it:
+    stowlm.draftmodel --vocab), in a context of its own that follows the accepted text (its cache
+    keeps the common prefix, the rest is re-evaluated)."""
 
     kind = "model"
     cheap = False  # each draft token is a step of the draft model
 
     def __init__(self, llm):
+        from .draftmodel import TOKEN_IDS_KEY
+
         self.llm = llm
-        self._cached: List[int] = []
+        ids = (getattr(llm, "metadata", None) or {}).get(TOKEN_IDS_KEY)
+        self.to_target = None if ids is None else np.asarray(ids, dtype=np.int64)  # draft id -> target id
+        self.to_draft: Optional[np.ndarray] = None  # target id -> draft id (follow() makes it)
+        self._cached: List[int] = []  # draft ids
         self.seconds = None  # moving average of one draft step's time
+
+    def follow(self, target) -> None:
+        """Checks that the draft's tokens are the target LLM's (all, or those of to_target) and maps
+        the target's ids onto the draft's: a token the draft lacks reads as its first character's."""
+        mine, theirs = self.llm.tokenizer._tokens, target.tokenizer._tokens
+        ids = np.arange(len(mine)) if self.to_target is None else self.to_target
+        same = len(ids) == len(mine) == self.llm.model.n_vocab and (self.to_target is not None or
+                                                                   len(mine) == len(theirs))
+        same = same and target.model.n_vocab == len(theirs) and (len(ids) == 0 or 0 <= ids.min() <= ids.max() <
+                                                                 len(theirs))
+        if not same or any(mine[i] != theirs[j] for i, j in enumerate(ids.tolist())):
+            name = os.path.basename(os.fspath(getattr(self.llm, "path", "draft")))
+            raise ValueError(f"the draft model {name} has another vocabulary ({self.llm.model.n_vocab} tokens) than "
+                             f"{os.path.basename(os.fspath(target.path))} ({target.model.n_vocab}): its token ids "
+                             f"would mean other text")
+        if self.to_target is None:
+            return
+        index = self.llm.tokenizer._token_to_id
+        to_draft = np.array([index.get(t[:1], 0) for t in theirs], dtype=np.int64)
+        to_draft[ids] = np.arange(len(ids))
+        self.to_draft = to_draft
+
+    def _ids(self, history: Sequence[int]) -> List[int]:
+        return list(history) if self.to_draft is None else self.to_draft[np.asarray(history)].tolist()
+
+    def _catch_up(self, hist: List[int]) -> Tuple[np.ndarray, int]:
+        """The draft's cache brought to `hist` (draft ids): its last logits and how many tokens that took."""
+        keep = min(common_prefix(self._cached, hist), len(hist) - 1)
+        self.llm.ctx.kv_truncate(keep)
+        logits = self.llm.ctx.eval(hist[keep:], logits="last")
+        self._cached = hist
+        return logits, len(hist) - keep
+
+    def ready(self, prompt: Sequence[int]) -> None:
+        """Reads the prompt with the target's prompt (the first draft then costs a step, not a prompt)."""
+        hist = self._ids(prompt)
+        if 0 < len(hist) < self.llm.ctx.n_ctx:
+            self._catch_up(hist)
 
     def draft(self, history: Sequence[int], k: int) -> Tuple[List[int], object]:
         if k <= 0:
             return [], None
-        t0 = time.perf_counter()
-        ctx, hist = self.llm.ctx, list(history)
-        if len(hist) + k >= ctx.n_ctx:
+        hist = self._ids(history)
+        if len(hist) + k >= self.llm.ctx.n_ctx:
             return [], None
-        keep = min(common_prefix(self._cached, hist), len(hist) - 1)
-        ctx.kv_truncate(keep)
-        logits = ctx.eval(hist[keep:], logits="last")
-        self._cached = hist
+        ctx = self.llm.ctx
+        t0 = time.perf_counter()
+        logits, n_new = self._catch_up(hist)
+        # a step's time: a catch-up of the text after drafts were skipped is not one
+        steps = 1 if n_new <= 2 else 0
+        seconds = time.perf_counter() - t0 if steps else 0.0
         out: List[int] = []
         for _ in range(k):
             t = int(np.argmax(logits))
             out.append(t)
             if len(out) == k:
                 break
+            t0 = time.perf_counter()
             logits = ctx.eval([t], logits="last")
+            seconds, steps = seconds + time.perf_counter() - t0, steps + 1
         self._cached = hist + out[:-1]  # the last draft token's K/V is not in the cache
-        per = (time.perf_counter() - t0) / len(out)
-        self.seconds = per if self.seconds is None else self.seconds + 0.2 * (per - self.seconds)
-        return out, "model"
+        if steps:
+            per = seconds / steps
+            self.seconds = per if self.seconds is None else self.seconds + 0.2 * (per - self.seconds)
+        return (out if self.to_target is None else self.to_target[out].tolist()), "model"
 
 
 def parse_spec(spec) -> Optional[object]:
@@ -194,6 +246,7 @@ class Speculator:
         self.costs = costs if costs is not None else PassCosts()  # shared by the LLM's requests
         self.rates: dict = {}  # draft source -> moving estimate of P(a draft token is kept | the one before was)
         self.skipped: dict = {}  # draft source -> offers passed over since its last draft
+        self.model_probe = 4 * self.PROBE  # a draft model's steps between probes
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
         self.source = None   # of the draft in flight
@@ -204,20 +257,38 @@ class Speculator:
 
     def length(self, rate: float, n_base: int = 1) -> int:
         """Draft tokens worth checking in a pass that carries n_base tokens without them, each kept
-        with probability `rate` given the one before; a draft model's step counts as its time in
-        target steps."""
-        value = self.costs.cost(n_base) / n_base  # of one token, in the pass's own terms
-        draft_cost = 0.0
+        with probability `rate` given the one before."""
         if not getattr(self.drafter, "cheap", True):
-            d, step = getattr(self.drafter, "seconds", None), self.costs.step_seconds()
-            draft_cost = d / step if d and step else 0.0
+            return self._model_length(rate, n_base)
+        value = self.costs.cost(n_base) / n_base  # of one token, in the pass's own terms
         k, kept = 0, 1.0
         while k < self.draft_max:
             kept *= rate
-            if kept * value < self.costs.token(n_base + k + 1) + draft_cost * MARGIN:
+            if kept * value < self.costs.token(n_base + k + 1):
                 break
             k += 1
         return k
+
+    def _model_length(self, rate: float, n_base: int) -> int:
+        """A draft model's length: the one that yields the most tokens per unit of time, its steps
+        counted in target steps (each draft token is a step of it, so a draft that is cheap per
+        token but rarely kept pays only short), if that beats no draft by MODEL_GAIN."""
+        d, step = getattr(self.drafter, "seconds", None), self.costs.step_seconds()
+        draft_cost = d / step if d and step else 0.0
+        plain = n_base / self.costs.cost(n_base)
+        best_k, best, tokens, kept = 0, plain * MODEL_GAIN, float(n_base), 1.0
+        for k in range(1, self.draft_max + 1):
+            kept *= rate
+            tokens += kept
+            r = tokens / (self.costs.cost(n_base + k) + k * draft_cost)
+            if r > best:
+                best_k, best = k, r
+        return best_k
+
+    def ready(self, prompt: Sequence[int]) -> None:
+        """The prompt is in the target's cache: a draft model reads it now too."""
+        if hasattr(self.drafter, "ready"):
+            self.drafter.ready(prompt)
 
     def timed_pass(self, seconds: float, n_tokens: int) -> None:
         """A pass of the target over n_tokens took this long (what drafts and a draft model's
@@ -238,8 +309,12 @@ class Speculator:
                 # a draft kept every time could pay at all (a probe's catch-up of the text so far is
                 # a pass of the draft model: a draft near a step's cost lost 7-15% to probes alone)
                 first = getattr(self.drafter, "seconds", None) is None
-                if first or (self.skipped["model"] >= 4 * self.PROBE and self.length(1.0, n_base) > 0):
+                if first or (self.skipped["model"] >= self.model_probe and self.length(1.0, n_base) > 0):
+                    # each probe that leaves drafting unpaid waits twice as long for the next
                     self.skipped["model"], k = 0, min(1, budget)
+                    self.model_probe = min(MODEL_PROBE_MAX, 2 * self.model_probe)
+            else:
+                self.model_probe = 4 * self.PROBE
             toks, self.source = self.drafter.draft(history, k) if k > 0 else ([], None)
             return toks
         if n_base >= TILE and self.length(max([*self.PRIOR.values(), *self.rates.values()]), n_base) == 0:

@@ -239,6 +239,8 @@ class BatchEngine(SlotPlanner, RequestOutput):
         with self.cv:
             self.prompt_tokens_evaluated += len(toks)
         if last:
+            if s.spec is not None:
+                s.spec.ready(s.req.tokens)
             self._next_token(s, logits[0], masks().get(s.index))
 
     def _masks_during(self, slots: Sequence[Slot]) -> Callable[[], Dict[int, np.ndarray]]:
