@@ -142,6 +142,7 @@ class ModelDrafter:
         self.to_draft: Optional[np.ndarray] = None  # target id -> draft id (follow() makes it)
         self._cached: List[int] = []  # draft ids
         self.seconds = None  # moving average of one draft step's time
+        self.rate: Optional[float] = None  # the acceptance the last request ended with
 
     def follow(self, target) -> None:
         """Checks that the draft's tokens are the target LLM's (all, or those of to_target) and maps
@@ -236,7 +237,7 @@ class Speculator:
 
     # A first guess at each source's acceptance, kept until its own drafts say otherwise: a longer
     # n-gram match continues right more often.
-    PRIOR = {4: 0.8, 3: 0.65, 2: 0.45, 1: 0.25, "model": 0.6}
+    PRIOR = {4: 0.8, 3: 0.65, 2: 0.45, 1: 0.25, "model": 0.8}
     PROBE = 8  # a source worth no draft still gets a one-token probe this often, to learn it changed
 
     def __init__(self, drafter, draft_max: int = DRAFT_MAX, costs: Optional[PassCosts] = None):
@@ -253,6 +254,10 @@ class Speculator:
         self.drafted = self.accepted = 0
 
     def rate(self, source) -> float:
+        """The source's acceptance: this request's, else what a draft model's earlier requests
+        kept (a property of the pair of models more than of one text), else the prior."""
+        if source not in self.rates and source == "model" and getattr(self.drafter, "rate", None) is not None:
+            return self.drafter.rate
         return self.rates.get(source, self.PRIOR.get(source, 0.5))
 
     def length(self, rate: float, n_base: int = 1) -> int:
@@ -348,6 +353,8 @@ class Speculator:
         trials = accepted + (accepted < drafted)
         r = self.rate(self.source)
         self.rates[self.source] = r + 0.3 * trials / max(1, drafted) * (accepted / trials - r)
+        if self.source == "model" and hasattr(self.drafter, "rate"):
+            self.drafter.rate = self.rates["model"]  # the next request starts from here
         if max(self.rates.values()) < 0.1:
             self.wait, self.backoff = self.backoff, min(MAX_BACKOFF, self.backoff * 2)
         else:
