@@ -360,3 +360,33 @@ def test_native_entry_points_check_sizes():
         native.quantize_into(np.zeros(32, np.float32), 8, np.empty(35, np.uint8))
     with pytest.raises(ValueError, match=r"Q8_1 .*not supported"):
         native.dequantize_into(np.zeros(36, np.uint8), 9, np.empty(32, np.float32))
+
+
+def test_quantize_q3_K_rounds_to_the_nearest_step():
+    """Q3_K (stowlm's own quantizer; gguf-py has none), decoded by the gguf package: a value not
+    at either end of its sub-block's range (-4 or +3 steps of d * scale) is within half a step
+    of the input; the error overall is a 3-bit format's; an all-zero super-block stays 0."""
+    rng = np.random.default_rng(12)
+    x = (rng.standard_normal((32, 512)) * 10.0 ** rng.uniform(-2, 2, (32, 1))).astype(np.float32)
+    x[0, :256] = 0.0
+    raw = quants.quantize(x, "Q3_K")
+    assert raw.shape == (32, 2 * 110)
+    y = gguf_dequantize(raw, T.Q3_K).reshape(x.shape)
+    assert (y[0, :256] == 0).all()
+    blocks = raw.reshape(-1, 110)
+    d = blocks[:, 108:110].copy().view(np.float16).astype(np.float32).reshape(-1)
+    step = (d[:, None] * np.array([[q3k_scale(b[96:108], j) for j in range(16)] for b in blocks])).reshape(-1, 1)
+    q = np.divide(y.reshape(-1, 16), step, out=np.zeros((step.size, 16), np.float32), where=step != 0)
+    inside = (np.abs(q - np.round(q)) < 1e-3) & (np.round(q) > -4) & (np.round(q) < 3)
+    err = np.abs(y - x).reshape(-1, 16)
+    assert inside.mean() > 0.8
+    assert (err[inside] <= (np.abs(step) * 0.5 * (1 + 1e-3) + 1e-30).repeat(16, 1)[inside]).all()
+    rel = np.sqrt(((y - x) ** 2).mean(1) / (x ** 2).mean(1))[1:]
+    assert rel.max() < 0.2
+
+
+def q3k_scale(scales, j):
+    """The signed 6-bit scale of sub-block j of a Q3_K block's 12 packed bytes (ggml's layout)."""
+    lo = scales[j] & 0xF if j < 8 else scales[j - 8] >> 4
+    hi = (scales[8 + (j & 3)] >> (2 * (j >> 2))) & 3
+    return int(lo | (hi << 4)) - 32

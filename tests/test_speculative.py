@@ -325,6 +325,11 @@ def test_make_draft_keeps_the_first_tokens_and_the_special_ones(tmp_path):
                                    gguf.GGMLQuantizationType.Q4_0).reshape(-1))
     with pytest.raises(ValueError, match="vocab"):
         make_draft(src, tmp_path / "bad.gguf", keep=2, vocab=100)
+    # Q3_K where rows are whole 256-blocks (ffn_down's 4864), the rest as it was (896 columns)
+    q3 = {t.name: t for t in gguf.GGUFReader(make_draft(src, tmp_path / "q3.gguf", keep=2, vocab=4096,
+                                                         weight_type="Q3_K")).tensors}
+    assert q3["blk.0.ffn_down.weight"].tensor_type == gguf.GGMLQuantizationType.Q3_K
+    assert q3["blk.0.attn_q.weight"].tensor_type == ta["blk.0.attn_q.weight"].tensor_type
 
 
 def test_a_draft_of_fewer_tokens_keeps_the_greedy_text(tmp_path):

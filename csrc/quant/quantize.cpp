@@ -34,7 +34,7 @@ void encode_blocks(const float* src, void* dst, int64_t nb) {
 bool can_quantize(QType t) {
     switch (t) {
         case QType::F32: case QType::F16: case QType::BF16: case QType::Q8_0: case QType::Q4_0:
-        case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_K:
+        case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_K: case QType::Q3_K:
             return true;
         default:
             return false;
@@ -59,10 +59,11 @@ size_t quantize_row(QType t, const float* src, void* dst, int64_t n) {
         case QType::Q5_0: encode_blocks<block_q5_0, quantize_block_q5_0, QK>(src, dst, n / QK); return bytes;
         case QType::Q5_1: encode_blocks<block_q5_1, quantize_block_q5_1, QK>(src, dst, n / QK); return bytes;
         case QType::Q8_K: encode_blocks<block_q8_K, quantize_block_q8_K, QK_K>(src, dst, n / QK_K); return bytes;
+        case QType::Q3_K: encode_blocks<block_q3_K, quantize_block_q3_K, QK_K>(src, dst, n / QK_K); return bytes;
         default: break;
     }
     throw InvalidInput(std::string("quantize: producing tensor type ") + qtype_name(t) +
-                       " is not implemented (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_K)");
+                       " is not implemented (supported: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q8_K, Q3_K)");
 }
 
 }  // namespace stowlm

@@ -1,6 +1,7 @@
 // Host quantization of float rows into GGUF blocks (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
-// Q5_1, Q8_K). Bit-identical to gguf-py's quantize where gguf-py implements the type, and to
-// ggml's quantize_row_q8_K_ref for Q8_K. Per-block versions: quant/quantize_block.h.
+// Q5_1, Q8_K, Q3_K). Bit-identical to gguf-py's quantize where gguf-py implements the type, and to
+// ggml's quantize_row_q8_K_ref for Q8_K; Q3_K is stowlm's own. Per-block versions:
+// quant/quantize_block.h.
 #pragma once
 #include <cstddef>
 #include <cstdint>

@@ -151,4 +151,69 @@ HOST_DEVICE void quantize_block_q8_K(const float* x, block_q8_K* y) {
     y->d = 1.0f / iscale;
 }
 
+// Q3_K, stowlm's own (gguf-py has none): each 16-element sub-block's scale is the best of a few
+// that map its value of largest magnitude near -4 or +3, each refined once by least squares
+// over the values it rounds to; the 16 scales share d = (largest in magnitude) / -32 and keep 6
+// signed bits; the values are rounded against d * scale, to [-4, 3].
+HOST_DEVICE float q3_fit(const float* v, float s, float* err) {
+    float num = 0.0f, den = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        int q = round_half_even(v[l] / s);
+        q = q < -4 ? -4 : (q > 3 ? 3 : q);
+        num += v[l] * (float)q, den += (float)(q * q);
+    }
+    const float best = den > 0.0f ? num / den : s;
+    float e = 0.0f;
+    for (int l = 0; l < 16; l++) {
+        int q = round_half_even(v[l] / best);
+        q = q < -4 ? -4 : (q > 3 ? 3 : q);
+        const float r = v[l] - best * (float)q;
+        e += r * r;
+    }
+    *err = e;
+    return best;
+}
+HOST_DEVICE void quantize_block_q3_K(const float* x, block_q3_K* y) {
+    float sub[16];
+    for (int j = 0; j < 16; j++) {
+        const float* v = x + 16 * j;
+        const float mx = v[argmax_abs(v, 16)];
+        sub[j] = 0.0f;
+        if (mx == 0.0f || mx != mx) continue;
+        float best_err = 0.0f;
+        for (int c = 0; c < 12; c++) {  // the largest to -4.5 .. -3.4, or to +2.6 .. +3.1
+            const float to = c < 8 ? -4.5f + 0.15f * (float)c : 2.6f + 0.17f * (float)(c - 8);
+            float err;
+            const float s = q3_fit(v, mx / to, &err);
+            if (c == 0 || err < best_err) best_err = err, sub[j] = s;
+        }
+    }
+    const float big = sub[argmax_abs(sub, 16)];
+    const float d = big / -32.0f;
+    const float id = inverse_or_zero(d);
+    int sc[16];
+    for (int j = 0; j < 16; j++) {
+        const int v = round_half_even(sub[j] * id);
+        sc[j] = v < -32 ? -32 : (v > 31 ? 31 : v);
+    }
+    y->d = f32_to_fp16(d);
+    const float dd = fp16_to_f32(y->d);
+    for (int i = 0; i < 12; i++) y->scales[i] = 0;
+    for (int j = 0; j < 16; j++) {
+        const int u = sc[j] + 32;  // 0..63: the low 4 bits by sub-block, the top 2 in bytes 8..11
+        y->scales[j < 8 ? j : j - 8] |= (uint8_t)((u & 0xF) << (j < 8 ? 0 : 4));
+        y->scales[8 + (j & 3)] |= (uint8_t)((u >> 4) << (2 * (j >> 2)));
+    }
+    for (int i = 0; i < 32; i++) y->hmask[i] = 0;
+    for (int i = 0; i < 64; i++) y->qs[i] = 0;
+    for (int e = 0; e < QK_K; e++) {
+        const float step = dd * (float)sc[e / 16];
+        int q = step != 0.0f ? round_half_even(x[e] / step) : 0;
+        q = q < -4 ? -4 : (q > 3 ? 3 : q);
+        const int u = q + 4, n = e / 128, s = (e % 128) / 32, l = e % 32;  // element 128n + 32s + l
+        y->qs[32 * n + l] |= (uint8_t)((u & 3) << (2 * s));
+        if (u & 4) y->hmask[l] |= (uint8_t)(1 << (4 * n + s));
+    }
+}
+
 }  // namespace stowlm

@@ -65,6 +65,7 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
     the first `vocab` tokens and the special ones (keep_tokens)."""
     import gguf
 
+    from . import quants
     from .pull import pull
 
     src = pull(src, progress=False)
@@ -116,7 +117,8 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
             continue  # written below in output_type
         name = f"blk.{renumber[int(m.group(1))]}.{m.group(2)}" if m else t.name
         vocab_rows = rows if t.name in ("token_embd.weight", "output.weight") else None
-        if m and weight_type != "same" and len(t.shape) == 2 and t.tensor_type not in _FLOAT:
+        if m and weight_type != "same" and len(t.shape) == 2 and t.tensor_type not in _FLOAT \
+                and int(t.shape[0]) % quants.type_info(weight_type).block_elems == 0:  # else as it was
             _requantize(w, name, t, weight_type)
         else:
             _put(w, name, t, vocab_rows)
@@ -202,7 +204,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--layers", default=None, help="the layers to keep, e.g. 0,1,5,9,22,23 (instead of --keep)")
     ap.add_argument("--output-type", default="Q4_0", help="the output matrix's type: Q4_0 (default), Q8_0, same")
     ap.add_argument("--weight-type", default="Q4_0",
-                    help="the layers' quantized matrices' type: Q4_0 (default), Q4_1, Q5_0, Q8_0, same")
+                    help="the layers' quantized matrices' type: Q4_0 (default), Q4_1, Q5_0, Q8_0, Q3_K (where "
+                         "their rows are whole 256-blocks; others keep theirs), same")
     ap.add_argument("--vocab", type=int, default=32768,
                     help="keep the first N tokens (and the special ones), default 32768; 0: all")
     a = ap.parse_args(argv)
