@@ -144,24 +144,31 @@ def _kl(p_logits, q_logits):
     return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
-@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b"])
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b/Q3_K"])
 def test_models_repack_and_keep_their_logits(name, model_path, tmp_path):
-    """gemma3 (Q5_0, Q8_0, Q4_K, Q6_K) and qwen2.5-coder (Q5_0, Q4_K, Q6_K, a Q8_0 head) repack
-    their matrices on an AVX-512 VNNI CPU, never the embedding table (read by rows). The sums run in
+    """gemma3 (Q5_0, Q8_0, Q4_K, Q6_K), qwen2.5-coder (Q5_0, Q4_K, Q6_K, a Q8_0 head) and the same
+    with its ffn_down in Q3_K (stowlm.draftmodel) repack their matrices on an AVX-512 VNNI CPU,
+    never the embedding table (read by rows). The sums run in
     another order, and an ulp moves later 8-bit roundings, so the logits are the GGUF layout's
     within the noise that test_models measures against llama.cpp (there both layouts pass):
     KL 0.01 on average and below 0.05 everywhere (the largest test_models sees between llama.cpp
     and us), the best token mostly the same."""
     if ops.cpu_info()["best"] not in ("avx512", "amx"):
         pytest.skip("repacking is for the AVX-512 VNNI row kernels")
-    path = model_path(name)
-    ids = [r for r in load_fixture(name) if r["kind"] == "logits"][0]["ids"]  # a real prompt
+    base = name.split("/")[0]
+    path = model_path(base)
+    if name.endswith("/Q3_K"):
+        from stowlm.draftmodel import make_draft
+
+        path = make_draft(path, tmp_path / "q3.gguf", weight_type="Q3_K", output_type="same")
+    ids = [r for r in load_fixture(base) if r["kind"] == "logits"][0]["ids"]  # a real prompt
     n16, packed = _logits(path, "1", tmp_path, ids)
     n0, plain = _logits(path, "0", tmp_path, ids)
     assert n0 == 0 and n16 > 0
     m = stowlm_model(path)
     assert "token_embd.weight" not in m.repacked and len(m.repacked) == n16
     assert "output.weight" in m.repacked or name == "gemma3-270m"  # qwen's Q8_0 head; gemma's is tied
+    assert "blk.0.ffn_down.weight" in m.repacked
     a, b = packed.astype(np.float64), plain.astype(np.float64)
     kl = _kl(b, a)
     assert kl.mean() < 0.01 and kl.max() < 0.05 and np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.8, (kl.max(), a.argmax(-1), b.argmax(-1))
