@@ -6,6 +6,7 @@ import pytest
 
 import stowlm
 from stowlm.engine import Context
+from stowlm.speculative import ModelDrafter
 
 from conftest import get_model
 
@@ -227,18 +228,20 @@ def test_make_draft_writes_the_models_own_layers(tmp_path):
         make_draft(src, tmp_path / "bad.gguf", keep=31)
 
 
+class Free(ModelDrafter):
+    """A draft model whose steps count as free, so that it always drafts."""
+
+    def draft(self, history, k):
+        out = super().draft(history, k)
+        self.seconds = 1e-9
+        return out
+
+
 def test_a_draft_model_keeps_the_greedy_text(tmp_path):
     from stowlm.draftmodel import make_draft
-    from stowlm.speculative import ModelDrafter
 
     src = str(get_model("smollm2-135m"))
     draft = make_draft(src, tmp_path / "draft.gguf", keep=30)
-
-    class Free(ModelDrafter):  # its steps counted as free, so it always drafts
-        def draft(self, history, k):
-            out = super().draft(history, k)
-            self.seconds = 1e-9
-            return out
 
     prompt = "The history of the Roman Empire began"
     with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
@@ -336,16 +339,9 @@ def test_a_draft_of_fewer_tokens_keeps_the_greedy_text(tmp_path):
     """A draft cut to the first 16384 tokens reads the text in its own ids (a token it lacks as its
     first character) and drafts the target's ids; the greedy text is the text without drafts."""
     from stowlm.draftmodel import make_draft
-    from stowlm.speculative import ModelDrafter
 
     src = str(get_model("smollm2-135m"))
     draft = make_draft(src, tmp_path / "draft.gguf", vocab=16384)
-
-    class Free(ModelDrafter):  # its steps counted as free, so it always drafts
-        def draft(self, history, k):
-            out = super().draft(history, k)
-            self.seconds = 1e-9
-            return out
 
     prompt = "The history of the Roman Empire began"
     with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:

@@ -127,6 +127,24 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
 }
 
+// A K-format tile's operands: group g's super-blocks, tokens [t0, t0 + TT)'s activation rows, and
+// their accumulators, stored as the rows' outputs at the end.
+template <class G, int TT>
+struct KTile {
+    const G* w;
+    const block_q8_K32* a[TT];
+    __m512 acc[TT];
+    KTile(const MatmulArgs& A, int64_t g, int64_t t0) : w((const G*)(A.w + g * kRepackRows * A.w_stride)) {
+        for (int j = 0; j < TT; j++) {
+            a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
+            acc[j] = _mm512_setzero_ps();
+        }
+    }
+    void store(const MatmulArgs& A, int64_t g, int64_t t0) const {
+        for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
+    }
+};
+
 // Q4_K/Q5_K: group g x tokens [t0, t0 + TT). Per super-block the 16 rows' 6-bit scales and
 // mins are unpacked once (scales as int32 lanes, mins as int16 pairs of sub-blocks for vpmaddwd
 // with the activations' 32-sums); per sub-block and token 8 vpdpbusd give the rows' dots, one
@@ -135,13 +153,10 @@ template <bool Q5, int TT>
 void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = std::conditional_t<Q5, block_q5_Kx16, block_q4_Kx16>;
     const int64_t nsb = A.cols / QK_K;
-    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
-    const block_q8_K32* a[TT];
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) {
-        a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-        acc[j] = _mm512_setzero_ps();
-    }
+    KTile<G, TT> k(A, g, t0);
+    const G* w = k.w;
+    const block_q8_K32* const* a = k.a;
+    __m512* acc = k.acc;
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
     const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
     const __m512i pidx = pair_index();
@@ -200,7 +215,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, da), acc[j]);
         }
     }
-    for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
+    k.store(A, g, t0);
 }
 
 // The (scale or min of sub-block 2p, of 2p + 1) int16 pairs of the 16 rows, from their int16 values.
@@ -225,13 +240,10 @@ template <bool Q3, int TT>
 void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = std::conditional_t<Q3, block_q3_Kx16, block_q2_Kx16>;
     const int64_t nsb = A.cols / QK_K;
-    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
-    const block_q8_K32* a[TT];
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) {
-        a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-        acc[j] = _mm512_setzero_ps();
-    }
+    KTile<G, TT> k(A, g, t0);
+    const G* w = k.w;
+    const block_q8_K32* const* a = k.a;
+    __m512* acc = k.acc;
     const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
     const __m128i m15 = _mm_set1_epi8(15), m3x = _mm_set1_epi8(3), b32 = _mm_set1_epi8(32);
     const __m512i pidx = pair_index();
@@ -300,7 +312,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             }
         }
     }
-    for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
+    k.store(A, g, t0);
 }
 
 // Q6_K: per sub-block and token 4 vpdpbusd and a vpmulld by its scales (int32 lanes), the values
@@ -310,13 +322,10 @@ template <int TT>
 void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = block_q6_Kx16;
     const int64_t nsb = A.cols / QK_K;
-    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
-    const block_q8_K32* a[TT];
-    __m512 acc[TT];
-    for (int j = 0; j < TT; j++) {
-        a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-        acc[j] = _mm512_setzero_ps();
-    }
+    KTile<G, TT> k(A, g, t0);
+    const G* w = k.w;
+    const block_q8_K32* const* a = k.a;
+    __m512* acc = k.acc;
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     const __m512i pidx = pair_index();
     for (int64_t b = 0; b < nsb; b++) {
@@ -360,7 +369,7 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, _mm512_set1_ps(a[j][b].d[0])), acc[j]);
         }
     }
-    for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
+    k.store(A, g, t0);
 }
 
 }  // namespace
