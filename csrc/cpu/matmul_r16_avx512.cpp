@@ -127,20 +127,16 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
 }
 
-// A K-format tile's operands: group g's super-blocks, tokens [t0, t0 + TT)'s activation rows, and
-// their accumulators, stored as the rows' outputs at the end.
+// A K-format tile's operands: group g's super-blocks and tokens [t0, t0 + TT)'s activation rows;
+// store() writes the accumulators (kept in the caller, in registers) as the rows' outputs.
 template <class G, int TT>
 struct KTile {
     const G* w;
     const block_q8_K32* a[TT];
-    __m512 acc[TT];
     KTile(const MatmulArgs& A, int64_t g, int64_t t0) : w((const G*)(A.w + g * kRepackRows * A.w_stride)) {
-        for (int j = 0; j < TT; j++) {
-            a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
-            acc[j] = _mm512_setzero_ps();
-        }
+        for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     }
-    void store(const MatmulArgs& A, int64_t g, int64_t t0) const {
+    static void store(const MatmulArgs& A, int64_t g, int64_t t0, const __m512 (&acc)[TT]) {
         for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
     }
 };
@@ -153,10 +149,10 @@ template <bool Q5, int TT>
 void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = std::conditional_t<Q5, block_q5_Kx16, block_q4_Kx16>;
     const int64_t nsb = A.cols / QK_K;
-    KTile<G, TT> k(A, g, t0);
+    const KTile<G, TT> k(A, g, t0);
     const G* w = k.w;
-    const block_q8_K32* const* a = k.a;
-    __m512* acc = k.acc;
+    const auto& a = k.a;
+    __m512 acc[TT] = {};
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
     const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
     const __m512i pidx = pair_index();
@@ -215,7 +211,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, da), acc[j]);
         }
     }
-    k.store(A, g, t0);
+    KTile<G, TT>::store(A, g, t0, acc);
 }
 
 // The (scale or min of sub-block 2p, of 2p + 1) int16 pairs of the 16 rows, from their int16 values.
@@ -240,10 +236,10 @@ template <bool Q3, int TT>
 void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = std::conditional_t<Q3, block_q3_Kx16, block_q2_Kx16>;
     const int64_t nsb = A.cols / QK_K;
-    KTile<G, TT> k(A, g, t0);
+    const KTile<G, TT> k(A, g, t0);
     const G* w = k.w;
-    const block_q8_K32* const* a = k.a;
-    __m512* acc = k.acc;
+    const auto& a = k.a;
+    __m512 acc[TT] = {};
     const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
     const __m128i m15 = _mm_set1_epi8(15), m3x = _mm_set1_epi8(3), b32 = _mm_set1_epi8(32);
     const __m512i pidx = pair_index();
@@ -312,7 +308,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             }
         }
     }
-    k.store(A, g, t0);
+    KTile<G, TT>::store(A, g, t0, acc);
 }
 
 // Q6_K: per sub-block and token 4 vpdpbusd and a vpmulld by its scales (int32 lanes), the values
@@ -322,10 +318,10 @@ template <int TT>
 void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = block_q6_Kx16;
     const int64_t nsb = A.cols / QK_K;
-    KTile<G, TT> k(A, g, t0);
+    const KTile<G, TT> k(A, g, t0);
     const G* w = k.w;
-    const block_q8_K32* const* a = k.a;
-    __m512* acc = k.acc;
+    const auto& a = k.a;
+    __m512 acc[TT] = {};
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     const __m512i pidx = pair_index();
     for (int64_t b = 0; b < nsb; b++) {
@@ -369,7 +365,7 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, _mm512_set1_ps(a[j][b].d[0])), acc[j]);
         }
     }
-    k.store(A, g, t0);
+    KTile<G, TT>::store(A, g, t0, acc);
 }
 
 }  // namespace
