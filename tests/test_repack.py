@@ -18,7 +18,7 @@ from test_matmul import check, make_weights, restore_isa, with_outliers  # noqa:
 
 from stowlm import ops  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 KTYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -46,7 +46,7 @@ def test_repacked_rows_give_the_gguf_bytes_back(name):
     for r in (0, 31, 32, 39):
         np.testing.assert_array_equal(ops.unrepack_row16(tail, name, 40, cols, r), raw[r])
     with pytest.raises(ValueError, match="cannot be repacked"):
-        ops.repack_rows16(_weights("IQ4_NL", 16, 64)[0], "IQ4_NL", 16, 64)
+        ops.repack_rows16(_weights("MXFP4", 16, 64)[0], "MXFP4", 16, 64)
     with pytest.raises(ValueError, match="cannot be repacked"):
         ops.repack_rows16(raw[:, : raw.shape[1] // 2].copy(), name, 48, cols // 2 + 1)
 
@@ -103,7 +103,7 @@ def test_repacked_and_plain_weights_share_one_multi_product():
     count): each result is its matrix's own product."""
     rng = np.random.default_rng(4)
     cols = 256
-    specs = [("Q5_0", 64, True), ("Q6_K", 32, False), ("Q8_0", 48, True), ("Q5_0", 40, False)]
+    specs = [("Q5_0", 64, True), ("Q6_K", 32, False), ("Q8_0", 48, True), ("IQ4_NL", 40, True)]
     kspecs = [("Q4_K", 64, True), ("Q6_K", 32, True), ("Q4_K", 40, False), ("Q5_K", 16, True)]
     lowbit = [("Q3_K", 64, True), ("Q2_K", 48, True), ("Q3_K", 40, False), ("Q6_K", 32, True)]
     for group in (specs, kspecs, lowbit):

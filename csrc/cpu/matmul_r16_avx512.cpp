@@ -11,6 +11,7 @@
 #include <type_traits>
 
 #include "cpu/repack.h"
+#include "quant/legacy.h"
 
 namespace stowlm::cpu {
 
@@ -49,6 +50,21 @@ struct RNib {
     }
 };
 using R4_0 = RNib<block_q4_0x16, 8, false>;
+// IQ4_NL: Q4_0's nibbles looked up (vpshufb) as the IQ4 levels + 128.
+struct RIq4 {
+    using G = block_q4_0x16;
+    static constexpr int OFF = 128;
+    static void unpack(const G& x, __m512i (&u)[8]) {
+        alignas(16) static const auto lut = [] {
+            struct { uint8_t v[16]; } t{};
+            for (int i = 0; i < 16; i++) t.v[i] = (uint8_t)(kIQ4NLValues[i] + 128);
+            return t;
+        }();
+        const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)lut.v));
+        nibbles(x.qs, u);
+        for (int k = 0; k < 8; k++) u[k] = _mm512_shuffle_epi8(table, u[k]);
+    }
+};
 using R5_0 = RNib<block_q5_0x16, 16, true>;
 using R4_1 = RNib<block_q4_1x16, 0, false>;
 using R5_1 = RNib<block_q5_1x16, 0, true>;
@@ -383,6 +399,7 @@ void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
         case QType::Q6_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });
         case QType::Q8_0: return q32(R8_0{});
         case QType::Q4_0: return q32(R4_0{});
+        case QType::IQ4_NL: return q32(RIq4{});
         case QType::Q5_0: return q32(R5_0{});
         case QType::Q4_1: return q32(R4_1{});
         case QType::Q5_1: return q32(R5_1{});

@@ -20,12 +20,14 @@ int repack_offset(QType t) {
         case QType::Q8_0: return 128;
         case QType::Q4_0: return 8;
         case QType::Q5_0: return 16;
+        case QType::IQ4_NL: return 128;  // its levels + 128 (a byte), as Q8_0's
         default: return 0;  // Q4_1, Q5_1: unsigned values, a min term instead
     }
 }
 
 bool is_q32_repackable(QType t) {
-    return t == QType::Q4_0 || t == QType::Q5_0 || t == QType::Q8_0 || t == QType::Q4_1 || t == QType::Q5_1;
+    return t == QType::Q4_0 || t == QType::Q5_0 || t == QType::Q8_0 || t == QType::Q4_1 || t == QType::Q5_1 ||
+           t == QType::IQ4_NL;
 }
 
 bool is_kformat(QType t) {
@@ -45,6 +47,7 @@ Q32Form q32_form(QType t) {
     switch (t) {
         case QType::Q8_0: return {true, false, false, 0, 0, offsetof(block_q8_0, qs), 0, 32, 0};
         case QType::Q4_0: return {false, false, false, 0, 0, offsetof(block_q4_0, qs), 0, 32, 0};
+        case QType::IQ4_NL: return {false, false, false, 0, 0, offsetof(block_iq4_nl, qs), 0, 32, 0};  // Q4_0's bytes
         case QType::Q5_0: return {false, false, true, 0, offsetof(block_q5_0, qh), offsetof(block_q5_0, qs), 0, 32, 288};
         case QType::Q4_1: return {false, true, false, offsetof(block_q4_1, m), 0, offsetof(block_q4_1, qs), 32, 64, 0};
         default: return {false, true, true, offsetof(block_q5_1, m), offsetof(block_q5_1, qh), offsetof(block_q5_1, qs), 32, 64, 320};
@@ -426,6 +429,7 @@ void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
                             const int lo = e % 16;
                             u = (qs[(lo / 4) * 64 + 4 * r + lo % 4] >> (e < 16 ? 0 : 4)) & 0xF;
                             if (f.fifth) u |= (int)((qh[e / 4] >> (4 * r + e % 4)) & 1) << 4;
+                            if (A.type == QType::IQ4_NL) u = iq4nl_value(u) + 128;
                         }
                         dot += u * a[b].qs[e];
                     }
