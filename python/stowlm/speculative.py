@@ -256,8 +256,9 @@ class Speculator:
     def rate(self, source) -> float:
         """The source's acceptance: this request's, else what a draft model's earlier requests
         kept (a property of the pair of models more than of one text), else the prior."""
-        if source not in self.rates and source == "model" and getattr(self.drafter, "rate", None) is not None:
-            return self.drafter.rate
+        carried = getattr(self.drafter, "rate", None)
+        if source not in self.rates and source == "model" and isinstance(carried, float):
+            return carried
         return self.rates.get(source, self.PRIOR.get(source, 0.5))
 
     def length(self, rate: float, n_base: int = 1) -> int:
@@ -353,7 +354,7 @@ class Speculator:
         trials = accepted + (accepted < drafted)
         r = self.rate(self.source)
         self.rates[self.source] = r + 0.3 * trials / max(1, drafted) * (accepted / trials - r)
-        if self.source == "model" and hasattr(self.drafter, "rate"):
+        if self.source == "model" and isinstance(self.drafter, ModelDrafter):
             self.drafter.rate = self.rates["model"]  # the next request starts from here
         if max(self.rates.values()) < 0.1:
             self.wait, self.backoff = self.backoff, min(MAX_BACKOFF, self.backoff * 2)
