@@ -1,10 +1,9 @@
 // The CPU backend: kernels of cpu/ops.h and cpu/matmul.h on the device's own thread pool, and a
 // hard memory budget so that a "virtual device" refuses allocations exactly as a GPU would.
-#include <chrono>
-#include <unordered_map>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>

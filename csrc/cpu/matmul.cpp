@@ -323,20 +323,8 @@ int64_t row_chunk(int64_t rows, int nth) {
     return std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3);
 }
 
-// Repacked weights: the activations' block sums, then groups of 16 rows split as row_chunk
-// splits rows (scalar kernels off the AVX-512 paths: the same bits).
-void prepare_r16(const MatmulArgs& A, ThreadPool& pool) {
-    const int64_t nb = A.cols / QK;
-    int32_t* sums = const_cast<int32_t*>(A.asum);
-    auto run = [&](int64_t t0, int64_t t1, int) {
-        MatmulArgs B = A;
-        B.act = (const uint8_t*)A.act + t0 * A.act_stride;
-        B.n_tok = t1 - t0;
-        act_block_sums(B, sums + t0 * nb);
-    };
-    if (A.n_tok * A.cols <= kInlineQuantElems) run(0, A.n_tok, 0);
-    else pool.parallel_for(A.n_tok, run);
-}
+// Repacked weights: groups of 16 rows split as row_chunk splits rows (scalar kernels off the
+// AVX-512 paths: the same bits).
 RowsFn r16_rows_for(Isa isa) {
 #ifdef STOWLM_X86
     if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) return matmul_r16_avx512;
@@ -355,6 +343,18 @@ void r16_part(RowsFn fn, const MatmulArgs& A, int64_t u0, int64_t u1) {
 
 }  // namespace
 
+void prepare_r16(const MatmulArgs& A, ThreadPool& pool) {
+    const int64_t nb = A.cols / QK;
+    int32_t* sums = const_cast<int32_t*>(A.asum);
+    auto run = [&](int64_t t0, int64_t t1, int) {
+        MatmulArgs B = A;
+        B.act = (const uint8_t*)A.act + t0 * A.act_stride;
+        B.n_tok = t1 - t0;
+        act_block_sums(B, sums + t0 * nb);
+    };
+    if (A.n_tok * A.cols <= kInlineQuantElems) run(0, A.n_tok, 0);
+    else pool.parallel_for(A.n_tok, run);
+}
 void matmul_r16_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
     r16_part(r16_rows_for(active_isa()), A, r0 / kRepackRows, r16_units(r1));
 }

@@ -139,13 +139,12 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
 
     // repacked experts: their offsets' block sums, once for every sorted row
     int32_t* asum = w.rows16 && fam == DotFamily::Q32 ? (int32_t*)(base + L.asum) : nullptr;
-    if (asum)
-        for_rows(n_valid, n_valid * w.cols, [&](int64_t p0, int64_t p1, int) {
-            MatmulArgs S;
-            S.type = w.type, S.cols = w.cols, S.n_tok = p1 - p0;
-            S.act = act + (size_t)p0 * L.act_row, S.act_stride = L.act_row;
-            act_block_sums(S, asum + p0 * (w.cols / QK));
-        });
+    if (asum) {
+        MatmulArgs S;
+        S.type = w.type, S.cols = w.cols, S.n_tok = n_valid;
+        S.act = act, S.act_stride = L.act_row, S.asum = asum;
+        prepare_r16(S, pool);
+    }
     const bool nib = L.nib_row && matmul_rows_read_nib(isa) && !w.rows16;
     const size_t wrow = row_bytes(w.type, w.cols);
     const size_t expert_bytes = wrow * (size_t)w.rows;

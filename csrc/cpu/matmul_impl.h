@@ -97,6 +97,9 @@ RowsFn matmul_rows_for(Isa isa);
 // Rows [r0, r1) of a repacked matrix (A.rows16; r0 a multiple of 16, a range past the last whole
 // group takes the tail rows too), on the active instruction set's kernels.
 void matmul_r16_rows(const MatmulArgs& A, int64_t r0, int64_t r1);
+// A.asum[t * cols / 32 + b] = the sum of token t's quantized block b (the repacked 32-element
+// formats' offsets), over the pool where the activations are many.
+void prepare_r16(const MatmulArgs& A, ThreadPool& pool);
 bool matmul_rows_read_nib(Isa isa);
 // Activation quantization of n elements of one token (Q8_a blocks for the 32-element
 // weight formats, block_q8_K32 otherwise), per instruction set.

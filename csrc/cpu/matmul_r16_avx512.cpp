@@ -165,9 +165,9 @@ template <bool Q5, int TT>
 void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = std::conditional_t<Q5, block_q5_Kx16, block_q4_Kx16>;
     const int64_t nsb = A.cols / QK_K;
-    const KTile<G, TT> k(A, g, t0);
-    const G* w = k.w;
-    const auto& a = k.a;
+    const KTile<G, TT> tile(A, g, t0);
+    const G* w = tile.w;
+    const auto& a = tile.a;
     __m512 acc[TT] = {};
     const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
     const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
@@ -252,9 +252,9 @@ template <bool Q3, int TT>
 void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = std::conditional_t<Q3, block_q3_Kx16, block_q2_Kx16>;
     const int64_t nsb = A.cols / QK_K;
-    const KTile<G, TT> k(A, g, t0);
-    const G* w = k.w;
-    const auto& a = k.a;
+    const KTile<G, TT> tile(A, g, t0);
+    const G* w = tile.w;
+    const auto& a = tile.a;
     __m512 acc[TT] = {};
     const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
     const __m128i m15 = _mm_set1_epi8(15), m3x = _mm_set1_epi8(3), b32 = _mm_set1_epi8(32);
@@ -334,9 +334,9 @@ template <int TT>
 void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = block_q6_Kx16;
     const int64_t nsb = A.cols / QK_K;
-    const KTile<G, TT> k(A, g, t0);
-    const G* w = k.w;
-    const auto& a = k.a;
+    const KTile<G, TT> tile(A, g, t0);
+    const G* w = tile.w;
+    const auto& a = tile.a;
     __m512 acc[TT] = {};
     const __m512i m4 = _mm512_set1_epi8(0x0f), m30 = _mm512_set1_epi8(0x30);
     const __m512i pidx = pair_index();

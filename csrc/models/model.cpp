@@ -359,8 +359,8 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
             // no-op error elsewhere)
             madvise((void*)(b & ~(page - 1)), e - (b & ~(page - 1)), 22);
             const size_t per = t.nbytes() / (size_t)t.ne[2];  // experts (ne[2] of them) each on its own
-            for (int64_t e = 0; e < t.ne[2]; e++)
-                cpu::repack_rows16(t.type, t.ne[1], t.ne[0], (const uint8_t*)t.data + e * per, at[i] + e * per);
+            for (int64_t x = 0; x < t.ne[2]; x++)
+                cpu::repack_rows16(t.type, t.ne[1], t.ne[0], (const uint8_t*)t.data + x * per, at[i] + x * per);
             // the whole mapped pages of the old layout leave this process's memory
             const uintptr_t a = (b + page - 1) & ~(page - 1), z = e & ~(page - 1);
             if (z > a) madvise((void*)a, z - a, MADV_DONTNEED);

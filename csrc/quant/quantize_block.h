@@ -155,18 +155,20 @@ HOST_DEVICE void quantize_block_q8_K(const float* x, block_q8_K* y) {
 // that map its value of largest magnitude near -4 or +3, each refined once by least squares
 // over the values it rounds to; the 16 scales share d = (largest in magnitude) / -32 and keep 6
 // signed bits; the values are rounded against d * scale, to [-4, 3].
+// The nearest Q3_K level (-4..3) to t steps, t clamped first (so huge or NaN t stay in range).
+HOST_DEVICE int q3_level(float t) {
+    return round_half_even(!(t > -4.0f) ? -4.0f : (t > 3.0f ? 3.0f : t));
+}
 HOST_DEVICE float q3_fit(const float* v, float s, float* err) {
     float num = 0.0f, den = 0.0f;
     for (int l = 0; l < 16; l++) {
-        int q = round_half_even(v[l] / s);
-        q = q < -4 ? -4 : (q > 3 ? 3 : q);
+        const int q = q3_level(v[l] / s);
         num += v[l] * (float)q, den += (float)(q * q);
     }
     const float best = den > 0.0f ? num / den : s;
     float e = 0.0f;
     for (int l = 0; l < 16; l++) {
-        int q = round_half_even(v[l] / best);
-        q = q < -4 ? -4 : (q > 3 ? 3 : q);
+        const int q = q3_level(v[l] / best);
         const float r = v[l] - best * (float)q;
         e += r * r;
     }
@@ -208,9 +210,8 @@ HOST_DEVICE void quantize_block_q3_K(const float* x, block_q3_K* y) {
     for (int i = 0; i < 64; i++) y->qs[i] = 0;
     for (int e = 0; e < QK_K; e++) {
         const float step = dd * (float)sc[e / 16];
-        int q = step != 0.0f ? round_half_even(x[e] / step) : 0;
-        q = q < -4 ? -4 : (q > 3 ? 3 : q);
-        const int u = q + 4, n = e / 128, s = (e % 128) / 32, l = e % 32;  // element 128n + 32s + l
+        const int u = (step != 0.0f ? q3_level(x[e] / step) : 0) + 4;
+        const int n = e / 128, s = (e % 128) / 32, l = e % 32;  // element 128n + 32s + l
         y->qs[32 * n + l] |= (uint8_t)((u & 3) << (2 * s));
         if (u & 4) y->hmask[l] |= (uint8_t)(1 << (4 * n + s));
     }

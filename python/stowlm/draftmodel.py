@@ -81,7 +81,7 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
     rows = None  # the target's token ids the draft keeps, in order (None: all)
     tt = r.fields.get("tokenizer.ggml.token_type")  # absent: every token a normal one
     types = _value(tt) if tt is not None else [1] * len(r.fields["tokenizer.ggml.tokens"].data)
-    if vocab is not None and (vocab < 256 or vocab < len(types)):
+    if vocab is not None and vocab < len(types):
         rows = keep_tokens(types, vocab)
     dst = Path(dst)
     w = gguf.GGUFWriter(os.fspath(dst), arch)
@@ -183,13 +183,11 @@ def _requantize(w, name, t, qtype: str, rows: Optional[np.ndarray] = None) -> No
 
 
 def _put(w, name, t, rows: Optional[np.ndarray] = None) -> None:
-    import gguf
-
     shape = [int(x) for x in reversed(t.shape)]
     data = np.asarray(t.data)
     if rows is not None:  # a matrix of the vocabulary's rows: GGUF rows are whole blocks, kept as they are
         data, shape = data.reshape(shape[0], -1)[rows], [len(rows), shape[1]]
-    if t.tensor_type in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+    if t.tensor_type in _FLOAT:
         w.add_tensor(name, data.reshape(shape))
     else:
         w.add_tensor(name, data, raw_shape=list(data.shape), raw_dtype=t.tensor_type)
