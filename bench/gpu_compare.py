@@ -242,8 +242,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--peer-args", default=None, metavar="ARGS",
                     help="llama-bench's placement arguments instead of -ngl 99 -fa 1 (e.g. -ot ...=CPU)")
     ap.add_argument("--variant", action="append", default=[], metavar="LABEL=ARGS",
-                    help="one more stowlm-bench row per round with these arguments added, in a column of its own "
-                         "(repeatable; e.g. 'experts on the CPU=--moe-offload-min 0')")
+                    help="one more stowlm-bench row per round with these arguments added, in a column of its own; "
+                         "leading NAME=VALUE words set its environment as in a shell (repeatable; e.g. 'experts on "
+                         "the CPU=--moe-offload-min 0', 'unpinned=STOWLM_PIN_EXPERTS=0')")
     ap.add_argument("--call-timeout", type=float, default=300, help="seconds one tool call may take")
     ap.add_argument("--out", default=None, help="folder for gpu_compare.md/.json (default $OUT, else ./gpu_compare_out)")
     a = ap.parse_args(argv)
@@ -281,7 +282,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         label, sep, extra = v.partition("=")
         if not sep or not label.strip() or label.strip() in ("stowlm", "llama.cpp", "stowlm no graphs"):
             ap.error(f"--variant {v!r}: expected LABEL=ARGS with a label of its own")
-        variants.append((label.strip(), shlex.split(extra)))
+        words = shlex.split(extra)
+        env = {}
+        while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", words[0]):
+            name, _, value = words.pop(0).partition("=")
+            env[name] = value
+        variants.append((label.strip(), words, dict(os.environ, **env) if env else None))
 
     # The peer and the libraries it needs.
     peer_exe, peer_env, peer_why = None, None, ""
@@ -320,7 +326,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     tools = [("stowlm", [stowlm_exe] + stowlm_args, None)]
     if a.device == "cuda" if a.graphs_off is None else a.graphs_off:
         tools.append(("stowlm no graphs", [stowlm_exe] + stowlm_args, dict(os.environ, STOWLM_CUDA_GRAPHS="0")))
-    tools += [(label, [stowlm_exe] + stowlm_args + extra, None) for label, extra in variants]
+    tools += [(label, [stowlm_exe] + stowlm_args + extra, env) for label, extra, env in variants]
     extra_columns = [t[0] for t in tools[1:]]  # every stowlm row but the first, in its own column
     if peer_exe:
         tools.append(("llama.cpp", [peer_exe] + peer_args, peer_env))

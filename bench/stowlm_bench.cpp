@@ -857,6 +857,12 @@ int run(const Options& o) {
                             }
                             if (const size_t n16 = model->repacked_weights().size())
                                 fprintf(stderr, "  %zu matrices repacked into 16-row groups (STOWLM_REPACK=0: the GGUF layout)\n", n16);
+                            if (ctx->staging_from() > 0)
+                                fprintf(stderr, "  micro-batches of %lld+ tokens copy host-resident experts to the GPU: %.2f MiB "
+                                        "of them pinned%s\n", (long long)ctx->staging_from(), mib(ctx->pinned_host_bytes()),
+                                        ctx->pinned_host_bytes() ? " (STOWLM_PIN_EXPERTS=0: copied through bounce buffers)"
+                                                                 : " (refused by the driver, over half the RAM, or "
+                                                                   "STOWLM_PIN_EXPERTS=0)");
                             const size_t expected = info.file_bytes + kv + compute;
                             if (expected > mem.expected) {
                                 mem.expected = expected;

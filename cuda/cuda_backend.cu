@@ -105,6 +105,7 @@ CudaDevice::~CudaDevice() {
         if (staging_[i]) cudaFreeHost(staging_[i]);
     }
     for (auto& kv : live_) cudaFree(kv.first);
+    for (auto& r : pinned_) cudaHostUnregister(r.first);
     cudaStreamDestroy((cudaStream_t)compute_);
     cudaStreamDestroy((cudaStream_t)copy_);
     cudaStreamDestroy((cudaStream_t)capture_);
@@ -278,6 +279,27 @@ void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream
         check_cuda(cudaEventRecord((cudaEvent_t)staging_done_[i], (cudaStream_t)s), "cudaEventRecord");
         off += n;
     }
+}
+
+bool CudaDevice::pin_host(const void* p, size_t bytes) {
+    if (!bytes) return true;
+    set_current();
+    void* q = const_cast<void*>(p);  // read-only: the registration never writes through it
+    const cudaError_t e = cudaHostRegister(q, bytes, cudaHostRegisterPortable | cudaHostRegisterReadOnly);
+    if (e == cudaSuccess) {
+        std::lock_guard<std::mutex> lk(mu_);
+        pinned_.emplace_back(q, bytes);
+        return true;
+    }
+    cudaGetLastError();  // a refusal is not sticky: clear it for the next call
+    return e == cudaErrorHostMemoryAlreadyRegistered;
+}
+
+size_t CudaDevice::pinned_bytes() const {
+    std::lock_guard<std::mutex> lk(mu_);
+    size_t n = 0;
+    for (auto& r : pinned_) n += r.second;
+    return n;
 }
 
 void CudaDevice::copy_to_host(void* dst, const void* src, size_t bytes, Stream s) {

@@ -70,6 +70,12 @@ public:
     // dst on this device, src on device `from` (cudaMemcpyPeerAsync; staged by the driver
     // when peer access is not possible).
     void copy_from_peer(void* dst, const CudaDevice& from, const void* src, size_t bytes, Stream s);
+    // Page-locks host memory [p, p + bytes) (page-aligned; read-only, portable to every device) so
+    // that copies from it go by DMA straight from it instead of through the staging buffers and a
+    // host memcpy. False where the driver refuses (the copies stay staged); a range pinned by
+    // another device object already counts as pinned. This object unpins what it pinned when it dies.
+    bool pin_host(const void* p, size_t bytes);
+    size_t pinned_bytes() const;  // pinned by this object
 
     // Kernel timing (stowlm-bench -v). begin_timed holds stream s on the device (a host function
     // waits until end_timed, or kHoldSeconds if the host itself waits for the device meanwhile)
@@ -105,6 +111,7 @@ private:
     Stream compute_ = nullptr, copy_ = nullptr, capture_ = nullptr;
     void* staging_[2] = {nullptr, nullptr};  // pinned host buffers
     Event staging_done_[2] = {nullptr, nullptr};
+    std::vector<std::pair<void*, size_t>> pinned_;  // host ranges this object registered
     mutable std::mutex mu_;
     std::map<void*, size_t> live_;
     size_t used_ = 0;

@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -144,6 +145,16 @@ public:
     bool can_stage(const Tensor& n) const override { return n.op == Op::MUL_MAT_ID && unsupported_reason(n).empty(); }
     size_t staging_bytes(const Tensor& n) const override {
         return n.staged ? (n.src[0]->nbytes() + 255) & ~(size_t)255 : 0;  // the slot: 256-byte aligned
+    }
+
+    size_t pin_host(const std::vector<std::pair<const void*, size_t>>& ranges) override {
+        size_t n = 0;
+        for (const auto& r : ranges) {
+            auto it = pins_.find(r.first);
+            if (it == pins_.end()) it = pins_.emplace(r.first, dev_->pin_host(r.first, r.second)).first;
+            if (it->second) n += r.second;
+        }
+        return n;
     }
 
     bool supports(const Tensor& n) const override {
@@ -948,6 +959,7 @@ private:
 
     int id_;
     std::unique_ptr<cu::CudaDevice> dev_;
+    std::map<const void*, bool> pins_;  // host ranges asked to be pinned (by start): whether they are
     std::string name_;
     size_t budget_ = 0;
     // Counted per split (the pipeline runs this device's splits on its own thread; the counters

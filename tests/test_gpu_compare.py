@@ -193,6 +193,7 @@ a = sys.argv[1:]
 p, n = int(a[a.index("-p") + 1]), int(a[a.index("-n") + 1])
 log = os.environ["FAKE_LOG"]
 label = {label!r} + (" no graphs" if os.environ.get("STOWLM_CUDA_GRAPHS") == "0" else "")
+label += " unpinned" if os.environ.get("STOWLM_PIN_EXPERTS") == "0" else ""
 with open(log, "a") as f:
     f.write(json.dumps(dict(tool=label, argv=a)) + "\\n")
 k = sum(1 for line in open(log) if json.loads(line)["tool"] == label)
@@ -352,10 +353,15 @@ def test_placement_arguments_and_variants(fakes):
                              # (=: the values start with a dash)
                              "--stowlm-args=-dev 'cuda:0[mem=8GiB],cpu' -ot exps=cpu:0",
                              "--peer-args=-ngl 99 -ot exps=CPU",
-                             "--variant", "experts on the CPU=--moe-offload-min 0"]) == 0
+                             "--variant", "experts on the CPU=--moe-offload-min 0",
+                             "--variant", "unpinned=STOWLM_PIN_EXPERTS=0 --moe-offload-min 64"]) == 0
     calls = [json.loads(line) for line in fakes["log"].read_text().splitlines()]
     ours = [c["argv"] for c in calls if c["tool"] == "stowlm"]
-    assert len(ours) == 4  # the plain row and the variant, two rounds
+    assert len(ours) == 4  # the plain row and the first variant, two rounds
+    # the second variant: its environment setting reaches the tool, its arguments follow
+    unpinned = [c["argv"] for c in calls if c["tool"] == "stowlm unpinned"]
+    assert len(unpinned) == 2 and all(a[a.index("--moe-offload-min") + 1] == "64" for a in unpinned)
+    assert not any("STOWLM_PIN_EXPERTS=0" in a for a in unpinned)
     for a in ours:
         assert a[a.index("-dev") + 1] == "cuda:0[mem=8GiB],cpu" and a[a.index("-ot") + 1] == "exps=cpu:0"
     assert sum("--moe-offload-min" in a for a in ours) == 2
@@ -364,7 +370,7 @@ def test_placement_arguments_and_variants(fakes):
     md = (fakes["out"] / "gpu_compare.md").read_text()
     assert "| stowlm, experts on the CPU |" in md
     data = json.loads((fakes["out"] / "gpu_compare.json").read_text())
-    assert all(set(r["variants"]) == {"experts on the CPU"} for r in data["table"])
+    assert all(set(r["variants"]) == {"experts on the CPU", "unpinned"} for r in data["table"])
     with pytest.raises(SystemExit):
         gpu_compare.main(["--stowlm", fakes["stowlm"], "--no-peer", "-m", "alpha", "--variant", "no label"])
 

@@ -87,6 +87,10 @@ public:
     // backend wants it); the planner reserves two slots of the largest at the end of the device's
     // scratch, so that the next staged node's copy runs while this one's product does.
     virtual size_t staging_bytes(const Tensor&) const { return 0; }
+    // Page-locks the host ranges (page-aligned, disjoint) staged nodes copy from, so that their
+    // copies run at the bus's speed; returns the bytes of them that are pinned (a refused range is
+    // not; its copies go the slow way). The ranges must outlive the backend.
+    virtual size_t pin_host(const std::vector<std::pair<const void*, size_t>>&) { return 0; }
 
     virtual void copy_from_host(Tensor& dst, const void* src, size_t bytes, size_t offset = 0) = 0;
     virtual void copy_to_host(const Tensor& src, void* dst, size_t bytes, size_t offset = 0) = 0;

@@ -1,6 +1,9 @@
 #include "engine/context.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <set>
 #include <string>
 
@@ -199,6 +202,39 @@ ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape
     return r;
 }
 
+// Staged experts are copied from the model's mapping at every staged micro-batch: page-locked,
+// that copy is a DMA at the bus's speed instead of a host memcpy through bounce buffers. The
+// pages of every device's staged weights, merged, are pinned by the first staging device (the
+// pin is portable), unless that would lock more than half the RAM (STOWLM_PIN_EXPERTS=0: never).
+// Returns the bytes pinned.
+size_t pin_staged_weights(const Model& m, const Graph& g, const std::vector<Backend*>& backends) {
+    const char* env = std::getenv("STOWLM_PIN_EXPERTS");
+    if (env && std::string(env) == "0") return 0;
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [begin, end), page-aligned
+    Backend* stager = nullptr;
+    for (const Tensor* n : g.nodes()) {
+        if (!n->staged) continue;
+        const Tensor* w = n->src[0];
+        if (!m.file().maps(w->data, w->nbytes())) continue;  // only the mapping surely outlives the backends
+        stager = stager ? stager : backends.at(n->device);
+        const uintptr_t b = (uintptr_t)w->data;
+        spans.emplace_back(b / page * page, (b + w->nbytes() + page - 1) / page * page);
+    }
+    if (!stager) return 0;
+    std::sort(spans.begin(), spans.end());
+    std::vector<std::pair<const void*, size_t>> ranges;
+    size_t total = 0;
+    for (size_t i = 0; i < spans.size();) {
+        uintptr_t b = spans[i].first, e = spans[i].second;
+        for (++i; i < spans.size() && spans[i].first <= e; ++i) e = std::max(e, spans[i].second);
+        ranges.emplace_back((const void*)b, (size_t)(e - b));
+        total += e - b;
+    }
+    if (total > (size_t)sysconf(_SC_PHYS_PAGES) * page / 2) return 0;
+    return stager->pin_host(ranges);
+}
+
 }  // namespace
 
 KVLayout context_kv_layout(const Model& model, const ContextParams& p) { return kv_layout(model, checked(model, p)); }
@@ -229,6 +265,7 @@ Context::Context(Model& model, const ContextParams& p) : model_(model), params_(
         small_plan_ = std::move(plans.small_plan);
         stage_min_ = plans.stage_min;
     }
+    if (stage_min_ > 0) pinned_ = pin_staged_weights(model, ref, backends_);
     kv_ = std::make_unique<KVCache>(kv_layout(model, params_), backends_, true, params_.n_seq);
     try {
         compute_ = stage_min_ > 1 ? allocate_compute({&plan_, &small_plan_}, backends_) : allocate_compute(plan_, backends_);

@@ -109,6 +109,8 @@ public:
     const ComputePlan& plan() const { return plan_; }
     // Micro-batches of this many tokens or more run the staged plan (0: one plan for all shapes).
     int64_t staging_from() const { return stage_min_; }
+    // Host bytes of the staged experts page-locked for their copies (0: none, or copied the slow way).
+    size_t pinned_host_bytes() const { return pinned_; }
     // check_plan() over the worst-case graph (the one the plan was made for).
     std::string check_plan_sound() const;
     // The other MPI ranks the context's devices are on (null when all are this process's).
@@ -140,6 +142,7 @@ private:
     // smaller shapes' (another topology: the experts on the host); both use the same buffers.
     ComputePlan small_plan_;
     int64_t stage_min_ = 0;
+    size_t pinned_ = 0;
     ComputeBuffers compute_;
     PipelineMode pipeline_;
     PipelineStats stats_;

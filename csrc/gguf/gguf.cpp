@@ -262,6 +262,13 @@ size_t GGUFFile::total_file_bytes() const {
     return n;
 }
 
+bool GGUFFile::maps(const void* p, size_t bytes) const {
+    const uint8_t* c = (const uint8_t*)p;
+    for (const Map& m : maps_)
+        if (c >= m.base && c <= m.base + m.size && bytes <= (size_t)(m.base + m.size - c)) return true;
+    return false;
+}
+
 void GGUFFile::map_file(const std::string& path, const std::string& why) {
     Map m;
     m.path = path;

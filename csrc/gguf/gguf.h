@@ -69,6 +69,7 @@ public:
     uint32_t version() const { return version_; }
     size_t n_splits() const { return maps_.size(); }
     size_t total_file_bytes() const;
+    bool maps(const void* p, size_t bytes) const;  // [p, p + bytes) lies inside one split's mapping
     const std::string& split_path(size_t split) const { return maps_.at(split).path; }
     uint32_t alignment(size_t split = 0) const { return alignments_.at(split); }  // general.alignment
 

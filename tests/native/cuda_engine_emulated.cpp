@@ -8,6 +8,8 @@
 // the CPU backend's. The launch counter: kernels per decode step against a count from the
 // architecture.
 // Built and run by tests/test_cuda_engine_emulated.py: argv[1] is the models directory.
+#include <unistd.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -25,6 +27,7 @@ namespace stowlm::cuda {
 extern int g_split_calls;
 extern int g_fixed_split_calls;
 extern std::atomic<int> g_graphs_made;
+extern size_t g_pinned_copy_bytes, g_pinned_live;
 }
 
 namespace {
@@ -52,6 +55,9 @@ struct Run {
     size_t compute_bytes = 0;          // out: the compute bytes of the first device
     size_t scratch_bytes = 0;          // out: the scratch of the first device (the staged plan's)
     size_t largest_experts = 0;        // out: the largest expert tensor's bytes
+    size_t experts = 0;                // out: all expert tensors' bytes
+    size_t pinned = 0;                 // out: Context::pinned_host_bytes()
+    size_t pinned_copied = 0;          // out: bytes the eval copied to a device from pinned memory
 };
 
 // All-position logits of the prompt, then n_decode greedy single-token steps (the tokens come
@@ -68,9 +74,15 @@ std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_
     r.staged_from = c.staging_from();
     r.compute_bytes = c.memory_report().front().compute;
     r.scratch_bytes = c.plan().devices[0].scratch_bytes;
+    r.pinned = c.pinned_host_bytes();
+    r.experts = 0;
     for (const WeightInfo& w : m->weight_infos())
-        if (w.name.find("_exps") != std::string::npos) r.largest_experts = std::max(r.largest_experts, w.bytes);
-    return emulated::prompt_then_greedy(*m, c, prompt, n_decode, forced, failures);
+        if (w.name.find("_exps") != std::string::npos)
+            r.largest_experts = std::max(r.largest_experts, w.bytes), r.experts += w.bytes;
+    const size_t copied = cuda::g_pinned_copy_bytes;
+    std::vector<float> logits = emulated::prompt_then_greedy(*m, c, prompt, n_decode, forced, failures);
+    r.pinned_copied = cuda::g_pinned_copy_bytes - copied;
+    return logits;
 }
 
 void check(const std::string& model_dir, const std::string& name, Run r, const std::string& what,
@@ -310,6 +322,29 @@ void check_staging(const std::string& dir, const std::string& name, int n_layer)
                staged.scratch_bytes, staged.largest_experts, plain.compute_bytes, staged.compute_bytes);
         if (!ok) failures++;
     }
+    // The staged experts' pages are pinned (whole pages around every expert tensor, nothing for a
+    // context that does not stage) and every staged micro-batch copies all of them from there;
+    // STOWLM_PIN_EXPERTS=0 pins nothing; a model's pins go with it.
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 40; i++) prompt.push_back(1 + (i * 7919) % 2000);
+    for (const char* pin : {"1", "0"}) {
+        setenv("STOWLM_PIN_EXPERTS", pin, 1);
+        Run staged = plain;
+        staged.moe_min = 12;  // of the micro-batches 16, 16, 8: two staged
+        run(dir + "/" + name + ".gguf", staged, prompt, 1, 128, 16, &none);
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE), slack = 2 * page * 3 * (size_t)n_layer;
+        const bool on = pin[0] == '1';
+        const bool ok = on ? staged.pinned >= staged.experts && staged.pinned <= staged.experts + slack &&
+                                 staged.pinned_copied == 2 * staged.experts
+                           : staged.pinned == 0 && staged.pinned_copied == 0;
+        const bool released = cuda::g_pinned_live == 0 && plain.pinned == 0;
+        printf("%s %-22s STOWLM_PIN_EXPERTS=%s: %zu bytes pinned for %zu of experts, %zu copied from them; "
+               "unpinned with the model: %s\n",
+               ok && released ? "ok  " : "FAIL", name.c_str(), pin, staged.pinned, staged.experts,
+               staged.pinned_copied, released ? "yes" : "NO");
+        if (!ok || !released) failures++;
+    }
+    unsetenv("STOWLM_PIN_EXPERTS");
 }
 
 // STOWLM_CUDA_FUSION=0: every node its own kernels (24 a llama layer: each product quantizes its

@@ -14,6 +14,8 @@
 // it was called with, run again at every replay: as on a GPU, a replay sees what device memory
 // holds then but the arguments of its capture, so an argument that should have changed between
 // steps gives other logits than running without graphs.
+#include <unistd.h>
+
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -21,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <iterator>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -42,11 +45,23 @@ namespace stowlm::cuda {
 int g_split_calls = 0;        // flash_attn calls with n_split > 1
 std::atomic<int> g_graphs_made{0}, g_graph_launches{0};
 int g_fixed_split_calls = 0;  // of which with fixed splits (several sequences)
+size_t g_pinned_copy_bytes = 0;  // copied to a device from pinned host memory
+size_t g_pinned_live = 0;        // bytes pinned now, by every emulated device
 
 namespace {
 
 std::mutex g_mu;
 std::map<const char*, size_t> g_live;  // every emulated device's allocations
+std::map<const char*, size_t> g_pinned;  // host ranges pinned by any emulated device
+
+// The pinned range [p, p + bytes) lies in, or null (call with g_mu held).
+const char* pinned_at(const void* p, size_t bytes) {
+    const char* c = (const char*)p;
+    auto it = g_pinned.upper_bound(c);
+    if (it == g_pinned.begin()) return nullptr;
+    --it;
+    return c + bytes <= it->first + it->second ? it->first : nullptr;
+}
 
 thread_local uint64_t t_launches = 0;
 using Recorded = std::vector<std::function<void()>>;
@@ -147,6 +162,7 @@ CudaDevice::CudaDevice(int index) : index_(index), name_("cuda:" + std::to_strin
 
 CudaDevice::~CudaDevice() {
     std::lock_guard<std::mutex> lk(g_mu);
+    for (auto& r : pinned_) g_pinned.erase((const char*)r.first), g_pinned_live -= r.second;
     for (auto& kv : live_) {
         g_live.erase((const char*)kv.first);
         std::free(kv.first);
@@ -193,10 +209,39 @@ void CudaDevice::wait(Stream, Event) {}
 void CudaDevice::release(Event) {}
 void CudaDevice::synchronize() {}
 
+// As cudaHostRegister: page-aligned ranges (the engine's contract), a range inside one pinned
+// already is "already registered", one overlapping another is refused.
+bool CudaDevice::pin_host(const void* p, size_t bytes) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    if ((uintptr_t)p % page || bytes % page) {
+        fprintf(stderr, "pin_host: %p + %zu bytes is not page-aligned\n", p, bytes);
+        abort();
+    }
+    std::lock_guard<std::mutex> lk(g_mu);
+    if (pinned_at(p, bytes)) return true;
+    const char* c = (const char*)p;
+    auto next = g_pinned.lower_bound(c);
+    if (next != g_pinned.end() && next->first < c + bytes) return false;
+    if (next != g_pinned.begin() && std::prev(next)->first + std::prev(next)->second > c) return false;
+    g_pinned[c] = bytes, g_pinned_live += bytes;
+    pinned_.emplace_back(const_cast<void*>(p), bytes);
+    return true;
+}
+size_t CudaDevice::pinned_bytes() const {
+    std::lock_guard<std::mutex> lk(g_mu);
+    size_t n = 0;
+    for (auto& r : pinned_) n += r.second;
+    return n;
+}
+
 void CudaDevice::copy_to_device(void* dst, const void* src, size_t bytes, Stream) {
     not_capturing("copy_to_device");
     if (!bytes) return;
     dev_ptr(dst, bytes, "copy_to_device dst");
+    {
+        std::lock_guard<std::mutex> lk(g_mu);
+        if (pinned_at(src, bytes)) g_pinned_copy_bytes += bytes;
+    }
     memcpy(dst, src, bytes);
 }
 void CudaDevice::copy_to_host(void* dst, const void* src, size_t bytes, Stream) {
