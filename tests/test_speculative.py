@@ -384,3 +384,98 @@ def test_a_draft_model_drafts_the_length_that_yields_most_per_second():
         assert k > 0 and ratios[k] == max(ratios), (rate, d, k, ratios)
     for rate, d in [(0.3, 0.5), (0.9, 1.2)]:
         assert best(rate, d)[0] == 0
+
+
+class Stub:
+    """A draft model's stand-in: every draft is k copies of one token, at `seconds` a step."""
+    cheap = False
+
+    def __init__(self, seconds):
+        self.seconds, self.calls = seconds, 0
+
+    def draft(self, history, k):
+        self.calls += 1
+        return [1] * k, "model"
+
+
+def test_a_failing_draft_model_stops_for_the_request():
+    """A draft model whose drafts all fail stops within a few drafts and drafts no more in that
+    request, not even a probe (each would first read all the text since the stop); the next
+    request starts from the prior again (its draft read the prompt: in step, no catch-up)."""
+    from stowlm.speculative import PassCosts, Speculator
+
+    costs = PassCosts(repacked=True)
+    costs.observe(1, 0.01)
+    stub = Stub(0.005)  # half a step
+    spec = Speculator(stub, 7, costs)
+    drafts = 0
+    for _ in range(300):
+        d = spec.draft([0] * 10, 7)
+        if d:
+            drafts += 1
+            spec.record(len(d), 0)
+    assert 1 <= drafts <= 6 and stub.calls == drafts
+    assert spec.draft([0] * 10, 7) == []
+    assert Speculator(stub, 7, costs).draft([0] * 10, 7) != []
+
+
+def test_a_draft_model_learns_acceptance_per_position():
+    """A draft whose first token is kept half the time but whose later ones always are (when the
+    first is): the first position's estimate says so, the later ones' too, and the length built on
+    them drafts several tokens where one rate of a draft token's average chance would draft fewer."""
+    from stowlm.speculative import PassCosts, Speculator
+
+    costs = PassCosts(repacked=True)
+    costs.observe(1, 0.01)
+    spec = Speculator(Stub(0.003), 7, costs)
+    for i in range(200):
+        assert spec.draft([0] * 10, 7)
+        spec.record(4, 4 if i % 2 else 0)
+    rates = spec.model_rates()
+    assert 0.45 < rates[0] < 0.6 and min(rates[1:4]) > 0.85
+    assert rates[4] == pytest.approx(spec.PRIOR["model"])  # never reached: the prior
+    k = spec.length(rates)
+    kept = spec.accepted / spec.drafted  # the share of drafted tokens kept: 0.5
+    assert k >= 3 and spec.length(kept) < k
+
+
+def test_a_step_is_timed_by_every_pass():
+    """While drafts run no pass is of one token: a step's time comes from every pass, each divided
+    by its cost in steps, so it follows the machine instead of keeping the first steps' time."""
+    from stowlm.speculative import PassCosts
+
+    costs = PassCosts(repacked=True)
+    costs.observe(1, 0.030)  # a first step, graphs still being built
+    for _ in range(60):
+        costs.observe(4, 0.010 * costs.cost(4))
+    assert costs.step_seconds() == pytest.approx(0.010, rel=0.02)
+
+
+def test_a_doubtful_draft_token_ends_the_draft(tmp_path, monkeypatch):
+    """A draft model ends its draft at a token it gives less than P_MIN (checked, not built on): with
+    P_MIN above 1 every draft is one token; the greedy text is the text without drafts."""
+    from stowlm import speculative
+    from stowlm.draftmodel import make_draft
+
+    logits = np.array([2.0, 1.0, 0.0, -1.0], dtype=np.float32)
+    p = np.exp(logits - logits.max())
+    assert speculative._top_share(logits, 0) == pytest.approx(p[0] / p.sum())
+
+    src = str(get_model("smollm2-135m"))
+    draft = make_draft(src, tmp_path / "draft.gguf", keep=30)
+    prompt = "The history of the Roman Empire began"
+    with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
+        want = plain.generate(prompt, max_tokens=40, temperature=0)
+    sizes = []
+
+    class Sizes(Free):
+        def draft(self, history, k):
+            out = super().draft(history, k)
+            sizes.append(len(out[0]))
+            return out
+
+    monkeypatch.setattr(speculative, "P_MIN", 1.01)
+    drafter = Sizes(stowlm.LLM(str(draft), n_ctx=1024, progress=False))
+    with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
+        got = spec.generate(prompt, max_tokens=40, temperature=0)
+    assert got.tokens == want.tokens and sizes and set(sizes) == {1} and got.drafted == len(sizes)

@@ -15,7 +15,9 @@ the target's distribution.
 
 :class:`Speculator` keeps each request's drafts as long as they pay: their length follows the
 share of draft tokens kept, and where almost none are it waits a growing number of steps before
-drafting again, so open-ended text is not slowed.
+drafting again, so open-ended text is not slowed. A draft model's drafts are weighed by their
+acceptance at each draft position against its timed steps, and stop for the rest of a request
+once they no longer pay (drafting again would first cost a catch-up of all the text since).
 """
 from __future__ import annotations
 
@@ -41,10 +43,12 @@ TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 # extra tokens cost far less (same model and machine, `stowlm-bench -p 1,2,3,4,5,6,8,12 -n 0
 # -d 256`: 0.99x for 2 tokens, 1.12x for 4, 1.62x for 8, 2.26x for 12).
 IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
-# A draft model's drafts must yield this many times the tokens per second of no draft: its
-# acceptance and step time are estimates.
-MODEL_GAIN = 1.05
-MODEL_PROBE_MAX = 256  # steps between a draft model's probes, at most
+# A draft model's drafts must yield this many times the tokens per second of no draft to start
+# (its acceptance and step time are estimates), and drafting stops below MODEL_KEEP times: the
+# estimates swing with the text, and a stop costs a catch-up before the next draft.
+MODEL_GAIN, MODEL_KEEP = 1.05, 0.95
+P_MIN = 0.6  # a draft token the draft model gives less than this probability ends its draft
+POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
 
 def prior_cost(n: int, repacked: bool = False) -> float:
@@ -66,12 +70,17 @@ class PassCosts:
     def __init__(self, repacked: bool = False):
         self.seconds: dict = {}  # tokens in the pass -> moving average of its seconds
         self.repacked = repacked  # the model's CPU weights are in 16-row groups (the cheaper tiles)
+        self.step: Optional[float] = None  # moving average of a one-token step's seconds, from every pass
 
     def observe(self, n: int, seconds: float) -> None:
         if n < 1 or not seconds > 0:
             return
         old = self.seconds.get(n)
         self.seconds[n] = seconds if old is None else old + self.ALPHA * (seconds - old)
+        # every pass says what a step costs: one size alone (while drafts run, no pass is of one
+        # token) kept the first steps' time, slow with the graphs still being built, for long
+        one = seconds / self.cost(n)
+        self.step = one if self.step is None else self.step + self.ALPHA * (one - self.step)
 
     def cost(self, n: int) -> float:
         return prior_cost(n, self.repacked) if n > 1 else 1.0
@@ -84,12 +93,8 @@ class PassCosts:
         return d * MARGIN if j > TILE else d
 
     def step_seconds(self) -> Optional[float]:
-        """A one-token step's seconds: timed, or from the sizes that were."""
-        if 1 in self.seconds:
-            return self.seconds[1]
-        for n, t in self.seconds.items():
-            return t / self.cost(n)
-        return None
+        """A one-token step's seconds, from the recent passes of every size."""
+        return self.step
 
 
 class NgramDrafter:
@@ -142,7 +147,6 @@ class ModelDrafter:
         self.to_draft: Optional[np.ndarray] = None  # target id -> draft id (follow() makes it)
         self._cached: List[int] = []  # draft ids
         self.seconds = None  # moving average of one draft step's time
-        self.rate: Optional[float] = None  # the acceptance the last request ended with
 
     def follow(self, target) -> None:
         """Checks that the draft's tokens are the target LLM's (all, or those of to_target) and maps
@@ -198,8 +202,8 @@ class ModelDrafter:
         for _ in range(k):
             t = int(np.argmax(logits))
             out.append(t)
-            if len(out) == k:
-                break
+            if len(out) == k or _top_share(logits, t) < P_MIN:
+                break  # a token the draft itself doubts is checked (almost free) but not built on
             t0 = time.perf_counter()
             logits = ctx.eval([t], logits="last")
             seconds, steps = seconds + time.perf_counter() - t0, steps + 1
@@ -208,6 +212,11 @@ class ModelDrafter:
             per = seconds / steps
             self.seconds = per if self.seconds is None else self.seconds + 0.2 * (per - self.seconds)
         return (out if self.to_target is None else self.to_target[out].tolist()), "model"
+
+
+def _top_share(logits: np.ndarray, t: int) -> float:
+    """The softmax probability of token t (the largest logit)."""
+    return float(1.0 / np.exp(logits - logits[t]).sum())
 
 
 def parse_spec(spec) -> Optional[object]:
@@ -247,23 +256,37 @@ class Speculator:
         self.costs = costs if costs is not None else PassCosts()  # shared by the LLM's requests
         self.rates: dict = {}  # draft source -> moving estimate of P(a draft token is kept | the one before was)
         self.skipped: dict = {}  # draft source -> offers passed over since its last draft
-        self.model_probe = 4 * self.PROBE  # a draft model's steps between probes
+        # A draft model's P(draft j kept | draft j - 1 kept) for each position j: the first token
+        # after a miss is kept far less often than one inside a run the draft has right, so one
+        # rate for all either drafts long runs that fail or stops drafting where single tokens pay.
+        # Each from the last ~POSITION_WINDOW trials of its position and the prior counted as
+        # PRIOR_TRIALS of them: a request's first misses move it fast (a few in a row stop a draft
+        # that fails from the start), later it keeps steady through the text's swings.
+        self.position_kept: List[float] = []
+        self.position_trials: List[float] = []
+        self.model_drafting = False  # the last step drafted with the model (not a probe)
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
         self.source = None   # of the draft in flight
         self.drafted = self.accepted = 0
 
     def rate(self, source) -> float:
-        """The source's acceptance: this request's, else what a draft model's earlier requests
-        kept (a property of the pair of models more than of one text), else the prior."""
-        carried = getattr(self.drafter, "rate", None)
-        if source not in self.rates and source == "model" and isinstance(carried, float):
-            return carried
+        """The source's acceptance: this request's, else the prior."""
         return self.rates.get(source, self.PRIOR.get(source, 0.5))
 
-    def length(self, rate: float, n_base: int = 1) -> int:
+    def model_rates(self) -> List[float]:
+        """A draft model's acceptance per draft position: this request's, from the prior. (Not
+        carried from the last request: its text, an open question, says little of this one's, an
+        edit, and a request starts with the draft in step, having read the prompt, so its first
+        drafts cost no catch-up.)"""
+        prior = self.PRIOR["model"]
+        if not self.position_trials:
+            self.position_kept, self.position_trials = [0.0] * self.draft_max, [0.0] * self.draft_max
+        return [(k + PRIOR_TRIALS * prior) / (n + PRIOR_TRIALS) for k, n in zip(self.position_kept, self.position_trials)]
+
+    def length(self, rate, n_base: int = 1) -> int:
         """Draft tokens worth checking in a pass that carries n_base tokens without them, each kept
-        with probability `rate` given the one before."""
+        with probability `rate` given the one before (a draft model's: one rate, or one per position)."""
         if not getattr(self.drafter, "cheap", True):
             return self._model_length(rate, n_base)
         value = self.costs.cost(n_base) / n_base  # of one token, in the pass's own terms
@@ -275,16 +298,19 @@ class Speculator:
             k += 1
         return k
 
-    def _model_length(self, rate: float, n_base: int) -> int:
+    def _model_length(self, rate, n_base: int) -> int:
         """A draft model's length: the one that yields the most tokens per unit of time, its steps
         counted in target steps (each draft token is a step of it, so a draft that is cheap per
-        token but rarely kept pays only short), if that beats no draft by MODEL_GAIN."""
+        token but rarely kept pays only short), if that beats no draft by MODEL_GAIN (MODEL_KEEP
+        while drafting)."""
         d, step = getattr(self.drafter, "seconds", None), self.costs.step_seconds()
         draft_cost = d / step if d and step else 0.0
         plain = n_base / self.costs.cost(n_base)
-        best_k, best, tokens, kept = 0, plain * MODEL_GAIN, float(n_base), 1.0
+        rates = [float(rate)] * self.draft_max if np.isscalar(rate) else list(rate)
+        gain = MODEL_KEEP if self.model_drafting else MODEL_GAIN
+        best_k, best, tokens, kept = 0, plain * gain, float(n_base), 1.0
         for k in range(1, self.draft_max + 1):
-            kept *= rate
+            kept *= rates[min(k, len(rates)) - 1]
             tokens += kept
             r = tokens / (self.costs.cost(n_base + k) + k * draft_cost)
             if r > best:
@@ -308,19 +334,14 @@ class Speculator:
             self.wait = max(0, self.wait - 1)
             return []
         if not getattr(self.drafter, "cheap", True):
-            k = min(self.length(self.rate("model"), n_base), budget)
-            if k == 0:
-                self.skipped["model"] = self.skipped.get("model", 0) + 1
-                # a first draft step learns its cost; later probes whether acceptance changed, where
-                # a draft kept every time could pay at all (a probe's catch-up of the text so far is
-                # a pass of the draft model: a draft near a step's cost lost 7-15% to probes alone)
-                first = getattr(self.drafter, "seconds", None) is None
-                if first or (self.skipped["model"] >= self.model_probe and self.length(1.0, n_base) > 0):
-                    # each probe that leaves drafting unpaid waits twice as long for the next
-                    self.skipped["model"], k = 0, min(1, budget)
-                    self.model_probe = min(MODEL_PROBE_MAX, 2 * self.model_probe)
-            else:
-                self.model_probe = 4 * self.PROBE
+            k = min(self.length(self.model_rates(), n_base), budget)
+            self.model_drafting = k > 0
+            if k == 0 and getattr(self.drafter, "seconds", None) is None:
+                k = min(1, budget)  # a first draft step learns its cost
+            # Once stopped, a request drafts no more with the model, not even a probe: the draft
+            # must first read every token since it stopped (a batched catch-up, ~0.1-0.15 of a
+            # target step a token on two cores), so probes cost that share of the skipped text
+            # whether or not they find drafting paying again (they lost 8-16% on open questions).
             toks, self.source = self.drafter.draft(history, k) if k > 0 else ([], None)
             return toks
         if n_base >= TILE and self.length(max([*self.PRIOR.values(), *self.rates.values()]), n_base) == 0:
@@ -354,8 +375,12 @@ class Speculator:
         trials = accepted + (accepted < drafted)
         r = self.rate(self.source)
         self.rates[self.source] = r + 0.3 * trials / max(1, drafted) * (accepted / trials - r)
-        if self.source == "model" and isinstance(self.drafter, ModelDrafter):
-            self.drafter.rate = self.rates["model"]  # the next request starts from here
+        if self.source == "model":
+            self.model_rates()
+            keep = 1.0 - 1.0 / POSITION_WINDOW
+            for j in range(min(accepted + 1, drafted)):  # the positions checked: up to the first miss
+                self.position_kept[j] = self.position_kept[j] * keep + float(j < accepted)
+                self.position_trials[j] = self.position_trials[j] * keep + 1.0
         if max(self.rates.values()) < 0.1:
             self.wait, self.backoff = self.backoff, min(MAX_BACKOFF, self.backoff * 2)
         else:
