@@ -16,6 +16,10 @@ namespace stowlm {
 // CPU's GEMMs, the CUDA tiled kernel); below it a token's product is the same in any batch.
 constexpr int64_t kCpuBatchedMinTokens = 24;
 constexpr int64_t kCudaBatchedMinTokens = 9;
+// Weights repacked into 16-row groups (cpu/repack.h) keep the row kernels up to this many tokens
+// (the GEMM must first unpack them into its panels: slower there, ahead past it), so a model
+// with repacked weights has a third kernel class from here (Model::batch_bounds).
+constexpr int64_t kCpuR16RowsMax = 256;
 // Micro-batches from this many tokens copy host-resident experts to the GPU for their products
 // (ContextParams::moe_offload_min). Provisional, to be measured on a GPU: the copy of a layer's
 // experts must cost less than the CPU's work on them.

@@ -64,12 +64,15 @@ def test_a_token_gets_the_same_logits_alone_and_among_other_sequences(name, kv_t
 def test_a_prompts_tail_forced_onto_the_batched_kernels_gets_the_bits_of_its_chunk(name):
     """eval_batch(batched=True): a tail of any length after a cached prefix gives the last token the
     logits evaluating the whole prompt in one pass gives (on the other kernels it would not), in a
-    context of one sequence and in another sequence's region, for both KV cache types."""
+    context of one sequence and in another sequence's region, for both KV cache types. The prompt
+    reaches the largest batch bound (with repacked weights 256 tokens: below it their products keep
+    the row kernels), where a pass takes the kernels a forced one does."""
     model = Model(str(get_model(name)))
     rng = np.random.default_rng(5)
-    ids = list(map(int, rng.integers(10, 5000, 47)))
+    n = max([47] + [b + 10 for b in model.batch_bounds])
+    ids = list(map(int, rng.integers(10, 5000, n)))
     for n_seq, kv_type in ((1, "f16"), (4, "f16"), (1, "q8_0"), (4, "q8_0")):
-        ctx = Context(model, n_ctx=512 * n_seq, n_seq=n_seq, n_ubatch=64, kv_type=kv_type)
+        ctx = Context(model, n_ctx=512 * n_seq, n_seq=n_seq, n_ubatch=512, kv_type=kv_type)
         assert ctx.can_force_batched
         seq = n_seq - 1
 
@@ -81,11 +84,11 @@ def test_a_prompts_tail_forced_onto_the_batched_kernels_gets_the_bits_of_its_chu
                 b = e
             return out
 
-        whole = run([47], False)
-        for cuts in ([37, 47], [46, 47], [5, 30, 47], [1, 47]):
+        whole = run([n], False)
+        for cuts in ([n - 10, n], [n - 1, n], [5, 30, n], [1, n]):
             assert np.array_equal(run(cuts, True), whole), (name, n_seq, kv_type, cuts)
         if cpu_info()["active"] != "scalar":  # (the scalar path has no batched kernels)
-            assert not np.array_equal(run([37, 47], False), whole)  # ten tokens on the row kernels differ
+            assert not np.array_equal(run([n - 10, n], False), whole)  # ten tokens on the row kernels differ
     small = Context(model, n_ctx=256, n_ubatch=16)
     assert not small.can_force_batched
     with pytest.raises(ValueError, match="batched passes need"):
@@ -219,9 +222,10 @@ def test_a_follow_up_reuses_the_slot_cache(served):
     evaluated = eng.stats()["prompt_tokens_evaluated"] - before
     # the follow-up's last chunk (past 256) is large enough for the batched kernels, which the
     # long prompt's tail used too: the whole prompt is reused, and the new tokens go in a pass
-    # forced onto the batched kernels (CPU devices), else in the smallest batched pass
-    assert eng.reuse.forced and len(follow) - 256 >= eng.bounds[0]
-    assert evaluated == len(follow) - len(long_prompt)
+    # forced onto the batched kernels where its class is the largest passes' (CPU devices), else
+    # in the smallest pass of its class (repacked weights: 24-255 tokens keep the row kernels)
+    assert eng.reuse.forced and eng.reuse.kernels(len(follow) - 256) >= 1
+    assert evaluated == _tail(eng, len(follow) - 256, len(long_prompt) - 256)
     # the reused cache gives the text a fresh slot gives
     _forget(served)
     assert served.generate(follow, max_tokens=8, temperature=0).text == again.text
@@ -267,15 +271,24 @@ def test_a_shared_prefix_is_reused_mid_chunk_with_the_bits_of_a_fresh_slot(serve
     _logprobs(eng, cats)
     got, n = _logprobs(eng, longer)
     assert got == fresh["longer"]
-    # the whole common prefix is kept, the rest forced onto the batched kernels (without that
-    # the pass would be extended back to the smallest batched one)
+    # the whole common prefix is kept, the rest forced onto the batched kernels where the prompt's
+    # pass would take the largest passes' kernels; else (repacked weights keep the row kernels
+    # below 256 tokens) the pass is extended back to the smallest of its class
     common = len(system) + 3
     assert longer[:common] == cats[:common] and longer[common] != cats[common]
-    assert eng.reuse.forced and n == len(longer) - common
+    assert eng.reuse.forced and n == _tail(eng, len(longer), common)
     got, n = _logprobs(eng, short)  # to an empty slot: 'longer' stays cached
     assert got == fresh["short"] and n == len(short)
     got, n = _logprobs(eng, cats)
-    assert got == fresh["cats"] and n == len(cats) - common
+    assert got == fresh["cats"] and n == _tail(eng, len(cats), common)
+
+
+def _tail(eng, n, common):
+    """Tokens a prompt of n tokens (within one chunk) evaluates after `common` cached ones: those
+    past them, forced onto the batched kernels where a fresh pass of n takes the largest passes'
+    kernels, else at least the smallest pass of n's kernel class."""
+    cls = eng.reuse.kernels(n)
+    return n - common if cls == len(eng.bounds) else max(n - common, eng.bounds[cls - 1])
 
 
 def test_engine_errors_cancel_and_queue(served):

@@ -68,29 +68,37 @@ def test_repacked_product_equals_the_dequantized_weights(name, isa, restore_isa)
 
 @pytest.mark.parametrize("name", TYPES)
 def test_repacked_token_bits_do_not_depend_on_batch_isa_or_threads(name, restore_isa):
-    """What speculative verification and continuous batching rely on: below the batched kernels'
-    bound (24 tokens) a token's product is the one it gets alone, whatever its batch, on the
-    scalar reference and on the AVX-512 kernels, on one thread or two; from 24 tokens the GEMM
-    runs and gives the GGUF layout's batched bits (its panels unpack the repacked rows)."""
+    """What speculative verification, continuous batching and prefix reuse rely on: below
+    R16_ROWS_MAX tokens (256: the repacked rows' row kernels are faster than the GEMM there) a
+    token's product is the one it gets alone, whatever its batch, on the scalar reference and on
+    the AVX-512 kernels, on one thread or two, also past the other weights' batched bound (24) and
+    past a token block (64); from R16_ROWS_MAX tokens, or in a pass forced onto the batched
+    kernels, the GEMM runs and gives the GGUF layout's batched bits (its panels unpack the
+    repacked rows)."""
+    from stowlm import _core
+
+    big = _core.ops.R16_ROWS_MAX
     rng = np.random.default_rng(9)
     rows, cols = 71, _cols(name, 320) * (2 if name in KTYPES else 1)  # 4 groups and a 7-row tail
     raw, _ = _weights(name, rows, cols)
     packed = ops.repack_rows16(raw, name, rows, cols)
-    x = with_outliers(rng.standard_normal((40, cols)).astype(np.float32), rng)
-    mm = lambda xs, threads=0: ops.matmul(packed, name, xs, rows=rows, cols=cols, rows16=True, threads=threads)
+    x = with_outliers(rng.standard_normal((big, cols)).astype(np.float32), rng)
+    mm = lambda xs, threads=0, batched=False: ops.matmul(packed, name, xs, rows=rows, cols=cols, rows16=True,
+                                                         threads=threads, batched=batched)
     ops.set_isa("scalar")
-    alone = np.stack([mm(x[t:t + 1])[0] for t in range(40)])
+    alone = np.stack([mm(x[t:t + 1])[0] for t in range(big)])
     for isa in ISAS:
         if isa not in ops.cpu_info()["supported"]:
             continue
         ops.set_isa(isa)
-        for k in list(range(1, 12)) + [17, 23]:
-            start = (7 * k) % (41 - k)
+        for k in list(range(1, 12)) + [17, 23, 24, 40, 65, big - 1]:
+            start = (7 * k) % (big + 1 - k)
             np.testing.assert_array_equal(mm(x[start:start + k], threads=1 + k % 2), alone[start:start + k],
                                           err_msg=f"{name} {isa}: {k} tokens")
-        for k in (24, 40):
+        for k, batched in ((40, True), (big, False)):
             want = alone[:k] if isa == "scalar" else ops.matmul(raw, name, x[:k])
-            np.testing.assert_array_equal(mm(x[:k], threads=2), want, err_msg=f"{name} {isa}: {k} tokens")
+            np.testing.assert_array_equal(mm(x[:k], threads=2, batched=batched), want,
+                                          err_msg=f"{name} {isa}: {k} tokens, batched={batched}")
         # any slice of rows (a tensor-parallel shard), repacked on its own: the whole's bits
         for r0, r1 in ((0, 16), (16, 71), (5, 40), (40, 49), (64, 71)):
             part = ops.repack_rows16(raw[r0:r1], name, r1 - r0, cols)

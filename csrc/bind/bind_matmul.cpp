@@ -39,7 +39,7 @@ using WArr = nb::ndarray<const uint8_t, nb::c_contig, nb::device::cpu>;
 using XArr = nb::ndarray<const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 
 nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, int64_t rows, int64_t cols, XArr x,
-                                                      int threads, bool rows16) {
+                                                      int threads, bool rows16, bool batched) {
     const stowlm::QTypeInfo& info = stowlm::qtype_checked(qtype);
     const QType t = (QType)qtype;
     if (rows < 0) throw InvalidInput("matmul: rows must be >= 0");
@@ -61,7 +61,7 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> matmul_raw(WArr w, uint32_t qtype, in
         std::vector<uint8_t> scratch(scratch_bytes);
         nb::gil_scoped_release nogil;
         stowlm::cpu::WeightRef wr{w.data(), t, rows, cols, rows16};
-        stowlm::cpu::matmul(wr, x.data(), n_tok, cols, out, rows, scratch.data(), pool_for(threads));
+        stowlm::cpu::matmul(wr, x.data(), n_tok, cols, out, rows, scratch.data(), pool_for(threads), batched);
     }
     return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out, {(size_t)n_tok, (size_t)rows}, owner);
 }
@@ -156,9 +156,11 @@ nb::ndarray<nb::numpy, uint8_t, nb::ndim<1>> unrepack_row16_raw(WArr w, uint32_t
 STOWLM_BIND(matmul) {
     nb::module_ ops = stowlm::bind::submodule(m, "ops");
     ops.def("matmul_raw", &matmul_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
-            nb::arg("x"), nb::arg("threads") = 0, nb::arg("rows16") = false,
+            nb::arg("x"), nb::arg("threads") = 0, nb::arg("rows16") = false, nb::arg("batched") = false,
             "y[t, r] = sum_c W[r, c] x[t, c] for raw GGUF weight bytes of type id `qtype`; returns float32 "
-            "(n_tok, rows). threads=0 uses the global pool. rows16: W_raw is repack_rows16_raw's layout.");
+            "(n_tok, rows). threads=0 uses the global pool. rows16: W_raw is repack_rows16_raw's layout. "
+            "batched: the batched kernels whatever n_tok (a pass forced to the largest passes' kernels).");
+    ops.attr("R16_ROWS_MAX") = stowlm::kCpuR16RowsMax;  // repacked rows keep the row kernels below it
     ops.def("repack_rows16_raw", &repack_rows16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
             "W_raw (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K) in groups of 16 interleaved rows, the rows after the "
             "last whole group as they were: the CPU keeps such weights so (cpu/repack.h).");

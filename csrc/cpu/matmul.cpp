@@ -341,6 +341,42 @@ void r16_part(RowsFn fn, const MatmulArgs& A, int64_t u0, int64_t u1) {
     if (u1 > groups) matmul_r16_tail(A);
 }
 
+// Tokens [t0, t0 + n) of A alone (the row kernels give a token the same product in any batch).
+MatmulArgs token_block(const MatmulArgs& A, int64_t t0, int64_t n) {
+    MatmulArgs B = A;
+    B.x = A.x ? A.x + t0 * A.ldx : nullptr;
+    B.act = (const uint8_t*)A.act + t0 * A.act_stride;
+    B.act_nib = A.act_nib ? (const uint8_t*)A.act_nib + t0 * A.nib_stride : nullptr;
+    B.asum = A.asum ? A.asum + t0 * (A.cols / QK) : nullptr;
+    B.y = A.y + t0 * A.ldy;
+    B.n_tok = n;
+    return B;
+}
+
+// A token block's activations stay in L2 while a thread's row groups stream past them (without
+// blocks the repacked kernels lost a fifth at 512 tokens: 4864x896 Q5_0 530 -> 420 GOP/s).
+constexpr int64_t kR16TokenBlock = 64;
+
+// A repacked matrix over any number of tokens: token blocks, each over all the row groups.
+void r16_run(const MatmulArgs& A, Isa isa, ThreadPool& pool) {
+    const RowsFn fn = r16_rows_for(isa);
+    const int64_t units = r16_units(A.rows), chunk = group_chunk(A.rows, pool.size());
+    const int64_t n_chunks = (units + chunk - 1) / chunk;
+    const int64_t n_blocks = (A.n_tok + kR16TokenBlock - 1) / kR16TokenBlock;
+    pool.parallel_for_dynamic(n_chunks * n_blocks, 1, [&](int64_t c, int64_t, int) {
+        const int64_t t0 = c / n_chunks * kR16TokenBlock, u0 = c % n_chunks * chunk;
+        r16_part(fn, token_block(A, t0, std::min(kR16TokenBlock, A.n_tok - t0)), u0, std::min(units, u0 + chunk));
+    });
+}
+
+// Repacked rows keep their row kernels below kCpuR16RowsMax tokens off AMX: the VNNI GEMM must
+// first unpack them into its panels (4864x896 Q4_0/Q5_0/Q8_0 and 896x4864 Q3_K-Q6_K at 24-48
+// tokens: GEMM 160-530 GOP/s, row kernels 380-630; even at 64, ahead from 96-128). A pass forced
+// onto the batched kernels takes the GEMM, the class of the largest passes.
+bool r16_rows(const MatmulArgs& A, Isa isa) {
+    return A.rows16 && isa != Isa::AMX && !A.batched && A.n_tok < kCpuR16RowsMax;
+}
+
 }  // namespace
 
 void prepare_r16(const MatmulArgs& A, ThreadPool& pool) {
@@ -368,13 +404,11 @@ void matmul(const WeightRef& w, const float* x, int64_t n_tok, int64_t ldx, floa
     quantize_acts(A, pool);
     const Isa isa = active_isa();
 #ifdef STOWLM_X86
-    if (matmul_batched(A, isa, pool)) return;  // repacked rows too: the panels unpack them
+    if (!r16_rows(A, isa) && matmul_batched(A, isa, pool)) return;  // the panels unpack repacked rows
 #endif
     if (A.rows16) {
         if (A.asum) prepare_r16(A, pool);  // the 32-element formats' offsets
-        const RowsFn fn = r16_rows_for(isa);
-        pool.parallel_for_dynamic(r16_units(w.rows), group_chunk(w.rows, pool.size()),
-                                  [&](int64_t u0, int64_t u1, int) { r16_part(fn, A, u0, u1); });
+        r16_run(A, isa, pool);
         return;
     }
 #ifdef STOWLM_X86
@@ -424,10 +458,12 @@ void matmul_multi(const WeightRef* ws, int n_w, const float* x, int64_t n_tok, i
 #ifdef STOWLM_X86
     if (n_tok >= kBatchMinTokens || batched) {
         // a batch: the activations quantized once, each matrix through the batched kernel
-        for (int i = 0; i < n_w; i++)
-            if (!matmul_batched(A[i], isa, pool))
+        for (int i = 0; i < n_w; i++) {
+            if (r16_rows(A[i], isa)) r16_run(A[i], isa, pool);
+            else if (!matmul_batched(A[i], isa, pool))
                 pool.parallel_for_dynamic(first[i + 1] - first[i], 1,
                                           [&](int64_t c, int64_t, int) { part(i, c * chunk[i]); });
+        }
         return;
     }
     attach_nib_acts(A, n_w, isa);

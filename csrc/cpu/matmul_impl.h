@@ -112,6 +112,7 @@ void quantize_act(Isa isa, DotFamily fam, const float* x, void* dst, int64_t n);
 // the row kernels give a token the same product in any batch, which prefix reuse and small
 // micro-batches rely on. (The GEMMs overtake the row kernels from about 16 tokens for every
 // format, bench-matmul --ntok 8,12,16,20; the bound stays where attention switches too.)
+// Weights repacked into 16-row groups keep the row kernels up to kCpuR16RowsMax (matmul.cpp).
 constexpr int64_t kBatchMinTokens = kCpuBatchedMinTokens;
 // AMX is one of those batched kernels: the same bound, or a token's product would change class
 // inside one of Model::batch_bounds' ranges on an AMX CPU.

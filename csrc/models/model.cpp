@@ -383,6 +383,7 @@ std::vector<Backend*> Model::backends() const {
 std::vector<int64_t> Model::batch_bounds() const {
     std::vector<int64_t> r;
     for (auto& b : backends_) r.push_back(b->batched_min_tokens());
+    if (!repacked_weights().empty()) r.push_back(kCpuR16RowsMax);  // (the repacked rows' GEMM from there)
     std::sort(r.begin(), r.end());
     r.erase(std::unique(r.begin(), r.end()), r.end());
     return r;

@@ -46,12 +46,13 @@ def set_isa(name: str) -> None:
 # ---- matmul --------------------------------------------------------------------------------
 
 def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None, threads: int = 0,
-           rows16: bool = False):
+           rows16: bool = False, batched: bool = False):
     """y = W x for GGUF weight bytes W_raw of type `qtype` (id or name).
 
     W_raw: uint8 (rows, row_bytes), or flat with rows= and cols= given.
     x: float32 (n_tok, cols) -> returns (n_tok, rows); or (cols,) -> returns (rows,).
     rows16: W_raw is in the CPU's 16-row groups (repack_rows16's bytes).
+    batched: the batched kernels whatever the number of tokens (as a pass forced onto them).
     """
     table = {v[0]: (k, v[1], v[2]) for k, v in _core.qtypes().items()}
     tid = _qtype_id(qtype)
@@ -76,7 +77,7 @@ def matmul(W_raw, qtype, x, *, rows: int | None = None, cols: int | None = None,
         raise ValueError(f"x must be (cols,) or (n_tok, cols), got shape {xa.shape}")
     vec = xa.ndim == 1
     x2 = np.ascontiguousarray(xa.reshape(1, -1) if vec else xa)
-    y = _ops.matmul_raw(W.reshape(-1), tid, int(rows), int(cols), x2, int(threads), bool(rows16))
+    y = _ops.matmul_raw(W.reshape(-1), tid, int(rows), int(cols), x2, int(threads), bool(rows16), bool(batched))
     return y[0] if vec else y
 
 
