@@ -178,9 +178,13 @@ def test_mul_mat_id_errors():
 @pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
 def test_repacked_experts(name, isa, restore_isa):
     """Experts repacked one by one (a model's expert stacks on an AVX-512 CPU): products within
-    the dequantized weights' bound; below 24 tokens an expert's slot has the bits of that expert's
-    repacked dense product of the token alone, whatever the batch; a group of 24+ has the GGUF
-    layout's batched bits (its panels unpack the rows)."""
+    the dequantized weights' bound; below R16_ROWS_MAX tokens (256) an expert's slot has the bits of
+    that expert's repacked dense product of the token alone, whatever the batch (a group of 40 too,
+    past the other weights' batched bound); a group of R16_ROWS_MAX has the GGUF layout's batched
+    bits (its panels unpack the rows)."""
+    from stowlm import _core
+
+    big = _core.ops.R16_ROWS_MAX
     if isa not in ops.cpu_info()["supported"]:
         pytest.skip(f"this CPU/OS cannot run the {isa} path")
     ops.set_isa(isa)
@@ -202,8 +206,11 @@ def test_repacked_experts(name, isa, restore_isa):
     for n in (2, 7, 23):
         y = ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, x[:n], ids[:n], rows16=True, threads=2)
         np.testing.assert_array_equal(y, alone[:n], err_msg=f"{name} {isa}: {n} tokens")
-    one = np.full((40, 1), 4, np.int32)  # one expert's group of 40: the batched kernels (scalar: none)
-    xs = rng.standard_normal((40, 1, COLS)).astype(np.float32)
-    want = ops.matmul(packed[4 * rb:5 * rb], name, xs[:, 0], rows=ROWS, cols=COLS, rows16=True)[:, None] \
-        if isa == "scalar" else ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, xs, one)
-    np.testing.assert_array_equal(ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, xs, one, rows16=True), want)
+    xs = rng.standard_normal((big, 1, COLS)).astype(np.float32)
+    alone4 = np.stack([ops.matmul(packed[4 * rb:5 * rb], name, xs[t, 0][None, :], rows=ROWS, cols=COLS,
+                                  rows16=True)[0] for t in range(big)])[:, None]
+    for n in (40, big):  # one expert's group: the row kernels, then the batched ones (scalar: none)
+        one = np.full((n, 1), 4, np.int32)
+        want = alone4[:n] if isa == "scalar" or n < big else ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, xs, one)
+        np.testing.assert_array_equal(ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, xs[:n], one, rows16=True),
+                                      want, err_msg=f"{name} {isa}: a group of {n}")
