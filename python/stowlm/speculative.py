@@ -45,7 +45,7 @@ TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
 # A draft model's drafts must yield this many times the tokens per second of no draft to start
 # (its acceptance and step time are estimates), and drafting stops below MODEL_KEEP times: the
-# estimates swing with the text, and a stop costs a catch-up before the next draft.
+# estimates swing with the text, and a stop ends the request's drafts (Speculator.draft).
 MODEL_GAIN, MODEL_KEEP = 1.05, 0.95
 P_MIN = 0.6  # a draft token the draft model gives less than this probability ends its draft
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
@@ -264,7 +264,7 @@ class Speculator:
         # that fails from the start), later it keeps steady through the text's swings.
         self.position_kept: List[float] = []
         self.position_trials: List[float] = []
-        self.model_drafting = False  # the last step drafted with the model (not a probe)
+        self.model_drafting = False  # the last step's model draft paid (not the first, timing step)
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
         self.source = None   # of the draft in flight
