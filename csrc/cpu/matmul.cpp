@@ -369,15 +369,14 @@ void r16_run(const MatmulArgs& A, Isa isa, ThreadPool& pool) {
     });
 }
 
-// Repacked rows keep their row kernels below kCpuR16RowsMax tokens off AMX: the VNNI GEMM must
-// first unpack them into its panels (4864x896 Q4_0/Q5_0/Q8_0 and 896x4864 Q3_K-Q6_K at 24-48
-// tokens: GEMM 160-530 GOP/s, row kernels 380-630; even at 64, ahead from 96-128). A pass forced
-// onto the batched kernels takes the GEMM, the class of the largest passes.
+}  // namespace
+
+// The VNNI GEMM must first unpack repacked rows into its panels (4864x896 Q4_0/Q5_0/Q8_0 and
+// 896x4864 Q3_K-Q6_K at 24-48 tokens: GEMM 160-530 GOP/s, row kernels 380-630; even at 64, ahead
+// from 96-128). A pass forced onto the batched kernels takes the GEMM, the largest passes' class.
 bool r16_rows(const MatmulArgs& A, Isa isa) {
     return A.rows16 && isa != Isa::AMX && !A.batched && A.n_tok < kCpuR16RowsMax;
 }
-
-}  // namespace
 
 void prepare_r16(const MatmulArgs& A, ThreadPool& pool) {
     const int64_t nb = A.cols / QK;

@@ -173,10 +173,8 @@ void mul_mat_id(const WeightRef& w, int64_t n_expert, const int32_t* ids, int64_
         const int64_t cnt = offs[e + 1] - offs[e];
         if (!cnt) continue;
 #ifdef STOWLM_X86
-        // (repacked experts keep the row kernels below kCpuR16RowsMax tokens off AMX, as in matmul())
-        const bool r16_rows = w.rows16 && isa != Isa::AMX && cnt < kCpuR16RowsMax;
-        if (!L.float_w && cnt >= kBatchMinTokens && !r16_rows) {
-            MatmulArgs A = args_for(e);
+        MatmulArgs A = args_for(e);
+        if (!L.float_w && cnt >= kBatchMinTokens && !r16_rows(A, isa)) {
             // The batched kernels keep per-call data right after the activations: give them a
             // private copy.
             uint8_t* stage = base + L.stage;

@@ -100,6 +100,9 @@ void matmul_r16_rows(const MatmulArgs& A, int64_t r0, int64_t r1);
 // A.asum[t * cols / 32 + b] = the sum of token t's quantized block b (the repacked 32-element
 // formats' offsets), over the pool where the activations are many.
 void prepare_r16(const MatmulArgs& A, ThreadPool& pool);
+// Whether A's repacked rows take their row kernels however many tokens (below kCpuR16RowsMax,
+// off AMX, unless the pass is forced onto the batched kernels) instead of the batched ones.
+bool r16_rows(const MatmulArgs& A, Isa isa);
 bool matmul_rows_read_nib(Isa isa);
 // Activation quantization of n elements of one token (Q8_a blocks for the 32-element
 // weight formats, block_q8_K32 otherwise), per instruction set.

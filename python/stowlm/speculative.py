@@ -262,8 +262,8 @@ class Speculator:
         # Each from the last ~POSITION_WINDOW trials of its position and the prior counted as
         # PRIOR_TRIALS of them: a request's first misses move it fast (a few in a row stop a draft
         # that fails from the start), later it keeps steady through the text's swings.
-        self.position_kept: List[float] = []
-        self.position_trials: List[float] = []
+        self.position_kept = [0.0] * draft_max
+        self.position_trials = [0.0] * draft_max
         self.model_drafting = False  # the last step's model draft paid (not the first, timing step)
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
@@ -280,8 +280,6 @@ class Speculator:
         edit, and a request starts with the draft in step, having read the prompt, so its first
         drafts cost no catch-up.)"""
         prior = self.PRIOR["model"]
-        if not self.position_trials:
-            self.position_kept, self.position_trials = [0.0] * self.draft_max, [0.0] * self.draft_max
         return [(k + PRIOR_TRIALS * prior) / (n + PRIOR_TRIALS) for k, n in zip(self.position_kept, self.position_trials)]
 
     def length(self, rate, n_base: int = 1) -> int:
@@ -376,7 +374,6 @@ class Speculator:
         r = self.rate(self.source)
         self.rates[self.source] = r + 0.3 * trials / max(1, drafted) * (accepted / trials - r)
         if self.source == "model":
-            self.model_rates()
             keep = 1.0 - 1.0 / POSITION_WINDOW
             for j in range(min(accepted + 1, drafted)):  # the positions checked: up to the first miss
                 self.position_kept[j] = self.position_kept[j] * keep + float(j < accepted)
