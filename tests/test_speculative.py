@@ -1,6 +1,8 @@
 """Speculative decoding: a pass over several tokens gives each the logits of a one-token step (the
 ground speculation stands on), greedy text with drafts equal to the text without, and sampled text
 with the target's distribution."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -8,7 +10,7 @@ import stowlm
 from stowlm.engine import Context
 from stowlm.speculative import ModelDrafter
 
-from conftest import get_model
+from conftest import REPO, get_model
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3moe-tiny", "gemma3-270m"])
@@ -451,9 +453,10 @@ def test_a_step_is_timed_by_every_pass():
     assert costs.step_seconds() == pytest.approx(0.010, rel=0.02)
 
 
-def test_a_doubtful_draft_token_ends_the_draft(tmp_path, monkeypatch):
-    """A draft model ends its draft at a token it gives less than P_MIN (checked, not built on): with
-    P_MIN above 1 every draft is one token; the greedy text is the text without drafts."""
+def test_a_draft_runs_while_the_draft_is_sure_of_it(tmp_path, monkeypatch):
+    """A draft model's draft ends at the token where the product of the probabilities it gives its
+    tokens falls below P_CHAIN (that token checked, not built on): above 1 every draft is one
+    token, at 0 every draft is draft_max long (the budget allowing); the greedy text is the same."""
     from stowlm import speculative
     from stowlm.draftmodel import make_draft
 
@@ -466,16 +469,63 @@ def test_a_doubtful_draft_token_ends_the_draft(tmp_path, monkeypatch):
     prompt = "The history of the Roman Empire began"
     with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
         want = plain.generate(prompt, max_tokens=40, temperature=0)
-    sizes = []
 
     class Sizes(Free):
         def draft(self, history, k):
             out = super().draft(history, k)
-            sizes.append(len(out[0]))
+            sizes.append((k, len(out[0])))
             return out
 
-    monkeypatch.setattr(speculative, "P_MIN", 1.01)
-    drafter = Sizes(stowlm.LLM(str(draft), n_ctx=1024, progress=False))
-    with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
-        got = spec.generate(prompt, max_tokens=40, temperature=0)
-    assert got.tokens == want.tokens and sizes and set(sizes) == {1} and got.drafted == len(sizes)
+    for chain, expect in [(1.01, lambda k: 1), (0.0, lambda k: k)]:
+        sizes = []
+        monkeypatch.setattr(speculative, "P_CHAIN", chain)
+        drafter = Sizes(stowlm.LLM(str(draft), n_ctx=1024, progress=False))
+        with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
+            got = spec.generate(prompt, max_tokens=40, temperature=0)
+        drafter.llm.close()
+        assert got.tokens == want.tokens and sizes and got.drafted == sum(n for _, n in sizes)
+        assert all(n == expect(k) for k, n in sizes), (chain, sizes)
+        assert any(k == 4 for k, _ in sizes)  # asked for draft_max: the length is the chain's
+
+
+def test_a_draft_model_that_pays_drafts_up_to_draft_max():
+    """Where the positions' acceptance says one draft token pays, the draft model is asked for
+    draft_max (its confidence then ends the draft), within the budget; where none pays, for none."""
+    from stowlm.speculative import PassCosts, Speculator
+
+    costs = PassCosts(repacked=True)
+    costs.observe(1, 0.01)
+    asked = []
+
+    class Asked(Stub):
+        def draft(self, history, k):
+            asked.append(k)
+            return super().draft(history, k)
+
+    spec = Speculator(Asked(0.004), 6, costs)
+    assert spec.length(spec.model_rates()) >= 1
+    assert len(spec.draft([0] * 10, 64)) == 6 and len(spec.draft([0] * 10, 3)) == 3
+    assert asked == [6, 3]
+    dear = Speculator(Asked(0.02), 6, costs)  # a draft step dearer than a target step
+    assert dear.draft([0] * 10, 64) == [] and asked == [6, 3]
+
+
+def test_the_draft_replay_counts_what_the_policy_would_yield():
+    """bench/draft_replay.py's replay against hand counts: a draft sure and right everywhere drafts
+    draft_max each pass (draft_max + 1 tokens for draft_max draft steps and a pass of draft_max + 1);
+    one that doubts every token drafts one at a time; one always wrong stops within a few drafts."""
+    sys.path.insert(0, str(REPO / "bench"))
+    try:
+        import draft_replay
+    finally:
+        sys.path.remove(str(REPO / "bench"))
+    from stowlm.speculative import PassCosts
+
+    cost, n_max, n = 0.4, 4, 100  # 100 tokens: 20 passes of 4 drafts and the token after them
+    sure = draft_replay.replay(np.ones(n), np.ones(n, bool), cost, n_max)
+    first = PassCosts(repacked=True)
+    assert sure == pytest.approx(n / (20 * (n_max * cost + first.cost(n_max + 1))), rel=1e-9)
+    doubtful = draft_replay.replay(np.full(n, 0.5), np.ones(n, bool), cost, n_max)
+    assert doubtful == pytest.approx(n / (n / 2 * (cost + first.cost(2))), rel=1e-9)
+    wrong = draft_replay.replay(np.ones(n), np.zeros(n, bool), cost, n_max)
+    assert 0.8 < wrong < 1.0
