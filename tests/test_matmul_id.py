@@ -175,7 +175,7 @@ def test_mul_mat_id_errors():
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx512"])
-@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
 def test_repacked_experts(name, isa, restore_isa):
     """Experts repacked one by one (a model's expert stacks on an AVX-512 CPU): products within
     the dequantized weights' bound; below R16_ROWS_MAX tokens (256) an expert's slot has the bits of

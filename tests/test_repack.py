@@ -18,7 +18,7 @@ from test_matmul import check, make_weights, restore_isa, with_outliers  # noqa:
 
 from stowlm import ops  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 KTYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
 
 
@@ -46,7 +46,7 @@ def test_repacked_rows_give_the_gguf_bytes_back(name):
     for r in (0, 31, 32, 39):
         np.testing.assert_array_equal(ops.unrepack_row16(tail, name, 40, cols, r), raw[r])
     with pytest.raises(ValueError, match="cannot be repacked"):
-        ops.repack_rows16(_weights("MXFP4", 16, 64)[0], "MXFP4", 16, 64)
+        ops.repack_rows16(_weights("IQ4_XS", 16, 256)[0], "IQ4_XS", 16, 256)
     with pytest.raises(ValueError, match="cannot be repacked"):
         ops.repack_rows16(raw[:, : raw.shape[1] // 2].copy(), name, 48, cols // 2 + 1)
 
@@ -106,15 +106,36 @@ def test_repacked_token_bits_do_not_depend_on_batch_isa_or_threads(name, restore
             np.testing.assert_array_equal(y, alone[:9, r0:r1], err_msg=f"{name} {isa}: rows {r0}-{r1}")
 
 
+def test_repacked_mxfp4_reads_every_exponent_as_the_reference(restore_isa):
+    """MXFP4's groups hold E8M0 exponents, not fp16 scales: the AVX-512 kernels turn all 256 of
+    them (0 and 1 subnormal floats, 255 as 2^127) into the scalar reference's scales, bit for bit."""
+    if "avx512" not in ops.cpu_info()["supported"]:
+        pytest.skip("this CPU/OS cannot run the avx512 path")
+    rng = np.random.default_rng(11)
+    rows, cols = 32, 512  # 512 blocks: every exponent twice
+    raw, _ = _weights("MXFP4", rows, cols)
+    blocks = raw.reshape(-1, 17)
+    blocks[:, 0] = np.arange(blocks.shape[0]) % 256
+    packed = ops.repack_rows16(raw, "MXFP4", rows, cols)
+    x = rng.standard_normal((3, cols)).astype(np.float32) * 1e-3
+    got = {}
+    for isa in ISAS:
+        ops.set_isa(isa)
+        got[isa] = ops.matmul(packed, "MXFP4", x, rows=rows, cols=cols, rows16=True)
+    np.testing.assert_array_equal(got["avx512"], got["scalar"])
+    assert np.isfinite(got["scalar"]).sum() > 0
+
+
 def test_repacked_and_plain_weights_share_one_multi_product():
     """A layer's q/k/v in one pass with some matrices repacked and some not (a Q6_K v, an odd row
     count): each result is its matrix's own product."""
     rng = np.random.default_rng(4)
     cols = 256
     specs = [("Q5_0", 64, True), ("Q6_K", 32, False), ("Q8_0", 48, True), ("IQ4_NL", 40, True)]
+    mx = [("MXFP4", 32, True), ("Q4_0", 48, False), ("MXFP4", 40, False), ("IQ4_NL", 16, True)]
     kspecs = [("Q4_K", 64, True), ("Q6_K", 32, True), ("Q4_K", 40, False), ("Q5_K", 16, True)]
     lowbit = [("Q3_K", 64, True), ("Q2_K", 48, True), ("Q3_K", 40, False), ("Q6_K", 32, True)]
-    for group in (specs, kspecs, lowbit):
+    for group in (specs, kspecs, lowbit, mx):
         ws = [(_weights(n, r, cols, seed=i)[0], n, r, p) for i, (n, r, p) in enumerate(group)]
         args = [(ops.repack_rows16(w, n, r, cols) if p else w.reshape(-1), n, r) for w, n, r, p in ws]
         for n_tok in (1, 5, 30):
@@ -152,10 +173,11 @@ def _kl(p_logits, q_logits):
     return (np.exp(lp) * (lp - lq)).sum(-1)
 
 
-@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b/Q3_K"])
+@pytest.mark.parametrize("name", ["gemma3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-0.5b/Q3_K", "gptoss-tiny"])
 def test_models_repack_and_keep_their_logits(name, model_path, tmp_path):
-    """gemma3 (Q5_0, Q8_0, Q4_K, Q6_K), qwen2.5-coder (Q5_0, Q4_K, Q6_K, a Q8_0 head) and the same
-    with its ffn_down in Q3_K (stowlm.draftmodel) repack their matrices on an AVX-512 VNNI CPU,
+    """gemma3 (Q5_0, Q8_0, Q4_K, Q6_K), qwen2.5-coder (Q5_0, Q4_K, Q6_K, a Q8_0 head), the same
+    with its ffn_down in Q3_K (stowlm.draftmodel) and gpt-oss (Q8_0, MXFP4 experts, expert by
+    expert) repack their matrices on an AVX-512 VNNI CPU,
     never the embedding table (read by rows). The sums run in
     another order, and an ulp moves later 8-bit roundings, so the logits are the GGUF layout's
     within the noise that test_models measures against llama.cpp (there both layouts pass):
@@ -176,7 +198,7 @@ def test_models_repack_and_keep_their_logits(name, model_path, tmp_path):
     m = stowlm_model(path)
     assert "token_embd.weight" not in m.repacked and len(m.repacked) == n16
     assert "output.weight" in m.repacked or name == "gemma3-270m"  # qwen's Q8_0 head; gemma's is tied
-    assert "blk.0.ffn_down.weight" in m.repacked
+    assert ("blk.0.ffn_down_exps.weight" if base == "gptoss-tiny" else "blk.0.ffn_down.weight") in m.repacked
     a, b = packed.astype(np.float64), plain.astype(np.float64)
     kl = _kl(b, a)
     assert kl.mean() < 0.01 and kl.max() < 0.05 and np.mean(a.argmax(-1) == b.argmax(-1)) >= 0.8, (kl.max(), a.argmax(-1), b.argmax(-1))

@@ -12,6 +12,7 @@
 
 #include "cpu/repack.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 
 namespace stowlm::cpu {
 
@@ -50,14 +51,15 @@ struct RNib {
     }
 };
 using R4_0 = RNib<block_q4_0x16, 8, false>;
-// IQ4_NL: Q4_0's nibbles looked up (vpshufb) as the IQ4 levels + 128.
-struct RIq4 {
-    using G = block_q4_0x16;
+// IQ4_NL and MXFP4: Q4_0's nibbles looked up (vpshufb) as the format's levels + 128.
+template <class Grp, const int8_t (&Levels)[16]>
+struct RLut {
+    using G = Grp;
     static constexpr int OFF = 128;
     static void unpack(const G& x, __m512i (&u)[8]) {
         alignas(16) static const auto lut = [] {
             struct { uint8_t v[16]; } t{};
-            for (int i = 0; i < 16; i++) t.v[i] = (uint8_t)(kIQ4NLValues[i] + 128);
+            for (int i = 0; i < 16; i++) t.v[i] = (uint8_t)(Levels[i] + 128);
             return t;
         }();
         const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)lut.v));
@@ -65,9 +67,21 @@ struct RIq4 {
         for (int k = 0; k < 8; k++) u[k] = _mm512_shuffle_epi8(table, u[k]);
     }
 };
+using RIq4 = RLut<block_q4_0x16, kIQ4NLValues>;
+using RMxfp4 = RLut<block_mxfp4x16, kMXFP4Values>;
 using R5_0 = RNib<block_q5_0x16, 16, true>;
 using R4_1 = RNib<block_q4_1x16, 0, false>;
 using R5_1 = RNib<block_q5_1x16, 0, true>;
+
+// The 16 rows' block scales: fp16 d, or MXFP4's E8M0 exponents as e8m0_to_f32_half gives them.
+template <class G>
+inline __m512 group_scales(const G& x) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d)); }
+inline __m512 group_scales(const block_mxfp4x16& x) {
+    const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)x.e));
+    const __m512i normal = _mm512_slli_epi32(_mm512_sub_epi32(e, _mm512_set1_epi32(1)), 23);
+    const __m512i subnormal = _mm512_sllv_epi32(_mm512_set1_epi32(0x00200000), e);  // e = 0, 1
+    return _mm512_castsi512_ps(_mm512_mask_blend_epi32(_mm512_cmplt_epi32_mask(e, _mm512_set1_epi32(2)), normal, subnormal));
+}
 
 // The blocks `ahead` bytes on, into L2: T0 prefetches of whole blocks crowded L1 and slowed the
 // stream (bench-matmul --types Q6_K --rows 21504 --cols 4864 --layouts r16: 4.7 -> 2.7 ms a token).
@@ -126,7 +140,7 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int64_t b = 0; b < nb; b++) {
         const G& x = w[b];
         prefetch_ahead(x, 4096);
-        const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
+        const __m512 dw = group_scales(x);
         __m512 mw = _mm512_setzero_ps();
         if constexpr (kHasMin<G>) mw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.m));
         __m512i u[8];
@@ -400,6 +414,7 @@ void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
         case QType::Q8_0: return q32(R8_0{});
         case QType::Q4_0: return q32(R4_0{});
         case QType::IQ4_NL: return q32(RIq4{});
+        case QType::MXFP4: return q32(RMxfp4{});
         case QType::Q5_0: return q32(R5_0{});
         case QType::Q4_1: return q32(R4_1{});
         case QType::Q5_1: return q32(R5_1{});

@@ -12,6 +12,7 @@
 #include "quant/float_types.h"
 #include "quant/dot.h"
 #include "quant/legacy.h"
+#include "quant/mxfp4.h"
 
 namespace stowlm::cpu {
 
@@ -20,14 +21,14 @@ int repack_offset(QType t) {
         case QType::Q8_0: return 128;
         case QType::Q4_0: return 8;
         case QType::Q5_0: return 16;
-        case QType::IQ4_NL: return 128;  // its levels + 128 (a byte), as Q8_0's
+        case QType::IQ4_NL: case QType::MXFP4: return 128;  // their levels + 128 (a byte), as Q8_0's
         default: return 0;  // Q4_1, Q5_1: unsigned values, a min term instead
     }
 }
 
 bool is_q32_repackable(QType t) {
     return t == QType::Q4_0 || t == QType::Q5_0 || t == QType::Q8_0 || t == QType::Q4_1 || t == QType::Q5_1 ||
-           t == QType::IQ4_NL;
+           t == QType::IQ4_NL || t == QType::MXFP4;
 }
 
 bool is_kformat(QType t) {
@@ -40,14 +41,16 @@ namespace {
 // group's (repack.h: d[16], then m[16] where the format has a min, qs, then Q5's qh masks).
 struct Q32Form {
     bool q8, min, fifth;
-    size_t m, qh, qs;        // in the row's block (d at 0)
-    size_t gm, gqs, gqh;     // in the group's block (d at 0)
+    size_t m, qh, qs;        // in the row's block (its scale at 0)
+    size_t gm, gqs, gqh;     // in the group's block (the rows' scales at 0)
+    size_t sb = 2;           // a scale's bytes: fp16 d, MXFP4's E8M0 exponent 1
 };
 Q32Form q32_form(QType t) {
     switch (t) {
         case QType::Q8_0: return {true, false, false, 0, 0, offsetof(block_q8_0, qs), 0, 32, 0};
         case QType::Q4_0: return {false, false, false, 0, 0, offsetof(block_q4_0, qs), 0, 32, 0};
         case QType::IQ4_NL: return {false, false, false, 0, 0, offsetof(block_iq4_nl, qs), 0, 32, 0};  // Q4_0's bytes
+        case QType::MXFP4: return {false, false, false, 0, 0, offsetof(block_mxfp4, qs), 0, 16, 0, 1};
         case QType::Q5_0: return {false, false, true, 0, offsetof(block_q5_0, qh), offsetof(block_q5_0, qs), 0, 32, 288};
         case QType::Q4_1: return {false, true, false, offsetof(block_q4_1, m), 0, offsetof(block_q4_1, qs), 32, 64, 0};
         default: return {false, true, true, offsetof(block_q5_1, m), offsetof(block_q5_1, qh), offsetof(block_q5_1, qs), 32, 64, 320};
@@ -199,7 +202,7 @@ void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* d
             uint64_t* qh = (uint64_t*)(ob + f.gqh);
             for (int r = 0; r < kRepackRows; r++) {
                 const uint8_t* blk = rowp + r * rb + b * pb;
-                memcpy(ob + 2 * r, blk, 2);  // every 32-element format starts with its fp16 d
+                memcpy(ob + f.sb * r, blk, f.sb);  // every 32-element format starts with its scale
                 if (f.min) memcpy(ob + f.gm + 2 * r, blk + f.m, 2);
                 if (f.q8) {
                     // 4 signed bytes at a time, flipped to q + 128
@@ -244,7 +247,7 @@ void unrepack_row16(QType t, int64_t rows, int64_t cols, const void* packed, int
     for (int64_t b = 0; b < nb; b++) {
         const uint8_t* ib = in + b * gb;
         uint8_t* blk = (uint8_t*)dst + b * pb;
-        memcpy(blk, ib + 2 * rr, 2);
+        memcpy(blk, ib + f.sb * rr, f.sb);
         if (f.min) memcpy(blk + f.m, ib + f.gm + 2 * rr, 2);
         const uint8_t* qs = ib + f.gqs;
         if (f.q8) {
@@ -415,8 +418,8 @@ void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
                 float acc = 0;
                 for (int64_t b = 0; b < nb; b++) {
                     const uint8_t* ib = grp + b * gb;
-                    uint16_t dh, mh = 0;
-                    memcpy(&dh, ib + 2 * r, 2);
+                    uint16_t dh = 0, mh = 0;
+                    memcpy(&dh, ib + f.sb * r, f.sb);
                     if (f.min) memcpy(&mh, ib + f.gm + 2 * r, 2);
                     const uint8_t* qs = ib + f.gqs;
                     uint64_t qh[8] = {};
@@ -430,10 +433,12 @@ void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
                             u = (qs[(lo / 4) * 64 + 4 * r + lo % 4] >> (e < 16 ? 0 : 4)) & 0xF;
                             if (f.fifth) u |= (int)((qh[e / 4] >> (4 * r + e % 4)) & 1) << 4;
                             if (A.type == QType::IQ4_NL) u = iq4nl_value(u) + 128;
+                            if (A.type == QType::MXFP4) u = mxfp4_value(u) + 128;
                         }
                         dot += u * a[b].qs[e];
                     }
-                    const float s = fp16_to_f32(dh) * a[b].d;  // rounded to float before the FMA, as the SIMD path
+                    const float dw = A.type == QType::MXFP4 ? e8m0_to_f32_half((uint8_t)dh) : fp16_to_f32(dh);
+                    const float s = dw * a[b].d;  // rounded to float before the FMA, as the SIMD path
                     acc = std::fma((float)dot, s, acc);
                     if (f.min) acc = std::fma(fp16_to_f32(mh), a[b].s, acc);  // the min term, block by block
                 }

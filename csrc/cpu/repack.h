@@ -33,9 +33,11 @@ constexpr int kRepackRows = 16;
 // 4k..4k+3 of that row's block b as unsigned values (Q8_0: q + 128; Q4_0/Q5_0: each byte has
 // element 4k+i in its low nibble and 16+4k+i in its high one, k < 4). d: the rows' fp16 scales.
 // Q5_0's fifth bits: qh[k] bit 4r+i belongs to element 4k+i of row r (k < 8). IQ4_NL keeps Q4_0's
-// bytes (block_q4_0x16), its nibbles indexing the IQ4 levels (+ 128 in the products).
+// bytes (block_q4_0x16), its nibbles indexing the IQ4 levels (+ 128 in the products); MXFP4 the
+// same with the doubled E2M1 levels, its rows' E8M0 exponents (a byte each) in place of d.
 struct block_q8_0x16 { uint16_t d[16]; uint8_t qs[8][64]; };
 struct block_q4_0x16 { uint16_t d[16]; uint8_t qs[4][64]; };
+struct block_mxfp4x16 { uint8_t e[16]; uint8_t qs[4][64]; };
 struct block_q5_0x16 { uint16_t d[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
 // Q4_1/Q5_1: the same with the rows' fp16 mins after d (w = d u + m; no offset).
 struct block_q4_1x16 { uint16_t d[16]; uint16_t m[16]; uint8_t qs[4][64]; };
@@ -65,11 +67,12 @@ static_assert(sizeof(block_q5_Kx16) == 16 * 176, "16 rows of Q5_K blocks");
 static_assert(sizeof(block_q6_Kx16) == 16 * 210, "16 rows of Q6_K blocks");
 static_assert(sizeof(block_q4_0x16) == 16 * 18, "16 rows of Q4_0 blocks");
 static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
+static_assert(sizeof(block_mxfp4x16) == 16 * 17, "16 rows of MXFP4 blocks");
 
 // The offset the 32-element formats' unsigned values carry (removed as -OFF * sum(activations)).
 int repack_offset(QType t);
 // Whether a matrix of this type and shape can be repacked: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
-// Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+// MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
 // The rows after its last whole group of 16 keep the GGUF layout, and their products the same
 // float sequence (matmul_r16_tail), so any slice of rows (a tensor-parallel shard) gives the
 // bits of the whole matrix's rows.
