@@ -315,26 +315,29 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
 }
 
 // Products of a few tokens (speculative drafts, small batches) are instruction-bound on the
-// GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done only where every
-// device of the job is a CPU (no device copies a weight elsewhere; every rank of an MPI job
-// repacks its own) and the AVX-512 row kernels run (batches of 24+ keep their GEMM or AMX
-// tiles, whose panels unpack the repacked rows). A matrix repacks whatever its rows, and its
-// rows give the same bits wherever they are cut; a stack of experts repacks each expert.
+// GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done for the weights a
+// CPU device of this process computes with (every rank of an MPI job repacks its own) where the
+// AVX-512 row kernels run (batches of 256+ keep their GEMM or AMX tiles, whose panels unpack the
+// repacked rows). Beside a GPU, stacks of experts keep GGUF's layout: the GPU may stage them
+// (copy them in for a large batch, Backend::can_stage), and its kernels read that layout; a
+// CPU's layers of a split and its other weights repack. A matrix repacks whatever its rows, and
+// its rows give the same bits wherever they are cut; a stack of experts repacks each expert.
 // STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
     const cpu::Isa isa = cpu::active_isa();
     if (isa != cpu::Isa::AVX512_VNNI && isa != cpu::Isa::AMX) return;
-    for (const auto& d : devices)
-        if (d.kind != "cpu") return;
+    bool gpu = false;
+    for (const auto& d : devices) gpu = gpu || d.kind != "cpu";
     auto padded = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };  // each tensor 64-byte aligned
     std::vector<Tensor*> todo;
     size_t total = 0;
     for (Tensor* tp : candidates) {
         Tensor& t = *tp;
         const Backend* b = backends_[t.device].get();
-        if (dist::is_remote(b) || !b->host_accessible() || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]))
+        if (dist::is_remote(b) || !b->host_accessible() || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]) ||
+            (gpu && t.ne[2] > 1))
             continue;
         todo.push_back(&t);
         total += padded(t.nbytes());
