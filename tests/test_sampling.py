@@ -85,6 +85,22 @@ def test_filters_match_reference():
         check_same(Sampler(params), x)
 
 
+def test_top_k_of_a_large_vocabulary_matches_reference():
+    """Top-k over a vocabulary's worth of logits, peaked (the best k near the largest: only those
+    are partitioned), flat (all within reach), spread wider than Sampler._BEST_SPANS (fewer than k
+    near the largest: the whole vocabulary), and with ties at the k-th value (lower ids kept)."""
+    rng = np.random.default_rng(5)
+    n = 49152
+    peaked = (rng.normal(size=n) * 2).astype(np.float32)
+    peaked[rng.choice(n, 60, replace=False)] += 12
+    spread = np.full(n, -100.0, np.float32)
+    spread[rng.choice(n, 30, replace=False)] = rng.uniform(-40, 0, 30).astype(np.float32)
+    tied = np.round(rng.normal(size=n) * 2).astype(np.float32)
+    for x in (peaked, (rng.normal(size=n) * 0.1).astype(np.float32), spread, tied):
+        for k in (1, 40, 100):
+            check_same(Sampler(SamplingParams(temperature=0.8, top_k=k, top_p=1.0, min_p=0.0)), x)
+
+
 def test_top_k_top_p_min_p_exclude_exactly():
     x = np.log(np.array([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])).astype(np.float32)
     off = dict(top_k=0, top_p=1.0, min_p=0.0, temperature=1.0)

