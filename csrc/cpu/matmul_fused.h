@@ -846,6 +846,84 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
     store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]); });
 }
 
+// Q3_K's 16 six-bit scales + 32 (sub-block order) from its 12 packed bytes, in a vector (built
+// in memory instead, a 16-byte load of four 4-byte stores could not be forwarded: a stall a row).
+inline __m128i q3k_scales_vec(const uint8_t* s12) {
+    const __m128i v = _mm_loadl_epi64((const __m128i*)s12), m4 = _mm_set1_epi8(0x0f);
+    const __m128i lo = _mm_unpacklo_epi64(_mm_and_si128(v, m4), _mm_and_si128(_mm_srli_epi16(v, 4), m4));
+    int32_t h;
+    memcpy(&h, s12 + 8, 4);
+    const __m128i hi = _mm_and_si128(_mm_srlv_epi32(_mm_set1_epi32(h), _mm_setr_epi32(0, 2, 4, 6)), _mm_set1_epi8(3));
+    return _mm_or_si128(lo, _mm_slli_epi16(hi, 4));
+}
+// Q2_K and Q3_K, the formats of models too big for the machine's memory (their experts kept in
+// RAM beside a GPU, whose staged copies keep GGUF's layout). 32-group k (k = 4n + j) holds
+// bits 2j..2j+1 of qs[32n .. 32n + 31], Q3_K's third bit in bit 4n + j of hmask[0..31]; its two
+// 16-element sub-blocks 2k and 2k + 1 take the low and high 8 words of maddubs' result, as Q6_K's.
+// Q2_K: w = d sc_s u - dmin m_s (u 0..3); Q3_K: w = d sc_s (u - 4) (u 0..7, sc_s signed). The
+// integer dots scale per 32-group; the mins and Q3_K's -4 leave through the activations' sums.
+template <bool Q3, int RT, int TT>
+void fused_q23_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = std::conditional_t<Q3, block_q3_K, block_q2_K>;
+    const int64_t nsb = A.cols / QK_K;
+    const TileRows<B, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
+    __m256 acc[RT][TT];
+    zero_acc(acc, _mm256_setzero_ps());
+    const __m256i m3 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
+    for (int64_t b = 0; b < nsb; b++) {
+        for (int i = 0; i < RT; i++) {
+            const B& x = w[i][b];
+            prefetch_next<(int)sizeof(B)>(&x, w.pf);
+            alignas(16) uint8_t sc[16];
+            __m256i sc16, mn16 = _mm256_setzero_si256();
+            if constexpr (Q3) {
+                const __m128i v = q3k_scales_vec(x.scales);
+                _mm_store_si128((__m128i*)sc, v);
+                sc16 = _mm256_sub_epi16(_mm256_cvtepu8_epi16(v), _mm256_set1_epi16(32));
+            } else {
+                const __m128i raw = _mm_loadu_si128((const __m128i*)x.scales);
+                _mm_store_si128((__m128i*)sc, _mm_and_si128(raw, _mm_set1_epi8(0x0f)));
+                sc16 = _mm256_cvtepu8_epi16(_mm_load_si128((const __m128i*)sc));
+                mn16 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0f)));
+            }
+            __m256i q[8], scv[8];
+            __m256i h = _mm256_setzero_si256();
+            if constexpr (Q3) h = _mm256_loadu_si256((const __m256i*)x.hmask);
+            for (int n = 0; n < 2; n++) {
+                const __m256i l = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * n));
+                for (int j = 0; j < 4; j++) {
+                    __m256i u = _mm256_and_si256(_mm256_srli_epi16(l, 2 * j), m3);
+                    if constexpr (Q3)
+                        u = _mm256_or_si256(u, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, 4 * n + j), m1), 2));
+                    q[4 * n + j] = u;
+                }
+            }
+            for (int k = 0; k < 8; k++) {
+                const int lo = Q3 ? (int)sc[2 * k] - 32 : (int)sc[2 * k], hi = Q3 ? (int)sc[2 * k + 1] - 32 : (int)sc[2 * k + 1];
+                scv[k] = _mm256_set_m128i(_mm_set1_epi16((int16_t)hi), _mm_set1_epi16((int16_t)lo));
+            }
+            const float d = h2f(x.d);
+            for (int j = 0; j < TT; j++) {
+                const block_q8_K32& y = a[j][b];
+                for (int k = 0; k < 8; k++) {
+                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv[k])), _mm256_set1_ps(d * y.d[k]),
+                                                acc[i][j]);
+                }
+                const __m256i bs = _mm256_loadu_si256((const __m256i*)y.bsums);
+                if constexpr (Q3)  // the -4 of every value: 4 d sum_s sc_s bsum_s, per 32-group
+                    acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs)),
+                                                 _mm256_mul_ps(_mm256_loadu_ps(y.d), _mm256_set1_ps(4.f * d)), acc[i][j]);
+                else  // the mins: dmin sum_s m_s bsum_s
+                    acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(mn16, bs)),
+                                                 _mm256_mul_ps(_mm256_loadu_ps(y.d), _mm256_set1_ps(h2f(x.dmin))), acc[i][j]);
+            }
+        }
+    }
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]); });
+}
+
 #if STOWLM_FUSED_VNNI
 // Q6_K with VNNI: values as unsigned q + 32, four 16-groups per ZMM in element order. The
 // 64 ql bytes of a half give its low nibbles (elements 0-63) and high nibbles (64-127); its
@@ -903,6 +981,75 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 #endif
 
+#if STOWLM_FUSED_VNNI
+// Q2_K / Q3_K with VNNI, as Q6_K's: ZMM c holds 32-groups 2c and 2c + 1 (elements 64c..64c+63,
+// 16-groups 4c..4c+3), their 2-bit fields shifted per half from one broadcast of 32 qs bytes,
+// Q3_K's third bits (bit k of hmask for 32-group k) likewise. P = d sc_g d_act (16-group g in
+// lane g) scales the dots; Q3_K's -4 leaves as P times 4 bsum_g, Q2_K's mins as dmin m_g d_act
+// times bsum_g.
+template <bool Q3, int RT, int TT>
+void fused_q23_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = std::conditional_t<Q3, block_q3_K, block_q2_K>;
+    const int64_t nsb = A.cols / QK_K;
+    const TileRows<B, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
+    __m512 acc[RT][TT];
+    zero_acc(acc, _mm512_setzero_ps());
+    const __m512i m3 = _mm512_set1_epi8(3), m1 = _mm512_set1_epi8(1);
+    const __m512i lane4 = _mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 2);
+    auto halves = [](int lo, int hi) { return _mm512_inserti64x4(_mm512_set1_epi16((int16_t)lo), _mm256_set1_epi16((int16_t)hi), 1); };
+    const __m512i sh01 = halves(0, 2), sh23 = halves(4, 6);
+    const __m512i shh[4] = {halves(0, 1), halves(2, 3), halves(4, 5), halves(6, 7)};  // hmask bits of ZMM c
+    for (int64_t b = 0; b < nsb; b++) {
+        __m512i av[TT][4];
+        __m512 V[TT], Bf[TT];  // d_act of each 16-group's 32-group; bsum (Q3_K: 4 bsum)
+        for (int j = 0; j < TT; j++) {
+            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
+            V[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1),
+                                         _mm512_castps256_ps512(_mm256_loadu_ps(a[j][b].d)));
+            Bf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)a[j][b].bsums)));
+            if constexpr (Q3) Bf[j] = _mm512_mul_ps(Bf[j], _mm512_set1_ps(4.f));
+        }
+        for (int i = 0; i < RT; i++) {
+            const B& x = w[i][b];
+            prefetch_next<(int)sizeof(B)>(&x, w.pf);
+            __m512 scf, mnf = _mm512_setzero_ps();
+            if constexpr (Q3) {
+                scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(q3k_scales_vec(x.scales)),
+                                                                        _mm512_set1_epi32(32))),
+                                    _mm512_set1_ps(h2f(x.d)));
+            } else {
+                const __m512i raw = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)x.scales));
+                scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(raw, _mm512_set1_epi32(15))), _mm512_set1_ps(h2f(x.d)));
+                mnf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(raw, 4)), _mm512_set1_ps(h2f(x.dmin)));
+            }
+            __m512i qz[4];
+            __m512i h = _mm512_setzero_si512();
+            if constexpr (Q3) h = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)x.hmask));
+            for (int n = 0; n < 2; n++) {
+                const __m512i l = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(x.qs + 32 * n)));
+                for (int e = 0; e < 2; e++) {
+                    const int c = 2 * n + e;  // 32-groups 2c, 2c + 1: bits (4e | 4e + 2) of qs
+                    __m512i u = _mm512_and_si512(_mm512_srlv_epi16(l, e ? sh23 : sh01), m3);
+                    if constexpr (Q3)
+                        u = _mm512_or_si512(u, _mm512_slli_epi16(_mm512_and_si512(_mm512_srlv_epi16(h, shh[c]), m1), 2));
+                    qz[c] = u;
+                }
+            }
+            for (int j = 0; j < TT; j++) {
+                const __m512 P = _mm512_mul_ps(scf, V[j]);
+                for (int c = 0; c < 4; c++)
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
+                                                _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * c)), P),
+                                                acc[i][j]);
+                acc[i][j] = _mm512_fnmadd_ps(Q3 ? P : _mm512_mul_ps(mnf, V[j]), Bf[j], acc[i][j]);
+            }
+        }
+    }
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum512(acc[i][j]); });
+}
+#endif
+
 template <int RT, int TT>
 void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
     switch (A.type) {
@@ -942,6 +1089,13 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
 #else
         case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
 #endif
+#if STOWLM_FUSED_VNNI
+        case QType::Q2_K: return fused_q23_K_vnni<false, RT, TT>(A, r0, t0);
+        case QType::Q3_K: return fused_q23_K_vnni<true, RT, TT>(A, r0, t0);
+#else
+        case QType::Q2_K: return fused_q23_K<false, RT, TT>(A, r0, t0);
+        case QType::Q3_K: return fused_q23_K<true, RT, TT>(A, r0, t0);
+#endif
         default: return;
     }
 }
@@ -949,7 +1103,8 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
 inline bool has_fused(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
-        case QType::IQ4_NL: case QType::MXFP4: case QType::Q4_K: case QType::Q6_K: return true;
+        case QType::IQ4_NL: case QType::MXFP4: case QType::Q4_K: case QType::Q6_K: case QType::Q2_K:
+        case QType::Q3_K: return true;
         case QType::Q5_K: return STOWLM_FUSED_VNNI;  // AVX2 keeps the panel path for it
         default: return false;
     }
