@@ -1050,6 +1050,107 @@ void fused_q23_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 #endif
 
+// IQ4_XS: per 32-group k a 6-bit scale ls_k (4 low bits in scales_l, 2 high in scales_h),
+// w = d (ls_k - 32) level(nibble), the nibbles of qs[16k .. 16k + 15] as IQ4_NL's (low: elements
+// 0-15, high: 16-31). Its groups' scales, d (ls_k - 32), into dl[8].
+inline void iq4xs_scales(const block_iq4_xs& x, float* dl) {
+    uint32_t lo;
+    memcpy(&lo, x.scales_l, 4);
+    const float d = h2f(x.d);
+    for (int k = 0; k < 8; k++)
+        dl[k] = d * (float)((int)(((lo >> (4 * k)) & 0xF) | (((x.scales_h >> (2 * k)) & 3) << 4)) - 32);
+}
+// AVX2: the levels signed, multiplied as |w| by a with w's sign (maddubs' operands).
+template <int RT, int TT>
+void fused_iq4_xs(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const int64_t nsb = A.cols / QK_K;
+    const TileRows<block_iq4_xs, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
+    __m256 acc[RT][TT];
+    zero_acc(acc, _mm256_setzero_ps());
+    const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)kIQ4NLValues));
+    const __m128i m4 = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int64_t b = 0; b < nsb; b++) {
+        for (int i = 0; i < RT; i++) {
+            const block_iq4_xs& x = w[i][b];
+            prefetch_next<(int)sizeof(block_iq4_xs)>(&x, w.pf);
+            float dl[8];
+            iq4xs_scales(x, dl);
+            __m256i lv[8];
+            for (int k = 0; k < 8; k++) {
+                const __m128i v = _mm_loadu_si128((const __m128i*)(x.qs + 16 * k));
+                lv[k] = _mm256_shuffle_epi8(tab, _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), m4), _mm_and_si128(v, m4)));
+            }
+            for (int j = 0; j < TT; j++) {
+                const block_q8_K32& y = a[j][b];
+                for (int k = 0; k < 8; k++) {
+                    const __m256i av = _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k));
+                    const __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(lv[k], lv[k]), _mm256_sign_epi8(av, lv[k]));
+                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, ones)), _mm256_set1_ps(dl[k] * y.d[k]),
+                                                acc[i][j]);
+                }
+            }
+        }
+    }
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum256(acc[i][j]); });
+}
+
+#if STOWLM_FUSED_VNNI
+// IQ4_XS with VNNI: ZMM c holds 32-groups 2c and 2c + 1 as IQ4_NL's block pairs (Z4_0::nib64,
+// the levels + 128); lanes 0-7 take group 2c's scale, 8-15 group 2c + 1's. The +128 leaves per
+// group through the activations' sums, in a YMM of the 8 groups.
+template <int RT, int TT>
+void fused_iq4_xs_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    const int64_t nsb = A.cols / QK_K;
+    const TileRows<block_iq4_xs, RT> w(A, r0);
+    const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
+    __m512 acc[RT][TT];
+    __m256 off[RT][TT];
+    zero_acc(acc, _mm512_setzero_ps());
+    zero_acc(off, _mm256_setzero_ps());
+    const __m512i tab = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)kIQ4NLValues));
+    __m512i pick[4];  // ZMM c's lanes: group 2c's scale, then 2c + 1's
+    for (int c = 0; c < 4; c++)
+        pick[c] = _mm512_inserti64x4(_mm512_set1_epi32(2 * c), _mm256_set1_epi32(2 * c + 1), 1);
+    for (int64_t b = 0; b < nsb; b++) {
+        __m512i av[TT][4];
+        __m256 D[TT], S[TT];  // d_act per 32-group; 128 x its sum
+        for (int j = 0; j < TT; j++) {
+            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
+            D[j] = _mm256_loadu_ps(a[j][b].d);
+            const __m256i sums = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i*)a[j][b].bsums), _mm256_set1_epi16(1));
+            S[j] = _mm256_mul_ps(_mm256_cvtepi32_ps(sums), _mm256_set1_ps(128.f));
+        }
+        for (int i = 0; i < RT; i++) {
+            const block_iq4_xs& x = w[i][b];
+            prefetch_next<(int)sizeof(block_iq4_xs)>(&x, w.pf);
+            uint32_t lo;  // iq4xs_scales in a vector (no store-forwarding stall)
+            memcpy(&lo, x.scales_l, 4);
+            const __m256i ls = _mm256_or_si256(
+                _mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32((int)lo), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)),
+                                 _mm256_set1_epi32(15)),
+                _mm256_slli_epi32(_mm256_and_si256(_mm256_srlv_epi32(_mm256_set1_epi32(x.scales_h), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14)),
+                                                   _mm256_set1_epi32(3)), 4));
+            const __m256 scf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(ls, _mm256_set1_epi32(32))), _mm256_set1_ps(h2f(x.d)));
+            __m512i u[4];
+            for (int c = 0; c < 4; c++)
+                u[c] = _mm512_xor_si512(_mm512_shuffle_epi8(tab, Z4_0::nib64(x.qs + 32 * c, x.qs + 32 * c + 16)),
+                                        _mm512_set1_epi8((char)0x80));
+            for (int j = 0; j < TT; j++) {
+                const __m256 P = _mm256_mul_ps(scf, D[j]);
+                const __m512 P16 = _mm512_castps256_ps512(P);
+                for (int c = 0; c < 4; c++)
+                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u[c], av[j][c])),
+                                                _mm512_permutexvar_ps(pick[c], P16), acc[i][j]);
+                off[i][j] = _mm256_fnmadd_ps(P, S[j], off[i][j]);
+            }
+        }
+    }
+    store_tile<RT, TT>(A, r0, t0, [&](int i, int j) { return hsum512(acc[i][j]) + hsum256(off[i][j]); });
+}
+#endif
+
 template <int RT, int TT>
 void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
     switch (A.type) {
@@ -1090,6 +1191,11 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
         case QType::Q6_K: return fused_q6_K<RT, TT>(A, r0, t0);
 #endif
 #if STOWLM_FUSED_VNNI
+        case QType::IQ4_XS: return fused_iq4_xs_vnni<RT, TT>(A, r0, t0);
+#else
+        case QType::IQ4_XS: return fused_iq4_xs<RT, TT>(A, r0, t0);
+#endif
+#if STOWLM_FUSED_VNNI
         case QType::Q2_K: return fused_q23_K_vnni<false, RT, TT>(A, r0, t0);
         case QType::Q3_K: return fused_q23_K_vnni<true, RT, TT>(A, r0, t0);
 #else
@@ -1104,7 +1210,7 @@ inline bool has_fused(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
         case QType::IQ4_NL: case QType::MXFP4: case QType::Q4_K: case QType::Q6_K: case QType::Q2_K:
-        case QType::Q3_K: return true;
+        case QType::Q3_K: case QType::IQ4_XS: return true;
         case QType::Q5_K: return STOWLM_FUSED_VNNI;  // AVX2 keeps the panel path for it
         default: return false;
     }
