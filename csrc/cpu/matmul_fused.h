@@ -636,11 +636,13 @@ inline void k4_scales_all(const uint8_t* s, uint8_t* out) {
 }
 
 // Q4_K: nibbles are unsigned (no offset); per 32-group 6-bit scales applied in int16 madd;
-// float accumulation stays in vectors until the end of the row.
-template <int RT, int TT>
-void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
+// float accumulation stays in vectors until the end of the row. Q5_K: the same with bit k of
+// qh[l] as bit 4 of 32-group k's element l.
+template <bool Q5, int RT, int TT>
+void fused_q45_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
+    using B = std::conditional_t<Q5, block_q5_K, block_q4_K>;
     const int64_t nsb = A.cols / QK_K;
-    const TileRows<block_q4_K, RT> w(A, r0);
+    const TileRows<B, RT> w(A, r0);
     const TileActs<block_q8_K32, TT> a(A.act, A.act_stride, t0);
     __m256 acc[RT][TT];
     zero_acc(acc, _mm256_setzero_ps());
@@ -654,8 +656,8 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
                                    _mm256_loadu_ps(a[j][b].d));
         }
         for (int i = 0; i < RT; i++) {
-            const block_q4_K& x = w[i][b];
-            prefetch_next<(int)sizeof(block_q4_K)>(&x, w.pf);
+            const B& x = w[i][b];
+            prefetch_next<(int)sizeof(B)>(&x, w.pf);
             alignas(16) uint8_t sm[16];
             k4_scales_all(x.scales, sm);
             int16_t sc[8];
@@ -668,6 +670,11 @@ void fused_q4_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
                 const __m256i v = _mm256_loadu_si256((const __m256i*)(x.qs + 32 * c));
                 q[2 * c] = _mm256_and_si256(v, m4);
                 q[2 * c + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+            }
+            if constexpr (Q5) {
+                const __m256i h = _mm256_loadu_si256((const __m256i*)x.qh), one = _mm256_set1_epi8(1);
+                for (int k = 0; k < 8; k++)
+                    q[k] = _mm256_or_si256(q[k], _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, k), one), 4));
             }
             for (int j = 0; j < TT; j++) {
                 const block_q8_K32& y = a[j][b];
@@ -1183,7 +1190,8 @@ void fused_tile(const MatmulArgs& A, int64_t r0, int64_t t0) {
             if (A.act_nib && A.n_tok > 1) return fused_q45_K_vnni<true, RT, TT, true>(A, r0, t0);
             return fused_q45_K_vnni<true, RT, TT>(A, r0, t0);
 #else
-        case QType::Q4_K: return fused_q4_K<RT, TT>(A, r0, t0);
+        case QType::Q4_K: return fused_q45_K<false, RT, TT>(A, r0, t0);
+        case QType::Q5_K: return fused_q45_K<true, RT, TT>(A, r0, t0);
 #endif
 #if STOWLM_FUSED_VNNI
         case QType::Q6_K: return fused_q6_K_vnni<RT, TT>(A, r0, t0);
@@ -1210,8 +1218,7 @@ inline bool has_fused(QType t) {
     switch (t) {
         case QType::Q4_0: case QType::Q4_1: case QType::Q5_0: case QType::Q5_1: case QType::Q8_0:
         case QType::IQ4_NL: case QType::MXFP4: case QType::Q4_K: case QType::Q6_K: case QType::Q2_K:
-        case QType::Q3_K: case QType::IQ4_XS: return true;
-        case QType::Q5_K: return STOWLM_FUSED_VNNI;  // AVX2 keeps the panel path for it
+        case QType::Q3_K: case QType::IQ4_XS: case QType::Q5_K: return true;
         default: return false;
     }
 }
