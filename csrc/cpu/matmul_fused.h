@@ -932,6 +932,18 @@ void fused_q23_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
 }
 
 #if STOWLM_FUSED_VNNI
+// A super-block's activations as the VNNI K kernels read them: its 4 ZMMs of values, the d_act
+// of each 16-group's 32-group (lane g) and the 16-groups' sums times `scale` (the formats' offset).
+inline void k_acts_vnni(const block_q8_K32& y, float scale, __m512i (&q)[4], __m512& d16, __m512& bsum) {
+    for (int c = 0; c < 4; c++) q[c] = _mm512_loadu_si512(y.qs + 64 * c);
+    d16 = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1),
+                                _mm512_castps256_ps512(_mm256_loadu_ps(y.d)));
+    bsum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)y.bsums))),
+                         _mm512_set1_ps(scale));
+}
+#endif
+
+#if STOWLM_FUSED_VNNI
 // Q6_K with VNNI: values as unsigned q + 32, four 16-groups per ZMM in element order. The
 // 64 ql bytes of a half give its low nibbles (elements 0-63) and high nibbles (64-127); its
 // 32 qh bytes, doubled, give the two high bits with per-half shifts. Per row and token one
@@ -953,13 +965,7 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int64_t b = 0; b < nsb; b++) {
         __m512i av[TT][4];
         __m512 V[TT], Bf[TT];  // d_act of each 16-group's 32-group; 32 * bsum
-        for (int j = 0; j < TT; j++) {
-            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
-            V[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1),
-                                         _mm512_castps256_ps512(_mm256_loadu_ps(a[j][b].d)));
-            Bf[j] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)a[j][b].bsums))),
-                                  _mm512_set1_ps(32.f));
-        }
+        for (int j = 0; j < TT; j++) k_acts_vnni(a[j][b], 32.f, av[j], V[j], Bf[j]);
         for (int i = 0; i < RT; i++) {
             const block_q6_K& x = w[i][b];
             prefetch_next<(int)sizeof(block_q6_K)>(&x, w.pf);
@@ -1010,13 +1016,7 @@ void fused_q23_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
     for (int64_t b = 0; b < nsb; b++) {
         __m512i av[TT][4];
         __m512 V[TT], Bf[TT];  // d_act of each 16-group's 32-group; bsum (Q3_K: 4 bsum)
-        for (int j = 0; j < TT; j++) {
-            for (int c = 0; c < 4; c++) av[j][c] = _mm512_loadu_si512(a[j][b].qs + 64 * c);
-            V[j] = _mm512_permutexvar_ps(_mm512_srli_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), 1),
-                                         _mm512_castps256_ps512(_mm256_loadu_ps(a[j][b].d)));
-            Bf[j] = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)a[j][b].bsums)));
-            if constexpr (Q3) Bf[j] = _mm512_mul_ps(Bf[j], _mm512_set1_ps(4.f));
-        }
+        for (int j = 0; j < TT; j++) k_acts_vnni(a[j][b], Q3 ? 4.f : 1.f, av[j], V[j], Bf[j]);
         for (int i = 0; i < RT; i++) {
             const B& x = w[i][b];
             prefetch_next<(int)sizeof(B)>(&x, w.pf);
