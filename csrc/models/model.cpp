@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <thread>
 
@@ -314,6 +315,21 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
     return m;
 }
 
+namespace {
+// /proc/meminfo's MemAvailable (free memory and what the kernel can reclaim, the model's cached
+// pages included), or no limit where it cannot be read.
+size_t mem_available() {
+    FILE* f = std::fopen("/proc/meminfo", "r");
+    if (!f) return SIZE_MAX;
+    char line[256];
+    size_t kb = 0;
+    bool found = false;
+    while (!found && std::fgets(line, sizeof line, f)) found = std::sscanf(line, "MemAvailable: %zu kB", &kb) == 1;
+    std::fclose(f);
+    return found ? kb * 1024 : SIZE_MAX;
+}
+}  // namespace
+
 // Products of a few tokens (speculative drafts, small batches) are instruction-bound on the
 // GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done for the weights a
 // CPU device of this process computes with (every rank of an MPI job repacks its own) where the
@@ -322,7 +338,8 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
 // (copy them in for a large batch, Backend::can_stage), and its kernels read that layout; a
 // CPU's layers of a split and its other weights repack. A matrix repacks whatever its rows, and
 // its rows give the same bits wherever they are cut; a stack of experts repacks each expert.
-// STOWLM_REPACK=0 keeps the GGUF layout.
+// Not where the copies would exceed the memory available (a model larger than RAM streams its
+// mapped pages from the file; anonymous copies would not). STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
@@ -342,7 +359,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
         todo.push_back(&t);
         total += padded(t.nbytes());
     }
-    if (todo.empty()) return;
+    if (todo.empty() || total > mem_available()) return;  // the copy is anonymous memory: no streaming from the file
     // 2 MiB aligned and advised as huge pages: a fault per 2 MiB, not per 4 KiB, while writing
     constexpr size_t kHuge = (size_t)2 << 20;
     const size_t alloc = (total + kHuge - 1) / kHuge * kHuge;
