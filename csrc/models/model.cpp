@@ -338,8 +338,8 @@ size_t mem_available() {
 // (copy them in for a large batch, Backend::can_stage), and its kernels read that layout; a
 // CPU's layers of a split and its other weights repack. A matrix repacks whatever its rows, and
 // its rows give the same bits wherever they are cut; a stack of experts repacks each expert.
-// Not where the copies would exceed the memory available (a model larger than RAM streams its
-// mapped pages from the file; anonymous copies would not). STOWLM_REPACK=0 keeps the GGUF layout.
+// Not where the copies would exceed the memory available (under pressure the mapped pages are
+// evicted and read from the file again; anonymous copies could only go to swap). STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
@@ -359,7 +359,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
         todo.push_back(&t);
         total += padded(t.nbytes());
     }
-    if (todo.empty() || total > mem_available()) return;  // the copy is anonymous memory: no streaming from the file
+    if (todo.empty() || total > mem_available()) return;
     // 2 MiB aligned and advised as huge pages: a fault per 2 MiB, not per 4 KiB, while writing
     constexpr size_t kHuge = (size_t)2 << 20;
     const size_t alloc = (total + kHuge - 1) / kHuge * kHuge;
