@@ -339,7 +339,8 @@ size_t mem_available() {
 // CPU's layers of a split and its other weights repack. A matrix repacks whatever its rows, and
 // its rows give the same bits wherever they are cut; a stack of experts repacks each expert.
 // Not where the copies would exceed the memory available (under pressure the mapped pages are
-// evicted and read from the file again; anonymous copies could only go to swap). STOWLM_REPACK=0 keeps the GGUF layout.
+// evicted and read from the file again; anonymous copies could only go to swap).
+// STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;

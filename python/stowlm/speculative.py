@@ -50,8 +50,9 @@ IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
 MODEL_GAIN, MODEL_KEEP = 1.05, 0.95
 # A draft model's draft runs while the product of the probabilities it gives its tokens (its
 # chance that all are the model's: on code edits it is calibrated, 0.9-1.0 kept above 0.9) stays
-# above P_CHAIN, up to draft_max: replaying qwen2.5-coder-0.5b's drafts of the edits gave 1.33x
-# against 1.25x for lengths from the positions' average acceptance (docs/speculative.md).
+# above P_CHAIN, up to draft_max: replaying qwen2.5-coder-0.5b's drafts of the edits
+# (bench/draft_replay.py, a draft step of 0.45 model steps) gave 1.33x against 1.28x for lengths
+# from the positions' average acceptance (docs/speculative.md; measured, within the VM's noise).
 P_CHAIN = 0.85
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
