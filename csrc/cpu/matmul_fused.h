@@ -1248,7 +1248,8 @@ inline void fused_rows(const MatmulArgs& A, int64_t r0, int64_t r1) {
                 case QType::Q4_1: for (; r < r1; r++) fused_q4_nib<block_q4_1, 1, 1>(A, r, 0); return;
                 case QType::Q5_0: return fused_q32_x2_s1<Z5_0>(A, r0, r1);
                 case QType::Q5_1: return fused_q32_x2_s1<Z5_1>(A, r0, r1);
-                case QType::Q8_0: return fused_q32_x2_s1<Z8_0>(A, r0, r1);
+                // Q8_0 (no nibbles to regroup) streams faster through the tiles' one-row kernel:
+                // 21504 x 4864, 1 token, 2 Zen 4 threads 4.0-4.2 -> 3.0-3.2 ms (151936 x 896: equal)
                 case QType::IQ4_NL: return fused_q32_x2_s1<ZIQ4_NL>(A, r0, r1);
                 case QType::MXFP4: return fused_q32_x2_s1<ZMXFP4>(A, r0, r1);
                 default: break;
