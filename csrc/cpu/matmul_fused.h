@@ -635,6 +635,17 @@ inline void k4_scales_all(const uint8_t* s, uint8_t* out) {
     memcpy(out, r, 16);
 }
 
+// A K super-block's 8 32-groups against one token: q[k] group k's unsigned values, scv[k] the
+// scales of its two 16-element halves (low 8 words, high 8); each group's integer dot scaled by
+// d * d_act[k].
+inline __m256 k_groups_dot(const __m256i (&q)[8], const __m256i (&scv)[8], const block_q8_K32& y, float d, __m256 acc) {
+    for (int k = 0; k < 8; k++) {
+        const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv[k])), _mm256_set1_ps(d * y.d[k]), acc);
+    }
+    return acc;
+}
+
 // Q4_K: nibbles are unsigned (no offset); per 32-group 6-bit scales applied in int16 madd;
 // float accumulation stays in vectors until the end of the row. Q5_K: the same with bit k of
 // qh[l] as bit 4 of 32-group k's element l.
@@ -660,8 +671,8 @@ void fused_q45_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             prefetch_next<(int)sizeof(B)>(&x, w.pf);
             alignas(16) uint8_t sm[16];
             k4_scales_all(x.scales, sm);
-            int16_t sc[8];
-            for (int k = 0; k < 8; k++) sc[k] = sm[k];
+            __m256i scv[8];  // one 6-bit scale a 32-group
+            for (int k = 0; k < 8; k++) scv[k] = _mm256_set1_epi16(sm[k]);
             const float d = h2f(x.d), dmin = h2f(x.dmin);
             const __m256 minsf = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(sm + 8)))),
                                                _mm256_set1_ps(dmin));
@@ -678,12 +689,7 @@ void fused_q45_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
             for (int j = 0; j < TT; j++) {
                 const block_q8_K32& y = a[j][b];
-                // each 32-group k: its 8 int32 lanes scaled by d * d_act[k]
-                for (int k = 0; k < 8; k++) {
-                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
-                    const __m256i is = _mm256_madd_epi16(p, _mm256_set1_epi16(sc[k]));
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(is), _mm256_set1_ps(d * y.d[k]), acc[i][j]);
-                }
+                acc[i][j] = k_groups_dot(q, scv, y, d, acc[i][j]);
                 acc[i][j] = _mm256_fnmadd_ps(minsf, bpf[j], acc[i][j]);
             }
         }
@@ -837,12 +843,7 @@ void fused_q6_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const float d = h2f(x.d);
             for (int j = 0; j < TT; j++) {
                 const block_q8_K32& y = a[j][b];
-                // each 32-group k: 8 int32 lanes scaled by d * d_act[k]
-                for (int k = 0; k < 8; k++) {
-                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv[k])), _mm256_set1_ps(d * y.d[k]),
-                                                acc[i][j]);
-                }
+                acc[i][j] = k_groups_dot(q, scv, y, d, acc[i][j]);
                 // the +32 offset: per 32-group lanes of sum sc * bsum, times 32 * d * d_act
                 const __m256i corr = _mm256_madd_epi16(sc16, _mm256_loadu_si256((const __m256i*)y.bsums));
                 acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(_mm256_loadu_ps(y.d), _mm256_set1_ps(32.f * d)),
@@ -913,11 +914,7 @@ void fused_q23_K(const MatmulArgs& A, int64_t r0, int64_t t0) {
             const float d = h2f(x.d);
             for (int j = 0; j < TT; j++) {
                 const block_q8_K32& y = a[j][b];
-                for (int k = 0; k < 8; k++) {
-                    const __m256i p = _mm256_maddubs_epi16(q[k], _mm256_loadu_si256((const __m256i*)(y.qs + 32 * k)));
-                    acc[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(p, scv[k])), _mm256_set1_ps(d * y.d[k]),
-                                                acc[i][j]);
-                }
+                acc[i][j] = k_groups_dot(q, scv, y, d, acc[i][j]);
                 const __m256i bs = _mm256_loadu_si256((const __m256i*)y.bsums);
                 if constexpr (Q3)  // the -4 of every value: 4 d sum_s sc_s bsum_s, per 32-group
                     acc[i][j] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(sc16, bs)),
@@ -940,6 +937,14 @@ inline void k_acts_vnni(const block_q8_K32& y, float scale, __m512i (&q)[4], __m
                                 _mm512_castps256_ps512(_mm256_loadu_ps(y.d)));
     bsum = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(_mm256_loadu_si256((const __m256i*)y.bsums))),
                          _mm512_set1_ps(scale));
+}
+// The 4 ZMMs' integer dots of a super-block, lane l scaled by P's entry for its 16-group (ZMM c's
+// lanes: 16-groups 4c + l / 4; lane4 = l / 4).
+inline __m512 k_dots_vnni(const __m512i (&qz)[4], const __m512i (&av)[4], __m512 P, __m512i lane4, __m512 acc) {
+    for (int c = 0; c < 4; c++)
+        acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[c])),
+                              _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * c)), P), acc);
+    return acc;
 }
 #endif
 
@@ -982,10 +987,7 @@ void fused_q6_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
             for (int j = 0; j < TT; j++) {
                 const __m512 P = _mm512_mul_ps(scf, V[j]);
-                for (int c = 0; c < 4; c++)
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
-                                                _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * c)), P),
-                                                acc[i][j]);
+                acc[i][j] = k_dots_vnni(qz, av[j], P, lane4, acc[i][j]);
                 acc[i][j] = _mm512_fnmadd_ps(P, Bf[j], acc[i][j]);
             }
         }
@@ -1045,10 +1047,7 @@ void fused_q23_K_vnni(const MatmulArgs& A, int64_t r0, int64_t t0) {
             }
             for (int j = 0; j < TT; j++) {
                 const __m512 P = _mm512_mul_ps(scf, V[j]);
-                for (int c = 0; c < 4; c++)
-                    acc[i][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), qz[c], av[j][c])),
-                                                _mm512_permutexvar_ps(_mm512_add_epi32(lane4, _mm512_set1_epi32(4 * c)), P),
-                                                acc[i][j]);
+                acc[i][j] = k_dots_vnni(qz, av[j], P, lane4, acc[i][j]);
                 acc[i][j] = _mm512_fnmadd_ps(Q3 ? P : _mm512_mul_ps(mnf, V[j]), Bf[j], acc[i][j]);
             }
         }
