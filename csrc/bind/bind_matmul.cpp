@@ -162,7 +162,7 @@ STOWLM_BIND(matmul) {
             "batched: the batched kernels whatever n_tok (a pass forced to the largest passes' kernels).");
     ops.attr("R16_ROWS_MAX") = stowlm::kCpuR16RowsMax;  // repacked rows keep the row kernels below it
     ops.def("repack_rows16_raw", &repack_rows16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
-            "W_raw (Q4_0, Q5_0, Q8_0, Q4_K, Q5_K or Q6_K) in groups of 16 interleaved rows, the rows after the "
+            "W_raw (a type cpu::repack_supported takes) in groups of 16 interleaved rows, the rows after the "
             "last whole group as they were: the CPU keeps such weights so (cpu/repack.h).");
     ops.def("unrepack_row16_raw", &unrepack_row16_raw, nb::arg("w"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
             nb::arg("r"), "Row r of repacked bytes in the GGUF layout again.");

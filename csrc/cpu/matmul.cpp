@@ -381,12 +381,7 @@ bool r16_rows(const MatmulArgs& A, Isa isa) {
 void prepare_r16(const MatmulArgs& A, ThreadPool& pool) {
     const int64_t nb = A.cols / QK;
     int32_t* sums = const_cast<int32_t*>(A.asum);
-    auto run = [&](int64_t t0, int64_t t1, int) {
-        MatmulArgs B = A;
-        B.act = (const uint8_t*)A.act + t0 * A.act_stride;
-        B.n_tok = t1 - t0;
-        act_block_sums(B, sums + t0 * nb);
-    };
+    auto run = [&](int64_t t0, int64_t t1, int) { act_block_sums(token_block(A, t0, t1 - t0), sums + t0 * nb); };
     if (A.n_tok * A.cols <= kInlineQuantElems) run(0, A.n_tok, 0);
     else pool.parallel_for(A.n_tok, run);
 }
