@@ -46,8 +46,8 @@ def teacher_forced(target, draft, prompt, answer):
 
 
 class _Replay:
-    """A draft model that drafts from the recorded confidence: its draft runs while the product of
-    its tokens' probabilities stays at least P_CHAIN, as ModelDrafter's does."""
+    """A draft model that drafts from the recorded confidence, ending its drafts by ModelDrafter's
+    rule (speculative.chain_holds)."""
     cheap = False
 
     def __init__(self, top, seconds):
@@ -58,7 +58,7 @@ class _Replay:
         while len(out) < k and self.at + len(out) < len(self.top):
             chain *= self.top[self.at + len(out)]
             out.append(0)
-            if chain < speculative.P_CHAIN:
+            if not speculative.chain_holds(chain):
                 break
         return out, "model"
 

@@ -3,6 +3,7 @@ greedy and sampled: what a user of the package gets, beside stowlm-bench's nativ
 (the difference is Python's share: sampling, detokenizing, the calls).
 
     python bench/generate_bench.py -m smollm2-135m -m gemma3-270m -n 128 -t 2
+    STOWLM_PY=/other/checkout/python python bench/generate_bench.py ...   # another tree's package, for A/B
 """
 from __future__ import annotations
 

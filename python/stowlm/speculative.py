@@ -54,6 +54,12 @@ MODEL_GAIN, MODEL_KEEP = 1.05, 0.95
 # (bench/draft_replay.py, a draft step of 0.45 model steps) gave 1.33x against 1.28x for lengths
 # from the positions' average acceptance (docs/speculative.md; measured, within the VM's noise).
 P_CHAIN = 0.85
+
+
+def chain_holds(chain: float) -> bool:
+    """Whether a draft model's draft goes on past a token: `chain` is the product of the
+    probabilities it gave its tokens so far (bench/draft_replay.py replays the same rule)."""
+    return chain >= P_CHAIN
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
 
@@ -210,7 +216,7 @@ class ModelDrafter:
             t = int(np.argmax(logits))
             out.append(t)
             chain *= _top_share(logits, t)
-            if len(out) == k or chain < P_CHAIN:
+            if len(out) == k or not chain_holds(chain):
                 break  # a token the draft doubts is checked (almost free) but not built on
             t0 = time.perf_counter()
             logits = ctx.eval([t], logits="last")
