@@ -26,111 +26,14 @@ int repack_offset(QType t) {
     }
 }
 
-bool is_q32_repackable(QType t) {
-    return t == QType::Q4_0 || t == QType::Q5_0 || t == QType::Q8_0 || t == QType::Q4_1 || t == QType::Q5_1 ||
-           t == QType::IQ4_NL || t == QType::MXFP4;
-}
-
-bool is_kformat(QType t) {
-    return t == QType::Q2_K || t == QType::Q3_K || t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K;
-}
-
-namespace {
-
-// Where a 32-element format keeps its fields, in a row's block (byte offsets; 0: none) and in a
-// group's (repack.h: d[16], then m[16] where the format has a min, qs, then Q5's qh masks).
-struct Q32Form {
-    bool q8, min, fifth;
-    size_t m, qh, qs;        // in the row's block (its scale at 0)
-    size_t gm, gqs, gqh;     // in the group's block (the rows' scales at 0)
-    size_t sb = 2;           // a scale's bytes: fp16 d, MXFP4's E8M0 exponent 1
-};
-Q32Form q32_form(QType t) {
-    switch (t) {
-        case QType::Q8_0: return {true, false, false, 0, 0, offsetof(block_q8_0, qs), 0, 32, 0};
-        case QType::Q4_0: return {false, false, false, 0, 0, offsetof(block_q4_0, qs), 0, 32, 0};
-        case QType::IQ4_NL: return {false, false, false, 0, 0, offsetof(block_iq4_nl, qs), 0, 32, 0};  // Q4_0's bytes
-        case QType::MXFP4: return {false, false, false, 0, 0, offsetof(block_mxfp4, qs), 0, 16, 0, 1};
-        case QType::Q5_0: return {false, false, true, 0, offsetof(block_q5_0, qh), offsetof(block_q5_0, qs), 0, 32, 288};
-        case QType::Q4_1: return {false, true, false, offsetof(block_q4_1, m), 0, offsetof(block_q4_1, qs), 32, 64, 0};
-        default: return {false, true, true, offsetof(block_q5_1, m), offsetof(block_q5_1, qh), offsetof(block_q5_1, qs), 32, 64, 320};
-    }
-}
-
-}  // namespace
-
 bool repack_supported(QType t, int64_t rows, int64_t cols) {
-    const int64_t block = is_kformat(t) ? QK_K : QK;
-    return (is_q32_repackable(t) || is_kformat(t)) && rows > 0 && cols > 0 && cols % block == 0;
+    const int64_t block = rows16_kformat(t) ? QK_K : QK;
+    return rows16_block_bytes(t) > 0 && rows > 0 && cols > 0 && cols % block == 0;
 }
 
 namespace {
 
-size_t group_block_bytes(QType t) { return kRepackRows * qtype_checked((uint32_t)t).block_bytes; }
-
-// The K formats' bytes moved between one row's super-block and its place in a group's (to the
-// group when `in` is false, back to the row when true): the layouts of repack.h.
-template <bool IN>
-void move_kblock(QType t, uint8_t* row_blk, uint8_t* grp_blk, int r) {
-    // IN: group -> row; else row -> group
-    auto mv = [&](uint8_t* rowp, uint8_t* grpp, size_t n) { IN ? memcpy(rowp, grpp, n) : memcpy(grpp, rowp, n); };
-    if (t == QType::Q2_K || t == QType::Q3_K) {  // their qs share one layout
-        uint8_t *qs, (*gqs)[8][64];
-        if (t == QType::Q2_K) {
-            block_q2_K* x = (block_q2_K*)row_blk;
-            block_q2_Kx16* y = (block_q2_Kx16*)grp_blk;
-            mv((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
-            mv((uint8_t*)&x->dmin, (uint8_t*)&y->dmin[r], 2);
-            for (int k = 0; k < 16; k++) mv(&x->scales[k], &y->scales[k][r], 1);
-            qs = x->qs, gqs = y->qs;
-        } else {
-            block_q3_K* x = (block_q3_K*)row_blk;
-            block_q3_Kx16* y = (block_q3_Kx16*)grp_blk;
-            mv((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
-            for (int k = 0; k < 12; k++) mv(&x->scales[k], &y->scales[k][r], 1);
-            for (int c = 0; c < 8; c++) mv(x->hmask + 4 * c, y->hmask[c] + 4 * r, 4);
-            qs = x->qs, gqs = y->qs;
-        }
-        for (int n = 0; n < 2; n++)
-            for (int c = 0; c < 8; c++) mv(qs + 32 * n + 4 * c, gqs[n][c] + 4 * r, 4);
-        return;
-    }
-    if (t == QType::Q6_K) {
-        block_q6_K* x = (block_q6_K*)row_blk;
-        block_q6_Kx16* y = (block_q6_Kx16*)grp_blk;
-        mv((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
-        for (int s = 0; s < 16; s++) mv((uint8_t*)&x->scales[s], (uint8_t*)&y->scales[s][r], 1);
-        for (int n = 0; n < 2; n++) {
-            for (int c = 0; c < 16; c++) mv(x->ql + 64 * n + 4 * c, y->ql[n][c] + 4 * r, 4);
-            for (int c = 0; c < 8; c++) mv(x->qh + 32 * n + 4 * c, y->qh[n][c] + 4 * r, 4);
-        }
-        return;
-    }
-    // Q4_K and Q5_K share d, dmin, scales and qs (Q5_K's qh apart)
-    const bool q5 = t == QType::Q5_K;
-    uint8_t* xd = row_blk;  // d, dmin, scales[12] lead both row blocks
-    uint8_t* xqs = row_blk + (q5 ? offsetof(block_q5_K, qs) : offsetof(block_q4_K, qs));
-    block_q4_Kx16* y4 = (block_q4_Kx16*)grp_blk;
-    block_q5_Kx16* y5 = (block_q5_Kx16*)grp_blk;
-    mv(xd, (uint8_t*)(q5 ? &y5->d[r] : &y4->d[r]), 2);
-    mv(xd + 2, (uint8_t*)(q5 ? &y5->dmin[r] : &y4->dmin[r]), 2);
-    for (int k = 0; k < 12; k++) mv(xd + 4 + k, q5 ? &y5->scales[k][r] : &y4->scales[k][r], 1);
-    for (int j = 0; j < 4; j++)
-        for (int c = 0; c < 8; c++) mv(xqs + 32 * j + 4 * c, (q5 ? y5->qs[j][c] : y4->qs[j][c]) + 4 * r, 4);
-    if (!q5) return;
-    uint8_t* xqh = row_blk + offsetof(block_q5_K, qh);  // qh[m] bit k: element 32k + m
-    for (int G = 0; G < QK_K / 4; G++) {
-        const int k = G / 8, m0 = 4 * (G % 8);  // element 4G + i is bit k of qh[m0 + i]
-        if (IN) {
-            const uint64_t v = y5->qh[G] >> (4 * r);
-            for (int i = 0; i < 4; i++) xqh[m0 + i] |= (uint8_t)(((v >> i) & 1) << k);
-        } else {
-            uint64_t v = 0;
-            for (int i = 0; i < 4; i++) v |= (uint64_t)((xqh[m0 + i] >> k) & 1) << i;
-            y5->qh[G] |= v << (4 * r);
-        }
-    }
-}
+size_t group_block_bytes(QType t) { return kRepackRows * (size_t)rows16_block_bytes(t); }
 
 // The 6-bit scale and min of sub-block s of a Q4_K/Q5_K super-block (12 packed bytes).
 void scale_min_k4(const uint8_t* q, int s, int& sc, int& m) {
@@ -162,7 +65,6 @@ int kformat_u(QType t, const uint8_t* gb, int r, int e) {
     return u;
 }
 
-
 }  // namespace
 
 void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* dst, int64_t r0, int64_t r1) {
@@ -177,99 +79,25 @@ void repack_rows16(QType t, int64_t rows, int64_t cols, const void* src, void* d
         if (r1 > a) memcpy((uint8_t*)dst + a * rb, (const uint8_t*)src + a * rb, (size_t)((r1 - a) * rb));
         r1 = std::min(r1, tail0);
     }
-    if (is_kformat(t)) {
-        const int64_t nsb = cols / QK_K;
-        const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes;
-        for (int64_t g = r0 / kRepackRows; g < r1 / kRepackRows; g++) {
-            uint8_t* out = (uint8_t*)dst + g * kRepackRows * rb;
-            memset(out, 0, kRepackRows * rb);
-            for (int64_t b = 0; b < nsb; b++)
-                for (int r = 0; r < kRepackRows; r++)
-                    move_kblock<false>(t, (uint8_t*)src + (g * kRepackRows + r) * rb + b * pb, out + b * kRepackRows * pb, r);
-        }
-        return;
-    }
-    const int64_t nb = cols / QK;
-    const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes, gb = group_block_bytes(t);
+    const size_t rb = row_bytes(t, cols), pb = (size_t)rows16_block_bytes(t), gb = group_block_bytes(t);
     for (int64_t g = r0 / kRepackRows; g < r1 / kRepackRows; g++) {
         const uint8_t* rowp = (const uint8_t*)src + g * kRepackRows * rb;
         uint8_t* out = (uint8_t*)dst + g * kRepackRows * rb;
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t* ob = out + b * gb;
-            memset(ob, 0, gb);
-            const Q32Form f = q32_form(t);
-            uint8_t* qs = ob + f.gqs;
-            uint64_t* qh = (uint64_t*)(ob + f.gqh);
-            for (int r = 0; r < kRepackRows; r++) {
-                const uint8_t* blk = rowp + r * rb + b * pb;
-                memcpy(ob + f.sb * r, blk, f.sb);  // every 32-element format starts with its scale
-                if (f.min) memcpy(ob + f.gm + 2 * r, blk + f.m, 2);
-                if (f.q8) {
-                    // 4 signed bytes at a time, flipped to q + 128
-                    for (int k = 0; k < 8; k++) {
-                        uint32_t v;
-                        memcpy(&v, blk + f.qs + 4 * k, 4);
-                        v ^= 0x80808080u;
-                        memcpy(qs + k * 64 + 4 * r, &v, 4);
-                    }
-                    continue;
-                }
-                // the 4/5-bit formats' bytes keep their nibble pairs (elements 4k + i and 16 + 4k + i)
-                for (int k = 0; k < 4; k++) memcpy(qs + k * 64 + 4 * r, blk + f.qs + 4 * k, 4);
-                if (f.fifth) {
-                    uint32_t h;
-                    memcpy(&h, blk + f.qh, 4);
-                    for (int k = 0; k < 8; k++) qh[k] |= (uint64_t)((h >> (4 * k)) & 0xF) << (4 * r);
-                }
-            }
-        }
+        memset(out, 0, kRepackRows * rb);  // (the fifth bits are OR'ed in)
+        for (int64_t b = 0; b < (int64_t)(rb / pb); b++)
+            for (int r = 0; r < kRepackRows; r++) rows16_move_block<false>(t, (uint8_t*)rowp + r * rb + b * pb, out + b * gb, r);
     }
 }
 
 void unrepack_row16(QType t, int64_t rows, int64_t cols, const void* packed, int64_t r, void* dst) {
+    const size_t rb = row_bytes(t, cols), pb = (size_t)rows16_block_bytes(t);
     if (r >= rows / kRepackRows * kRepackRows) {  // a tail row, as it was
-        memcpy(dst, (const uint8_t*)packed + r * row_bytes(t, cols), row_bytes(t, cols));
+        memcpy(dst, (const uint8_t*)packed + r * rb, rb);
         return;
     }
-    if (is_kformat(t)) {
-        const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes;
-        const uint8_t* in = (const uint8_t*)packed + (r / kRepackRows) * kRepackRows * rb;
-        memset(dst, 0, rb);
-        for (int64_t b = 0; b < cols / QK_K; b++)
-            move_kblock<true>(t, (uint8_t*)dst + b * pb, (uint8_t*)in + b * kRepackRows * pb, (int)(r % kRepackRows));
-        return;
-    }
-    const int64_t nb = cols / QK, g = r / kRepackRows, rr = r % kRepackRows;
-    const size_t rb = row_bytes(t, cols), pb = qtype_checked((uint32_t)t).block_bytes, gb = group_block_bytes(t);
-    const uint8_t* in = (const uint8_t*)packed + g * kRepackRows * rb;
-    // the byte moves of repack_rows16, backwards
-    const Q32Form f = q32_form(t);
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t* ib = in + b * gb;
-        uint8_t* blk = (uint8_t*)dst + b * pb;
-        memcpy(blk, ib + f.sb * rr, f.sb);
-        if (f.min) memcpy(blk + f.m, ib + f.gm + 2 * rr, 2);
-        const uint8_t* qs = ib + f.gqs;
-        if (f.q8) {
-            for (int k = 0; k < 8; k++) {
-                uint32_t v;
-                memcpy(&v, qs + k * 64 + 4 * rr, 4);
-                v ^= 0x80808080u;
-                memcpy(blk + f.qs + 4 * k, &v, 4);
-            }
-            continue;
-        }
-        for (int k = 0; k < 4; k++) memcpy(blk + f.qs + 4 * k, qs + k * 64 + 4 * rr, 4);
-        if (f.fifth) {
-            uint32_t h = 0;
-            for (int k = 0; k < 8; k++) {
-                uint64_t m;
-                memcpy(&m, ib + f.gqh + 8 * k, 8);
-                h |= (uint32_t)((m >> (4 * rr)) & 0xF) << (4 * k);
-            }
-            memcpy(blk + f.qh, &h, 4);
-        }
-    }
+    const uint8_t* in = (const uint8_t*)packed + (r / kRepackRows) * kRepackRows * rb;
+    for (int64_t b = 0; b < (int64_t)(rb / pb); b++)
+        rows16_move_block<true>(t, (uint8_t*)dst + b * pb, (uint8_t*)in + b * kRepackRows * pb, (int)(r % kRepackRows));
 }
 
 void act_block_sums(const MatmulArgs& A, int32_t* sums) {
@@ -365,7 +193,7 @@ void matmul_r16_scalar_k(const MatmulArgs& A, int64_t g0, int64_t g1) {
 }  // namespace
 
 void matmul_r16_tail(const MatmulArgs& A) {
-    const bool k = is_kformat(A.type);
+    const bool k = rows16_kformat(A.type);
     const int64_t nb = k ? A.cols / QK_K : A.cols / QK;
     const size_t pb = qtype_checked((uint32_t)A.type).block_bytes;
     int8_t q[QK_K];
@@ -405,10 +233,10 @@ void matmul_r16_tail(const MatmulArgs& A) {
 }
 
 void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1) {
-    if (is_kformat(A.type)) return matmul_r16_scalar_k(A, g0, g1);
+    if (rows16_kformat(A.type)) return matmul_r16_scalar_k(A, g0, g1);
     const int64_t nb = A.cols / QK;
     const size_t gb = group_block_bytes(A.type);
-    const Q32Form f = q32_form(A.type);
+    const Rows16Q32 f = rows16_q32(A.type);
     for (int64_t g = g0; g < g1; g++) {
         const uint8_t* grp = A.w + g * kRepackRows * A.w_stride;
         for (int64_t t = 0; t < A.n_tok; t++) {

@@ -23,51 +23,10 @@
 #include <cstdint>
 
 #include "cpu/matmul_impl.h"
+#include "quant/rows16.h"
 #include "quant/types.h"
 
 namespace stowlm::cpu {
-
-constexpr int kRepackRows = 16;
-
-// Block b of a group of 16 rows. qs: vector k holds, for row r, bytes 4r..4r+3 = elements
-// 4k..4k+3 of that row's block b as unsigned values (Q8_0: q + 128; Q4_0/Q5_0: each byte has
-// element 4k+i in its low nibble and 16+4k+i in its high one, k < 4). d: the rows' fp16 scales.
-// Q5_0's fifth bits: qh[k] bit 4r+i belongs to element 4k+i of row r (k < 8). IQ4_NL keeps Q4_0's
-// bytes (block_q4_0x16), its nibbles indexing the IQ4 levels (+ 128 in the products); MXFP4 the
-// same with the doubled E2M1 levels, its rows' E8M0 exponents (a byte each) in place of d.
-struct block_q8_0x16 { uint16_t d[16]; uint8_t qs[8][64]; };
-struct block_q4_0x16 { uint16_t d[16]; uint8_t qs[4][64]; };
-struct block_mxfp4x16 { uint8_t e[16]; uint8_t qs[4][64]; };
-struct block_q5_0x16 { uint16_t d[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
-// Q4_1/Q5_1: the same with the rows' fp16 mins after d (w = d u + m; no offset).
-struct block_q4_1x16 { uint16_t d[16]; uint16_t m[16]; uint8_t qs[4][64]; };
-struct block_q5_1x16 { uint16_t d[16]; uint16_t m[16]; uint8_t qs[4][64]; uint64_t qh[8]; };
-// The K formats keep each row's bytes, moved: Q4_K/Q5_K qs[j][c] holds for row r bytes
-// 32j + 4c .. +3 of its qs (low nibbles elements 64j + 4c + i, high ones 32 further), scales[k][r]
-// byte k of its 12 packed 6-bit scales and mins; Q5_K's fifth bits as qh[G] bit 4r + i for
-// element 4G + i. Q6_K: ql[n][c] bytes 64n + 4c .. +3 of row r's ql (low nibbles elements
-// 128n + 4c + i, high ones 64 further), qh[n][c] bytes 32n + 4c .. +3 of its qh (bits 2k, 2k+1:
-// element 128n + 4c + i + 32k), scales[s][r] its 16-element scale s.
-// Q2_K: qs[n][c] bytes 32n + 4c .. +3 of row r's qs (bits 2j, 2j+1: element 128n + 32j + 4c + i),
-// scales[s][r] its byte s (scale and min of sub-block s). Q3_K: qs as Q2_K's, hmask[c] bytes
-// 4c .. +3 of its hmask (bit 4n + j: the high bit of element 128n + 32j + 4c + i), scales[k][r]
-// byte k of its 12 packed 6-bit scales; its values u = q + 4 (0..7).
-struct block_q2_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[16][16]; uint8_t qs[2][8][64]; };
-struct block_q3_Kx16 { uint16_t d[16]; uint8_t scales[12][16]; uint8_t hmask[8][64]; uint8_t qs[2][8][64]; };
-struct block_q4_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint8_t qs[4][8][64]; };
-struct block_q5_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint64_t qh[64]; uint8_t qs[4][8][64]; };
-struct block_q6_Kx16 { uint8_t ql[2][16][64]; uint8_t qh[2][8][64]; int8_t scales[16][16]; uint16_t d[16]; };
-static_assert(sizeof(block_q8_0x16) == 16 * 34, "16 rows of Q8_0 blocks");
-static_assert(sizeof(block_q4_1x16) == 16 * 20, "16 rows of Q4_1 blocks");
-static_assert(sizeof(block_q5_1x16) == 16 * 24, "16 rows of Q5_1 blocks");
-static_assert(sizeof(block_q2_Kx16) == 16 * 84, "16 rows of Q2_K blocks");
-static_assert(sizeof(block_q3_Kx16) == 16 * 110, "16 rows of Q3_K blocks");
-static_assert(sizeof(block_q4_Kx16) == 16 * 144, "16 rows of Q4_K blocks");
-static_assert(sizeof(block_q5_Kx16) == 16 * 176, "16 rows of Q5_K blocks");
-static_assert(sizeof(block_q6_Kx16) == 16 * 210, "16 rows of Q6_K blocks");
-static_assert(sizeof(block_q4_0x16) == 16 * 18, "16 rows of Q4_0 blocks");
-static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
-static_assert(sizeof(block_mxfp4x16) == 16 * 17, "16 rows of MXFP4 blocks");
 
 // The offset the 32-element formats' unsigned values carry (removed as -OFF * sum(activations)).
 int repack_offset(QType t);
