@@ -5,8 +5,10 @@ GPU held to --mem (default 8 GiB) plus the CPU as fit decides, against llama.cpp
 the same number of layers on the GPU and the same layers' experts on the CPU (-ngl, -ot ...=CPU).
 bench/gpu_compare.py alternates the two (pp512 and tg128 over --rounds), with one more stowlm row
 whose prompts leave the experts to the CPU (--moe-offload-min 0): what copying them to the GPU
-brings, for the threshold's default; and one whose staged experts are copied from unpinned pages
-(STOWLM_PIN_EXPERTS=0): what page-locking them brings.
+brings, for the threshold's default; one whose staged experts are copied from unpinned pages
+(STOWLM_PIN_EXPERTS=0): what page-locking them brings; and one whose CPU weights keep GGUF's layout
+(STOWLM_REPACK=0; beside the GPU that is the experts): what repacking them for the CPU's decode
+brings, against unrepacking each staged copy on the GPU.
 
     python3 bench/big_moe_compare.py [--model PATH] [--mem 8GiB] [--rounds 2] [--out DIR]
                                      [--devices LIST] [--dry-run] [-- gpu_compare options ...]
@@ -100,7 +102,8 @@ def main(argv=None) -> int:
     args = ["-m", str(model), "--rounds", str(a.rounds), "--no-graphs-off",
             "--stowlm-args=" + shlex.join(ours), "--peer-args=" + shlex.join(theirs),
             "--variant", "experts on the CPU for prompts=--moe-offload-min 0",
-            "--variant", "staged experts not pinned=STOWLM_PIN_EXPERTS=0"]
+            "--variant", "staged experts not pinned=STOWLM_PIN_EXPERTS=0",
+            "--variant", "experts in GGUF's layout=STOWLM_REPACK=0"]
     if a.out:
         args += ["--out", a.out]
     return gpu_compare.main(args + rest)

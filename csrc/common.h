@@ -24,6 +24,10 @@ constexpr int64_t kCpuR16RowsMax = 256;
 // (ContextParams::moe_offload_min). Provisional, to be measured on a GPU: the copy of a layer's
 // experts must cost less than the CPU's work on them.
 constexpr int64_t kMoeOffloadMin = 256;
+// Beside a GPU, a stack of experts repacks (cpu/repack.h) only where one of its 16-row groups
+// fits this many bytes: the GPU puts a staged copy back in GGUF's layout in place, a group at a
+// time in a block's shared memory (sm_86/89 give a block at most 99 KiB).
+constexpr size_t kStagedRows16GroupMax = (size_t)96 << 10;
 
 HOST_DEVICE float bits_to_f32(uint32_t u) {
     float f;

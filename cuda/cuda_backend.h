@@ -322,6 +322,10 @@ void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream s);
 void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream s);
 void f32_to_f16(const float* x, uint16_t* y, int64_t n, Stream s);
 void f16_to_f32(const uint16_t* x, float* y, int64_t n, Stream s);
+// n_mat matrices (rows x cols each, back to back) that the CPU repacked into 16-row groups
+// (cpu/repack.h) back in GGUF's layout, in place: a staged copy of experts the CPU keeps repacked.
+// Each group must fit kStagedRows16GroupMax bytes; rows after the last whole group are left as they are.
+void unrepack_rows16(void* data, QType type, int64_t n_mat, int64_t rows, int64_t cols, Stream s);
 // Strided 2-D copy of n rows of `bytes` each.
 void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_bytes, int64_t n, size_t bytes,
                Stream s);

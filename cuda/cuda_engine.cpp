@@ -34,6 +34,7 @@
 #include "error.h"
 #include "moe_select.h"
 #include "quant/dot_q8_1.h"
+#include "quant/rows16.h"
 
 namespace stowlm {
 
@@ -142,7 +143,11 @@ public:
         b.data = nullptr, b.size = 0, b.backend = nullptr;
     }
 
-    bool can_stage(const Tensor& n) const override { return n.op == Op::MUL_MAT_ID && unsupported_reason(n).empty(); }
+    bool can_stage(const Tensor& n) const override {
+        if (n.op != Op::MUL_MAT_ID || !unsupported_reason(n).empty()) return false;
+        const Tensor* w = n.src[0];  // repacked experts come back to GGUF's layout a group at a time in shared memory
+        return !w->rows16 || kRepackRows * row_bytes(w->type, w->ne[0]) <= kStagedRows16GroupMax;
+    }
     size_t staging_bytes(const Tensor& n) const override {
         return n.staged ? (n.src[0]->nbytes() + 255) & ~(size_t)255 : 0;  // the slot: 256-byte aligned
     }
@@ -519,6 +524,8 @@ private:
         const Tensor* w = st.nodes[k]->src[0];
         if (st.used[s]) dev_->wait(cs, st.used[s]), dev_->release(st.used[s]), st.used[s] = nullptr;
         dev_->copy_to_device(st.slot[s], w->data, w->nbytes(), cs);
+        // experts the CPU keeps repacked for its own products: GGUF's layout again for the GPU's
+        if (w->rows16) cuda::unrepack_rows16(st.slot[s], w->type, w->ne[2], w->ne[1], w->ne[0], cs);
         st.copied[s] = dev_->record(cs);
     }
     // Where node n's staged weights are: its copy is waited for on stream s.

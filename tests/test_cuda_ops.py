@@ -228,6 +228,22 @@ def test_get_rows(dev, name):
     np.testing.assert_array_equal(out, w[ids].astype(np.float32))
 
 
+@pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K",
+                                  "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("rows", [48, 37])  # whole groups, and a tail of 5 rows after two
+def test_unrepack_rows16_gives_the_gguf_bytes_back(dev, name, rows):
+    """A staged copy of experts the CPU keeps repacked goes back to the file's bytes on the GPU."""
+    cuda_only(dev)
+    rng = np.random.default_rng(rows)
+    n_mat, cols = 3, 512
+    raws = [random_weights(name, rows, cols, rng)[0] for _ in range(n_mat)]
+    packed = np.concatenate([_core.ops.repack_rows16_raw(r.reshape(-1), int(T[name]), rows, cols) for r in raws])
+    gguf_bytes = np.concatenate([r.reshape(-1) for r in raws])
+    assert not np.array_equal(packed, gguf_bytes)
+    out = run(dev, "unrepack_rows16", packed, int(T[name]), n_mat, rows, cols)
+    np.testing.assert_array_equal(out, gguf_bytes)
+
+
 def test_get_rows_rejects_bad_id(dev):
     raw = np.zeros((4, 32 * 4), np.uint8)
     with pytest.raises(ValueError, match="outside"):

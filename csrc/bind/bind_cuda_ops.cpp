@@ -268,6 +268,19 @@ Out<float> get_rows(In<uint8_t> raw, uint32_t qtype, In<int32_t> ids, int64_t n_
     return download<float>(d, ob, {(size_t)n_ids, (size_t)n_cols});
 }
 
+// n_mat matrices repacked into 16-row groups (ops.repack_rows16_raw each), put back in GGUF's
+// layout in place on the device (unrepack_rows16: a staged copy of experts the CPU keeps repacked).
+Out<uint8_t> unrepack_rows16(In<uint8_t> packed, uint32_t qtype, int64_t n_mat, int64_t rows, int64_t cols, int dev_index) {
+    const QType t = (QType)qtype;
+    stowlm::qtype_checked(qtype);
+    if (n_mat <= 0 || rows <= 0 || packed.size() != stowlm::row_bytes(t, cols) * (size_t)(rows * n_mat))
+        throw InvalidInput("unrepack_rows16: packed is not n_mat * rows rows of that type");
+    cu::CudaDevice& d = device(dev_index);
+    Buf b(d, packed.data(), packed.size());
+    cu::unrepack_rows16(b.p, t, n_mat, rows, cols, d.compute_stream());
+    return download<uint8_t>(d, b, {packed.size()});
+}
+
 // One token's gate and up expert products joined by their GLU (moe_matmul_glu): (g, u, act), (k, rows) each.
 nb::tuple moe_glu(In<uint8_t> wg, In<uint8_t> wu, uint32_t qtype, int n_expert, int64_t rows, int64_t cols,
                   In<float> x, In<int32_t> ids, bool gelu, int dev_index) {
@@ -337,6 +350,8 @@ STOWLM_BIND(cuda_ops) {
            "kv_type cells on the device; n_split <= 0: the launcher's choice");
     co.def("flash_attn_v_in_k", &flash_attn_v_in_k, nb::arg("q"), nb::arg("k"), nb::arg("hd_v"), nb::arg("q_pos"),
            nb::arg("kv_pos"), nb::arg("scale"), nb::arg("n_split") = 1, nb::arg("device") = 0);
+    co.def("unrepack_rows16", &unrepack_rows16, nb::arg("packed"), nb::arg("qtype"), nb::arg("n_mat"), nb::arg("rows"),
+           nb::arg("cols"), nb::arg("device") = 0);
     co.def("get_rows", &get_rows, nb::arg("raw"), nb::arg("qtype"), nb::arg("ids"), nb::arg("n_cols"), nb::arg("device") = 0);
     co.def("moe_matmul_glu", &moe_glu, nb::arg("wg"), nb::arg("wu"), nb::arg("qtype"), nb::arg("n_expert"),
            nb::arg("rows"), nb::arg("cols"), nb::arg("x"), nb::arg("ids"), nb::arg("gelu") = false,

@@ -202,8 +202,9 @@ ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape
     return r;
 }
 
-// Staged experts are copied from the model's mapping at every staged micro-batch: page-locked,
-// that copy is a DMA at the bus's speed instead of a host memcpy through bounce buffers. The
+// Staged experts are copied from the model's mapping or its repacked weights at every staged
+// micro-batch: page-locked, that copy is a DMA at the bus's speed instead of a host memcpy through
+// bounce buffers. The
 // pages of every device's staged weights, merged, are pinned by the first staging device (the
 // pin is portable), unless that would lock more than half the RAM (STOWLM_PIN_EXPERTS=0: never).
 // Returns the bytes pinned.
@@ -216,7 +217,7 @@ size_t pin_staged_weights(const Model& m, const Graph& g, const std::vector<Back
     for (const Tensor* n : g.nodes()) {
         if (!n->staged) continue;
         const Tensor* w = n->src[0];
-        if (!m.file().maps(w->data, w->nbytes())) continue;  // only the mapping surely outlives the backends
+        if (!m.outlives_backends(w->data, w->nbytes())) continue;
         stager = stager ? stager : backends.at(n->device);
         const uintptr_t b = (uintptr_t)w->data;
         spans.emplace_back(b / page * page, (b + w->nbytes() + page - 1) / page * page);

@@ -334,9 +334,10 @@ size_t mem_available() {
 // GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done for the weights a
 // CPU device of this process computes with (every rank of an MPI job repacks its own) where the
 // AVX-512 row kernels run (batches of 256+ keep their GEMM or AMX tiles, whose panels unpack the
-// repacked rows). Beside a GPU, stacks of experts keep GGUF's layout: the GPU may stage them
-// (copy them in for a large batch, Backend::can_stage), and its kernels read that layout; a
-// CPU's layers of a split and its other weights repack. A matrix repacks whatever its rows, and
+// repacked rows). Beside a GPU, which may stage a stack of experts (copy it in for a large batch,
+// Backend::can_stage) and puts a staged copy back in GGUF's layout for its kernels, a stack
+// repacks where its 16-row groups fit that unrepacking (kStagedRows16GroupMax) and otherwise
+// keeps GGUF's layout. A matrix repacks whatever its rows, and
 // its rows give the same bits wherever they are cut; a stack of experts repacks each expert.
 // Not where the copies would exceed the memory available (under pressure the mapped pages are
 // evicted and read from the file again; anonymous copies could only go to swap).
@@ -355,7 +356,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
         Tensor& t = *tp;
         const Backend* b = backends_[t.device].get();
         if (dist::is_remote(b) || !b->host_accessible() || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]) ||
-            (gpu && t.ne[2] > 1))
+            (gpu && t.ne[2] > 1 && kRepackRows * row_bytes(t.type, t.ne[0]) > kStagedRows16GroupMax))
             continue;
         todo.push_back(&t);
         total += padded(t.nbytes());
@@ -367,7 +368,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
     uint8_t* dst = (uint8_t*)std::aligned_alloc(kHuge, alloc);
     if (!dst) return;  // keep the GGUF layout rather than fail a load that fits
     madvise(dst, alloc, MADV_HUGEPAGE);
-    repacked_.reset(dst);
+    repacked_.reset(dst), repacked_bytes_ = alloc;
     std::vector<uint8_t*> at(todo.size());
     for (size_t i = 0, off = 0; i < todo.size(); i++) at[i] = dst + off, off += padded(todo[i]->nbytes());
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
@@ -418,6 +419,11 @@ std::vector<WeightInfo> Model::weight_infos() const {
                      kv.second.n_elements()});
     }
     return r;
+}
+
+bool Model::outlives_backends(const void* p, size_t bytes) const {
+    const uint8_t *b = (const uint8_t*)p, *r = repacked_.get();
+    return file_->maps(p, bytes) || (r && b >= r && b + bytes <= r + repacked_bytes_);
 }
 
 std::vector<std::string> Model::repacked_weights() const {

@@ -214,6 +214,9 @@ public:
     const std::vector<size_t>& weight_bytes() const { return weight_bytes_; }  // per device
     // Names of the weights repacked into 16-row groups at load (cpu/repack.h).
     std::vector<std::string> repacked_weights() const;
+    // Whether [p, p + bytes) lies in host memory that outlives the model's backends: the file's
+    // mapping or the repacked weights (what a backend may page-lock).
+    bool outlives_backends(const void* p, size_t bytes) const;
     int weight_device(const std::string& name) const;  // -1 when the model does not use it
     std::vector<WeightInfo> weight_infos() const;      // every weight the model uses, by name
 
@@ -226,6 +229,12 @@ private:
     std::shared_ptr<const GGUFFile> file_;
     HParams hp_;
     const ArchDef* arch_ = nullptr;
+    // CPU weights repacked at load (cpu/repack.h); their share of the budget is still counted
+    // through weight_buffers_, the mapped bytes they replace are given back to the page cache.
+    // Before backends_: a backend that page-locked some (staged experts) lets go of them first.
+    struct FreeDeleter { void operator()(void* p) const { std::free(p); } };
+    std::unique_ptr<uint8_t, FreeDeleter> repacked_;
+    size_t repacked_bytes_ = 0;
     std::vector<std::unique_ptr<Backend>> backends_;
     std::map<std::string, Tensor> weights_;
     std::vector<LayerWeights> layers_;
@@ -234,10 +243,6 @@ private:
     int interleave_ = 1;
     std::vector<size_t> weight_bytes_;
     std::vector<BufferPtr> weight_buffers_;
-    // CPU weights repacked at load (cpu/repack.h); their share of the budget is still counted
-    // through weight_buffers_, the mapped bytes they replace are given back to the page cache.
-    struct FreeDeleter { void operator()(void* p) const { std::free(p); } };
-    std::unique_ptr<uint8_t, FreeDeleter> repacked_;
     void repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates);
     int loading_device_ = 0;  // device for tensors named while loading a layer
     int loading_anchor_ = 0;  // and what that device follows (WeightInfo::anchor)

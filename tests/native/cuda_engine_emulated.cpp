@@ -27,7 +27,7 @@ namespace stowlm::cuda {
 extern int g_split_calls;
 extern int g_fixed_split_calls;
 extern std::atomic<int> g_graphs_made;
-extern size_t g_pinned_copy_bytes, g_pinned_live;
+extern size_t g_pinned_copy_bytes, g_pinned_live, g_unrepacked_bytes;
 }
 
 namespace {
@@ -58,6 +58,8 @@ struct Run {
     size_t experts = 0;                // out: all expert tensors' bytes
     size_t pinned = 0;                 // out: Context::pinned_host_bytes()
     size_t pinned_copied = 0;          // out: bytes the eval copied to a device from pinned memory
+    int expert_tensors = 0, repacked_experts = 0;  // out: expert tensors, and those the CPU repacked
+    size_t unrepacked = 0;             // out: bytes the eval put back in GGUF's layout on a device
 };
 
 // All-position logits of the prompt, then n_decode greedy single-token steps (the tokens come
@@ -75,13 +77,15 @@ std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_
     r.compute_bytes = c.memory_report().front().compute;
     r.scratch_bytes = c.plan().devices[0].scratch_bytes;
     r.pinned = c.pinned_host_bytes();
-    r.experts = 0;
+    r.experts = 0, r.expert_tensors = 0, r.repacked_experts = 0;
     for (const WeightInfo& w : m->weight_infos())
         if (w.name.find("_exps") != std::string::npos)
-            r.largest_experts = std::max(r.largest_experts, w.bytes), r.experts += w.bytes;
-    const size_t copied = cuda::g_pinned_copy_bytes;
+            r.largest_experts = std::max(r.largest_experts, w.bytes), r.experts += w.bytes, r.expert_tensors++;
+    for (const std::string& w : m->repacked_weights()) r.repacked_experts += w.find("_exps") != std::string::npos;
+    const size_t copied = cuda::g_pinned_copy_bytes, unrepacked = cuda::g_unrepacked_bytes;
     std::vector<float> logits = emulated::prompt_then_greedy(*m, c, prompt, n_decode, forced, failures);
     r.pinned_copied = cuda::g_pinned_copy_bytes - copied;
+    r.unrepacked = cuda::g_unrepacked_bytes - unrepacked;
     return logits;
 }
 
@@ -345,6 +349,29 @@ void check_staging(const std::string& dir, const std::string& name, int n_layer)
         if (!ok || !released) failures++;
     }
     unsetenv("STOWLM_PIN_EXPERTS");
+    // Where this CPU repacks (AVX-512 VNNI) it repacks the experts beside the GPU too, and each
+    // staged copy goes back to GGUF's layout on the device: a prompt whose micro-batches are all
+    // staged gives the bits of the same run with the GGUF layout on the CPU (STOWLM_REPACK=0),
+    // and every staged byte was unrepacked (and pinned in the repacked copy).
+    Run runs[2] = {plain, plain};
+    std::vector<float> logits[2];
+    for (int repack = 0; repack < 2; repack++) {
+        setenv("STOWLM_REPACK", repack ? "1" : "0", 1);
+        runs[repack].moe_min = 8;  // the micro-batches 16, 16, 8
+        logits[repack] = run(dir + "/" + name + ".gguf", runs[repack], prompt, 0, 128, 16, &none);
+    }
+    setenv("STOWLM_REPACK", "0", 1);  // (main's setting)
+    const Run& r = runs[1];
+    const bool repacks = r.repacked_experts > 0;
+    const bool ok = logits[0] == logits[1] && runs[0].repacked_experts == 0 && runs[0].unrepacked == 0 &&
+                    (repacks ? r.repacked_experts == r.expert_tensors && r.unrepacked == 3 * r.experts &&
+                                   r.pinned >= r.experts && r.pinned_copied == 3 * r.experts
+                             : r.unrepacked == 0);
+    printf("%s %-22s %d of %d expert tensors repacked on cpu:0; staged prompt: %zu bytes unrepacked on cuda:0 (%zu "
+           "staged, %zu of them pinned), logits %s the GGUF layout's\n",
+           ok ? "ok  " : "FAIL", name.c_str(), r.repacked_experts, r.expert_tensors, r.unrepacked, 3 * r.experts,
+           r.pinned_copied, logits[0] == logits[1] ? "the bits of" : "NOT");
+    if (!ok) failures++;
 }
 
 // STOWLM_CUDA_FUSION=0: every node its own kernels (24 a llama layer: each product quantizes its

@@ -39,6 +39,7 @@
 #include "moe_router.h"
 #include "moe_select.h"
 #include "quant/dot_q8_1.h"
+#include "quant/rows16.h"
 
 namespace stowlm::cuda {
 
@@ -47,6 +48,7 @@ std::atomic<int> g_graphs_made{0}, g_graph_launches{0};
 int g_fixed_split_calls = 0;  // of which with fixed splits (several sequences)
 size_t g_pinned_copy_bytes = 0;  // copied to a device from pinned host memory
 size_t g_pinned_live = 0;        // bytes pinned now, by every emulated device
+size_t g_unrepacked_bytes = 0;   // staged weights put back in GGUF's layout (unrepack_rows16)
 
 namespace {
 
@@ -495,6 +497,28 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
     }
     launched(n_ids > 0 && n_cols > 0);
     exec([=] { cpu::get_rows(table, type, n_rows, n_cols, ids, n_ids, out, ld_out, pool()); });
+}
+
+void unrepack_rows16(void* data, QType type, int64_t n_mat, int64_t rows, int64_t cols, Stream) {
+    const int pb = rows16_block_bytes(type);
+    const int64_t per_block = rows16_kformat(type) ? QK_K : QK;
+    if (pb == 0 || n_mat <= 0 || rows <= 0 || cols <= 0 || cols % per_block)
+        throw InvalidInput("cuda unrepack_rows16: no 16-row layout");
+    const int64_t nb = cols / per_block, groups = rows / kRepackRows;
+    const size_t rb = (size_t)nb * pb, mat = (size_t)rows * rb;
+    if (kRepackRows * rb > kStagedRows16GroupMax) throw InvalidInput("cuda unrepack_rows16: a group over the shared memory");
+    dev_ptr(data, (size_t)n_mat * mat, "unrepack_rows16 data");
+    launched(groups > 0);
+    g_unrepacked_bytes += (size_t)n_mat * mat;
+    exec([=] {  // the kernel's work: each group through a copy, as through shared memory
+        std::vector<uint8_t> grp(kRepackRows * rb);
+        for (int64_t m = 0; m < n_mat; m++)
+            for (int64_t g = 0; g < groups; g++) {
+                uint8_t* rows_at = (uint8_t*)data + m * mat + g * kRepackRows * rb;
+                memcpy(grp.data(), rows_at, grp.size());
+                rows16_unpack_group(type, nb, rb, grp.data(), rows_at);
+            }
+    });
 }
 
 void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const float* weight, float eps, float* y,
