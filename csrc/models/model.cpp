@@ -265,15 +265,12 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
         m->build_shards(tensor_split);
         m->place_shard_weights(count_weights);
         if (count_weights) {
-            // the row shards and experts' rows (not the column slices of -sm tensor-sum, nor a tied
-            // head's rows, which read the embedding): any rows of a matrix repack to the whole's bits
-            // (a tied head's rows on any device: one device reads them from the embedding, unpacked)
+            // the row shards and experts' rows (not the column slices of -sm tensor-sum): any rows
+            // of a matrix repack to the whole's bits; a tied head's rows too (their copies: the
+            // embedding's lookups keep reading the file's rows)
             std::vector<Tensor*> rows;
-            const uint8_t* e0 = (const uint8_t*)m->tok_embd_->data;
-            for (const auto& t : m->shard_store_) {
-                const uint8_t* p = (const uint8_t*)t->data;
-                if (!m->cuts_columns(t.get()) && !(p >= e0 && p < e0 + m->tok_embd_->nbytes())) rows.push_back(t.get());
-            }
+            for (const auto& t : m->shard_store_)
+                if (!m->cuts_columns(t.get())) rows.push_back(t.get());
             m->repack_cpu_weights(devices, rows);
         }
         return m;
@@ -308,8 +305,9 @@ std::unique_ptr<Model> Model::load(std::shared_ptr<const GGUFFile> file, const s
         }
         for (auto& kv : m->weights_) kv.second.buffer = nullptr;  // weights stay where the file put them
         std::vector<Tensor*> all;
+        // the embedding only where it is the output too: its lookups unrepack their rows (get_rows16)
         for (auto& kv : m->weights_)
-            if (&kv.second != m->tok_embd_) all.push_back(&kv.second);  // the embedding is read by rows (get_rows)
+            if (&kv.second != m->tok_embd_ || m->output_ == m->tok_embd_) all.push_back(&kv.second);
         m->repack_cpu_weights(devices, all);
     }
     return m;
