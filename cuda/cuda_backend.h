@@ -342,6 +342,10 @@ struct KvRows {
 };
 // store_kv() of a layer's K and V rows at the same cells, one launch.
 void store_kv_pair(const KvRows& k, const KvRows& v, int64_t n_tok, QType kv_type, const int32_t* dst_cells, Stream s);
+// rope_pair(q, k.x) and then store_kv_pair(k, v), one launch with their bits (a layer's q and k
+// rotated in place, its K and V into the caches' cells); k.x is rotated in place.
+void rope_store(float* q, int64_t n_head_q, int64_t ld_q, const KvRows& k, const KvRows& v, int64_t n_tok,
+                const int32_t* pos, const cpu::RopeParams& p, QType kv_type, const int32_t* dst_cells, Stream s);
 // As cpu::store_kv for F16 caches.
 void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
               void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream s);

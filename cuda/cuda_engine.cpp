@@ -634,7 +634,7 @@ private:
 
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
-    // gate and up products + their GLU; q and k ROPEs; K and V stores.
+    // gate and up products + their GLU; q and k ROPEs [+ the K and V stores after them]; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
         if (!fusion_on_) {  // every node its own kernels (STOWLM_CUDA_FUSION=0: to compare, or to isolate a fault)
@@ -655,6 +655,14 @@ private:
             cu::top_k_weights(f32(x), x->n_rows(), x->ne[0], x->ne[0], top_k_params(*tk), (int32_t*)tk->data,
                               f32(logits), (cpu::Gating)mw->iparams[0], mw->iparams[1] != 0, mw->fparams[0], f32(mw), s);
             return i + 2;
+        }
+        if (rope_pair(nodes, i) && store_pair(nodes, i + 2) && nodes[i + 2]->src[0] == nodes[i + 1]) {  // the rotated k stored, and v
+            Tensor *q = nodes[i], *k = nodes[i + 1];
+            prepare_in_place(q, s), prepare_in_place(k, s);
+            const Tensor* ks = nodes[i + 2];
+            cu::rope_store(f32(q), q->ne[1], q->ne[0] * q->ne[1], kv_rows(ks), kv_rows(nodes[i + 3]), q->ne[2],
+                           i32(q->src[1]), rope_params(*q), ks->src[1]->type, i32(ks->src[2]), s);
+            return i + 4;
         }
         if (rope_pair(nodes, i)) {
             Tensor *q = nodes[i], *k = nodes[i + 1];

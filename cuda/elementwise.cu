@@ -118,12 +118,40 @@ __device__ __forceinline__ T pick(const T (&a)[2], unsigned j) {
     return j ? a[1] : a[0];
 }
 
+// The angles' parameters of a rope, the yarn's corrected dims computed once on the host, as the
+// CPU's table does.
+RopeAngleParams rope_angle_params(const cpu::RopeParams& p) {
+    RopeAngleParams a;
+    a.n_rot = p.n_rot, a.freq_base = p.freq_base, a.freq_scale = p.freq_scale;
+    a.yarn = rope_is_yarn(p.ext_factor, p.attn_factor), a.ext_factor = p.ext_factor, a.attn_factor = p.attn_factor;
+    if (a.yarn) rope_yarn_corr_dims(p.n_rot, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow, &a.corr_lo, &a.corr_hi);
+    return a;
+}
+
 // The tensors one launch rotates (blockIdx.y picks one): q and k of a layer share the positions
 // and the angles.
 struct RopeJobs {
     float* x[2];
     int64_t n_head[2], ld_tok[2];
 };
+
+// Rotates pair i of the head at xh (a token at position `pos`).
+__device__ __forceinline__ void rope_rotate(float* xh, int64_t i, int32_t pos, bool neox, const RopeAngleParams& a) {
+    const int64_t half = a.n_rot / 2;
+    float angle, mscale;
+    rope_pair_angle(pos, (int)i, a, &angle, &mscale);
+    // sincosf's huge-argument path needs a local-memory table; reduce to [-pi, pi] in double
+    // (exact enough for any position) and use the fast intrinsic, accurate there to ~1e-6.
+    const double theta = (double)angle;
+    const float r = (float)(theta - rint(theta * 0.15915494309189535) * 6.283185307179586);
+    float sn, cs;
+    __sincosf(r, &sn, &cs);
+    sn *= mscale, cs *= mscale;
+    const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
+    const float x0 = xh[i0], x1 = xh[i1];
+    xh[i0] = x0 * cs - x1 * sn;
+    xh[i1] = x0 * sn + x1 * cs;
+}
 
 __global__ void __launch_bounds__(256) rope_kernel(RopeJobs jobs, int64_t n_tok, int64_t head_dim,
                                                    const int32_t* __restrict__ pos, bool neox, RopeAngleParams a) {
@@ -133,20 +161,7 @@ __global__ void __launch_bounds__(256) rope_kernel(RopeJobs jobs, int64_t n_tok,
     const int64_t k = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (k >= n_tok * n_head * half) return;
     const int64_t i = k % half, th = k / half, h = th % n_head, t = th / n_head;
-    float angle, mscale;
-    rope_pair_angle(pos[t], (int)i, a, &angle, &mscale);
-    // sincosf's huge-argument path needs a local-memory table; reduce to [-pi, pi] in double
-    // (exact enough for any position) and use the fast intrinsic, accurate there to ~1e-6.
-    const double theta = (double)angle;
-    const float r = (float)(theta - rint(theta * 0.15915494309189535) * 6.283185307179586);
-    float sn, cs;
-    __sincosf(r, &sn, &cs);
-    sn *= mscale, cs *= mscale;
-    float* xh = x + t * ld_tok + h * head_dim;
-    const int64_t i0 = neox ? i : 2 * i, i1 = neox ? i + half : 2 * i + 1;
-    const float x0 = xh[i0], x1 = xh[i1];
-    xh[i0] = x0 * cs - x1 * sn;
-    xh[i1] = x0 * sn + x1 * cs;
+    rope_rotate(x + t * ld_tok + h * head_dim, i, pos[t], neox, a);
 }
 
 // ---- strided copies: row r of a [ne0, ne1, ne2, ne3] tensor at byte offset i1*nb1 + i2*nb2 + i3*nb3 --
@@ -238,25 +253,47 @@ struct StoreJobs {
     uint8_t* cache[2];
     size_t cell_bytes[2];
 };
-__global__ void __launch_bounds__(256) store_kv_f16_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
-    const unsigned j = blockIdx.z;
-    const int64_t t = blockIdx.y, width = pick(jobs.width, j);
+// Job j's row t into its cell: the elements (F16) or blocks (Q8_0) first, first + step, ...
+template <bool Q8>
+__device__ __forceinline__ void store_row(const StoreJobs& jobs, unsigned j, int64_t t, const int32_t* __restrict__ cells,
+                                          int64_t first, int64_t step) {
     const int32_t c = cells[t];
     if (c < 0) return;
+    const int64_t width = pick(jobs.width, j);
     const float* x = pick(jobs.x, j) + t * pick(jobs.ld_x, j);
-    uint16_t* dst = (uint16_t*)(pick(jobs.cache, j) + (size_t)c * pick(jobs.cell_bytes, j));
-    for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < width; i += (int64_t)gridDim.x * blockDim.x)
-        dst[i] = f32_to_fp16(x[i]);
+    uint8_t* cell = pick(jobs.cache, j) + (size_t)c * pick(jobs.cell_bytes, j);
+    for (int64_t i = first; i < width; i += step) {
+        if (Q8) quantize_block_q8_0(x + i * QK, (block_q8_0*)cell + i);
+        else ((uint16_t*)cell)[i] = f32_to_fp16(x[i]);
+    }
+}
+__global__ void __launch_bounds__(256) store_kv_f16_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
+    store_row<false>(jobs, blockIdx.z, blockIdx.y, cells, (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
+                     (int64_t)gridDim.x * blockDim.x);
 }
 __global__ void __launch_bounds__(128) store_kv_q8_0_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
-    const unsigned j = blockIdx.z;
-    const int64_t t = blockIdx.y, n_blocks = pick(jobs.width, j);
-    const int32_t c = cells[t];
-    if (c < 0) return;
-    const float* x = pick(jobs.x, j) + t * pick(jobs.ld_x, j);
-    block_q8_0* dst = (block_q8_0*)(pick(jobs.cache, j) + (size_t)c * pick(jobs.cell_bytes, j));
-    for (int64_t b = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; b < n_blocks; b += (int64_t)gridDim.x * blockDim.x)
-        quantize_block_q8_0(x + b * QK, dst + b);
+    store_row<true>(jobs, blockIdx.z, blockIdx.y, cells, (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
+                    (int64_t)gridDim.x * blockDim.x);
+}
+
+// rope_pair and then store_kv_pair of the rotated k and of v, one launch: block (t, 0) rotates
+// token t's q, (t, 1) its k and then stores it, (t, 2) stores its v; the same arithmetic as the
+// two kernels, so the same bits.
+template <bool Q8>
+__global__ void __launch_bounds__(256) rope_store_kernel(float* __restrict__ q, int64_t n_head_q, int64_t ld_q,
+                                                         int64_t n_head_k, StoreJobs kv, int64_t head_dim,
+                                                         const int32_t* __restrict__ pos, bool neox, RopeAngleParams a,
+                                                         const int32_t* __restrict__ cells) {
+    const int64_t t = blockIdx.x, half = a.n_rot / 2;
+    const unsigned job = blockIdx.y;
+    if (job < 2) {
+        float* x = job == 0 ? q + t * ld_q : (float*)kv.x[0] + t * kv.ld_x[0];
+        const int64_t n = (job == 0 ? n_head_q : n_head_k) * half;
+        for (int64_t k = threadIdx.x; k < n; k += blockDim.x) rope_rotate(x + (k / half) * head_dim, k % half, pos[t], neox, a);
+        if (job == 0) return;
+        __syncthreads();  // the whole rotated row before it is stored
+    }
+    store_row<Q8>(kv, job - 1, t, cells, threadIdx.x, blockDim.x);
 }
 
 dim3 rows_grid(int64_t n, int64_t dim) { return dim3((unsigned)std::min<int64_t>(ceil_div(dim, 256), 64), (unsigned)n); }
@@ -348,8 +385,8 @@ void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float sc, floa
 }
 
 // rope() over one or two tensors of the same tokens, head width and positions, one launch.
-static void rope_jobs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t head_dim, const int32_t* pos,
-                      const cpu::RopeParams& p, Stream s) {
+// The pairs a launch rotates at most (threads), after the arguments' checks.
+static int64_t rope_pairs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t head_dim, const cpu::RopeParams& p) {
     int64_t n = 0;
     for (int j = 0; j < n_jobs; j++) {
         if (n_tok < 0 || jobs.n_head[j] < 0) throw InvalidInput("rope: negative size");
@@ -358,12 +395,13 @@ static void rope_jobs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t h
     if (p.n_rot <= 0 || p.n_rot % 2 != 0 || p.n_rot > head_dim)
         throw InvalidInput("rope: n_rot " + std::to_string(p.n_rot) + " must be even, > 0 and <= head_dim " +
                            std::to_string(head_dim));
+    return n;
+}
+static void rope_jobs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t head_dim, const int32_t* pos,
+                      const cpu::RopeParams& p, Stream s) {
+    const int64_t n = rope_pairs(jobs, n_jobs, n_tok, head_dim, p);
     if (n == 0) return;
-    RopeAngleParams a;
-    a.n_rot = p.n_rot, a.freq_base = p.freq_base, a.freq_scale = p.freq_scale;
-    a.yarn = rope_is_yarn(p.ext_factor, p.attn_factor), a.ext_factor = p.ext_factor, a.attn_factor = p.attn_factor;
-    // the corrected dims once, on the host, as the CPU's table does
-    if (a.yarn) rope_yarn_corr_dims(p.n_rot, p.n_ctx_orig, p.freq_base, p.beta_fast, p.beta_slow, &a.corr_lo, &a.corr_hi);
+    const RopeAngleParams a = rope_angle_params(p);
     rope_kernel<<<dim3(ceil_div(n, 256), (unsigned)n_jobs), 256, 0, (cudaStream_t)s>>>(jobs, n_tok, head_dim, pos,
                                                                                        p.neox, a);
     check_launch("rope_kernel");
@@ -459,13 +497,13 @@ void copy_rows(const void* src, size_t ld_src_bytes, void* dst, size_t ld_dst_by
                "copy_rows");
 }
 
-// store_kv() of one or two row sets into their caches at the same cells, one launch.
-static void store_kv_jobs(const KvRows* rows, int n_jobs, int64_t n_tok, QType kv_type, const int32_t* cells,
-                          Stream s) {
+// The jobs of store_kv() of one or two row sets, after the arguments' checks; widest: the most
+// elements (F16) or blocks (Q8_0) of a row.
+static StoreJobs store_jobs(const KvRows* rows, int n_jobs, int64_t n_tok, QType kv_type, int64_t& widest) {
     if (kv_type != QType::F16 && kv_type != QType::Q8_0)
         throw InvalidInput(std::string("cuda store_kv: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
     StoreJobs jobs{};
-    int64_t widest = 0;
+    widest = 0;
     for (int j = 0; j < n_jobs; j++) {
         const KvRows& r = rows[j];
         check_rows("store_kv", n_tok, r.head_dim);
@@ -478,6 +516,14 @@ static void store_kv_jobs(const KvRows* rows, int n_jobs, int64_t n_tok, QType k
         jobs.width[j] = kv_type == QType::F16 ? width : width / QK;
         widest = std::max(widest, jobs.width[j]);
     }
+    return jobs;
+}
+
+// store_kv() of one or two row sets into their caches at the same cells, one launch.
+static void store_kv_jobs(const KvRows* rows, int n_jobs, int64_t n_tok, QType kv_type, const int32_t* cells,
+                          Stream s) {
+    int64_t widest;
+    const StoreJobs jobs = store_jobs(rows, n_jobs, n_tok, kv_type, widest);
     if (n_tok == 0 || widest == 0) return;
     if (kv_type == QType::F16) {
         const dim3 grid((unsigned)std::min<int64_t>(ceil_div(widest, 256), 64), (unsigned)n_tok, (unsigned)n_jobs);
@@ -499,6 +545,23 @@ void store_kv_pair(const KvRows& k, const KvRows& v, int64_t n_tok, QType kv_typ
                    Stream s) {
     const KvRows rows[2] = {k, v};
     store_kv_jobs(rows, 2, n_tok, kv_type, dst_cells, s);
+}
+
+void rope_store(float* q, int64_t n_head_q, int64_t ld_q, const KvRows& k, const KvRows& v, int64_t n_tok,
+                const int32_t* pos, const cpu::RopeParams& p, QType kv_type, const int32_t* dst_cells, Stream s) {
+    const int64_t head_dim = k.head_dim;
+    const int64_t pairs = rope_pairs(RopeJobs{{q, (float*)k.x}, {n_head_q, k.n_head_kv}, {ld_q, k.ld_x}}, 2, n_tok, head_dim, p);
+    const KvRows rows[2] = {k, v};
+    int64_t widest;
+    const StoreJobs jobs = store_jobs(rows, 2, n_tok, kv_type, widest);
+    if (n_tok == 0 || (pairs == 0 && widest == 0)) return;
+    const RopeAngleParams a = rope_angle_params(p);
+    const dim3 grid((unsigned)n_tok, 3);
+    if (kv_type == QType::Q8_0)
+        rope_store_kernel<true><<<grid, 256, 0, (cudaStream_t)s>>>(q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos, p.neox, a, dst_cells);
+    else
+        rope_store_kernel<false><<<grid, 256, 0, (cudaStream_t)s>>>(q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos, p.neox, a, dst_cells);
+    check_launch("rope_store_kernel");
 }
 
 }  // namespace stowlm::cuda

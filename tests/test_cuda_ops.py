@@ -384,6 +384,30 @@ def test_store_kv_pair_writes_what_two_stores_write(dev, kv_type):
         np.testing.assert_array_equal(c, want)
 
 
+@pytest.mark.parametrize("kv_type", ["F16", "Q8_0"])
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_store_gives_the_bits_of_rope_pair_then_store_kv_pair(dev, kv_type, neox):
+    """A layer's q and k rotated and its K and V stored in one launch (q 6 heads, k 2 of 64, v 2 of
+    32; a token whose cell is -1 is rotated, not stored): the bits of the two launches."""
+    cuda_only(dev)
+    rng = np.random.default_rng(18)
+    q = rng.standard_normal((4, 6, 64)).astype(np.float32)
+    k = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    v = rng.standard_normal((4, 2, 32)).astype(np.float32)
+    pos = np.array([0, 5, 300, 4095], np.int32)
+    cells = np.array([4, -1, 9, 0], np.int32)
+    kb, vb = (64 * 2, 32 * 2) if kv_type == "F16" else (2 * 34, 34)
+    got = [np.zeros((10, 2 * kb), np.uint8), np.zeros((10, 2 * vb), np.uint8)]
+    qr, kr = run(dev, "rope_store", q, k, v, pos, 48, 10000.0, 0.5, neox, kv_type, got[0], got[1], cells)
+    want_q, want_k = run(dev, "rope_pair", q, k, pos, 48, 10000.0, 0.5, neox)
+    want = [np.zeros_like(got[0]), np.zeros_like(got[1])]
+    run(dev, "store_kv_pair", want_k, v, kv_type, want[0], want[1], cells)
+    np.testing.assert_array_equal(qr, want_q)
+    np.testing.assert_array_equal(kr, want_k)
+    np.testing.assert_array_equal(got[0], want[0])
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 # ---- mixture of experts --------------------------------------------------------------------
 
 def test_router_topk_matches_host(dev):

@@ -507,6 +507,39 @@ STOWLM_BIND(cuda_ops) {
     }, nb::arg("k"), nb::arg("v"), nb::arg("kv_type"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("dst_cells"),
        nb::arg("device") = 0);
 
+    // rope_pair(q, k) then store_kv_pair(k, v) in one launch: (q, k) rotated; the caches written.
+    co.def("rope_store", [](In<float> q, In<float> k, In<float> v, In<int32_t> pos, int n_rot, float base, float scale,
+                            bool neox, const std::string& kv_type_name,
+                            nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> k_cache,
+                            nb::ndarray<uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu> v_cache, In<int32_t> cells,
+                            int di) {
+        const QType kv_type = kv_type_of(kv_type_name);
+        if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3 || q.shape(0) != k.shape(0) || v.shape(0) != k.shape(0) ||
+            q.shape(2) != k.shape(2) || (size_t)pos.size() != q.shape(0) || (size_t)cells.size() != q.shape(0))
+            throw InvalidInput("rope_store: q, k, v (n_tok, n_head, head_dim), q and k of one head width, a position "
+                               "and a cell per token");
+        for (size_t i = 0; i < cells.size(); i++)
+            if (cells.data()[i] >= (int64_t)std::min(k_cache.shape(0), v_cache.shape(0)))
+                throw InvalidInput("rope_store: cell out of range");
+        cu::CudaDevice& d = device(di);
+        Buf qb(d, q.data(), q.size() * 4), kb(d, k.data(), k.size() * 4), vb(d, v.data(), v.size() * 4),
+            pb(d, pos.data(), pos.size() * 4), kc(d, k_cache.data(), k_cache.size()), vc(d, v_cache.data(), v_cache.size()),
+            ib(d, cells.data(), cells.size() * 4);
+        stowlm::cpu::RopeParams p;
+        p.n_rot = n_rot, p.freq_base = base, p.freq_scale = scale, p.neox = neox;
+        const cu::KvRows kr{kb.as<float>(), (int64_t)(k.shape(1) * k.shape(2)), (int64_t)k.shape(1),
+                            (int64_t)k.shape(2), kc.p, k_cache.shape(1)};
+        const cu::KvRows vr{vb.as<float>(), (int64_t)(v.shape(1) * v.shape(2)), (int64_t)v.shape(1),
+                            (int64_t)v.shape(2), vc.p, v_cache.shape(1)};
+        cu::rope_store(qb.as<float>(), q.shape(1), q.shape(1) * q.shape(2), kr, vr, q.shape(0), pb.as<int32_t>(), p,
+                       kv_type, ib.as<int32_t>(), d.compute_stream());
+        d.copy_to_host(k_cache.data(), kc.p, k_cache.size(), d.compute_stream());
+        d.copy_to_host(v_cache.data(), vc.p, v_cache.size(), d.compute_stream());
+        return nb::make_tuple(download<float>(d, qb, shape_of(q)), download<float>(d, kb, shape_of(k)));
+    }, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("pos"), nb::arg("n_rot"), nb::arg("base"), nb::arg("scale"),
+       nb::arg("neox"), nb::arg("kv_type"), nb::arg("k_cache"), nb::arg("v_cache"), nb::arg("dst_cells"),
+       nb::arg("device") = 0);
+
     co.def("router_topk", [](In<float> logits, int k, bool softmax_all, bool normalize, int di) {
         if (logits.ndim() != 2) throw InvalidInput("router_topk: logits must be (n_tok, n_expert)");
         cu::CudaDevice& d = device(di);

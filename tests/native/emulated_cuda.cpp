@@ -707,6 +707,15 @@ void store_kv_pair(const KvRows& k, const KvRows& v, int64_t n_tok, QType kv_typ
     launched(n_tok > 0);
 }
 
+void rope_store(float* q, int64_t n_head_q, int64_t ld_q, const KvRows& k, const KvRows& v, int64_t n_tok,
+                const int32_t* pos, const cpu::RopeParams& p, QType kv_type, const int32_t* dst_cells, Stream s) {
+    const uint64_t before = t_launches;
+    rope_pair(q, n_head_q, ld_q, (float*)k.x, k.n_head_kv, k.ld_x, n_tok, k.head_dim, pos, p, s);
+    store_kv_pair(k, v, n_tok, kv_type, dst_cells, s);
+    t_launches = before;
+    launched(n_tok > 0);
+}
+
 void store_kv(const float* x, int64_t n_tok, int64_t ld_x, int64_t n_head_kv, int64_t head_dim, QType kv_type,
               void* cache, size_t kv_cell_bytes, const int32_t* dst_cells, Stream) {
     rows_limit("store_kv", n_tok);
