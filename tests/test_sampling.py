@@ -199,6 +199,27 @@ def test_logit_bias():
         Sampler(SamplingParams(logit_bias={5: 1.0}), vocab_size=3)
 
 
+@pytest.mark.parametrize("kwargs, allowed", [
+    (dict(temperature=0), None), (dict(temperature=0.8), None), (dict(temperature=0, logit_bias={1: 5.0}), None),
+    (dict(temperature=0.8, repeat_penalty=1.3), None), (dict(temperature=0), [True, False, True, True]),
+])
+def test_the_callers_logits_are_never_written(kwargs, allowed):
+    """Without penalties the chain reads the caller's logits in place (no copy of a vocabulary a
+    token); a bias, a penalty or a grammar's mask works on a copy."""
+    x = np.array([3.0, 2.0, 1.0, 0.5], dtype=np.float32)
+    before = x.copy()
+    s = Sampler(SamplingParams(**kwargs))
+    mask = None if allowed is None else np.array(allowed)
+    ids, _ = s.candidates(x, history=[0, 0, 1], allowed=mask)
+    np.testing.assert_array_equal(x, before)
+    if allowed is not None:
+        assert 1 not in ids.tolist()
+    if kwargs.get("logit_bias"):
+        assert ids.tolist() == [1]
+    with pytest.raises(ValueError, match="NaN"):  # NaN found without a copy as well
+        s.candidates(np.array([0.0, np.nan, 1.0, 2.0], dtype=np.float32))
+
+
 @pytest.mark.parametrize("kwargs, field", [
     (dict(temperature=-0.1), "temperature"), (dict(temperature=float("nan")), "temperature"),
     (dict(top_p=0.0), "top_p"), (dict(top_p=1.5), "top_p"), (dict(top_k=-1), "top_k"),

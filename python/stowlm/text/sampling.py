@@ -124,12 +124,13 @@ class Sampler:
     # -- the chain, step by step (public so callers and tests can inspect it) --------------
 
     def apply_penalties(self, logits: np.ndarray, history: Sequence[int] = ()) -> np.ndarray:
-        """Repetition / frequency / presence penalties (llama.cpp's formula), on a float copy."""
+        """Repetition / frequency / presence penalties (llama.cpp's formula): the logits as float32,
+        a copy where a penalty applies (else possibly the caller's array: not to be written)."""
         p = self.params
-        out = np.array(logits, dtype=np.float32, copy=True)
         n = p.repeat_last_n
         if n == 0 or (p.repeat_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0):
-            return out
+            return np.asarray(logits, dtype=np.float32)  # no copy: a vocabulary's worth a token
+        out = np.array(logits, dtype=np.float32, copy=True)
         hist = np.asarray(history, dtype=np.int64).ravel()
         if n > 0:
             hist = hist[-n:]
@@ -168,20 +169,24 @@ class Sampler:
         if self.vocab_size is not None and x.shape[0] != self.vocab_size:
             raise ValueError(f"logits have {x.shape[0]} entries, the vocabulary {self.vocab_size}")
         x = self.apply_penalties(x, history)
+        if (self.params.logit_bias or allowed is not None) and np.shares_memory(x, logits):
+            x = x.copy()  # written below: never the caller's logits
         x = self.apply_logit_bias(x)
-        if np.isnan(x).any():
+        top = float(x.max())  # each pass over a vocabulary costs: the largest logit once
+        if math.isnan(top):  # (a NaN anywhere makes the max NaN)
             raise ValueError("logits contain NaN")
         if allowed is not None:
             x[~allowed[:x.shape[0]]] = -np.inf
-            if not np.isfinite(x.max()):
+            top = float(x.max())
+            if not math.isfinite(top):
                 raise ValueError("the grammar allows no token here")
         p = self.params
         if p.temperature == 0.0:
             best = int(np.argmax(x))
             return np.array([best], dtype=np.int64), np.array([1.0])
-        if not np.isfinite(x.max()):
+        if not math.isfinite(top):
             raise ValueError("no token has a finite logit (all banned?)")
-        ids, vals = self._top(x)
+        ids, vals = self._top(x, top)
         if vals[-1] == -np.inf:  # banned tokens (logit bias -inf) are no candidates
             finite = vals > -np.inf
             ids, vals = ids[finite], vals[finite]
@@ -238,8 +243,9 @@ class Sampler:
 
     # -- helpers ----------------------------------------------------------------------
 
-    def _top(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
-        """Candidates best first: the top-k, or (top-k off) a prefetch of the best, or all."""
+    def _top(self, x: np.ndarray, top: float) -> Tuple[np.ndarray, np.ndarray]:
+        """Candidates best first: the top-k, or (top-k off) a prefetch of the best, or all (top:
+        the largest logit)."""
         n = x.shape[0]
         p = self.params
         k = p.top_k
@@ -248,19 +254,20 @@ class Sampler:
         elif k == 0:
             if p.min_p > 0.0:
                 # min-p is the only filter: apply it before sorting (same result, far less to sort)
-                keep = np.nonzero(x >= x.max() + math.log(p.min_p))[0]
+                keep = np.nonzero(x >= top + math.log(p.min_p))[0]
                 return self._sorted(x, keep)
             k_eff = n
         else:
             k_eff = min(k, n)
         if k_eff < n:
-            part = self._best(x, k_eff)
+            part, pool = self._best(x, k_eff, top)
             if k > 0:
                 # ties at the k-th value: keep the lower ids, so the result does not depend on
-                # argpartition's internal order
+                # argpartition's internal order (every logit >= the k-th lies in the pool)
                 kth = x[part].min()
-                above = np.nonzero(x > kth)[0]
-                tied = np.nonzero(x == kth)[0][:k_eff - above.size]
+                xp = x[pool]
+                above = pool[xp > kth]
+                tied = pool[xp == kth][:k_eff - above.size]
                 part = np.concatenate([above, tied])
             return self._sorted(x, part)
         return self._sorted(x, np.arange(n))
@@ -271,14 +278,15 @@ class Sampler:
     _BEST_SPANS = (3.0, 6.0, 12.0, 24.0)
 
     @classmethod
-    def _best(cls, x: np.ndarray, k: int) -> np.ndarray:
-        """Ids of k largest logits (which of tied ones: argpartition's choice)."""
-        top = x.max()
+    def _best(cls, x: np.ndarray, k: int, top: float) -> Tuple[np.ndarray, np.ndarray]:
+        """Ids of k largest logits (which of tied ones: argpartition's choice), and the ids,
+        ascending, of a pool that holds every logit at least as large as the k-th."""
         for span in cls._BEST_SPANS:
             near = np.flatnonzero(x >= top - span)
             if near.size >= k:
-                return near[np.argpartition(-x[near], k - 1)[:k]]
-        return np.argpartition(-x, k - 1)[:k]  # a distribution flatter than the widest span
+                return near[np.argpartition(-x[near], k - 1)[:k]], near
+        # a distribution flatter than the widest span
+        return np.argpartition(-x, k - 1)[:k], np.arange(x.shape[0])
 
     @staticmethod
     def _sorted(x: np.ndarray, idx: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
