@@ -146,7 +146,7 @@ public:
     bool can_stage(const Tensor& n) const override {
         if (n.op != Op::MUL_MAT_ID || !unsupported_reason(n).empty()) return false;
         const Tensor* w = n.src[0];  // repacked experts come back to GGUF's layout a group at a time in shared memory
-        return !w->rows16 || kRepackRows * row_bytes(w->type, w->ne[0]) <= kStagedRows16GroupMax;
+        return !w->rows16 || rows16_group_bytes(w->type, w->ne[0]) <= kStagedRows16GroupMax;
     }
     size_t staging_bytes(const Tensor& n) const override {
         return n.staged ? (n.src[0]->nbytes() + 255) & ~(size_t)255 : 0;  // the slot: 256-byte aligned

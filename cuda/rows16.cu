@@ -36,13 +36,11 @@ __global__ void __launch_bounds__(256) unrepack_rows16_kernel(uint8_t* __restric
 }  // namespace
 
 void unrepack_rows16(void* data, QType type, int64_t n_mat, int64_t rows, int64_t cols, Stream s) {
-    const int pb = rows16_block_bytes(type);
-    const int64_t per_block = rows16_kformat(type) ? 256 : 32;
-    if (pb == 0 || n_mat <= 0 || rows <= 0 || cols <= 0 || cols % per_block)
+    const size_t smem = rows16_group_bytes(type, cols), rb = smem / kRepackRows;
+    if (smem == 0 || n_mat <= 0 || rows <= 0)
         throw InvalidInput(std::string("cuda unrepack_rows16: ") + qtype_name(type) + " " + std::to_string(rows) + " x " +
                            std::to_string(cols) + " has no 16-row layout");
-    const int64_t nb = cols / per_block, groups = rows / kRepackRows;
-    const size_t rb = (size_t)nb * pb, smem = kRepackRows * rb;
+    const int64_t nb = (int64_t)rb / rows16_block_bytes(type), groups = rows / kRepackRows;
     if (smem > kStagedRows16GroupMax)
         throw InvalidInput("cuda unrepack_rows16: a group of " + std::to_string(smem) + " bytes is over " +
                            std::to_string(kStagedRows16GroupMax));

@@ -27,8 +27,7 @@ int repack_offset(QType t) {
 }
 
 bool repack_supported(QType t, int64_t rows, int64_t cols) {
-    const int64_t block = rows16_kformat(t) ? QK_K : QK;
-    return rows16_block_bytes(t) > 0 && rows > 0 && cols > 0 && cols % block == 0;
+    return rows16_group_bytes(t, cols) > 0 && rows > 0;
 }
 
 namespace {

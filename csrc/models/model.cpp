@@ -354,7 +354,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
         Tensor& t = *tp;
         const Backend* b = backends_[t.device].get();
         if (dist::is_remote(b) || !b->host_accessible() || t.ne[3] != 1 || !cpu::repack_supported(t.type, t.ne[1], t.ne[0]) ||
-            (gpu && t.ne[2] > 1 && kRepackRows * row_bytes(t.type, t.ne[0]) > kStagedRows16GroupMax))
+            (gpu && t.ne[2] > 1 && rows16_group_bytes(t.type, t.ne[0]) > kStagedRows16GroupMax))
             continue;
         todo.push_back(&t);
         total += padded(t.nbytes());

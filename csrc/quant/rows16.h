@@ -74,6 +74,13 @@ HOST_DEVICE int rows16_block_bytes(QType t) {
 HOST_DEVICE bool rows16_kformat(QType t) {
     return t == QType::Q2_K || t == QType::Q3_K || t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K;
 }
+// Bytes of one 16-row group of a t matrix `cols` wide (16 rows' bytes), or 0 where t has no 16-row
+// layout or `cols` is not whole blocks of it.
+HOST_DEVICE size_t rows16_group_bytes(QType t, int64_t cols) {
+    const int64_t block = rows16_kformat(t) ? QK_K : QK;
+    if (rows16_block_bytes(t) == 0 || cols <= 0 || cols % block) return 0;
+    return (size_t)kRepackRows * (size_t)(cols / block) * (size_t)rows16_block_bytes(t);
+}
 
 // Where a 32-element format keeps its fields (byte offsets; the scale at 0 in both): in a row's
 // block and in a group's (d[16] or MXFP4's e[16], m[16] where the format has a min, qs, Q5's qh).
@@ -172,29 +179,28 @@ HOST_DEVICE void rows16_move_kblock(QType t, uint8_t* row, uint8_t* grp, int r) 
 template <bool IN>
 HOST_DEVICE void rows16_move_q32block(QType t, uint8_t* row, uint8_t* grp, int r) {
     const Rows16Q32 f = rows16_q32(t);
-    const int sb = f.sb, m = f.m, qh = f.qh, qs = f.qs, gqs = f.gqs, gqh = f.gqh;
-    const bool q8 = f.q8, min = f.min, fifth = f.fifth;
-    rows16_mv<IN>(row, grp + sb * r, sb);
-    if (min) rows16_mv<IN>(row + m, grp + f.gm + 2 * r, 2);
-    if (q8) {  // 4 signed bytes at a time as q + 128
+    rows16_mv<IN>(row, grp + f.sb * r, f.sb);
+    if (f.min) rows16_mv<IN>(row + f.m, grp + f.gm + 2 * r, 2);
+    uint8_t *qs = row + f.qs, *gqs = grp + f.gqs;
+    if (f.q8) {  // 4 signed bytes at a time as q + 128
         for (int k = 0; k < 8; k++) {
             uint32_t v;
-            memcpy(&v, IN ? grp + gqs + k * 64 + 4 * r : row + qs + 4 * k, 4);
+            memcpy(&v, IN ? gqs + k * 64 + 4 * r : qs + 4 * k, 4);
             v ^= 0x80808080u;
-            memcpy(IN ? row + qs + 4 * k : grp + gqs + k * 64 + 4 * r, &v, 4);
+            memcpy(IN ? qs + 4 * k : gqs + k * 64 + 4 * r, &v, 4);
         }
         return;
     }
     // the 4/5-bit formats' bytes keep their nibble pairs (elements 4k + i and 16 + 4k + i)
-    for (int k = 0; k < 4; k++) rows16_mv<IN>(row + qs + 4 * k, grp + gqs + k * 64 + 4 * r, 4);
-    if (!fifth) return;
+    for (int k = 0; k < 4; k++) rows16_mv<IN>(qs + 4 * k, gqs + k * 64 + 4 * r, 4);
+    if (!f.fifth) return;
     uint32_t h = 0;
     if constexpr (IN) {
-        for (int k = 0; k < 8; k++) h |= (uint32_t)((rows16_u64(grp + gqh + 8 * k) >> (4 * r)) & 0xF) << (4 * k);
-        memcpy(row + qh, &h, 4);
+        for (int k = 0; k < 8; k++) h |= (uint32_t)((rows16_u64(grp + f.gqh + 8 * k) >> (4 * r)) & 0xF) << (4 * k);
+        memcpy(row + f.qh, &h, 4);
     } else {
-        memcpy(&h, row + qh, 4);
-        for (int k = 0; k < 8; k++) rows16_or_u64(grp + gqh + 8 * k, (uint64_t)((h >> (4 * k)) & 0xF) << (4 * r));
+        memcpy(&h, row + f.qh, 4);
+        for (int k = 0; k < 8; k++) rows16_or_u64(grp + f.gqh + 8 * k, (uint64_t)((h >> (4 * k)) & 0xF) << (4 * r));
     }
 }
 }  // namespace detail
@@ -208,10 +214,12 @@ HOST_DEVICE void rows16_move_block(QType t, uint8_t* row, uint8_t* grp, int r) {
     else detail::rows16_move_q32block<IN>(t, row, grp, r);
 }
 
-// One whole 16-row group (16 rows of `nb` blocks, GGUF's bytes at `rows`, rb bytes a row) from
-// its repacked bytes `grp` (the group's nb blocks one after another).
-HOST_DEVICE void rows16_unpack_group(QType t, int64_t nb, size_t rb, const uint8_t* grp, uint8_t* rows) {
+// One whole 16-row group of a t matrix `cols` wide (GGUF's bytes at `rows`) from its repacked
+// bytes `grp` (the group's blocks one after another).
+HOST_DEVICE void rows16_unpack_group(QType t, int64_t cols, const uint8_t* grp, uint8_t* rows) {
     const int pb = rows16_block_bytes(t);
+    const size_t rb = rows16_group_bytes(t, cols) / kRepackRows;
+    const int64_t nb = (int64_t)(rb / pb);
     for (int r = 0; r < kRepackRows; r++)
         for (int64_t b = 0; b < nb; b++)
             rows16_move_block<true>(t, rows + r * rb + b * pb, (uint8_t*)grp + b * kRepackRows * pb, r);

@@ -500,23 +500,20 @@ void get_rows(const void* table, QType type, int64_t n_rows, int64_t n_cols, con
 }
 
 void unrepack_rows16(void* data, QType type, int64_t n_mat, int64_t rows, int64_t cols, Stream) {
-    const int pb = rows16_block_bytes(type);
-    const int64_t per_block = rows16_kformat(type) ? QK_K : QK;
-    if (pb == 0 || n_mat <= 0 || rows <= 0 || cols <= 0 || cols % per_block)
-        throw InvalidInput("cuda unrepack_rows16: no 16-row layout");
-    const int64_t nb = cols / per_block, groups = rows / kRepackRows;
-    const size_t rb = (size_t)nb * pb, mat = (size_t)rows * rb;
-    if (kRepackRows * rb > kStagedRows16GroupMax) throw InvalidInput("cuda unrepack_rows16: a group over the shared memory");
+    const size_t gb = rows16_group_bytes(type, cols), mat = (size_t)rows * (gb / kRepackRows);
+    if (gb == 0 || n_mat <= 0 || rows <= 0) throw InvalidInput("cuda unrepack_rows16: no 16-row layout");
+    if (gb > kStagedRows16GroupMax) throw InvalidInput("cuda unrepack_rows16: a group over the shared memory");
+    const int64_t groups = rows / kRepackRows;
     dev_ptr(data, (size_t)n_mat * mat, "unrepack_rows16 data");
     launched(groups > 0);
     g_unrepacked_bytes += (size_t)n_mat * mat;
     exec([=] {  // the kernel's work: each group through a copy, as through shared memory
-        std::vector<uint8_t> grp(kRepackRows * rb);
+        std::vector<uint8_t> grp(gb);
         for (int64_t m = 0; m < n_mat; m++)
             for (int64_t g = 0; g < groups; g++) {
-                uint8_t* rows_at = (uint8_t*)data + m * mat + g * kRepackRows * rb;
-                memcpy(grp.data(), rows_at, grp.size());
-                rows16_unpack_group(type, nb, rb, grp.data(), rows_at);
+                uint8_t* rows_at = (uint8_t*)data + m * mat + g * gb;
+                memcpy(grp.data(), rows_at, gb);
+                rows16_unpack_group(type, cols, grp.data(), rows_at);
             }
     });
 }
