@@ -556,11 +556,9 @@ void rope_store(float* q, int64_t n_head_q, int64_t ld_q, const KvRows& k, const
     const StoreJobs jobs = store_jobs(rows, 2, n_tok, kv_type, widest);
     if (n_tok == 0 || (pairs == 0 && widest == 0)) return;
     const RopeAngleParams a = rope_angle_params(p);
-    const dim3 grid((unsigned)n_tok, 3);
-    if (kv_type == QType::Q8_0)
-        rope_store_kernel<true><<<grid, 256, 0, (cudaStream_t)s>>>(q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos, p.neox, a, dst_cells);
-    else
-        rope_store_kernel<false><<<grid, 256, 0, (cudaStream_t)s>>>(q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos, p.neox, a, dst_cells);
+    auto kernel = kv_type == QType::Q8_0 ? rope_store_kernel<true> : rope_store_kernel<false>;
+    kernel<<<dim3((unsigned)n_tok, 3), 256, 0, (cudaStream_t)s>>>(q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos,
+                                                                  p.neox, a, dst_cells);
     check_launch("rope_store_kernel");
 }
 
