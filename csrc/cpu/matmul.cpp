@@ -323,11 +323,12 @@ int64_t row_chunk(int64_t rows, int nth) {
     return std::max<int64_t>(4, (chunk + 3) & ~(int64_t)3);
 }
 
-// Repacked weights: groups of 16 rows split as row_chunk splits rows (scalar kernels off the
-// AVX-512 paths: the same bits).
+// Repacked weights: groups of 16 rows split as row_chunk splits rows (every ISA's kernels give
+// the scalar ones' bits).
 RowsFn r16_rows_for(Isa isa) {
 #ifdef STOWLM_X86
     if (isa == Isa::AVX512_VNNI || isa == Isa::AMX) return matmul_r16_avx512;
+    if (isa == Isa::AVX2) return matmul_r16_avx2;
 #endif
     (void)isa;
     return matmul_r16_scalar;

@@ -49,9 +49,10 @@ inline size_t act_sum_bytes(int64_t cols, int64_t n_tok) { return ((size_t)(cols
 // sums[t * cols / 32 + b] = the sum of token t's quantized block b (A.act quantized).
 void act_block_sums(const MatmulArgs& A, int32_t* sums);
 // Groups [g0, g1) x every token (A.rows16 and A.asum set): the scalar reference, and the
-// AVX-512 VNNI kernels (matmul_r16_avx512.cpp), bit for bit the same.
+// AVX-512 VNNI and AVX2 kernels (matmul_r16_avx512.cpp, matmul_r16_avx2.cpp), bit for bit the same.
 void matmul_r16_scalar(const MatmulArgs& A, int64_t g0, int64_t g1);
 void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1);
+void matmul_r16_avx2(const MatmulArgs& A, int64_t g0, int64_t g1);
 // The rows after the last whole group x every token, from their GGUF blocks, with the groups'
 // integers and FMAs (scalar: at most 15 rows).
 void matmul_r16_tail(const MatmulArgs& A);

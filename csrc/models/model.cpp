@@ -331,8 +331,8 @@ size_t mem_available() {
 // Products of a few tokens (speculative drafts, small batches) are instruction-bound on the
 // GGUF layout; the repacked one does a third of the work (cpu/repack.h). Done for the weights a
 // CPU device of this process computes with (every rank of an MPI job repacks its own) where the
-// AVX-512 row kernels run (batches of 256+ keep their GEMM or AMX tiles, whose panels unpack the
-// repacked rows). Beside a GPU, which may stage a stack of experts (copy it in for a large batch,
+// AVX2 or AVX-512 row kernels run (batches of 256+ keep their GEMM or AMX tiles, whose panels
+// unpack the repacked rows). Beside a GPU, which may stage a stack of experts (copy it in for a large batch,
 // Backend::can_stage) and puts a staged copy back in GGUF's layout for its kernels, a stack
 // repacks where its 16-row groups fit that unrepacking (kStagedRows16GroupMax) and otherwise
 // keeps GGUF's layout. A matrix repacks whatever its rows, and
@@ -344,7 +344,7 @@ void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std
     const char* env = std::getenv("STOWLM_REPACK");
     if (env && std::string(env) == "0") return;
     const cpu::Isa isa = cpu::active_isa();
-    if (isa != cpu::Isa::AVX512_VNNI && isa != cpu::Isa::AMX) return;
+    if (isa == cpu::Isa::Scalar) return;
     bool gpu = false;
     for (const auto& d : devices) gpu = gpu || d.kind != "cpu";
     auto padded = [](size_t bytes) { return (bytes + 63) & ~(size_t)63; };  // each tensor 64-byte aligned
