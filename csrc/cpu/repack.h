@@ -13,7 +13,7 @@
 //   acc = 0; for each block b: acc = fma(float(idot_b), d_w[b] * d_a[b], acc)
 //   (Q4_1/Q5_1 then acc = fma(m_w[b], s_a[b], acc), s_a = d_a * sum(a))
 // with idot_b the exact integer dot of the block (offsets removed in integers), so a token's
-// result does not depend on its batch, and the scalar path gives the AVX-512 path's bits. The K
+// result does not depend on its batch, and the scalar path gives the AVX2 and AVX-512 paths' bits. The K
 // formats sum their sub-block scales in integers too, per super-block:
 //   Q2_K/Q4_K/Q5_K: acc = fma(float(sum_s sc_s idot_s), d d_a, acc); acc = fma(-float(sum_s m_s bsum_s), dmin d_a, acc)
 //   Q3_K:           acc = fma(float(sum_s sc_s idot_s - 4 sum_s sc_s bsum_s), d d_a, acc)
