@@ -71,6 +71,7 @@ CpuFeatures detect() {
         f.avx512bw = f.os_zmm && ((b >> 30) & 1);
         f.avx512vl = f.os_zmm && ((b >> 31) & 1);
         f.avx512vnni = f.os_zmm && ((c >> 11) & 1);
+        f.avx512vbmi = f.os_zmm && ((c >> 1) & 1);
         const bool amx_tile = (d >> 24) & 1, amx_int8 = (d >> 25) & 1;
         if (amx_tile && amx_int8 && f.os_amx) f.amx_permitted = request_amx_permission();
         f.amx_tile = amx_tile && f.os_amx && f.amx_permitted;
@@ -181,7 +182,7 @@ std::vector<std::string> feature_names() {
     auto add = [&](bool b, const char* n) { if (b) v.push_back(n); };
     add(f.avx2, "avx2"); add(f.fma, "fma"); add(f.f16c, "f16c");
     add(f.avx512f, "avx512f"); add(f.avx512bw, "avx512bw"); add(f.avx512vl, "avx512vl");
-    add(f.avx512dq, "avx512dq"); add(f.avx512vnni, "avx512vnni");
+    add(f.avx512dq, "avx512dq"); add(f.avx512vnni, "avx512vnni"); add(f.avx512vbmi, "avx512vbmi");
     add(f.amx_tile, "amx_tile"); add(f.amx_int8, "amx_int8");
     return v;
 }

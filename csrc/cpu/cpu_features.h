@@ -15,6 +15,7 @@ struct CpuFeatures {
     // permission for AMX), so a true bit means "usable now".
     bool avx2 = false, fma = false, f16c = false;
     bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false, avx512vnni = false;
+    bool avx512vbmi = false;  // vpermb, vpermi2b, vpmultishiftqb: the i-quants' table lookups
     bool amx_tile = false, amx_int8 = false;
     // Raw state, for the report.
     bool os_ymm = false, os_zmm = false, os_amx = false, amx_permitted = false;

@@ -6,6 +6,7 @@
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
+#include "cpu/cpu_features.h"
 #include "cpu/matmul_impl.h"
 #include "cpu/matmul_unpack_simd.h"
 #include "cpu/matmul_fused.h"
@@ -109,7 +110,9 @@ void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1) {
     // Fused kernels stream raw blocks (measured faster than the panel at every batch size);
     // the other types go through an unpacked panel. Large batches go to AMX before this.
     if (has_fused(a.type)) fused_rows(a, r0, r1);
-    else if (has_fused_iq(a.type)) fused_iq_rows(a, r0, r1);
+    else if (has_fused_iq(a.type)) {
+        if (!cpu_features().avx512vbmi || !iq_rows_avx512vbmi(a, r0, r1)) fused_iq_rows(a, r0, r1);
+    }
     else rows_generic<Avx512Kern, SimdUnpack>(a, r0, r1);
 }
 

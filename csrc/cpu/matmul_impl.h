@@ -91,6 +91,9 @@ void build_nib_acts(const MatmulArgs& A, void* dst, size_t nib_stride);
 void matmul_rows_scalar(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx2(const MatmulArgs& a, int64_t r0, int64_t r1);
 void matmul_rows_avx512(const MatmulArgs& a, int64_t r0, int64_t r1);
+// The grid i-quants' rows with AVX-512 VBMI where it has a kernel for A.type (false: none, the
+// fused ones run).
+bool iq_rows_avx512vbmi(const MatmulArgs& A, int64_t r0, int64_t r1);
 // The row kernels of an instruction set, and whether they read MatmulArgs::act_nib.
 using RowsFn = void (*)(const MatmulArgs&, int64_t, int64_t);
 RowsFn matmul_rows_for(Isa isa);

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Rewrites a mixture-of-experts GGUF with its expert stacks (ffn_{gate,up,down}_exps) as random
+blocks of a grid i-quant, for SPEED tests only: how the CPU decodes a big MoE whose experts are
+IQ2_XXS .. IQ3_S (the quants that fit a 235B model in a desktop's RAM). Everything else is copied.
+
+Usage: retype_experts.py IN.gguf OUT.gguf --type IQ2_XXS [--seed 1]
+   e.g. python3 ../shared/tools/make_big_moe.py smollm2-135m.gguf /tmp/bigmoe6.gguf --layers 6
+        python3 bench/retype_experts.py /tmp/bigmoe6.gguf /tmp/bigmoe6-iq2xxs.gguf --type IQ2_XXS
+
+Blocks are random bytes with the fp16 scale d (each format's first field) set so that weights
+stay O(1/sqrt(fan_in)); the outputs are noise.
+"""
+import argparse
+
+import numpy as np
+import gguf
+from gguf import GGMLQuantizationType as T
+
+# format: rough mean |grid value x sub-block scale| per unit d (sets d for std ~ 1/sqrt(fan_in))
+TYPES = {"IQ2_XXS": 12.0, "IQ2_XS": 12.0, "IQ2_S": 12.0, "IQ3_XXS": 40.0, "IQ3_S": 40.0, "IQ1_S": 8.0}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("src")
+    ap.add_argument("out")
+    ap.add_argument("--type", required=True, choices=sorted(TYPES))
+    ap.add_argument("--seed", type=int, default=1)
+    args = ap.parse_args()
+    qt = T[args.type]
+    per, nbytes = gguf.GGML_QUANT_SIZES[qt]
+    rng = np.random.default_rng(args.seed)
+    r = gguf.GGUFReader(args.src)
+    arch = r.fields["general.architecture"]
+    w = gguf.GGUFWriter(args.out, bytes(arch.parts[arch.data[0]]).decode())
+    for f in r.fields.values():
+        if f.name.startswith("GGUF.") or f.name == "general.architecture":
+            continue
+        t = f.types[0]
+        if t == gguf.GGUFValueType.ARRAY:
+            sub = f.types[-1]
+            vals = [bytes(f.parts[i]).decode() if sub == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0]
+                    for i in f.data]
+            w.add_array(f.name, vals)
+        elif t == gguf.GGUFValueType.STRING:
+            w.add_string(f.name, bytes(f.parts[f.data[0]]).decode())
+        else:
+            w.add_key_value(f.name, f.parts[f.data[0]].tolist()[0], t)
+    for t in r.tensors:
+        if "_exps." in t.name:
+            cols = int(t.shape[0])
+            rows = int(np.prod(t.shape[1:]))
+            if cols % per:
+                raise SystemExit(f"{t.name}: {cols} columns are not whole {args.type} blocks")
+            data = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+            d = np.float16(1.0 / (TYPES[args.type] * np.sqrt(cols)))
+            data[:, :, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
+            shape = [int(x) for x in reversed(t.shape)]
+            w.add_tensor(t.name, data.reshape(shape[:-1] + [shape[-1] // per * nbytes]), raw_dtype=qt)
+        else:
+            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+if __name__ == "__main__":
+    main()
