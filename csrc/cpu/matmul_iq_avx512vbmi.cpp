@@ -1,12 +1,14 @@
-// IQ2_XXS rows with AVX-512 VBMI (Ice Lake, Sapphire Rapids, Zen 4/5): the grid and sign tables
-// looked up in registers for a whole 256-block at once instead of one scalar load and insert per
-// 8 weights, which bounded the fused kernel (matmul_fused_iq.h) at ~7 GB/s on two Zen 4 cores.
-// A grid entry is 8 weights of three levels (8, 25, 43), so it is kept as a 16-bit code of 2-bit
-// level indices: vpermi2w looks the 32 codes of a block up in 4 x 64 entries, vpmultishiftqb
-// puts each weight's 2 bits at the bottom of its byte and vpermb turns them into levels. The
-// 7-bit sign fields become ksigns bytes (vpermi2b over 128 entries), i.e. a 64-bit mask per 64
-// weights that negates the activations. Integer sums per block as the fused kernel
-// (sum_s (2 sc_s + 1) dot_s), then one FMA by d / 8 * d_act per block into 16 float lanes.
+// The grid i-quants' rows with AVX-512 VBMI (Ice Lake, Sapphire Rapids, Zen 4/5): IQ2_XXS,
+// IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S. Their grid and sign tables are looked up in registers for a
+// whole 256-block at once, not with one scalar load and insert per 4 or 8 weights, which bounded
+// the fused kernels (matmul_fused_iq.h) at 4-7 GB/s on two Zen 4 cores. A grid entry's weights
+// take 3 (IQ2) or 8 (IQ3) levels, so each entry is kept as a 16-bit code of 2- or 3-bit level
+// indices: vpermi2w looks 32 codes up in 64 entries at a time (256-1024 entries: 4-16 of them and
+// blends by the index's high bits), vpmultishiftqb puts each weight's bits at the bottom of its
+// byte and vpermb turns them into levels. The 7-bit sign fields become ksigns bytes (vpermi2b
+// over 128 entries), explicit sign bits are used as they are: a 64-bit mask per 64 weights
+// negates the activations. Integer sums per block as the fused kernels (sum_s (2 sc_s + 1)
+// dot_s), then one FMA by the block's scale (iq_scale) times d_act into 16 float lanes.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
@@ -23,35 +25,52 @@ namespace stowlm::cpu {
 
 namespace {
 
-struct Iq2xxsTables {
-    uint16_t code[256];  // grid entry g: bits 2p, 2p + 1 = level index of its weight p
-    uint8_t signs[128];  // ksigns: the field f and its parity as bit 7 (an even count of minus signs)
-    uint8_t levels[64];  // entry i: the level of index i & 3
-    Iq2xxsTables() {
-        for (int g = 0; g < 256; g++) {
-            const uint64_t e = iq_tables::kIQ2XXS[g];
+// A grid's entries as 16-bit codes of level indices (BITS bits a weight, PER weights an entry)
+// and its levels (lev[i]: the level of index i mod 2^BITS). ok: the grid has at most 2^BITS
+// distinct bytes, as the GGUF grids do.
+template <class T, int N, int PER, int BITS>
+struct GridCodes {
+    uint16_t code[N];
+    uint8_t lev[64] = {};
+    bool ok = true;
+    explicit GridCodes(const T* grid) {
+        int n = 0, levels[1 << BITS] = {};
+        for (int g = 0; g < N; g++) {
             uint16_t c = 0;
-            for (int p = 0; p < 8; p++) {
-                const int v = (int)((e >> (8 * p)) & 0xff);
-                c |= (uint16_t)((v == 8 ? 0 : v == 25 ? 1 : 2) << (2 * p));
+            for (int p = 0; p < PER; p++) {
+                const int v = (int)((grid[g] >> (8 * p)) & 0xff);
+                int k = 0;
+                while (k < n && levels[k] != v) k++;
+                if (k == n) {
+                    if (n == (1 << BITS)) { ok = false; return; }
+                    levels[n++] = v;
+                }
+                c |= (uint16_t)(k << (BITS * p));
             }
             code[g] = c;
         }
-        for (int f = 0; f < 128; f++) signs[f] = (uint8_t)(f | ((__builtin_popcount(f) & 1) << 7));
-        for (int i = 0; i < 64; i++) levels[i] = (uint8_t)((i & 3) == 0 ? 8 : (i & 3) == 1 ? 25 : 43);
+        for (int i = 0; i < 64; i++) lev[i] = (uint8_t)levels[i % (1 << BITS)];
     }
 };
-const Iq2xxsTables& tables() {
-    static const Iq2xxsTables t;
+const GridCodes<uint64_t, 256, 8, 2>& iq2xxs_codes() {
+    static const GridCodes<uint64_t, 256, 8, 2> t(iq_tables::kIQ2XXS);
     return t;
 }
-bool levels_match_grid() {
-    for (int g = 0; g < 256; g++)
-        for (int p = 0; p < 8; p++) {
-            const int v = (int)((iq_tables::kIQ2XXS[g] >> (8 * p)) & 0xff);
-            if (v != 8 && v != 25 && v != 43) return false;
-        }
-    return true;
+const GridCodes<uint32_t, 256, 4, 3>& iq3xxs_codes() {
+    static const GridCodes<uint32_t, 256, 4, 3> t(iq_tables::kIQ3XXS);
+    return t;
+}
+const GridCodes<uint64_t, 512, 8, 2>& iq2xs_codes() {
+    static const GridCodes<uint64_t, 512, 8, 2> t(iq_tables::kIQ2XS);
+    return t;
+}
+const GridCodes<uint64_t, 1024, 8, 2>& iq2s_codes() {
+    static const GridCodes<uint64_t, 1024, 8, 2> t(iq_tables::kIQ2S);
+    return t;
+}
+const GridCodes<uint32_t, 512, 4, 3>& iq3s_codes() {
+    static const GridCodes<uint32_t, 512, 4, 3> t(iq_tables::kIQ3S);
+    return t;
 }
 
 // A 64-byte vector of bytes f(i).
@@ -64,31 +83,64 @@ inline __m512i bytes64(F f) {
 
 // The constants of the decode (built on first use).
 struct Consts {
-    __m512i code[8], sgn0, sgn1, lev;
-    __m512i gidx;        // word k = byte 8 (k / 4) + k % 4 of qs: block k's grid index (k = 4 ib + l)
-    __m512i qidx[4];     // chunk c: word 4m = code 8c + m (qword m: the code of group m)
+    __m512i code2[8], code3[8], code2x[16], code3s[16], code2s[32], lev2, lev2x, lev2s, lev3, lev3s, sgn0, sgn1;
+    __m512i gidx;        // IQ2_XXS: word k = byte 8 (k / 4) + k % 4 of qs (grid index k = 4 ib + l)
+    __m512i qidx2[4];    // IQ2_XXS chunk c: word 4m = code 8c + m (qword m: group m's code)
+    __m512i qidx3[2];    // IQ3_XXS: words 4m, 4m + 2 = codes 16h + 2m, + 1 (h: the chunk's half of the codes)
     __m512i shift2;      // multishift: byte p of a qword from bit 2p
+    __m512i shift3;      // multishift: bytes 0-3 from bits 0, 3, 6, 9, bytes 4-7 from 32, 35, 38, 41
     __m512i shift7;      // multishift: bytes 0-3 of a qword from bits 0, 7, 14, 21
     __m512i rep[4];      // chunk c: byte 8g + j = sign byte g (sub-block 2c + g / 4, field g % 4)
     __m512i bit;         // byte 8g + j = 1 << j
     __m512i sidx[4];     // chunk c: lanes 0-7 dword 2 (2c), lanes 8-15 dword 2 (2c + 1)
+    __m512i rep16[4];    // IQ2_XS chunk c: byte 8g + j = byte 2 (8c + g) (the low byte of group word 8c + g)
+    __m512i sidx16[4];   // IQ2_XS chunk c: lane L = the scale of 16 weights: sub-block 2c + L / 8, its half L % 8 / 4
+    __m512i sidx32[4];   // IQ3_S chunk c: lanes 0-7 the low scale of byte c, lanes 8-15 its high one
     Consts() {
-        const Iq2xxsTables& t = tables();
-        for (int m = 0; m < 8; m++) code[m] = _mm512_loadu_si512(t.code + 32 * m);
-        sgn0 = _mm512_loadu_si512(t.signs), sgn1 = _mm512_loadu_si512(t.signs + 64);
-        lev = _mm512_loadu_si512(t.levels);
+        const auto& t2x = iq2xs_codes();
+        const auto& t3s = iq3s_codes();
+        for (int m = 0; m < 16; m++) code2x[m] = _mm512_loadu_si512(t2x.code + 32 * m), code3s[m] = _mm512_loadu_si512(t3s.code + 32 * m);
+        lev2x = _mm512_loadu_si512(t2x.lev), lev3s = _mm512_loadu_si512(t3s.lev);
+        const auto& t2s = iq2s_codes();
+        for (int m = 0; m < 32; m++) code2s[m] = _mm512_loadu_si512(t2s.code + 32 * m);
+        lev2s = _mm512_loadu_si512(t2s.lev);
+        for (int c = 0; c < 4; c++) {
+            rep16[c] = bytes64([c](int i) { return 2 * (8 * c + i / 8); });
+            alignas(64) int32_t l16[16], l32[16];
+            for (int L = 0; L < 16; L++) l16[L] = (2 * c + L / 8) + (L % 8 / 4 ? 16 : 0), l32[L] = c + (L / 8 ? 16 : 0);
+            sidx16[c] = _mm512_load_si512(l16), sidx32[c] = _mm512_load_si512(l32);
+        }
+        const auto& t2 = iq2xxs_codes();
+        const auto& t3 = iq3xxs_codes();
+        for (int m = 0; m < 8; m++) code2[m] = _mm512_loadu_si512(t2.code + 32 * m), code3[m] = _mm512_loadu_si512(t3.code + 32 * m);
+        lev2 = _mm512_loadu_si512(t2.lev), lev3 = _mm512_loadu_si512(t3.lev);
+        sgn0 = bytes64([](int i) { return iq_signs8((uint32_t)i); });
+        sgn1 = bytes64([](int i) { return iq_signs8((uint32_t)(64 + i)); });
         gidx = bytes64([](int i) { const int k = i / 2; return i % 2 ? 0 : 8 * (k / 4) + k % 4; });
         for (int c = 0; c < 4; c++) {
-            qidx[c] = bytes64([c](int i) { const int w = i / 2; return i % 2 ? 0 : (w % 4 == 0 ? 8 * c + w / 4 : 0); });
+            qidx2[c] = bytes64([c](int i) { const int w = i / 2; return i % 2 ? 0 : (w % 4 == 0 ? 8 * c + w / 4 : 0); });
             rep[c] = bytes64([c](int i) { const int g = i / 8; return 8 * (2 * c + g / 4) + g % 4; });
             sidx[c] = _mm512_setr_epi32(4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c + 2, 4 * c + 2, 4 * c + 2,
                                         4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2);
         }
+        for (int h = 0; h < 2; h++)
+            qidx3[h] = bytes64([h](int i) { const int w = i / 2; return i % 2 || w % 2 ? 0 : 16 * h + 2 * (w / 4) + (w % 4) / 2; });
         shift2 = bytes64([](int i) { return 2 * (i % 8); });
+        shift3 = bytes64([](int i) { return i % 8 < 4 ? 3 * (i % 8) : 32 + 3 * (i % 8 - 4); });
         shift7 = bytes64([](int i) { return i % 8 < 4 ? 7 * (i % 8) : 0; });
         bit = bytes64([](int i) { return 1 << (i % 8); });
     }
 };
+
+// 32 words of 256-entry codes (tab: 8 vectors of 32) at the 32 word indices gi (bits 0-7).
+inline __m512i lookup256(const __m512i* tab, __m512i gi) {
+    const __m512i r0 = _mm512_permutex2var_epi16(tab[0], gi, tab[1]);
+    const __m512i r1 = _mm512_permutex2var_epi16(tab[2], gi, tab[3]);
+    const __m512i r2 = _mm512_permutex2var_epi16(tab[4], gi, tab[5]);
+    const __m512i r3 = _mm512_permutex2var_epi16(tab[6], gi, tab[7]);
+    const __mmask32 b6 = _mm512_test_epi16_mask(gi, _mm512_set1_epi16(64)), b7 = _mm512_test_epi16_mask(gi, _mm512_set1_epi16(128));
+    return _mm512_mask_mov_epi16(_mm512_mask_mov_epi16(r0, b6, r1), b7, _mm512_mask_mov_epi16(r2, b6, r3));
+}
 
 // One block of a row: its 256 weights as 4 x 64 level bytes, 4 sign masks and the sub-blocks'
 // odd scales 2 sc + 1 as int32 lanes (lanes 0-7 and 8-15 of chunk c: sub-blocks 2c, 2c + 1).
@@ -96,41 +148,136 @@ struct Decoded {
     __m512i mag[4], scale[4];
     __mmask64 neg[4];
 };
-inline void decode(const block_iq2_xxs& x, const Consts& K, Decoded& D) {
-    const __m512i q = _mm512_loadu_si512(x.qs);
-    const __m512i gi = _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, K.gidx, q);
-    const __m512i r0 = _mm512_permutex2var_epi16(K.code[0], gi, K.code[1]);
-    const __m512i r1 = _mm512_permutex2var_epi16(K.code[2], gi, K.code[3]);
-    const __m512i r2 = _mm512_permutex2var_epi16(K.code[4], gi, K.code[5]);
-    const __m512i r3 = _mm512_permutex2var_epi16(K.code[6], gi, K.code[7]);
-    const __mmask32 b6 = _mm512_test_epi16_mask(gi, _mm512_set1_epi16(64)), b7 = _mm512_test_epi16_mask(gi, _mm512_set1_epi16(128));
-    const __m512i codes = _mm512_mask_mov_epi16(_mm512_mask_mov_epi16(r0, b6, r1), b7, _mm512_mask_mov_epi16(r2, b6, r3));
-    const __m512i aux = _mm512_srli_epi64(q, 32);  // qword ib: the signs and scale of sub-block ib
+// The sign masks and scales of sub-blocks whose qword ib of aux holds their word of 4 x 7 sign
+// bits and 4-bit scale (IQ2_XXS, IQ3_XXS).
+inline void signs_scales(__m512i aux, const Consts& K, Decoded& D) {
     const __m512i sb = _mm512_permutex2var_epi8(K.sgn0, _mm512_multishift_epi64_epi8(K.shift7, aux), K.sgn1);
     const __m512i sc = _mm512_add_epi64(_mm512_slli_epi64(_mm512_srli_epi64(aux, 28), 1), _mm512_set1_epi64(1));
     for (int c = 0; c < 4; c++) {
-        const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx[c], codes);
-        D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev);
         D.neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(K.rep[c], sb), K.bit);
         D.scale[c] = _mm512_permutexvar_epi32(K.sidx[c], sc);
     }
 }
+struct FIQ2_XXS {
+    using B = block_iq2_xxs;
+    static constexpr float kD = 0.125f;
+    static bool ok() { return iq2xxs_codes().ok; }
+    static void decode(const B& x, const Consts& K, Decoded& D) {
+        const __m512i q = _mm512_loadu_si512(x.qs);
+        const __m512i codes = lookup256(K.code2, _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, K.gidx, q));
+        for (int c = 0; c < 4; c++) {
+            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
+            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev2);
+        }
+        signs_scales(_mm512_srli_epi64(q, 32), K, D);  // qword ib: the sign and scale word of sub-block ib
+    }
+};
+// 32 words of 512-entry codes at 9-bit indices (bits 0-7 in gi, bit 8 as hi).
+inline __m512i lookup512(const __m512i* tab, __m512i gi, __mmask32 hi) {
+    return _mm512_mask_mov_epi16(lookup256(tab, gi), hi, lookup256(tab + 8, gi));
+}
+// IQ2_XS and IQ2_S: the scales of 16 weights (a nibble each, low first) as 2 sc + 1 in chunk c's lanes.
+inline __m512i half_scales(const uint8_t* scales, const Consts& K, int c) {
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scales));
+    const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), 1), _mm512_set1_epi32(1));
+    const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(v, 4), 1), _mm512_set1_epi32(1));
+    return _mm512_permutex2var_epi32(lo, K.sidx16[c], hi);
+}
+// IQ2_XS: a word per group of 8, 9 bits of grid index and 7 sign bits; a 4-bit scale per 16.
+struct FIQ2_XS {
+    using B = block_iq2_xs;
+    static constexpr float kD = 0.125f;
+    static bool ok() { return iq2xs_codes().ok; }
+    static void decode(const B& x, const Consts& K, Decoded& D) {
+        const __m512i q = _mm512_loadu_si512(x.qs);
+        const __m512i codes = lookup512(K.code2x, q, _mm512_test_epi16_mask(q, _mm512_set1_epi16(256)));
+        const __m512i sb = _mm512_permutex2var_epi8(K.sgn0, _mm512_srli_epi16(q, 9), K.sgn1);  // even bytes
+        for (int c = 0; c < 4; c++) {
+            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
+            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev2x);
+            D.neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(K.rep16[c], sb), K.bit);
+            D.scale[c] = half_scales(x.scales, K, c);
+        }
+    }
+};
+// IQ2_S: 10-bit indices (the low byte in qs, bits 8-9 in qh: 2 bits per group in group order), a
+// sign byte per group (weight order), a 4-bit scale per 16.
+struct FIQ2_S {
+    using B = block_iq2_s;
+    static constexpr float kD = 0.125f;
+    static bool ok() { return iq2s_codes().ok; }
+    static void decode(const B& x, const Consts& K, Decoded& D) {
+        uint64_t qh, sg[4];
+        memcpy(&qh, x.qh, 8);
+        memcpy(sg, x.qs + QK_K / 8, 32);
+        const __m512i gi = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)x.qs));
+        const __mmask32 b8 = (__mmask32)_pext_u64(qh, 0x5555555555555555ULL), b9 = (__mmask32)_pext_u64(qh, 0xAAAAAAAAAAAAAAAAULL);
+        const __m512i codes = _mm512_mask_mov_epi16(lookup512(K.code2s, gi, b8), b9, lookup512(K.code2s + 16, gi, b8));
+        for (int c = 0; c < 4; c++) {
+            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
+            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev2s);
+            D.neg[c] = _cvtu64_mask64(sg[c]);
+            D.scale[c] = half_scales(x.scales, K, c);
+        }
+    }
+};
+// IQ3_S: 9-bit indices (the low byte in qs, bit 8 in qh: 64 bits in entry order), explicit sign
+// bits in weight order, a 4-bit scale per 32.
+struct FIQ3_S {
+    using B = block_iq3_s;
+    static constexpr float kD = 1.0f;
+    static bool ok() { return iq3s_codes().ok; }
+    static void decode(const B& x, const Consts& K, Decoded& D) {
+        const __m512i q = _mm512_loadu_si512(x.qs);
+        uint64_t qh, sg[4];
+        memcpy(&qh, x.qh, 8);
+        memcpy(sg, x.signs, 32);
+        const __m512i codes[2] = {lookup512(K.code3s, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)), (__mmask32)qh),
+                                  lookup512(K.code3s, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)), (__mmask32)(qh >> 32))};
+        // byte j: the scales of sub-blocks 2j (low nibble) and 2j + 1, as 2 sc + 1 in dwords j
+        const __m512i v = _mm512_cvtepu8_epi32(_mm_cvtsi32_si128((int)u32_from_bytes(x.scales)));
+        const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), 1), _mm512_set1_epi32(1));
+        const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(v, 4), 1), _mm512_set1_epi32(1));
+        for (int c = 0; c < 4; c++) {
+            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x55555555u, K.qidx3[c % 2], codes[c / 2]);
+            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift3, cq), K.lev3s);
+            D.neg[c] = _cvtu64_mask64(sg[c]);
+            D.scale[c] = _mm512_permutex2var_epi32(lo, K.sidx32[c], hi);
+        }
+    }
+};
+struct FIQ3_XXS {
+    using B = block_iq3_xxs;
+    static constexpr float kD = 0.25f;
+    static bool ok() { return iq3xxs_codes().ok; }
+    static void decode(const B& x, const Consts& K, Decoded& D) {
+        const __m512i q = _mm512_loadu_si512(x.qs);  // the 64 grid indices
+        const __m512i codes[2] = {lookup256(K.code3, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q))),
+                                  lookup256(K.code3, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)))};
+        for (int c = 0; c < 4; c++) {
+            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x55555555u, K.qidx3[c % 2], codes[c / 2]);
+            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift3, cq), K.lev3);
+        }
+        signs_scales(_mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i*)(x.qs + QK_K / 4))), K, D);
+    }
+};
 
 // Rows [r0, r1) x tokens [t0, t0 + TT) (one call for the rows: the constants stay in registers).
-template <int TT>
-void iq2xxs_rows(const MatmulArgs& A, const Consts& K, int64_t r0, int64_t r1, int64_t t0) {
+template <class F, int TT>
+void iq_rows(const MatmulArgs& A, const Consts& K, int64_t r0, int64_t r1, int64_t t0) {
+    using B = typename F::B;
     const int64_t nsb = A.cols / QK_K;
     const block_q8_K32* a[TT];
     for (int j = 0; j < TT; j++) a[j] = (const block_q8_K32*)((const uint8_t*)A.act + (t0 + j) * A.act_stride);
     const __m512i zero = _mm512_setzero_si512();
     for (int64_t r = r0; r < r1; r++) {
-        const block_iq2_xxs* w = (const block_iq2_xxs*)(A.w + r * A.w_stride);
+        const B* w = (const B*)(A.w + r * A.w_stride);
         __m512 acc[TT];
         for (int j = 0; j < TT; j++) acc[j] = _mm512_setzero_ps();
         for (int64_t b = 0; b < nsb; b++) {
             Decoded D;
-            decode(w[b], K, D);
-            const float dw = _cvtsh_ss(w[b].d) * 0.125f;  // iq_scale
+            F::decode(w[b], K, D);
+            const float dw = _cvtsh_ss(w[b].d) * F::kD;  // iq_scale, with F16C
             for (int j = 0; j < TT; j++) {
                 __m512i is = zero;
                 for (int c = 0; c < 4; c++) {
@@ -148,12 +295,21 @@ void iq2xxs_rows(const MatmulArgs& A, const Consts& K, int64_t r0, int64_t r1, i
 }  // namespace
 
 bool iq_rows_avx512vbmi(const MatmulArgs& A, int64_t r0, int64_t r1) {
-    if (A.type != QType::IQ2_XXS) return false;
-    static const bool ok = levels_match_grid();
-    if (!ok) return false;
     static const Consts K;
-    over_token_tiles<4>(A.n_tok, [&](auto n, int64_t t) { iq2xxs_rows<n()>(A, K, r0, r1, t); });
-    return true;
+    auto run = [&](auto f) {
+        using F = decltype(f);
+        if (!F::ok()) return false;
+        over_token_tiles<4>(A.n_tok, [&](auto n, int64_t t) { iq_rows<F, n()>(A, K, r0, r1, t); });
+        return true;
+    };
+    switch (A.type) {
+        case QType::IQ2_XXS: return run(FIQ2_XXS{});
+        case QType::IQ3_XXS: return run(FIQ3_XXS{});
+        case QType::IQ2_XS: return run(FIQ2_XS{});
+        case QType::IQ3_S: return run(FIQ3_S{});
+        case QType::IQ2_S: return run(FIQ2_S{});
+        default: return false;
+    }
 }
 
 }  // namespace stowlm::cpu
