@@ -14,6 +14,7 @@
 #include <immintrin.h>
 
 #include <cstring>
+#include <type_traits>
 
 #include "cpu/matmul_impl.h"
 #include "quant/blocks.h"
@@ -52,26 +53,18 @@ struct GridCodes {
         for (int i = 0; i < 64; i++) lev[i] = (uint8_t)levels[i % (1 << BITS)];
     }
 };
-const GridCodes<uint64_t, 256, 8, 2>& iq2xxs_codes() {
-    static const GridCodes<uint64_t, 256, 8, 2> t(iq_tables::kIQ2XXS);
+// The codes of one GGUF grid (an array of 4- or 8-byte entries), built on first use.
+template <const auto& Grid, int BITS>
+const auto& grid_codes() {
+    using T = std::remove_cv_t<std::remove_reference_t<decltype(Grid[0])>>;
+    static const GridCodes<T, (int)(sizeof(Grid) / sizeof(T)), (int)sizeof(T), BITS> t(Grid);
     return t;
 }
-const GridCodes<uint32_t, 256, 4, 3>& iq3xxs_codes() {
-    static const GridCodes<uint32_t, 256, 4, 3> t(iq_tables::kIQ3XXS);
-    return t;
-}
-const GridCodes<uint64_t, 512, 8, 2>& iq2xs_codes() {
-    static const GridCodes<uint64_t, 512, 8, 2> t(iq_tables::kIQ2XS);
-    return t;
-}
-const GridCodes<uint64_t, 1024, 8, 2>& iq2s_codes() {
-    static const GridCodes<uint64_t, 1024, 8, 2> t(iq_tables::kIQ2S);
-    return t;
-}
-const GridCodes<uint32_t, 512, 4, 3>& iq3s_codes() {
-    static const GridCodes<uint32_t, 512, 4, 3> t(iq_tables::kIQ3S);
-    return t;
-}
+const auto& iq2xxs_codes() { return grid_codes<iq_tables::kIQ2XXS, 2>(); }
+const auto& iq2xs_codes() { return grid_codes<iq_tables::kIQ2XS, 2>(); }
+const auto& iq2s_codes() { return grid_codes<iq_tables::kIQ2S, 2>(); }
+const auto& iq3xxs_codes() { return grid_codes<iq_tables::kIQ3XXS, 3>(); }
+const auto& iq3s_codes() { return grid_codes<iq_tables::kIQ3S, 3>(); }
 
 // A 64-byte vector of bytes f(i).
 template <class F>

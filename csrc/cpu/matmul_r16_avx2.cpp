@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "cpu/matmul_fused.h"  // e8m0_half_ps
+#include "cpu/matmul_r16_scales.h"
 #include "cpu/repack.h"
 #include "quant/legacy.h"
 #include "quant/mxfp4.h"
@@ -43,20 +44,11 @@ inline V pairs(__m128i b0, __m128i b1, int h) {
     const __m128i p = h ? _mm_unpackhi_epi8(b0, b1) : _mm_unpacklo_epi8(b0, b1);
     return SIGNED ? _mm256_cvtepi8_epi16(p) : _mm256_cvtepu8_epi16(p);
 }
-// The int16 pair sums of u x a (u unsigned, a signed, 4 elements an int32 lane), G maddubs
-// added before one madd by `by` (ones, or a row's scale twice).
-template <int G>
+// acc + the dots of N vectors u (unsigned) with the activations at q (4 elements an int32 lane):
+// G maddubs added in int16 before one madd by `by` (ones, or a row's scale twice).
+template <int N, int G>
 inline V dot_g(V acc, const V* u, const int8_t* q, V by) {
-    for (int k = 0; k < 8; k += G) {
-        V p = _mm256_maddubs_epi16(u[k], bcast4(q + 4 * k));
-        for (int i = 1; i < G; i++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[k + i], bcast4(q + 4 * (k + i))));
-        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, by));
-    }
-    return acc;
-}
-template <int G>
-inline V dot4_g(V acc, const V* u, const int8_t* q, V by) {  // 4 vectors (a 16-element sub-block)
-    for (int k = 0; k < 4; k += G) {
+    for (int k = 0; k < N; k += G) {
         V p = _mm256_maddubs_epi16(u[k], bcast4(q + 4 * k));
         for (int i = 1; i < G; i++) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[k + i], bcast4(q + 4 * (k + i))));
         acc = _mm256_add_epi32(acc, _mm256_madd_epi16(p, by));
@@ -189,7 +181,7 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                     for (int k = 0; k < 8; k++)
                         dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], _mm256_sign_epi8(bcast4(q + 4 * k), s[k])), ones));
                 } else {
-                    dot = dot_g<R::GS>(dot, u, q, ones);
+                    dot = dot_g<8, R::GS>(dot, u, q, ones);
                 }
                 const __m256 sc = _mm256_mul_ps(dw, _mm256_set1_ps(a[j][b].d));
                 acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), sc, acc[j][h]);
@@ -210,16 +202,10 @@ struct KTile {
 };
 // sum_p vp[p] . (bsum_2p, bsum_2p+1) of a token: the 16-sums of its sub-blocks against the
 // half's (scale or min) pairs of sub-blocks 2p, 2p + 1.
-template <int NP>
-inline V pair_sums(const V (&vp)[NP], const int16_t* bsums, int stride) {
+template <bool W16, int NP>
+inline V pair_sums(const V (&vp)[NP], const int16_t* bsums) {
     V s = _mm256_setzero_si256();
-    for (int p = 0; p < NP; p++) {
-        int32_t pr;
-        if (stride == 1) memcpy(&pr, bsums + 2 * p, 4);
-        else pr = (int32_t)(uint16_t)(int16_t)(bsums[4 * p] + bsums[4 * p + 1]) |
-                  (int32_t)((uint32_t)(uint16_t)(int16_t)(bsums[4 * p + 2] + bsums[4 * p + 3]) << 16);
-        s = _mm256_add_epi32(s, _mm256_madd_epi16(vp[p], _mm256_set1_epi32(pr)));
-    }
+    for (int p = 0; p < NP; p++) s = _mm256_add_epi32(s, _mm256_madd_epi16(vp[p], _mm256_set1_epi32(bsum_pair<W16>(bsums, p))));
     return s;
 }
 
@@ -232,22 +218,12 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const KTile<G, TT> tile(A, g, t0);
     __m256 acc[TT][2] = {};
-    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
     const V m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = tile.w[b];
         prefetch_ahead(x, 8192);
-        __m128i B[12], scb[8], mnb[8];
-        for (int k = 0; k < 12; k++) B[k] = _mm_loadu_si128((const __m128i*)x.scales[k]);
-        for (int s = 0; s < 8; s++) {
-            if (s < 4) {
-                scb[s] = _mm_and_si128(B[s], m63), mnb[s] = _mm_and_si128(B[s + 4], m63);
-            } else {
-                scb[s] = _mm_or_si128(_mm_and_si128(B[s + 4], m15), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(B[s - 4], 6), m3), 4));
-                mnb[s] = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(B[s + 4], 4), m15),
-                                      _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(B[s], 6), m3), 4));
-            }
-        }
+        __m128i scb[8], mnb[8];
+        q45k_scale_bytes(x.scales, scb, mnb);
         V isum[TT][2] = {};
         for (int q = 0; q < 4; q++)
             for (int hn = 0; hn < 2; hn++) {
@@ -260,7 +236,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                     }
                     const V scv = pairs<false>(scb[s], scb[s], h);
 #pragma GCC unroll 8
-                    for (int j = 0; j < TT; j++) isum[j][h] = dot_g<Q5 ? 4 : 8>(isum[j][h], u, tile.a[j][b].qs + 32 * s, scv);
+                    for (int j = 0; j < TT; j++) isum[j][h] = dot_g<8, Q5 ? 4 : 8>(isum[j][h], u, tile.a[j][b].qs + 32 * s, scv);
                 }
             }
         for (int h = 0; h < 2; h++) {
@@ -268,7 +244,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             for (int p = 0; p < 4; p++) mnp[p] = pairs<false>(mnb[2 * p], mnb[2 * p + 1], h);
             const __m256 dd = fp16x8(x.d, h), dm = fp16x8(x.dmin, h);
             for (int j = 0; j < TT; j++) {
-                const V im = pair_sums(mnp, tile.a[j][b].bsums, 2);
+                const V im = pair_sums<false>(mnp, tile.a[j][b].bsums);
                 const __m256 da = _mm256_set1_ps(tile.a[j][b].d[0]);
                 acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][h]), _mm256_mul_ps(dd, da), acc[j][h]);
                 acc[j][h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(dm, da), acc[j][h]);
@@ -286,20 +262,14 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     const KTile<G, TT> tile(A, g, t0);
     __m256 acc[TT][2] = {};
     const V m3 = _mm256_set1_epi8(3), m4 = _mm256_set1_epi8(4);
-    const __m128i m15 = _mm_set1_epi8(15), m3x = _mm_set1_epi8(3), b32 = _mm_set1_epi8(32);
+    const __m128i m15 = _mm_set1_epi8(15);
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = tile.w[b];
         prefetch_ahead(x, 8192);
         __m128i sc8[16], mn8[16];  // the rows' scales (Q3_K: signed) and Q2_K's mins, byte r
         if constexpr (Q3) {
-            __m128i B[12];
-            for (int k = 0; k < 12; k++) B[k] = _mm_loadu_si128((const __m128i*)x.scales[k]);
-            for (int s = 0; s < 16; s++) {
-                const int i = s & 3, q = s >> 2;
-                const __m128i lo = s < 8 ? _mm_and_si128(B[s], m15) : _mm_and_si128(_mm_srli_epi16(B[s - 8], 4), m15);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(B[8 + i], 2 * q), m3x);
-                sc8[s] = mn8[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), b32);
-            }
+            q3k_scale_bytes(x.scales, sc8);
+            for (int s = 0; s < 16; s++) mn8[s] = sc8[s];
         } else {
             for (int s = 0; s < 16; s++) {
                 const __m128i v = _mm_loadu_si128((const __m128i*)x.scales[s]);
@@ -328,7 +298,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                         }
                         const V scv = pairs<Q3>(sc8[s], sc8[s], h);
 #pragma GCC unroll 8
-                        for (int j = 0; j < TT; j++) isum[j][h] = dot4_g<4>(isum[j][h], v, tile.a[j][b].qs + 16 * s, scv);
+                        for (int j = 0; j < TT; j++) isum[j][h] = dot_g<4, 4>(isum[j][h], v, tile.a[j][b].qs + 16 * s, scv);
                     }
                 }
         for (int h = 0; h < 2; h++) {
@@ -336,7 +306,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             for (int p = 0; p < 8; p++) mnp[p] = pairs<Q3>(mn8[2 * p], mn8[2 * p + 1], h);
             const __m256 dd = fp16x8(x.d, h);
             for (int j = 0; j < TT; j++) {
-                const V ps = pair_sums(mnp, tile.a[j][b].bsums, 1);
+                const V ps = pair_sums<true>(mnp, tile.a[j][b].bsums);
                 const __m256 da = _mm256_set1_ps(tile.a[j][b].d[0]);
                 if constexpr (Q3) {
                     const V v = _mm256_sub_epi32(isum[j][h], _mm256_slli_epi32(ps, 2));
@@ -382,7 +352,7 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                         const __m128i sc = _mm_loadu_si128((const __m128i*)x.scales[s]);
                         const V scv = pairs<true>(sc, sc, h);
 #pragma GCC unroll 8
-                        for (int j = 0; j < TT; j++) isum[j][h] = dot4_g<2>(isum[j][h], v, tile.a[j][b].qs + 16 * s, scv);
+                        for (int j = 0; j < TT; j++) isum[j][h] = dot_g<4, 2>(isum[j][h], v, tile.a[j][b].qs + 16 * s, scv);
                     }
         for (int h = 0; h < 2; h++) {
             V scp[8];  // row r: (scale of sub-block 2p, of 2p + 1), for the +32 offset
@@ -390,7 +360,7 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                 scp[p] = pairs<true>(_mm_loadu_si128((const __m128i*)x.scales[2 * p]), _mm_loadu_si128((const __m128i*)x.scales[2 * p + 1]), h);
             const __m256 dd = fp16x8(x.d, h);
             for (int j = 0; j < TT; j++) {
-                const V corr = pair_sums(scp, tile.a[j][b].bsums, 1);
+                const V corr = pair_sums<true>(scp, tile.a[j][b].bsums);
                 const V v = _mm256_sub_epi32(isum[j][h], _mm256_slli_epi32(corr, 5));
                 acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dd, _mm256_set1_ps(tile.a[j][b].d[0])), acc[j][h]);
             }

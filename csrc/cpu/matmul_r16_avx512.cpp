@@ -10,6 +10,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "cpu/matmul_r16_scales.h"
 #include "cpu/repack.h"
 #include "quant/legacy.h"
 #include "quant/mxfp4.h"
@@ -183,27 +184,18 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     const G* w = tile.w;
     const auto& a = tile.a;
     __m512 acc[TT] = {};
-    const __m128i m63 = _mm_set1_epi8(63), m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi8(3);
     const __m512i m4 = _mm512_set1_epi8(0x0f), b4 = _mm512_set1_epi8(0x10);
     const __m512i pidx = pair_index();
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = w[b];
         prefetch_ahead(x, 8192);
-        __m128i B[12];
-        for (int k = 0; k < 12; k++) B[k] = _mm_loadu_si128((const __m128i*)x.scales[k]);
+        __m128i scb[8], mnb[8];
+        q45k_scale_bytes(x.scales, scb, mnb);
         alignas(64) int32_t sc[8][16];
         __m256i mn16[8];
         for (int s = 0; s < 8; s++) {
-            __m128i scb, mnb;
-            if (s < 4) {
-                scb = _mm_and_si128(B[s], m63), mnb = _mm_and_si128(B[s + 4], m63);
-            } else {
-                scb = _mm_or_si128(_mm_and_si128(B[s + 4], m15), _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(B[s - 4], 6), m3), 4));
-                mnb = _mm_or_si128(_mm_and_si128(_mm_srli_epi16(B[s + 4], 4), m15),
-                                   _mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(B[s], 6), m3), 4));
-            }
-            _mm512_store_si512(sc[s], _mm512_cvtepu8_epi32(scb));
-            mn16[s] = _mm256_cvtepu8_epi16(mnb);
+            _mm512_store_si512(sc[s], _mm512_cvtepu8_epi32(scb[s]));
+            mn16[s] = _mm256_cvtepu8_epi16(mnb[s]);
         }
         __m512i mnp[4];  // lane r: (m of sub-block 2p, of 2p + 1) of row r
         for (int p = 0; p < 4; p++)
@@ -231,10 +223,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             const int16_t* bs = a[j][b].bsums;
             __m512i im = _mm512_setzero_si512();
             for (int p = 0; p < 4; p++) {
-                // the 32-sums of sub-blocks 2p and 2p + 1 as one int16 pair
-                const uint32_t pr = (uint16_t)(int16_t)(bs[4 * p] + bs[4 * p + 1]) |
-                                    ((uint32_t)(uint16_t)(int16_t)(bs[4 * p + 2] + bs[4 * p + 3]) << 16);
-                im = _mm512_add_epi32(im, _mm512_madd_epi16(mnp[p], _mm512_set1_epi32((int)pr)));
+                im = _mm512_add_epi32(im, _mm512_madd_epi16(mnp[p], _mm512_set1_epi32(bsum_pair<false>(bs, p))));
             }
             const __m512 da = _mm512_set1_ps(a[j][b].d[0]);
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_mul_ps(dd, da), acc[j]);
@@ -252,9 +241,7 @@ inline __m512i pairs16(__m256i even, __m256i odd, __m512i pidx) {
 inline __m512i pair_sums(const __m512i (&vp)[8], const int16_t* bsums) {
     __m512i s = _mm512_setzero_si512();
     for (int p = 0; p < 8; p++) {
-        int32_t pr;
-        memcpy(&pr, bsums + 2 * p, 4);  // the 16-sums of sub-blocks 2p, 2p + 1
-        s = _mm512_add_epi32(s, _mm512_madd_epi16(vp[p], _mm512_set1_epi32(pr)));
+        s = _mm512_add_epi32(s, _mm512_madd_epi16(vp[p], _mm512_set1_epi32(bsum_pair<true>(bsums, p))));
     }
     return s;
 }
@@ -271,7 +258,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     const auto& a = tile.a;
     __m512 acc[TT] = {};
     const __m512i m3 = _mm512_set1_epi8(3), m4 = _mm512_set1_epi8(4);
-    const __m128i m15 = _mm_set1_epi8(15), m3x = _mm_set1_epi8(3), b32 = _mm_set1_epi8(32);
+    const __m128i m15 = _mm_set1_epi8(15);
     const __m512i pidx = pair_index();
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = w[b];
@@ -279,14 +266,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         __m128i sc8[16];  // the rows' scales (Q3_K: signed), byte r of sc8[s]; Q2_K's mins apart
         __m512i mnp[8];   // Q2_K: min pairs; Q3_K: scale pairs (the offset's sums)
         if constexpr (Q3) {
-            __m128i B[12];
-            for (int k = 0; k < 12; k++) B[k] = _mm_loadu_si128((const __m128i*)x.scales[k]);
-            for (int s = 0; s < 16; s++) {
-                const int i = s & 3, q = s >> 2;
-                const __m128i lo = s < 8 ? _mm_and_si128(B[s], m15) : _mm_and_si128(_mm_srli_epi16(B[s - 8], 4), m15);
-                const __m128i hi = _mm_and_si128(_mm_srli_epi16(B[8 + i], 2 * q), m3x);
-                sc8[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), b32);
-            }
+            q3k_scale_bytes(x.scales, sc8);
             for (int p = 0; p < 8; p++)
                 mnp[p] = pairs16(_mm256_cvtepi8_epi16(sc8[2 * p]), _mm256_cvtepi8_epi16(sc8[2 * p + 1]), pidx);
         } else {
