@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Rewrites a mixture-of-experts GGUF with its expert stacks (ffn_{gate,up,down}_exps) as random
-blocks of a grid i-quant, for SPEED tests only: how the CPU decodes a big MoE whose experts are
-IQ2_XXS .. IQ3_S (the quants that fit a 235B model in a desktop's RAM). Everything else is copied.
+blocks of an i-quant, for SPEED tests only: how the CPU decodes a big MoE whose experts are
+IQ1_S .. IQ4_XS (the quants that fit a 235B model in a desktop's RAM). Everything else is copied.
 
 Usage: retype_experts.py IN.gguf OUT.gguf --type IQ2_XXS [--seed 1]
    e.g. python3 ../shared/tools/make_big_moe.py smollm2-135m.gguf /tmp/bigmoe6.gguf --layers 6
@@ -17,7 +17,7 @@ import gguf
 from gguf import GGMLQuantizationType as T
 
 # format: rough mean |grid value x sub-block scale| per unit d (sets d for std ~ 1/sqrt(fan_in))
-TYPES = {"IQ2_XXS": 12.0, "IQ2_XS": 12.0, "IQ2_S": 12.0, "IQ3_XXS": 40.0, "IQ3_S": 40.0, "IQ1_S": 8.0}
+TYPES = {"IQ2_XXS": 12.0, "IQ2_XS": 12.0, "IQ2_S": 12.0, "IQ3_XXS": 40.0, "IQ3_S": 40.0, "IQ1_S": 8.0, "IQ4_XS": 1000.0}
 
 
 def main() -> None:

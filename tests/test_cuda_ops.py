@@ -229,7 +229,7 @@ def test_get_rows(dev, name):
 
 
 @pytest.mark.parametrize("name", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K",
-                                  "Q5_K", "Q6_K"])
+                                  "Q5_K", "Q6_K", "IQ4_XS"])
 @pytest.mark.parametrize("rows", [48, 37])  # whole groups, and a tail of 5 rows after two
 def test_unrepack_rows16_gives_the_gguf_bytes_back(dev, name, rows):
     """A staged copy of experts the CPU keeps repacked goes back to the file's bytes on the GPU."""

@@ -175,7 +175,7 @@ def test_mul_mat_id_errors():
 
 
 @pytest.mark.parametrize("isa", ["scalar", "avx2", "avx512"])
-@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("name", ["Q4_0", "Q5_0", "Q8_0", "Q4_1", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q6_K", "IQ4_XS"])
 def test_repacked_experts(name, isa, restore_isa):
     """Experts repacked one by one (a model's expert stacks on an AVX2 or AVX-512 CPU): products within
     the dequantized weights' bound; below R16_ROWS_MAX tokens (256) an expert's slot has the bits of
@@ -211,7 +211,7 @@ def test_repacked_experts(name, isa, restore_isa):
                                   rows16=True)[0] for t in range(big)])[:, None]
     for n in (40, big):  # one expert's group: the row kernels, then the batched ones (scalar: none)
         one = np.full((n, 1), 4, np.int32)
-        rows_only = isa == "scalar" or (isa == "avx2" and name in ("Q8_0", "IQ4_NL"))  # no AVX2 GEMM for them
+        rows_only = isa == "scalar" or (isa == "avx2" and name in ("Q8_0", "IQ4_NL", "IQ4_XS"))  # no AVX2 GEMM for them
         want = alone4[:n] if rows_only or n < big else ops.mul_mat_id(raw, name, N_EXPERT, ROWS, COLS, xs, one)
         np.testing.assert_array_equal(ops.mul_mat_id(packed, name, N_EXPERT, ROWS, COLS, xs[:n], one, rows16=True),
                                       want, err_msg=f"{name} {isa}: a group of {n}")

@@ -18,8 +18,8 @@ from test_matmul import check, make_weights, restore_isa, with_outliers  # noqa:
 
 from stowlm import ops  # noqa: E402
 
-TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
-KTYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+TYPES = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "IQ4_NL", "MXFP4", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"]
+KTYPES = {"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"}
 
 
 def _cols(name, cols):
@@ -28,7 +28,7 @@ def _cols(name, cols):
 ISAS = ["scalar", "avx2", "avx512"]
 # formats whose values do not fit the AVX2 GEMM's unsigned bytes (matmul_gemm_avx2.cpp): their
 # batched passes keep the row kernels there, so a repacked matrix keeps its rows' bits
-AVX2_NO_GEMM = {"Q8_0", "IQ4_NL"}
+AVX2_NO_GEMM = {"Q8_0", "IQ4_NL", "IQ4_XS"}
 
 
 def _weights(name, rows, cols, seed=3):
@@ -49,7 +49,7 @@ def test_repacked_rows_give_the_gguf_bytes_back(name):
     for r in (0, 31, 32, 39):
         np.testing.assert_array_equal(ops.unrepack_row16(tail, name, 40, cols, r), raw[r])
     with pytest.raises(ValueError, match="cannot be repacked"):
-        ops.repack_rows16(_weights("IQ4_XS", 16, 256)[0], "IQ4_XS", 16, 256)
+        ops.repack_rows16(_weights("IQ2_XXS", 16, 256)[0], "IQ2_XXS", 16, 256)
     with pytest.raises(ValueError, match="cannot be repacked"):
         ops.repack_rows16(raw[:, : raw.shape[1] // 2].copy(), name, 48, cols // 2 + 1)
 

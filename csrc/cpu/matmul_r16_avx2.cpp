@@ -111,11 +111,12 @@ struct RIq4 {
     using G = block_q4_0x16;
     static constexpr bool SIGNED = true;
     static constexpr int OFF = 0, GS = 1;
-    static void unpack(const G& x, int h, V (&u)[8], V (&s)[8]) {
+    static void unpack(const G& x, int h, V (&u)[8], V (&s)[8]) { unpack_qs(x.qs, h, u, s); }
+    static void unpack_qs(const uint8_t (&qs)[4][64], int h, V (&u)[8], V (&s)[8]) {
         static const V sv = level_table<kIQ4NLValues>([](int v) { return v; });
         static const V av = level_table<kIQ4NLValues>([](int v) { return v < 0 ? -v : v; });
         V n[8];
-        nibbles(x.qs, h, n);
+        nibbles(qs, h, n);
         for (int k = 0; k < 8; k++) s[k] = _mm256_shuffle_epi8(sv, n[k]), u[k] = _mm256_shuffle_epi8(av, n[k]);
     }
 };
@@ -369,6 +370,42 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     store_rows<TT>(A, g, t0, acc);
 }
 
+// IQ4_XS: per sub-block and half the IQ4 levels with the sign trick (RIq4), each maddubs's pairs
+// taken by madd with the rows' scales ls - 32 (twice a row).
+template <int TT>
+void r16_iq4xs_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
+    using G = block_iq4_xsx16;
+    const int64_t nsb = A.cols / QK_K;
+    const KTile<G, TT> tile(A, g, t0);
+    __m256 acc[TT][2] = {};
+    for (int64_t b = 0; b < nsb; b++) {
+        const G& x = tile.w[b];
+        prefetch_ahead(x, 8192);
+        __m128i sc8[8];
+        iq4xs_scale_bytes(x, sc8);
+        V isum[TT][2] = {};
+        for (int ib = 0; ib < 8; ib++)
+            for (int h = 0; h < 2; h++) {
+                V u[8], s[8];
+                RIq4::unpack_qs(x.qs[ib], h, u, s);
+                const V scv = pairs<true>(sc8[ib], sc8[ib], h);
+#pragma GCC unroll 8
+                for (int j = 0; j < TT; j++) {
+                    const int8_t* q = tile.a[j][b].qs + 32 * ib;
+                    for (int k = 0; k < 8; k++)
+                        isum[j][h] = _mm256_add_epi32(
+                            isum[j][h], _mm256_madd_epi16(_mm256_maddubs_epi16(u[k], _mm256_sign_epi8(bcast4(q + 4 * k), s[k])), scv));
+                }
+            }
+        for (int h = 0; h < 2; h++) {
+            const __m256 dd = fp16x8(x.d, h);
+            for (int j = 0; j < TT; j++)
+                acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[j][h]), _mm256_mul_ps(dd, _mm256_set1_ps(tile.a[j][b].d[0])), acc[j][h]);
+        }
+    }
+    store_rows<TT>(A, g, t0, acc);
+}
+
 // Tokens a tile (8 ahead of 2 and 4 from 16 tokens, equal at 1 and 4: bench-matmul --isa avx2 --layouts r16).
 constexpr int kTileTokens = 8;
 
@@ -386,6 +423,7 @@ void matmul_r16_avx2(const MatmulArgs& A, int64_t g0, int64_t g1) {
         case QType::Q4_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
         case QType::Q5_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
         case QType::Q6_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });
+        case QType::IQ4_XS: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_iq4xs_tile<n()>(A, g, t); });
         case QType::Q8_0: return q32(R8_0{});
         case QType::Q4_0: return q32(R4_0{});
         case QType::IQ4_NL: return q32(RIq4{});

@@ -57,14 +57,15 @@ template <class Grp, const int8_t (&Levels)[16]>
 struct RLut {
     using G = Grp;
     static constexpr int OFF = 128;
-    static void unpack(const G& x, __m512i (&u)[8]) {
+    static void unpack(const G& x, __m512i (&u)[8]) { unpack_qs(x.qs, u); }
+    static void unpack_qs(const uint8_t (&qs)[4][64], __m512i (&u)[8]) {
         alignas(16) static const auto lut = [] {
             struct { uint8_t v[16]; } t{};
             for (int i = 0; i < 16; i++) t.v[i] = (uint8_t)(Levels[i] + 128);
             return t;
         }();
         const __m512i table = _mm512_broadcast_i32x4(_mm_load_si128((const __m128i*)lut.v));
-        nibbles(x.qs, u);
+        nibbles(qs, u);
         for (int k = 0; k < 8; k++) u[k] = _mm512_shuffle_epi8(table, u[k]);
     }
 };
@@ -378,6 +379,45 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     KTile<G, TT>::store(A, g, t0, acc);
 }
 
+// IQ4_XS: per 32-element sub-block Q4_0's nibbles as the IQ4 levels + 128 (RIq4), 8 vpdpbusd and a
+// vpmulld by the rows' scales ls - 32; the +128 leaves as 128 sum_s sc_s asum_s through vpmaddwd
+// of the scales as int16 pairs with the activations' 32-sums.
+template <int TT>
+void r16_iq4xs_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
+    using G = block_iq4_xsx16;
+    const int64_t nsb = A.cols / QK_K;
+    const KTile<G, TT> tile(A, g, t0);
+    __m512 acc[TT] = {};
+    const __m512i pidx = pair_index();
+    for (int64_t b = 0; b < nsb; b++) {
+        const G& x = tile.w[b];
+        prefetch_ahead(x, 8192);
+        __m128i sc8[8];
+        iq4xs_scale_bytes(x, sc8);
+        __m512i scp[4];  // lane r: (scale of sub-block 2p, of 2p + 1) of row r
+        for (int p = 0; p < 4; p++) scp[p] = pairs16(_mm256_cvtepi8_epi16(sc8[2 * p]), _mm256_cvtepi8_epi16(sc8[2 * p + 1]), pidx);
+        __m512i isum[TT];
+        for (int j = 0; j < TT; j++) isum[j] = _mm512_setzero_si512();
+        for (int ib = 0; ib < 8; ib++) {
+            __m512i u[8];
+            RIq4::unpack_qs(x.qs[ib], u);
+            const __m512i scv = _mm512_cvtepi8_epi32(sc8[ib]);
+#pragma GCC unroll 8
+            for (int j = 0; j < TT; j++)
+                isum[j] = _mm512_add_epi32(isum[j], _mm512_mullo_epi32(dot_rows<8>(_mm512_setzero_si512(), u, tile.a[j][b].qs + 32 * ib), scv));
+        }
+        const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
+        for (int j = 0; j < TT; j++) {
+            __m512i corr = _mm512_setzero_si512();
+            for (int p = 0; p < 4; p++)
+                corr = _mm512_add_epi32(corr, _mm512_madd_epi16(scp[p], _mm512_set1_epi32(bsum_pair<false>(tile.a[j][b].bsums, p))));
+            const __m512i v = _mm512_sub_epi32(isum[j], _mm512_slli_epi32(corr, 7));
+            acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, _mm512_set1_ps(tile.a[j][b].d[0])), acc[j]);
+        }
+    }
+    KTile<G, TT>::store(A, g, t0, acc);
+}
+
 }  // namespace
 
 void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
@@ -391,6 +431,7 @@ void matmul_r16_avx512(const MatmulArgs& A, int64_t g0, int64_t g1) {
         case QType::Q4_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
         case QType::Q5_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
         case QType::Q6_K: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });
+        case QType::IQ4_XS: return groups(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_iq4xs_tile<n()>(A, g, t); });
         case QType::Q8_0: return q32(R8_0{});
         case QType::Q4_0: return q32(R4_0{});
         case QType::IQ4_NL: return q32(RIq4{});

@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "quant/rows16.h"
+
 namespace stowlm::cpu {
 namespace {
 
@@ -35,6 +37,18 @@ inline void q3k_scale_bytes(const uint8_t (&scales)[12][16], __m128i (&sc)[16]) 
         const __m128i lo = s < 8 ? _mm_and_si128(B[s], m15) : _mm_and_si128(_mm_srli_epi16(B[s - 8], 4), m15);
         const __m128i hi = _mm_and_si128(_mm_srli_epi16(B[8 + i], 2 * q), m3);
         sc[s] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), b32);
+    }
+}
+
+// IQ4_XS: the 8 sub-blocks' scales ls - 32 (signed; low nibbles in scales_l, high bits in scales_h).
+inline void iq4xs_scale_bytes(const block_iq4_xsx16& x, __m128i (&sc)[8]) {
+    const __m128i m15 = _mm_set1_epi8(15), m3 = _mm_set1_epi16(3), b32 = _mm_set1_epi8(32);
+    const __m128i h0 = _mm_loadu_si128((const __m128i*)x.scales_h), h1 = _mm_loadu_si128((const __m128i*)(x.scales_h + 8));
+    for (int ib = 0; ib < 8; ib++) {
+        const __m128i l = _mm_loadu_si128((const __m128i*)x.scales_l[ib / 2]);
+        const __m128i lo = _mm_and_si128(ib % 2 ? _mm_srli_epi16(l, 4) : l, m15);
+        const __m128i hi = _mm_packus_epi16(_mm_and_si128(_mm_srli_epi16(h0, 2 * ib), m3), _mm_and_si128(_mm_srli_epi16(h1, 2 * ib), m3));
+        sc[ib] = _mm_sub_epi8(_mm_or_si128(lo, _mm_slli_epi16(hi, 4)), b32);
     }
 }
 

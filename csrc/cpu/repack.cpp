@@ -126,6 +126,22 @@ void matmul_r16_scalar_k(const MatmulArgs& A, int64_t g0, int64_t g1) {
                 for (int64_t b = 0; b < nsb; b++) {
                     const uint8_t* x = grp + b * gb;
                     const float da = a[b].d[0];
+                    if (A.type == QType::IQ4_XS) {
+                        const block_iq4_xsx16* y = (const block_iq4_xsx16*)x;
+                        int32_t isum = 0;
+                        for (int ib = 0; ib < 8; ib++) {
+                            const int ls = ((y->scales_l[ib / 2][r] >> (4 * (ib % 2))) & 15) | (((y->scales_h[r] >> (2 * ib)) & 3) << 4);
+                            int32_t dot = 0;
+                            for (int e = 0; e < 32; e++) {
+                                const int lo = e % 16;
+                                const int n = (y->qs[ib][lo / 4][4 * r + lo % 4] >> (e < 16 ? 0 : 4)) & 15;
+                                dot += iq4nl_value(n) * a[b].qs[32 * ib + e];
+                            }
+                            isum += (ls - 32) * dot;
+                        }
+                        acc = std::fma((float)isum, fp16_to_f32(y->d[r]) * da, acc);
+                        continue;
+                    }
                     if (A.type == QType::Q2_K) {
                         const block_q2_Kx16* y = (const block_q2_Kx16*)x;
                         int32_t isum = 0, imin = 0;

@@ -18,6 +18,7 @@
 //   Q2_K/Q4_K/Q5_K: acc = fma(float(sum_s sc_s idot_s), d d_a, acc); acc = fma(-float(sum_s m_s bsum_s), dmin d_a, acc)
 //   Q3_K:           acc = fma(float(sum_s sc_s idot_s - 4 sum_s sc_s bsum_s), d d_a, acc)
 //   Q6_K:           acc = fma(float(sum_s sc_s idot_s - 32 sum_s sc_s bsum_s), d d_a, acc)
+//   IQ4_XS:         acc = fma(float(sum_s (ls_s - 32) idot_s), d d_a, acc)  (idot_s of the IQ4 levels)
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -31,7 +32,7 @@ namespace stowlm::cpu {
 // The offset the 32-element formats' unsigned values carry (removed as -OFF * sum(activations)).
 int repack_offset(QType t);
 // Whether a matrix of this type and shape can be repacked: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL,
-// MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K.
+// MXFP4, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS.
 // The rows after its last whole group of 16 keep the GGUF layout, and their products the same
 // float sequence (matmul_r16_tail), so any slice of rows (a tensor-parallel shard) gives the
 // bits of the whole matrix's rows.

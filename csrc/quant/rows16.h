@@ -42,6 +42,10 @@ struct block_q3_Kx16 { uint16_t d[16]; uint8_t scales[12][16]; uint8_t hmask[8][
 struct block_q4_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint8_t qs[4][8][64]; };
 struct block_q5_Kx16 { uint16_t d[16]; uint16_t dmin[16]; uint8_t scales[12][16]; uint64_t qh[64]; uint8_t qs[4][8][64]; };
 struct block_q6_Kx16 { uint8_t ql[2][16][64]; uint8_t qh[2][8][64]; int8_t scales[16][16]; uint16_t d[16]; };
+// IQ4_XS: the rows' d and scales_h, scales_l[k][r] byte k of row r's scales_l, and per 32-element
+// sub-block ib Q4_0's layout: qs[ib][c][4r + i] = byte 16 ib + 4c + i of row r's qs (elements
+// 32 ib + 4c + i low, + 16 high), the nibbles indexing the IQ4 levels.
+struct block_iq4_xsx16 { uint16_t d[16]; uint16_t scales_h[16]; uint8_t scales_l[4][16]; uint8_t qs[8][4][64]; };
 static_assert(sizeof(block_q8_0x16) == 16 * 34, "16 rows of Q8_0 blocks");
 static_assert(sizeof(block_q4_1x16) == 16 * 20, "16 rows of Q4_1 blocks");
 static_assert(sizeof(block_q5_1x16) == 16 * 24, "16 rows of Q5_1 blocks");
@@ -50,6 +54,7 @@ static_assert(sizeof(block_q3_Kx16) == 16 * 110, "16 rows of Q3_K blocks");
 static_assert(sizeof(block_q4_Kx16) == 16 * 144, "16 rows of Q4_K blocks");
 static_assert(sizeof(block_q5_Kx16) == 16 * 176, "16 rows of Q5_K blocks");
 static_assert(sizeof(block_q6_Kx16) == 16 * 210, "16 rows of Q6_K blocks");
+static_assert(sizeof(block_iq4_xsx16) == 16 * 136, "16 rows of IQ4_XS blocks");
 static_assert(sizeof(block_q4_0x16) == 16 * 18, "16 rows of Q4_0 blocks");
 static_assert(sizeof(block_q5_0x16) == 16 * 22, "16 rows of Q5_0 blocks");
 static_assert(sizeof(block_mxfp4x16) == 16 * 17, "16 rows of MXFP4 blocks");
@@ -68,11 +73,14 @@ HOST_DEVICE int rows16_block_bytes(QType t) {
         case QType::Q4_K: return 144;
         case QType::Q5_K: return 176;
         case QType::Q6_K: return 210;
+        case QType::IQ4_XS: return 136;
         default: return 0;
     }
 }
+// The 256-element formats of the layout.
 HOST_DEVICE bool rows16_kformat(QType t) {
-    return t == QType::Q2_K || t == QType::Q3_K || t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K;
+    return t == QType::Q2_K || t == QType::Q3_K || t == QType::Q4_K || t == QType::Q5_K || t == QType::Q6_K ||
+           t == QType::IQ4_XS;
 }
 // Bytes of one 16-row group of a t matrix `cols` wide (16 rows' bytes), or 0 where t has no 16-row
 // layout or `cols` is not whole blocks of it.
@@ -115,6 +123,16 @@ HOST_DEVICE void rows16_or_u64(uint8_t* p, uint64_t bits) { const uint64_t v = r
 // The K formats (the layouts above).
 template <bool IN>
 HOST_DEVICE void rows16_move_kblock(QType t, uint8_t* row, uint8_t* grp, int r) {
+    if (t == QType::IQ4_XS) {
+        block_iq4_xs* x = (block_iq4_xs*)row;
+        block_iq4_xsx16* y = (block_iq4_xsx16*)grp;
+        rows16_mv<IN>((uint8_t*)&x->d, (uint8_t*)&y->d[r], 2);
+        rows16_mv<IN>((uint8_t*)&x->scales_h, (uint8_t*)&y->scales_h[r], 2);
+        for (int k = 0; k < 4; k++) rows16_mv<IN>(&x->scales_l[k], &y->scales_l[k][r], 1);
+        for (int ib = 0; ib < 8; ib++)
+            for (int c = 0; c < 4; c++) rows16_mv<IN>(x->qs + 16 * ib + 4 * c, y->qs[ib][c] + 4 * r, 4);
+        return;
+    }
     if (t == QType::Q2_K || t == QType::Q3_K) {  // their qs share one layout
         uint8_t *qs, (*gqs)[8][64];
         if (t == QType::Q2_K) {
