@@ -529,3 +529,27 @@ def test_the_draft_replay_counts_what_the_policy_would_yield():
     assert doubtful == pytest.approx(n / (n / 2 * (cost + first.cost(2))), rel=1e-9)
     wrong = draft_replay.replay(np.ones(n), np.zeros(n, bool), cost, n_max)
     assert 0.8 < wrong < 1.0
+
+
+def test_drafts_weigh_the_kernels_that_run():
+    """A pass's extra tokens cost what this CPU's kernels make them cost: with weights repacked,
+    AVX-512's tiles take a few more tokens almost free and AVX2's do not, so at the same acceptance
+    prompt lookup drafts fewer tokens on AVX2; an LLM takes the kernels of the path it runs."""
+    from stowlm import ops
+    from stowlm.speculative import NgramDrafter, PassCosts, Speculator
+
+    def length(isa, rate):
+        return Speculator(NgramDrafter(), 8, PassCosts(repacked=True, isa=isa)).length(rate)
+
+    assert length("avx2", 0.5) < length("avx512", 0.5)
+    assert length("avx2", 0.95) > 0 and length("avx512", 0.95) >= length("avx2", 0.95)
+    if "avx2" not in ops.cpu_info()["supported"]:
+        pytest.skip("this CPU/OS cannot run the avx2 path")
+    best = ops.cpu_info()["best"]
+    try:
+        ops.set_isa("avx2")
+        with stowlm.LLM(str(get_model("smollm2-135m")), n_ctx=256, progress=False) as llm:
+            assert llm._pass_costs.isa == "avx2" and llm._pass_costs.repacked
+            assert llm._pass_costs.cost(4) == PassCosts(repacked=True, isa="avx2").cost(4)
+    finally:
+        ops.set_isa(best)

@@ -31,6 +31,11 @@ def _names_a_model(spec) -> bool:
     return isinstance(spec, (str, os.PathLike)) and os.fspath(spec) not in ("ngram", "none")
 
 
+def _cpu_isa() -> str:
+    from . import ops
+    return ops.cpu_info()["active"]
+
+
 class LLM(Conversation):
     """A model, its tokenizer and one context, ready to generate.
 
@@ -104,8 +109,9 @@ class LLM(Conversation):
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._grammars_lock = threading.Lock()
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
-        # what passes of several tokens cost here (cheaper with repacked weights), and their timings
-        self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)))
+        # what passes of several tokens cost here (cheaper with repacked weights, more so with
+        # AVX-512's kernels), and their timings
+        self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)), isa=_cpu_isa())
         self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
         if speculative is not None:
             self._drafter = parse_spec(draft if draft is not None else speculative)

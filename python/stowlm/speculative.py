@@ -44,6 +44,11 @@ TILE, IN_TILE, PAST_TILE, MARGIN = 4, 0.18, 0.26, 1.5
 # extra tokens cost far less (same model and machine, `stowlm-bench -p 1,2,3,4,5,6,8,12 -n 0
 # -d 256`: 0.99x for 2 tokens, 1.12x for 4, 1.62x for 8, 2.26x for 12).
 IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
+# On AVX2 CPUs (maddubs + madd where AVX-512 has one vpdpbusd) the repacked kernels are
+# compute-bound sooner: qwen2.5-coder-0.5b forced onto AVX2 on the same machine (`STOWLM_ISA=avx2
+# stowlm-bench -p 1,2,3,4,6,8,12 -n 0 -d 256 -r 3`, two runs): 1.25x for 2 tokens, 1.68x for 4,
+# 2.38x for 8, 3.49x for 12 (the GGUF layout there: 1.23x, 1.73x, 3.0x, 4.4x).
+IN_TILE_R16_AVX2, PAST_TILE_R16_AVX2 = 0.23, 0.2
 # A draft model's drafts must yield this many times the tokens per second of no draft to start
 # (its acceptance and step time are estimates), and drafting stops below MODEL_KEEP times: the
 # estimates swing with the text, and a stop ends the request's drafts (Speculator.draft).
@@ -63,9 +68,17 @@ def chain_holds(chain: float) -> bool:
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
 
-def prior_cost(n: int, repacked: bool = False) -> float:
+def tile_costs(repacked: bool = False, isa: str = "avx512") -> tuple:
+    """What a pass's extra tokens cost in one-token steps, within the first tile and past it, for
+    the CPU kernels that run (`isa`: ops.cpu_info()['active'])."""
+    if not repacked:
+        return IN_TILE, PAST_TILE
+    return (IN_TILE_R16_AVX2, PAST_TILE_R16_AVX2) if isa in ("avx2", "scalar") else (IN_TILE_R16, PAST_TILE_R16)
+
+
+def prior_cost(n: int, repacked: bool = False, isa: str = "avx512") -> float:
     """A pass of n tokens in one-token steps."""
-    inside, past = (IN_TILE_R16, PAST_TILE_R16) if repacked else (IN_TILE, PAST_TILE)
+    inside, past = tile_costs(repacked, isa)
     return 1.0 + inside * (min(n, TILE) - 1) + past * max(0, n - TILE)
 
 
@@ -79,9 +92,10 @@ class PassCosts:
 
     ALPHA = 0.1
 
-    def __init__(self, repacked: bool = False):
+    def __init__(self, repacked: bool = False, isa: str = "avx512"):
         self.seconds: dict = {}  # tokens in the pass -> moving average of its seconds
         self.repacked = repacked  # the model's CPU weights are in 16-row groups (the cheaper tiles)
+        self.isa = isa  # the CPU kernels' instruction set (AVX2's repacked tiles cost more)
         self.step: Optional[float] = None  # moving average of a one-token step's seconds, from every pass
 
     def observe(self, n: int, seconds: float) -> None:
@@ -95,7 +109,7 @@ class PassCosts:
         self.step = one if self.step is None else self.step + self.ALPHA * (one - self.step)
 
     def cost(self, n: int) -> float:
-        return prior_cost(n, self.repacked) if n > 1 else 1.0
+        return prior_cost(n, self.repacked, self.isa) if n > 1 else 1.0
 
     def token(self, j: int) -> float:
         """What a pass's j-th token (1-based) adds, with the margin it must earn past a tile."""
