@@ -2,7 +2,7 @@
 // the plan of matmul_r16_avx512.cpp with a group's 16 rows as two halves of 8 (the first and
 // last 32 bytes of each 64-byte group vector) and maddubs + madd where that file has vpdpbusd.
 // maddubs adds its two products in int16, so each format sums only as many of them before madd
-// as cannot saturate (G below); Q8_0 and IQ4_NL, whose values reach +-127, take the sign trick.
+// as cannot saturate (G below); Q8_0, IQ4_NL and IQ4_XS, whose values reach +-127, take the sign trick.
 // Every integer is exact and the float operations are matmul_r16_scalar's, so are its bits.
 #include <immintrin.h>
 
