@@ -16,6 +16,8 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as T
 
+from stowlm.draftmodel import copy_field, field_value, put_tensor  # the fields and tensors as they were
+
 # format: rough mean |grid value x sub-block scale| per unit d (sets d for std ~ 1/sqrt(fan_in))
 TYPES = {"IQ2_XXS": 12.0, "IQ2_XS": 12.0, "IQ2_S": 12.0, "IQ3_XXS": 40.0, "IQ3_S": 40.0, "IQ1_S": 8.0, "IQ4_XS": 1000.0}
 
@@ -31,34 +33,21 @@ def main() -> None:
     per, nbytes = gguf.GGML_QUANT_SIZES[qt]
     rng = np.random.default_rng(args.seed)
     r = gguf.GGUFReader(args.src)
-    arch = r.fields["general.architecture"]
-    w = gguf.GGUFWriter(args.out, bytes(arch.parts[arch.data[0]]).decode())
-    for f in r.fields.values():
-        if f.name.startswith("GGUF.") or f.name == "general.architecture":
-            continue
-        t = f.types[0]
-        if t == gguf.GGUFValueType.ARRAY:
-            sub = f.types[-1]
-            vals = [bytes(f.parts[i]).decode() if sub == gguf.GGUFValueType.STRING else f.parts[i].tolist()[0]
-                    for i in f.data]
-            w.add_array(f.name, vals)
-        elif t == gguf.GGUFValueType.STRING:
-            w.add_string(f.name, bytes(f.parts[f.data[0]]).decode())
-        else:
-            w.add_key_value(f.name, f.parts[f.data[0]].tolist()[0], t)
+    w = gguf.GGUFWriter(args.out, field_value(r.fields["general.architecture"]).decode())
+    for name, field in r.fields.items():
+        if not name.startswith("GGUF.") and name != "general.architecture":
+            copy_field(w, name, field)
     for t in r.tensors:
-        if "_exps." in t.name:
-            cols = int(t.shape[0])
-            rows = int(np.prod(t.shape[1:]))
-            if cols % per:
-                raise SystemExit(f"{t.name}: {cols} columns are not whole {args.type} blocks")
-            data = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
-            d = np.float16(1.0 / (TYPES[args.type] * np.sqrt(cols)))
-            data[:, :, 0:2] = np.frombuffer(d.tobytes(), np.uint8)
-            shape = [int(x) for x in reversed(t.shape)]
-            w.add_tensor(t.name, data.reshape(shape[:-1] + [shape[-1] // per * nbytes]), raw_dtype=qt)
-        else:
-            w.add_tensor(t.name, np.asarray(t.data), raw_dtype=t.tensor_type)
+        if "_exps." not in t.name:
+            put_tensor(w, t.name, t)
+            continue
+        cols, rows = int(t.shape[0]), int(np.prod(t.shape[1:]))
+        if cols % per:
+            raise SystemExit(f"{t.name}: {cols} columns are not whole {args.type} blocks")
+        data = rng.integers(0, 256, size=(rows, cols // per, nbytes), dtype=np.uint8)
+        data[:, :, 0:2] = np.frombuffer(np.float16(1.0 / (TYPES[args.type] * np.sqrt(cols))).tobytes(), np.uint8)
+        shape = [int(x) for x in reversed(t.shape)]
+        w.add_tensor(t.name, data.reshape(shape[:-1] + [shape[-1] // per * nbytes]), raw_dtype=qt)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

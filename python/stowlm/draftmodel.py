@@ -53,7 +53,8 @@ def pick_layers(n_layer: int, keep: int, edge: int = 2) -> List[int]:
     return sorted(set(list(range(edge)) + middle + list(range(n_layer - edge, n_layer))))
 
 
-def _value(field):
+def field_value(field):
+    """A GGUFReader field's value as GGUFWriter takes it back (strings as bytes)."""
     import gguf
 
     t = field.types[0]
@@ -64,6 +65,15 @@ def _value(field):
     if t == gguf.GGUFValueType.STRING:
         return bytes(field.parts[field.data[0]])
     return field.parts[field.data[0]].tolist()[0]
+
+
+def copy_field(w, name: str, field, value=None) -> None:
+    """Writes a GGUFReader field to GGUFWriter w with its own type (and arrays' element type):
+    its value, or `value` in its place."""
+    import gguf
+
+    sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+    w.add_key_value(name, field_value(field) if value is None else value, field.types[0], sub_type=sub)
 
 
 def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[int]] = None,
@@ -79,8 +89,8 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
 
     src = pull(src, progress=False)
     r = gguf.GGUFReader(src)
-    arch = bytes(r.fields["general.architecture"].parts[r.fields["general.architecture"].data[0]]).decode()
-    n_layer = int(_value(r.fields[f"{arch}.block_count"]))
+    arch = field_value(r.fields["general.architecture"]).decode()
+    n_layer = int(field_value(r.fields[f"{arch}.block_count"]))
     if layers is None:
         layers = pick_layers(n_layer, keep if keep is not None else default_keep(n_layer))
     layers = sorted(set(int(i) for i in layers))
@@ -89,7 +99,7 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
     renumber = {old: new for new, old in enumerate(layers)}
     rows = None  # the target's token ids the draft keeps, in order (None: all)
     tt = r.fields.get("tokenizer.ggml.token_type")  # absent: every token a normal one
-    types = _value(tt) if tt is not None else [1] * len(r.fields["tokenizer.ggml.tokens"].data)
+    types = field_value(tt) if tt is not None else [1] * len(r.fields["tokenizer.ggml.tokens"].data)
     if vocab is not None and vocab < len(types):
         rows = keep_tokens(types, vocab)
     dst = Path(dst)
@@ -97,7 +107,7 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
     for name, field in r.fields.items():
         if name in _SKIP_FIELDS or name.startswith("GGUF."):
             continue
-        value = _value(field)
+        value = field_value(field)
         if rows is not None and name.startswith("tokenizer.ggml."):
             value = _trim_field(name, value, rows, r.fields["tokenizer.ggml.tokens"])
             if value is None:
@@ -112,8 +122,7 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
         elif re.fullmatch(rf"{re.escape(arch)}\..*(_layers|_pattern)", name) and isinstance(value, list) \
                 and len(value) == n_layer:  # per-layer lists (e.g. sliding-window patterns) follow the layers
             value = [value[i] for i in layers]
-        sub = field.types[1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
-        w.add_key_value(name, value, field.types[0], sub_type=sub)
+        copy_field(w, name, field, value)
     if rows is not None:  # what the draft's ids are in the target's vocabulary
         w.add_array(TOKEN_IDS_KEY, [int(i) for i in rows])
     tensors = {t.name: t for t in r.tensors}
@@ -130,7 +139,7 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
                 and int(t.shape[0]) % quants.type_info(weight_type).block_elems == 0:  # else as it was
             _requantize(w, name, t, weight_type)
         else:
-            _put(w, name, t, vocab_rows)
+            put_tensor(w, name, t, vocab_rows)
     if replace:  # an untied output matrix, or the tied embedding's copy for the output alone
         _requantize(w, "output.weight", tensors.get("output.weight", tensors["token_embd.weight"]), output_type,
                     rows)
@@ -191,7 +200,8 @@ def _requantize(w, name, t, qtype: str, rows: Optional[np.ndarray] = None) -> No
                  raw_dtype=gguf.GGMLQuantizationType[info.name])
 
 
-def _put(w, name, t, rows: Optional[np.ndarray] = None) -> None:
+def put_tensor(w, name, t, rows: Optional[np.ndarray] = None) -> None:
+    """Writes a GGUFReader tensor to GGUFWriter w as it is (with `rows`: only those rows)."""
     shape = [int(x) for x in reversed(t.shape)]
     data = np.asarray(t.data)
     if rows is not None:  # a matrix of the vocabulary's rows: GGUF rows are whole blocks, kept as they are
