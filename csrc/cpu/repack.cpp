@@ -11,6 +11,7 @@
 #include "quant/blocks.h"
 #include "quant/float_types.h"
 #include "quant/dot.h"
+#include "quant/iquants.h"
 #include "quant/legacy.h"
 #include "quant/mxfp4.h"
 
@@ -128,16 +129,18 @@ void matmul_r16_scalar_k(const MatmulArgs& A, int64_t g0, int64_t g1) {
                     const float da = a[b].d[0];
                     if (A.type == QType::IQ4_XS) {
                         const block_iq4_xsx16* y = (const block_iq4_xsx16*)x;
+                        block_iq4_xs row{};  // row r's scale fields, for iq4xs_scale
+                        row.scales_h = y->scales_h[r];
+                        for (int k = 0; k < 4; k++) row.scales_l[k] = y->scales_l[k][r];
                         int32_t isum = 0;
                         for (int ib = 0; ib < 8; ib++) {
-                            const int ls = ((y->scales_l[ib / 2][r] >> (4 * (ib % 2))) & 15) | (((y->scales_h[r] >> (2 * ib)) & 3) << 4);
                             int32_t dot = 0;
                             for (int e = 0; e < 32; e++) {
                                 const int lo = e % 16;
                                 const int n = (y->qs[ib][lo / 4][4 * r + lo % 4] >> (e < 16 ? 0 : 4)) & 15;
                                 dot += iq4nl_value(n) * a[b].qs[32 * ib + e];
                             }
-                            isum += (ls - 32) * dot;
+                            isum += iq4xs_scale(&row, ib) * dot;
                         }
                         acc = std::fma((float)isum, fp16_to_f32(y->d[r]) * da, acc);
                         continue;
