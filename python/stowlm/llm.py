@@ -14,6 +14,7 @@ from typing import Dict, List, Mapping, Optional, Sequence, Union
 
 import numpy as np
 
+from . import ops
 from .conversation import Conversation
 from .devices import parse_devices
 from .generation import Completion, Generation, Served
@@ -29,11 +30,6 @@ __all__ = ["LLM", "Completion"]
 def _names_a_model(spec) -> bool:
     """Whether `speculative` names a draft model's file (not "ngram", None or a loaded LLM)."""
     return isinstance(spec, (str, os.PathLike)) and os.fspath(spec) not in ("ngram", "none")
-
-
-def _cpu_isa() -> str:
-    from . import ops
-    return ops.cpu_info()["active"]
 
 
 class LLM(Conversation):
@@ -111,7 +107,7 @@ class LLM(Conversation):
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
         # what passes of several tokens cost here (cheaper with repacked weights, more so with
         # AVX-512's kernels), and their timings
-        self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)), isa=_cpu_isa())
+        self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)), isa=ops.cpu_info()["active"])
         self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
         if speculative is not None:
             self._drafter = parse_spec(draft if draft is not None else speculative)
