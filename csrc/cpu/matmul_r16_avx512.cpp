@@ -159,6 +159,15 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     for (int j = 0; j < TT; j++) _mm512_storeu_ps(A.y + (t0 + j) * A.ldy + g * kRepackRows, acc[j]);
 }
 
+// sum_p vp[p] . (bsum_2p, bsum_2p+1) of a token for the 16 rows (vp: the pairs of pairs16; W16:
+// the 16-sums of Q2_K/Q3_K/Q6_K, else the 32-sums of Q4_K/Q5_K/IQ4_XS).
+template <bool W16, int NP>
+inline __m512i pair_sums(const __m512i (&vp)[NP], const int16_t* bsums) {
+    __m512i s = _mm512_setzero_si512();
+    for (int p = 0; p < NP; p++) s = _mm512_add_epi32(s, _mm512_madd_epi16(vp[p], _mm512_set1_epi32(bsum_pair<W16>(bsums, p))));
+    return s;
+}
+
 // A K-format tile's operands: group g's super-blocks and tokens [t0, t0 + TT)'s activation rows;
 // store() writes the accumulators (kept in the caller, in registers) as the rows' outputs.
 template <class G, int TT>
@@ -221,11 +230,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
         const __m512 dm = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.dmin));
         for (int j = 0; j < TT; j++) {
-            const int16_t* bs = a[j][b].bsums;
-            __m512i im = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++) {
-                im = _mm512_add_epi32(im, _mm512_madd_epi16(mnp[p], _mm512_set1_epi32(bsum_pair<false>(bs, p))));
-            }
+            const __m512i im = pair_sums<false>(mnp, a[j][b].bsums);
             const __m512 da = _mm512_set1_ps(a[j][b].d[0]);
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[j]), _mm512_mul_ps(dd, da), acc[j]);
             acc[j] = _mm512_fnmadd_ps(_mm512_cvtepi32_ps(im), _mm512_mul_ps(dm, da), acc[j]);
@@ -238,15 +243,6 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
 inline __m512i pairs16(__m256i even, __m256i odd, __m512i pidx) {
     return _mm512_permutex2var_epi16(_mm512_castsi256_si512(even), pidx, _mm512_castsi256_si512(odd));
 }
-// sum_s v_s bsum_s of token activations a for the 16 rows (vp: the pairs of pairs16).
-inline __m512i pair_sums(const __m512i (&vp)[8], const int16_t* bsums) {
-    __m512i s = _mm512_setzero_si512();
-    for (int p = 0; p < 8; p++) {
-        s = _mm512_add_epi32(s, _mm512_madd_epi16(vp[p], _mm512_set1_epi32(bsum_pair<true>(bsums, p))));
-    }
-    return s;
-}
-
 // Q2_K and Q3_K: per sub-block and token 4 vpdpbusd and a vpmulld by its scales, the values of
 // a half's sub-blocks 8n + 2j + h taken from the same 4 loads of qs (and of hmask: Q3_K's high
 // bits); Q2_K's mins and Q3_K's -4 offset leave through vpmaddwd with the activations' sums.
@@ -307,7 +303,7 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
             }
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
         for (int j = 0; j < TT; j++) {
-            const __m512i ps = pair_sums(mnp, a[j][b].bsums);
+            const __m512i ps = pair_sums<true>(mnp, a[j][b].bsums);
             const __m512 da = _mm512_set1_ps(a[j][b].d[0]);
             if constexpr (Q3) {
                 const __m512i v = _mm512_sub_epi32(isum[j], _mm512_slli_epi32(ps, 2));
@@ -371,7 +367,7 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                              _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)x.scales[2 * p + 1])), pidx);
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
         for (int j = 0; j < TT; j++) {
-            const __m512i corr = pair_sums(scp, a[j][b].bsums);
+            const __m512i corr = pair_sums<true>(scp, a[j][b].bsums);
             const __m512i v = _mm512_sub_epi32(isum[j], _mm512_slli_epi32(corr, 5));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, _mm512_set1_ps(a[j][b].d[0])), acc[j]);
         }
@@ -408,9 +404,7 @@ void r16_iq4xs_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         }
         const __m512 dd = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)x.d));
         for (int j = 0; j < TT; j++) {
-            __m512i corr = _mm512_setzero_si512();
-            for (int p = 0; p < 4; p++)
-                corr = _mm512_add_epi32(corr, _mm512_madd_epi16(scp[p], _mm512_set1_epi32(bsum_pair<false>(tile.a[j][b].bsums, p))));
+            const __m512i corr = pair_sums<false>(scp, tile.a[j][b].bsums);
             const __m512i v = _mm512_sub_epi32(isum[j], _mm512_slli_epi32(corr, 7));
             acc[j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(v), _mm512_mul_ps(dd, _mm512_set1_ps(tile.a[j][b].d[0])), acc[j]);
         }
