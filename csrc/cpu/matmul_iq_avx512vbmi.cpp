@@ -135,6 +135,22 @@ inline __m512i lookup256(const __m512i* tab, __m512i gi) {
     return _mm512_mask_mov_epi16(_mm512_mask_mov_epi16(r0, b6, r1), b7, _mm512_mask_mov_epi16(r2, b6, r3));
 }
 
+// Chunk c's 64 weight levels from codes of 8 weights (2 bits each: the IQ2 grids), 32 per vector.
+inline __m512i levels8(const Consts& K, __m512i codes, int c, __m512i lev) {
+    const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), lev);
+}
+// Chunk c's 64 weight levels from codes of 4 weights (3 bits each: the IQ3 grids), 64 in two vectors.
+inline __m512i levels4(const Consts& K, const __m512i (&codes)[2], int c, __m512i lev) {
+    const __m512i cq = _mm512_maskz_permutexvar_epi16(0x55555555u, K.qidx3[c % 2], codes[c / 2]);
+    return _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift3, cq), lev);
+}
+// Bytes of two 4-bit scales (low nibble first) in dwords as odd scales 2 sc + 1: lo and hi.
+inline void odd_scales(__m512i bytes, __m512i& lo, __m512i& hi) {
+    const __m512i one = _mm512_set1_epi32(1);
+    lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(bytes, _mm512_set1_epi32(15)), 1), one);
+    hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(bytes, 4), 1), one);
+}
 // One block of a row: its 256 weights as 4 x 64 level bytes, 4 sign masks and the sub-blocks'
 // odd scales 2 sc + 1 as int32 lanes (lanes 0-7 and 8-15 of chunk c: sub-blocks 2c, 2c + 1).
 struct Decoded {
@@ -158,10 +174,7 @@ struct FIQ2_XXS {
     static void decode(const B& x, const Consts& K, Decoded& D) {
         const __m512i q = _mm512_loadu_si512(x.qs);
         const __m512i codes = lookup256(K.code2, _mm512_maskz_permutexvar_epi8(0x5555555555555555ULL, K.gidx, q));
-        for (int c = 0; c < 4; c++) {
-            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
-            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev2);
-        }
+        for (int c = 0; c < 4; c++) D.mag[c] = levels8(K, codes, c, K.lev2);
         signs_scales(_mm512_srli_epi64(q, 32), K, D);  // qword ib: the sign and scale word of sub-block ib
     }
 };
@@ -169,12 +182,11 @@ struct FIQ2_XXS {
 inline __m512i lookup512(const __m512i* tab, __m512i gi, __mmask32 hi) {
     return _mm512_mask_mov_epi16(lookup256(tab, gi), hi, lookup256(tab + 8, gi));
 }
-// IQ2_XS and IQ2_S: the scales of 16 weights (a nibble each, low first) as 2 sc + 1 in chunk c's lanes.
-inline __m512i half_scales(const uint8_t* scales, const Consts& K, int c) {
-    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scales));
-    const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), 1), _mm512_set1_epi32(1));
-    const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(v, 4), 1), _mm512_set1_epi32(1));
-    return _mm512_permutex2var_epi32(lo, K.sidx16[c], hi);
+// IQ2_XS and IQ2_S: the scales of 16 weights (a nibble each of the 8 scale bytes) in chunks' lanes.
+inline void half_scales(const uint8_t* scales, const Consts& K, Decoded& D) {
+    __m512i lo, hi;
+    odd_scales(_mm512_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)scales)), lo, hi);
+    for (int c = 0; c < 4; c++) D.scale[c] = _mm512_permutex2var_epi32(lo, K.sidx16[c], hi);
 }
 // IQ2_XS: a word per group of 8, 9 bits of grid index and 7 sign bits; a 4-bit scale per 16.
 struct FIQ2_XS {
@@ -186,11 +198,10 @@ struct FIQ2_XS {
         const __m512i codes = lookup512(K.code2x, q, _mm512_test_epi16_mask(q, _mm512_set1_epi16(256)));
         const __m512i sb = _mm512_permutex2var_epi8(K.sgn0, _mm512_srli_epi16(q, 9), K.sgn1);  // even bytes
         for (int c = 0; c < 4; c++) {
-            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
-            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev2x);
+            D.mag[c] = levels8(K, codes, c, K.lev2x);
             D.neg[c] = _mm512_test_epi8_mask(_mm512_permutexvar_epi8(K.rep16[c], sb), K.bit);
-            D.scale[c] = half_scales(x.scales, K, c);
         }
+        half_scales(x.scales, K, D);
     }
 };
 // IQ2_S: 10-bit indices (the low byte in qs, bits 8-9 in qh: 2 bits per group in group order), a
@@ -206,12 +217,8 @@ struct FIQ2_S {
         const __m512i gi = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)x.qs));
         const __mmask32 b8 = (__mmask32)_pext_u64(qh, 0x5555555555555555ULL), b9 = (__mmask32)_pext_u64(qh, 0xAAAAAAAAAAAAAAAAULL);
         const __m512i codes = _mm512_mask_mov_epi16(lookup512(K.code2s, gi, b8), b9, lookup512(K.code2s + 16, gi, b8));
-        for (int c = 0; c < 4; c++) {
-            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x11111111u, K.qidx2[c], codes);
-            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift2, cq), K.lev2s);
-            D.neg[c] = _cvtu64_mask64(sg[c]);
-            D.scale[c] = half_scales(x.scales, K, c);
-        }
+        for (int c = 0; c < 4; c++) D.mag[c] = levels8(K, codes, c, K.lev2s), D.neg[c] = _cvtu64_mask64(sg[c]);
+        half_scales(x.scales, K, D);
     }
 };
 // IQ3_S: 9-bit indices (the low byte in qs, bit 8 in qh: 64 bits in entry order), explicit sign
@@ -227,13 +234,10 @@ struct FIQ3_S {
         memcpy(sg, x.signs, 32);
         const __m512i codes[2] = {lookup512(K.code3s, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q)), (__mmask32)qh),
                                   lookup512(K.code3s, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)), (__mmask32)(qh >> 32))};
-        // byte j: the scales of sub-blocks 2j (low nibble) and 2j + 1, as 2 sc + 1 in dwords j
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_cvtsi32_si128((int)u32_from_bytes(x.scales)));
-        const __m512i lo = _mm512_add_epi32(_mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(15)), 1), _mm512_set1_epi32(1));
-        const __m512i hi = _mm512_add_epi32(_mm512_slli_epi32(_mm512_srli_epi32(v, 4), 1), _mm512_set1_epi32(1));
+        __m512i lo, hi;  // byte j: the scales of sub-blocks 2j (low nibble) and 2j + 1
+        odd_scales(_mm512_cvtepu8_epi32(_mm_cvtsi32_si128((int)u32_from_bytes(x.scales))), lo, hi);
         for (int c = 0; c < 4; c++) {
-            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x55555555u, K.qidx3[c % 2], codes[c / 2]);
-            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift3, cq), K.lev3s);
+            D.mag[c] = levels4(K, codes, c, K.lev3s);
             D.neg[c] = _cvtu64_mask64(sg[c]);
             D.scale[c] = _mm512_permutex2var_epi32(lo, K.sidx32[c], hi);
         }
@@ -247,10 +251,7 @@ struct FIQ3_XXS {
         const __m512i q = _mm512_loadu_si512(x.qs);  // the 64 grid indices
         const __m512i codes[2] = {lookup256(K.code3, _mm512_cvtepu8_epi16(_mm512_castsi512_si256(q))),
                                   lookup256(K.code3, _mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(q, 1)))};
-        for (int c = 0; c < 4; c++) {
-            const __m512i cq = _mm512_maskz_permutexvar_epi16(0x55555555u, K.qidx3[c % 2], codes[c / 2]);
-            D.mag[c] = _mm512_permutexvar_epi8(_mm512_multishift_epi64_epi8(K.shift3, cq), K.lev3);
-        }
+        for (int c = 0; c < 4; c++) D.mag[c] = levels4(K, codes, c, K.lev3);
         signs_scales(_mm512_cvtepu32_epi64(_mm256_loadu_si256((const __m256i*)(x.qs + QK_K / 4))), K, D);
     }
 };
