@@ -135,7 +135,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             for p, n, d in tests:
                 name = test_name(p, n, d)
                 for label, exe, extra in tools:
-                    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n), "-d", str(d)]
+                    # no -d at depth 0: ik_llama.cpp's llama-bench refuses the flag, every tool's default is 0
+                    cmd = [exe, "-m", model, "-p", str(p), "-n", str(n)] + (["-d", str(d)] if d else [])
                     if label != "stowlm" and a.peer_depth == "gp":  # that llama-bench knows no -d
                         if d and p:
                             continue  # -gp times generation only

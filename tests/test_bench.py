@@ -310,6 +310,7 @@ def test_compare_script(small, tmp_path):
     calls = json.loads(raw.read_text())
     assert [c["tool"] for c in calls] == ["stowlm", "twin", "stowlm", "twin"]  # alternating
     assert all(c["n_threads"] == int(THREADS) for c in calls)
+    assert not any("-d" in c["command"] for c in calls)  # depth 0 unsaid: ik_llama.cpp's llama-bench refuses -d
 
 
 def test_serve_bench_starts_the_stowlm_it_imports_not_the_checkouts(tmp_path):
