@@ -5,7 +5,8 @@ accepted, and whether the text is identical (it must be).
     python bench/spec_bench.py -m qwen2.5-coder-0.5b --rounds 3
     python bench/spec_bench.py -m qwen2.5-coder-0.5b --spec draft.gguf     # a draft model
 
---prompts FILE takes other prompts: a JSON list of {"name", "kind": "edit" | "open", "content"}.
+--prompts FILE takes other prompts: a JSON list of {"name", "kind": "edit" | "open", "content"}
+(`stowlm bench --spec ngram --prompt-file FILE` is the same measurement from the installed package).
 --concurrent N instead sends the first N prompts at once to an LLM of N slots (continuous
 batching), with and without drafts, and reports the wall time of the whole batch per round.
 """
@@ -21,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 import stowlm  # noqa: E402
+from stowlm.specbench import measure, table  # noqa: E402
 
 CODE = '''import json
 
@@ -59,16 +61,6 @@ PROMPTS = [
     {"name": "question 2", "kind": "open", "content": "What are the pros and cons of remote work?"},
     {"name": "question 3", "kind": "open", "content": "Write a short story about a lighthouse keeper."},
 ]
-
-
-def run(llm, prompt, n):
-    it = llm.chat([{"role": "user", "content": prompt}], max_tokens=n, temperature=0, stream=True)
-    first = None
-    for _ in it:
-        first = first or time.perf_counter()
-    dt = time.perf_counter() - first
-    c = it.completion
-    return (c.completion_tokens - 1) / dt, c
 
 
 def concurrent(a, prompts) -> int:
@@ -111,37 +103,10 @@ def main() -> int:
     kw = dict(n_ctx=4096, n_threads=a.threads, progress=False)
     plain = stowlm.LLM(a.model, **kw)
     spec = stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)
-    rows = {p["name"]: {"plain": [], "spec": [], "drafted": 0, "accepted": 0, "tokens": 0, "same": True}
-            for p in prompts}
-    for r in range(a.rounds):
-        for p in prompts:
-            order = [("plain", plain), ("spec", spec)] if r % 2 == 0 else [("spec", spec), ("plain", plain)]
-            got = {}
-            for label, llm in order:
-                rate, c = run(llm, p["content"], a.n)
-                rows[p["name"]][label].append(rate)
-                got[label] = c
-            row = rows[p["name"]]
-            row["same"] &= got["plain"].tokens == got["spec"].tokens
-            row["drafted"], row["accepted"] = got["spec"].drafted, got["spec"].accepted
-            row["tokens"] = got["plain"].completion_tokens
-            print(f"round {r + 1} {p['name']:<12} plain {rows[p['name']]['plain'][-1]:6.1f} t/s  spec "
-                  f"{rows[p['name']]['spec'][-1]:6.1f} t/s", flush=True)
+    rows = measure(plain, spec, prompts, a.n, a.rounds, log=lambda line: print(line, flush=True))
     print(f"\n{Path(str(plain.path)).name}, spec={a.spec}, draft_max={spec.draft_max}, {a.rounds} rounds, medians:")
-    print("| prompt | kind | tokens | plain t/s | spec t/s | ratio | accepted / drafted | identical |")
-    print("| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    ratios = {"edit": [], "open": []}
-    for p in prompts:
-        row = rows[p["name"]]
-        mp, ms = statistics.median(row["plain"]), statistics.median(row["spec"])
-        ratios[p["kind"]].append(ms / mp)
-        print(f"| {p['name']} | {p['kind']} | {row['tokens']} | {mp:.1f} | {ms:.1f} | {ms / mp:.2f}x | "
-              f"{row['accepted']} / {row['drafted']} | {'yes' if row['same'] else 'NO'} |")
-    for kind, rs in ratios.items():
-        if rs:
-            print(f"{kind}: geometric mean ratio {statistics.geometric_mean(rs):.2f}x")
-    return 0 if all(r["same"] for r in rows.values()) else 1
-
+    print(table(rows))
+    return 0 if all(r["same"] for r in rows) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -553,3 +553,55 @@ def test_drafts_weigh_the_kernels_that_run():
             assert llm._pass_costs.cost(4) == PassCosts(repacked=True, isa="avx2").cost(4)
     finally:
         ops.set_isa(best)
+
+
+def test_stowlm_bench_spec_measures_a_prompt_file(tmp_path):
+    """`stowlm bench --spec ngram --prompt-file F -o json`: a row per prompt with both rates, the
+    drafts kept, and the same greedy answer with and without drafts (its length checked against
+    an answer of plain LLM.chat here)."""
+    import json
+    import subprocess
+
+    from conftest import subprocess_env
+
+    path = get_model("smollm2-135m")
+    count = "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10. Continue the list: 1, 2,"
+    prompts = [{"name": "count", "kind": "edit", "content": count}, "What is the capital of France?"]
+    f = tmp_path / "prompts.json"
+    f.write_text(json.dumps(prompts))
+    r = subprocess.run([sys.executable, "-m", "stowlm", "bench", "-m", str(path), "--spec", "ngram", "--prompt-file",
+                        str(f), "-n", "24", "-r", "1", "-t", "2", "-o", "json"], env=subprocess_env(),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    rows = out["rows"]
+    assert [row["name"] for row in rows] == ["count", "prompt 2"] and rows[1]["kind"] == "prompt"
+    assert all(row["same"] for row in rows)
+    assert rows[0]["drafted"] > 0 and 0 <= rows[0]["accepted"] <= rows[0]["drafted"]
+    assert all(row["plain_median"] > 0 and row["spec_median"] > 0 for row in rows)
+    with stowlm.LLM(str(path), n_ctx=4096, progress=False) as llm:
+        for p, row in zip([count, prompts[1]], rows):
+            c = llm.chat([{"role": "user", "content": p}], max_tokens=24, temperature=0)
+            assert c.completion_tokens == row["tokens"]
+
+
+def test_prompt_files_and_their_errors(tmp_path):
+    from stowlm.specbench import load_prompts
+
+    t = tmp_path / "p.txt"
+    t.write_text("first prompt\nsecond line\n---\n\n---\nsecond prompt\n")
+    assert [p["content"] for p in load_prompts(t)] == ["first prompt\nsecond line", "second prompt"]
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        load_prompts(tmp_path / "missing.txt")
+    (tmp_path / "empty.txt").write_text("\n---\n  \n")
+    with pytest.raises(ValueError, match="empty.txt holds no prompt"):
+        load_prompts(tmp_path / "empty.txt")
+    (tmp_path / "obj.json").write_text('{"content": "x"}')
+    with pytest.raises(ValueError, match="obj.json: expected a JSON list"):
+        load_prompts(tmp_path / "obj.json")
+    (tmp_path / "bad.json").write_text('[{"text": "x"}]')
+    with pytest.raises(ValueError, match="bad.json: item 0"):
+        load_prompts(tmp_path / "bad.json")
+    from stowlm.cli.app import run_argv
+
+    assert run_argv(["bench", "-m", "smollm2-135m", "--spec", "ngram", "--prompt-file", str(tmp_path / "nope.json")]) == 1

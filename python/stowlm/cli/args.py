@@ -252,7 +252,8 @@ def parser() -> argparse.ArgumentParser:
     i.add_argument("--tensors", action="store_true", help="list every tensor")
     i.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_N_CTX, help="context for the memory projection")
 
-    b = sub.add_parser("bench", help="run the native benchmark stowlm-bench (arguments pass through)",
+    b = sub.add_parser("bench", help="run the native benchmark stowlm-bench (arguments pass through); with "
+                                     "--spec ngram|DRAFT --prompt-file FILE, speculative against plain decoding",
                        add_help=False)
     b.add_argument("args", nargs=argparse.REMAINDER)
     return p

@@ -75,6 +75,10 @@ def info(a: argparse.Namespace) -> int:
 
 
 def bench(a: argparse.Namespace) -> int:
+    if "--spec" in a.args or any(x.startswith("--spec=") for x in a.args):
+        from ..specbench import main  # speculation is decided in Python: measured there
+
+        return main(a.args)
     # stowlm-bench is installed beside the package (stowlm/bin), one folder above this one
     here = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bin", "stowlm-bench")
     exe = here if os.path.exists(here) else shutil.which("stowlm-bench")
