@@ -18,6 +18,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
 
+from .placement.rules import DEFAULT_N_CTX
+
 __all__ = ["load_prompts", "generation_rate", "measure", "table", "main"]
 
 
@@ -132,7 +134,7 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("-n", "--n-gen", type=int, default=256, help="max tokens per answer (256)")
     ap.add_argument("-r", "--repetitions", type=int, default=3, help="rounds, alternating the order (3)")
     ap.add_argument("-t", "--threads", type=int, default=None)
-    ap.add_argument("-c", "--ctx-size", type=int, default=4096)
+    ap.add_argument("-c", "--ctx-size", type=int, default=DEFAULT_N_CTX)
     ap.add_argument("-o", "--output", choices=["md", "json"], default="md")
     a = ap.parse_args(list(argv))
     if a.n_gen < 2 or a.repetitions < 1:
