@@ -108,5 +108,6 @@ def main() -> int:
     print(table(rows))
     return 0 if all(r["same"] for r in rows) else 1
 
+
 if __name__ == "__main__":
     sys.exit(main())
