@@ -230,6 +230,24 @@ def test_make_draft_writes_the_models_own_layers(tmp_path):
         make_draft(src, tmp_path / "bad.gguf", keep=31)
 
 
+def test_make_draft_takes_the_first_weight_type_that_fits_each_matrix(tmp_path):
+    """--weight-type Q3_K,Q4_0: smollm2's ffn_down rows (1536) are whole 256-blocks and take Q3_K,
+    its other matrices (rows of 576) Q4_0; a type the package does not know fails before writing."""
+    import gguf
+
+    from stowlm.draftmodel import make_draft
+
+    src = get_model("smollm2-135m")
+    out = make_draft(src, tmp_path / "mixed.gguf", keep=4, weight_type="Q3_K,Q4_0")
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(out).tensors}
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in range(4)} == {"Q3_K"}
+    assert {types[f"blk.{i}.{m}.weight"] for i in range(4) for m in ("attn_q", "attn_output", "ffn_up")} == {"Q4_0"}
+    assert stowlm.Model(str(out)).n_layer == 4
+    with pytest.raises(ValueError, match="Q9_Z"):
+        make_draft(src, tmp_path / "bad.gguf", keep=4, weight_type="Q9_Z")
+    assert not (tmp_path / "bad.gguf").exists()
+
+
 class Free(ModelDrafter):
     """A draft model whose steps count as free, so that it always drafts."""
 

@@ -80,7 +80,8 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
                output_type: str = "Q4_0", weight_type: str = "same", vocab: Optional[int] = None) -> Path:
     """Writes the draft model of `src` (a .gguf path or model name) to `dst`: the given layers (or
     `keep` of them, pick_layers), the output matrix as output_type, the layers' quantized
-    matrices as weight_type ("same" keeps them), and with `vocab` (below the model's count) only
+    matrices as weight_type ("same" keeps them; a comma list such as "Q3_K,Q4_0": for each matrix
+    the first whose blocks fit its rows), and with `vocab` (below the model's count) only
     the first `vocab` tokens and the special ones (keep_tokens)."""
     import gguf
 
@@ -88,6 +89,10 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
     from .pull import pull
 
     src = pull(src, progress=False)
+    weight_types = [x.strip() for x in weight_type.split(",") if x.strip()]
+    for x in weight_types:
+        if x != "same":
+            quants.type_info(x)  # an unknown type fails here, before anything is written
     r = gguf.GGUFReader(src)
     arch = field_value(r.fields["general.architecture"]).decode()
     n_layer = int(field_value(r.fields[f"{arch}.block_count"]))
@@ -135,9 +140,10 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
             continue  # written below in output_type
         name = f"blk.{renumber[int(m.group(1))]}.{m.group(2)}" if m else t.name
         vocab_rows = rows if t.name in ("token_embd.weight", "output.weight") else None
-        if m and weight_type != "same" and len(t.shape) == 2 and t.tensor_type not in _FLOAT \
-                and int(t.shape[0]) % quants.type_info(weight_type).block_elems == 0:  # else as it was
-            _requantize(w, name, t, weight_type)
+        qtype = _fitting_type(weight_types, int(t.shape[0])) if m and len(t.shape) == 2 and \
+            t.tensor_type not in _FLOAT else None
+        if qtype is not None:
+            _requantize(w, name, t, qtype)
         else:
             put_tensor(w, name, t, vocab_rows)
     if replace:  # an untied output matrix, or the tied embedding's copy for the output alone
@@ -148,6 +154,19 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
     w.write_tensors_to_file()
     w.close()
     return dst
+
+
+def _fitting_type(weight_types: Sequence[str], row_elems: int) -> Optional[str]:
+    """The first of weight_types whose blocks divide a row of row_elems (K-quants need 256), or
+    None: the matrix keeps its own type ("same", or no type fits)."""
+    from . import quants
+
+    for x in weight_types:
+        if x == "same":
+            return None
+        if row_elems % quants.type_info(x).block_elems == 0:
+            return x
+    return None
 
 
 def keep_tokens(token_types: Sequence[int], vocab: int) -> np.ndarray:
@@ -222,8 +241,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--layers", default=None, help="the layers to keep, e.g. 0,1,5,9,22,23 (instead of --keep)")
     ap.add_argument("--output-type", default="Q4_0", help="the output matrix's type: Q4_0 (default), Q8_0, same")
     ap.add_argument("--weight-type", default="Q4_0",
-                    help="the layers' quantized matrices' type: Q4_0 (default), Q4_1, Q5_0, Q8_0, Q3_K (where "
-                         "their rows are whole 256-blocks; others keep theirs), same")
+                    help="the layers' quantized matrices' type: Q4_0 (default), Q4_1, Q5_0, Q8_0, Q3_K, same; "
+                         "a list such as Q3_K,Q4_0 takes for each matrix the first whose blocks fit its rows "
+                         "(K-quants need rows of whole 256-blocks; a matrix no type fits keeps its own)")
     ap.add_argument("--vocab", type=int, default=32768,
                     help="keep the first N tokens (and the special ones), default 32768; 0: all")
     a = ap.parse_args(argv)
