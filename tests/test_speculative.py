@@ -243,9 +243,10 @@ def test_make_draft_takes_the_first_weight_type_that_fits_each_matrix(tmp_path):
     assert {types[f"blk.{i}.ffn_down.weight"] for i in range(4)} == {"Q3_K"}
     assert {types[f"blk.{i}.{m}.weight"] for i in range(4) for m in ("attn_q", "attn_output", "ffn_up")} == {"Q4_0"}
     assert stowlm.Model(str(out)).n_layer == 4
-    with pytest.raises(ValueError, match="Q9_Z"):
-        make_draft(src, tmp_path / "bad.gguf", keep=4, weight_type="Q9_Z")
-    assert not (tmp_path / "bad.gguf").exists()
+    for bad in ("Q9_Z", "Q4_0,IQ2_XXS"):  # unknown; known but not written by stowlm
+        with pytest.raises(ValueError, match=bad.split(",")[-1]):
+            make_draft(src, tmp_path / "bad.gguf", keep=4, weight_type=bad)
+        assert not (tmp_path / "bad.gguf").exists()
 
 
 class Free(ModelDrafter):

@@ -90,9 +90,9 @@ def make_draft(src, dst, keep: Optional[int] = None, layers: Optional[Sequence[i
 
     src = pull(src, progress=False)
     weight_types = [x.strip() for x in weight_type.split(",") if x.strip()]
-    for x in weight_types:
-        if x != "same":
-            quants.type_info(x)  # an unknown type fails here, before anything is written
+    for x in weight_types:  # an unknown type, or one stowlm cannot write, fails before anything is written
+        if x != "same" and not quants.type_info(x).quantizable:
+            raise ValueError(f"--weight-type {x}: quantizing to {x} is not implemented")
     r = gguf.GGUFReader(src)
     arch = field_value(r.fields["general.architecture"]).decode()
     n_layer = int(field_value(r.fields[f"{arch}.block_count"]))
