@@ -66,7 +66,7 @@ PROMPTS = [
 def concurrent(a, prompts) -> int:
     kw = dict(n_ctx=a.concurrent * 2048, n_seq=a.concurrent, n_threads=a.threads, progress=False)
     llms = {"plain": stowlm.LLM(a.model, **kw),
-            "spec": stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)}
+            "spec": stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, draft_lookup=a.draft_lookup, **kw)}
     msgs = [[{"role": "user", "content": p["content"]}] for p in prompts[:a.concurrent]]
     walls, texts = {"plain": [], "spec": []}, {}
     for r in range(a.rounds):
@@ -91,6 +91,8 @@ def main() -> int:
     ap.add_argument("-m", "--model", default="qwen2.5-coder-0.5b")
     ap.add_argument("--spec", default="ngram", help="ngram, or a draft model (.gguf path or name)")
     ap.add_argument("--draft-max", type=int, default=None)
+    ap.add_argument("--no-draft-lookup", dest="draft_lookup", action="store_false",
+                    help="a draft model's drafts alone (default: prompt lookup beside it)")
     ap.add_argument("-n", type=int, default=400, help="max tokens per answer")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("-t", "--threads", type=int, default=None)
@@ -102,9 +104,10 @@ def main() -> int:
         return concurrent(a, prompts)
     kw = dict(n_ctx=4096, n_threads=a.threads, progress=False)
     plain = stowlm.LLM(a.model, **kw)
-    spec = stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)
+    spec = stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, draft_lookup=a.draft_lookup, **kw)
     rows = measure(plain, spec, prompts, a.n, a.rounds, log=lambda line: print(line, flush=True))
-    print(f"\n{Path(str(plain.path)).name}, spec={a.spec}, draft_max={spec.draft_max}, {a.rounds} rounds, medians:")
+    lookup = "" if a.draft_lookup or a.spec == "ngram" else " (no lookup)"
+    print(f"\n{Path(str(plain.path)).name}, spec={a.spec}{lookup}, draft_max={spec.draft_max}, {a.rounds} rounds, medians:")
     print(table(rows))
     return 0 if all(r["same"] for r in rows) else 1
 

@@ -1,6 +1,7 @@
 """Speculative decoding: a pass over several tokens gives each the logits of a one-token step (the
 ground speculation stands on), greedy text with drafts equal to the text without, and sampled text
 with the target's distribution."""
+import subprocess
 import sys
 
 import numpy as np
@@ -8,9 +9,9 @@ import pytest
 
 import stowlm
 from stowlm.engine import Context
-from stowlm.speculative import ModelDrafter
+from stowlm.speculative import ModelDrafter, NgramDrafter
 
-from conftest import REPO, get_model
+from conftest import REPO, get_model, subprocess_env
 
 
 @pytest.mark.parametrize("name", ["smollm2-135m", "qwen3moe-tiny", "gemma3-270m"])
@@ -250,7 +251,11 @@ def test_make_draft_takes_the_first_weight_type_that_fits_each_matrix(tmp_path):
 
 
 class Free(ModelDrafter):
-    """A draft model whose steps count as free, so that it always drafts."""
+    """A draft model whose steps count as free, so that it always drafts (its own drafts alone,
+    unless lookup=True)."""
+
+    def __init__(self, llm, lookup=False):
+        super().__init__(llm, lookup=lookup)
 
     def draft(self, history, k):
         out = super().draft(history, k)
@@ -379,6 +384,51 @@ def test_a_draft_of_fewer_tokens_keeps_the_greedy_text(tmp_path):
     with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
         got = spec.generate(prompt, max_tokens=60, temperature=0)
     assert got.tokens == want.tokens and got.drafted > 20 and got.accepted > 10
+
+
+def test_a_draft_model_with_prompt_lookup_keeps_the_greedy_text(tmp_path, monkeypatch):
+    """With a draft model, prompt lookup drafts too (the default): text that repeats itself is
+    drafted by the lookup, the rest by the model, both sources' drafts are checked and kept, and
+    the greedy text is the text without drafts."""
+    from stowlm import speculative
+    from stowlm.draftmodel import make_draft
+
+    src = str(get_model("smollm2-135m"))
+    draft = make_draft(src, tmp_path / "draft.gguf", keep=30)
+    prompt = ("def area(w, h):\n    return w * h\n\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n\n"
+              "# the same two functions again:\ndef area(w, h):\n")
+    with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
+        want = plain.generate(prompt, max_tokens=60, temperature=0)
+    sources = []
+    record = speculative.Speculator.record
+
+    def spy(self, drafted, accepted):
+        sources.append((self.source, drafted, accepted))
+        return record(self, drafted, accepted)
+
+    monkeypatch.setattr(speculative.Speculator, "record", spy)
+    drafter = Free(stowlm.LLM(str(draft), n_ctx=1024, progress=False), lookup=True)
+    with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
+        got = spec.generate(prompt, max_tokens=60, temperature=0)
+    drafter.llm.close()
+    assert got.tokens == want.tokens
+    kept = {}
+    for src_, _, a in sources:
+        kept[src_ == "model"] = kept.get(src_ == "model", 0) + a
+    assert kept.get(False, 0) > 5 and kept.get(True, 0) > 0, sources  # lookups and the model both kept tokens
+    assert got.drafted == sum(d for _, d, _ in sources) and got.accepted == sum(a for _, _, a in sources)
+    with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=str(draft)) as default, \
+            stowlm.LLM(src, n_ctx=1024, progress=False, speculative=str(draft), draft_lookup=False) as alone:
+        assert default._drafter.lookup is not None and alone._drafter.lookup is None
+        assert alone.generate(prompt, max_tokens=30, temperature=0).tokens == want.tokens[:30]
+    cli = [sys.executable, "-m", "stowlm", "run", src, "-p", prompt, "-n", "30", "--temp", "0", "-c", "1024"]
+    r = subprocess.run(cli + ["--spec", str(draft), "--no-draft-lookup"], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=300, stdin=subprocess.DEVNULL)
+    with stowlm.LLM(src, n_ctx=1024, progress=False) as plain:
+        assert r.returncode == 0 and r.stdout.startswith(prompt + plain.detokenize(want.tokens[:30])), r.stderr
+    r = subprocess.run(cli + ["--no-draft-lookup"], capture_output=True, text=True, env=subprocess_env(), timeout=300,
+                       stdin=subprocess.DEVNULL)
+    assert r.returncode != 0 and "--no-draft-lookup needs --spec DRAFT" in r.stderr and "Traceback" not in r.stderr
 
 
 def test_a_draft_model_drafts_the_length_that_yields_most_per_second():
@@ -527,6 +577,47 @@ def test_a_draft_model_that_pays_drafts_up_to_draft_max():
     assert asked == [6, 3]
     dear = Speculator(Asked(0.02), 6, costs)  # a draft step dearer than a target step
     assert dear.draft([0] * 10, 64) == [] and asked == [6, 3]
+
+
+class Looked(Stub):
+    """A draft model's stand-in with prompt lookup beside it, `behind` tokens of catch-up."""
+
+    def __init__(self, seconds, catch_up=0.0, behind=0):
+        super().__init__(seconds)
+        self.lookup = NgramDrafter()
+        self.catch_up_seconds, self._behind = catch_up, behind
+
+    def behind(self, history):
+        return self._behind
+
+
+def test_a_draft_model_and_prompt_lookup_take_turns_by_what_each_yields():
+    """Each step drafts from whichever yields more tokens per unit of time: a long n-gram match
+    (no draft steps) over a dear model; a model that is cheap and sure over a one-token match
+    rarely kept; and a model far behind the text (a catch-up of what the lookup drafted, at its
+    timed cost per token) is not worth its catch-up where the lookup has nothing."""
+    from stowlm.speculative import PassCosts, Speculator
+
+    costs = PassCosts(repacked=True)
+    costs.observe(1, 0.01)
+    repeat = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14] * 2 + [5, 6, 7, 8]  # the last 4-gram came before
+    dear = Looked(0.005)  # half a target step a draft token
+    spec = Speculator(dear, 7, costs)
+    got = spec.draft(repeat, 64)
+    assert len(got) >= 3 and got == [9, 10, 11, 12, 13, 14, 5][:len(got)] and spec.source == 4 and dear.calls == 0
+
+    cheap = Looked(0.0002)  # a 50th of a step
+    spec = Speculator(cheap, 7, costs)
+    spec.rates[1] = 0.1  # one-token matches: kept one time in ten
+    unigram = [1, 2, 3, 4, 2]  # only the last token came before
+    assert spec.draft(unigram, 64) == [1] * 7 and spec.source == "model" and cheap.calls == 1
+    assert Speculator(dear, 7, costs).draft(unigram, 64) != [1] * 7  # a dear model: the lookup's token
+
+    fresh = [1, 2, 3, 4, 99]  # no match at all
+    near = Looked(0.003, catch_up=0.001, behind=2)
+    assert Speculator(near, 7, costs).draft(fresh, 64) == [1] * 7
+    far = Looked(0.003, catch_up=0.001, behind=20)  # 20 tokens at a tenth of a step each to read first
+    assert Speculator(far, 7, costs).draft(fresh, 64) == [] and far.calls == 0
 
 
 def test_the_draft_replay_counts_what_the_policy_would_yield():

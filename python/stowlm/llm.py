@@ -64,7 +64,9 @@ class LLM(Conversation):
     speculative: draft tokens and check them in one pass (stowlm.speculative): "ngram" (from the
         prompt and the text so far), a draft model's .gguf path or name (same vocabulary), or None.
         Greedy text is the same as without; sampled text has the same distribution. draft_max:
-        draft tokens per step at most (default 7). A Completion's drafted/accepted count them.
+        draft tokens per step at most (default 7). A Completion's drafted/accepted count them. With
+        a draft model, prompt lookup drafts too where it yields more (no draft steps, but the draft
+        must read what it skipped before drafting again); draft_lookup=False: the model alone.
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -76,7 +78,7 @@ class LLM(Conversation):
                  n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1,
                  split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None,
                  interleave: Optional[int] = None, speculative=None, draft_max: Optional[int] = None,
-                 moe_offload_min: Optional[int] = None):
+                 moe_offload_min: Optional[int] = None, draft_lookup: bool = True):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         if devices is None and n_threads is not None:
@@ -110,7 +112,7 @@ class LLM(Conversation):
         self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)), isa=ops.cpu_info()["active"])
         self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
         if speculative is not None:
-            self._drafter = parse_spec(draft if draft is not None else speculative)
+            self._drafter = parse_spec(draft if draft is not None else speculative, lookup=draft_lookup)
             if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():
                 raise ValueError(f"draft_max must be an integer in [1, {self._max_draft()}] (a draft and its "
                                  f"token stay below the batch bound), got {draft_max!r}")

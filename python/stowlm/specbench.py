@@ -131,6 +131,8 @@ def main(argv: Sequence[str]) -> int:
     ap.add_argument("--prompt-file", required=True, metavar="FILE",
                     help="a JSON list of prompts (strings or {name, content, kind}) or text, prompts split by '---' lines")
     ap.add_argument("--draft-max", type=int, default=None)
+    ap.add_argument("--no-draft-lookup", dest="draft_lookup", action="store_false",
+                    help="a draft model's drafts alone (default: prompt lookup beside it)")
     ap.add_argument("-n", "--n-gen", type=int, default=256, help="max tokens per answer (256)")
     ap.add_argument("-r", "--repetitions", type=int, default=3, help="rounds, alternating the order (3)")
     ap.add_argument("-t", "--threads", type=int, default=None)
@@ -144,7 +146,7 @@ def main(argv: Sequence[str]) -> int:
 
     kw = dict(n_ctx=a.ctx_size, n_threads=a.threads, progress=False)
     plain = LLM(a.model, **kw)
-    spec = LLM(a.model, speculative=a.spec, draft_max=a.draft_max, **kw)
+    spec = LLM(a.model, speculative=a.spec, draft_max=a.draft_max, draft_lookup=a.draft_lookup, **kw)
     log = None if a.output == "json" else (lambda s: print(s, file=sys.stderr, flush=True))
     rows = measure(plain, spec, prompts, a.n_gen, a.repetitions, log)
     if a.output == "json":
@@ -152,9 +154,12 @@ def main(argv: Sequence[str]) -> int:
             return None if isinstance(x, float) and not math.isfinite(x) else x
 
         rows = [{k: ([finite(x) for x in v] if isinstance(v, list) else finite(v)) for k, v in r.items()} for r in rows]
-        print(json.dumps({"model": str(plain.path), "spec": a.spec, "draft_max": spec.draft_max,
+        print(json.dumps({"model": str(plain.path), "spec": a.spec, "draft_lookup": a.draft_lookup,
+                          "draft_max": spec.draft_max,
                           "rounds": a.repetitions, "rows": rows}, indent=1))
     else:
-        print(f"{Path(str(plain.path)).name}, spec={a.spec}, draft_max={spec.draft_max}, {a.repetitions} rounds, medians:")
+        lookup = "" if a.draft_lookup or a.spec == "ngram" else " (no lookup)"
+        print(f"{Path(str(plain.path)).name}, spec={a.spec}{lookup}, draft_max={spec.draft_max}, {a.repetitions} rounds, "
+              "medians:")
         print(table(rows))
     return 0 if all(r["same"] for r in rows) else 1

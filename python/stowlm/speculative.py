@@ -164,15 +164,19 @@ class ModelDrafter:
     kind = "model"
     cheap = False  # each draft token is a step of the draft model
 
-    def __init__(self, llm):
+    def __init__(self, llm, lookup: bool = True):
         from .draftmodel import TOKEN_IDS_KEY
 
         self.llm = llm
+        # Prompt lookup beside the model: where the text repeats what came before (code edits) its
+        # drafts are kept as often and cost no draft steps (Speculator.draft weighs the two).
+        self.lookup = NgramDrafter() if lookup else None
         ids = (getattr(llm, "metadata", None) or {}).get(TOKEN_IDS_KEY)
         self.to_target = None if ids is None else np.asarray(ids, dtype=np.int64)  # draft id -> target id
         self.to_draft: Optional[np.ndarray] = None  # target id -> draft id (follow() makes it)
         self._cached: List[int] = []  # draft ids
         self.seconds = None  # moving average of one draft step's time
+        self.catch_up_seconds = None  # moving average of a catch-up's time per token read
 
     def follow(self, target) -> None:
         """Checks that the draft's tokens are the target LLM's (all, or those of to_target) and maps
@@ -202,9 +206,20 @@ class ModelDrafter:
         """The draft's cache brought to `hist` (draft ids): its last logits and how many tokens that took."""
         keep = min(common_prefix(self._cached, hist), len(hist) - 1)
         self.llm.ctx.kv_truncate(keep)
+        t0 = time.perf_counter()
         logits = self.llm.ctx.eval(hist[keep:], logits="last")
+        n = len(hist) - keep
+        if n > 2:  # a catch-up, not a step
+            per = (time.perf_counter() - t0) / n
+            c = self.catch_up_seconds
+            self.catch_up_seconds = per if c is None else c + 0.2 * (per - c)
         self._cached = hist
-        return logits, len(hist) - keep
+        return logits, n
+
+    def behind(self, history: Sequence[int]) -> int:
+        """Tokens of `history` the draft must read before it can draft (its catch-up)."""
+        hist = self._ids(history)
+        return len(hist) - min(common_prefix(self._cached, hist), len(hist) - 1)
 
     def ready(self, prompt: Sequence[int]) -> None:
         """Reads the prompt with the target's prompt (the first draft then costs a step, not a prompt)."""
@@ -247,10 +262,11 @@ def _top_share(logits: np.ndarray, t: int) -> float:
     return float(1.0 / np.exp(logits - logits[t]).sum())
 
 
-def parse_spec(spec) -> Optional[object]:
+def parse_spec(spec, lookup: bool = True) -> Optional[object]:
     """None, "ngram", a loaded LLM of a draft model (LLM loads one named by path itself, before
-    its target, so that fit counts it), or any object with draft(history, k) -> (tokens, source)
-    and `cheap` (True: offering k tokens costs no more than offering fewer)."""
+    its target, so that fit counts it; with prompt lookup beside it unless lookup=False), or any
+    object with draft(history, k) -> (tokens, source) and `cheap` (True: offering k tokens costs
+    no more than offering fewer)."""
     if spec is None or spec is False or spec == "none":
         return None
     if hasattr(spec, "draft") and not isinstance(spec, (str, os.PathLike)):  # a drafter of one's own
@@ -258,7 +274,7 @@ def parse_spec(spec) -> Optional[object]:
     if spec == "ngram":
         return NgramDrafter()
     if hasattr(spec, "ctx") and hasattr(spec, "tokenizer"):  # an LLM
-        return ModelDrafter(spec)
+        return ModelDrafter(spec, lookup=lookup)
     raise ValueError(f"speculative: 'ngram', a draft model's .gguf path or name, or None; got {spec!r}")
 
 
@@ -329,19 +345,52 @@ class Speculator:
         counted in target steps (each draft token is a step of it, so a draft that is cheap per
         token but rarely kept pays only short), if that beats no draft by MODEL_GAIN (MODEL_KEEP
         while drafting)."""
-        d, step = getattr(self.drafter, "seconds", None), self.costs.step_seconds()
+        return self._model_plan(rate, n_base)[0]
+
+    def _model_plan(self, rate, n_base: int, behind: int = 0) -> Tuple[int, float]:
+        """The model's best length and its yield (_best_length), its draft steps and the catch-up of
+        `behind` tokens (the text it has not read: a lookup's tokens) counted in target steps."""
+        step = self.costs.step_seconds()
+        d = getattr(self.drafter, "seconds", None)
+        c = getattr(self.drafter, "catch_up_seconds", None)
         draft_cost = d / step if d and step else 0.0
-        plain = n_base / self.costs.cost(n_base)
-        rates = [float(rate)] * self.draft_max if np.isscalar(rate) else list(rate)
+        # charged in full to the draft that needs it: spread over the 16 steps after, the model
+        # resumed after long lookup runs and did not pay it back (docs/speculative.md)
+        catch_up = behind * c / step if behind > 2 and c and step else 0.0
         gain = MODEL_KEEP if self.model_drafting else MODEL_GAIN
+        return self._best_length(rate, n_base, self.draft_max, draft_cost, gain, catch_up)
+
+    def _best_length(self, rate, n_base: int, k_max: int, draft_cost: float, gain: float,
+                     fixed: float = 0.0) -> Tuple[int, float]:
+        """(k, tokens per one-token step's time) of the draft length up to k_max that yields the
+        most, each draft token costing draft_cost steps besides its place in the pass and any draft
+        `fixed` steps; (0, no draft's yield times gain) when none beats that."""
+        plain = n_base / self.costs.cost(n_base)
+        rates = [float(rate)] * k_max if np.isscalar(rate) else list(rate)
         best_k, best, tokens, kept = 0, plain * gain, float(n_base), 1.0
-        for k in range(1, self.draft_max + 1):
+        for k in range(1, k_max + 1):
             kept *= rates[min(k, len(rates)) - 1]
             tokens += kept
-            r = tokens / (self.costs.cost(n_base + k) + k * draft_cost)
+            r = tokens / (self.costs.cost(n_base + k) + k * draft_cost + fixed)
             if r > best:
                 best_k, best = k, r
-        return best_k
+        return best_k, best
+
+    def _lookup_instead(self, history: Sequence[int], budget: int, n_base: int, behind: int) -> List[int]:
+        """A draft model's prompt lookup: its draft where that yields more than the model's would
+        (the lookup's source's acceptance, no draft steps; against the positions' acceptance at
+        the draft's step cost and its catch-up of `behind` tokens), else []."""
+        toks, src = self.drafter.lookup.draft(history, min(self.draft_max, budget))
+        if not toks:
+            return []
+        k, model = self._model_plan(self.model_rates(), n_base, behind)
+        if k == 0:  # the model would not draft: the lookup is weighed against no draft
+            model = n_base / self.costs.cost(n_base)
+        k, value = self._best_length(self.rate(src), n_base, len(toks), 0.0, 1.0)
+        if k == 0 or value <= model:
+            return []
+        self.source = src
+        return toks[:k]
 
     def ready(self, prompt: Sequence[int]) -> None:
         """The prompt is in the target's cache: a draft model reads it now too."""
@@ -360,9 +409,15 @@ class Speculator:
             self.wait = max(0, self.wait - 1)
             return []
         if not getattr(self.drafter, "cheap", True):
-            # the positions' acceptance says whether drafting pays; how far is the draft's own
-            # confidence, token by token (P_CHAIN), up to draft_max
-            self.model_drafting = self.length(self.model_rates(), n_base) > 0
+            behind = 0
+            if getattr(self.drafter, "lookup", None) is not None:
+                behind = self.drafter.behind(history)
+                toks = self._lookup_instead(history, budget, n_base, behind)
+                if toks:
+                    return toks
+            # the positions' acceptance (and the catch-up a lookup left) says whether drafting
+            # pays; how far is the draft's own confidence, token by token (P_CHAIN), up to draft_max
+            self.model_drafting = self._model_plan(self.model_rates(), n_base, behind)[0] > 0
             k = min(self.draft_max, budget) if self.model_drafting else 0
             if k == 0 and getattr(self.drafter, "seconds", None) is None:
                 k = min(1, budget)  # a first draft step learns its cost

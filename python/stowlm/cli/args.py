@@ -144,6 +144,9 @@ def add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                              "far) or a draft model's .gguf path or name (same vocabulary); greedy text is the same")
         sp.add_argument("--draft-max", type=int, default=None, metavar="N",
                         help="draft tokens per step at most (default 7)")
+        sp.add_argument("--no-draft-lookup", dest="draft_lookup", action="store_false",
+                        help="with a draft model: the model's drafts alone (by default prompt lookup drafts "
+                             "too, where it yields more)")
 
 
 def placement_kwargs(a: argparse.Namespace) -> dict:

@@ -50,9 +50,11 @@ def load(a: argparse.Namespace, **extra):
     t0 = time.perf_counter()
     if a.draft_max is not None and a.spec is None:
         raise ValueError("--draft-max needs --spec")
+    if not a.draft_lookup and a.spec in (None, "ngram"):
+        raise ValueError("--no-draft-lookup needs --spec DRAFT (a draft model)")
     llm = LLM(a.model, n_threads=a.threads, progress=not a.quiet, fit=False if a.no_fit else None,
               placement=placement, fit_margin=margin, fit_ctx=a.fit_ctx, speculative=a.spec, draft_max=a.draft_max,
-              **kw_place, **extra)
+              draft_lookup=a.draft_lookup, **kw_place, **extra)
     if not a.quiet:
         print(f"[loaded {os.path.basename(llm.path)} in {time.perf_counter() - t0:.2f} s]", file=sys.stderr)
     return llm
