@@ -11,6 +11,7 @@ from ..placement.budgets import MARGIN_DIVISOR, MARGIN_MAX
 from ..placement.rules import (DEFAULT_FIT_CTX, DEFAULT_KV_TYPE, DEFAULT_MAX_CTX, DEFAULT_MOE_OFFLOAD_MIN,
                                DEFAULT_N_COPIES, DEFAULT_N_CTX,
                                DEFAULT_N_UBATCH, SPLIT_MODES)
+from ..speculative import DRAFT_MAX
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -143,7 +144,7 @@ def add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                         help="draft tokens and check them in one pass: 'ngram' (from the prompt and the text so "
                              "far) or a draft model's .gguf path or name (same vocabulary); greedy text is the same")
         sp.add_argument("--draft-max", type=int, default=None, metavar="N",
-                        help="draft tokens per step at most (default 7)")
+                        help=f"draft tokens per step at most (default {DRAFT_MAX})")
         sp.add_argument("--no-draft-lookup", dest="draft_lookup", action="store_false",
                         help="with a draft model: the model's drafts alone (by default prompt lookup drafts "
                              "too, where it yields more)")
