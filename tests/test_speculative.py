@@ -421,6 +421,9 @@ def test_a_draft_model_with_prompt_lookup_keeps_the_greedy_text(tmp_path, monkey
             stowlm.LLM(src, n_ctx=1024, progress=False, speculative=str(draft), draft_lookup=False) as alone:
         assert default._drafter.lookup is not None and alone._drafter.lookup is None
         assert alone.generate(prompt, max_tokens=30, temperature=0).tokens == want.tokens[:30]
+    for spec in ("ngram", None):
+        with pytest.raises(ValueError, match="draft_lookup=False needs a draft model"):
+            stowlm.LLM(src, n_ctx=256, progress=False, speculative=spec, draft_lookup=False)
     cli = [sys.executable, "-m", "stowlm", "run", src, "-p", prompt, "-n", "30", "--temp", "0", "-c", "1024"]
     r = subprocess.run(cli + ["--spec", str(draft), "--no-draft-lookup"], capture_output=True, text=True,
                        env=subprocess_env(), timeout=300, stdin=subprocess.DEVNULL)

@@ -83,6 +83,9 @@ class LLM(Conversation):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         if devices is None and n_threads is not None:
             devices = [f"cpu:0[threads={n_threads}]"]
+        if not draft_lookup and (speculative is None or speculative in ("ngram", "none")):
+            raise ValueError("draft_lookup=False needs a draft model (speculative='draft.gguf'): it turns off the "
+                             "prompt lookup beside one")
         # A draft model loads first, on the first device, so that fit counts what it holds there.
         draft = self._load_draft(speculative, devices, n_ctx, n_seq) if _names_a_model(speculative) else None
         reserved = None if draft is None else {d["device"]: d["total"] for d in draft.ctx.memory_report()}
