@@ -331,6 +331,11 @@ class Speculator:
         with probability `rate` given the one before (a draft model's: one rate, or one per position)."""
         if not getattr(self.drafter, "cheap", True):
             return self._model_length(rate, n_base)
+        return self._cheap_length(rate, n_base)
+
+    def _cheap_length(self, rate, n_base: int) -> int:
+        """length() for drafts that cost nothing to offer (prompt lookup): each further token while
+        its chance to be kept is worth what it adds to the pass (past a tile, MARGIN times that)."""
         value = self.costs.cost(n_base) / n_base  # of one token, in the pass's own terms
         k, kept = 0, 1.0
         while k < self.draft_max:
@@ -386,8 +391,12 @@ class Speculator:
         k, model = self._model_plan(self.model_rates(), n_base, behind)
         if k == 0:  # the model would not draft: the lookup is weighed against no draft
             model = n_base / self.costs.cost(n_base)
-        k, value = self._best_length(self.rate(src), n_base, len(toks), 0.0, 1.0)
-        if k == 0 or value <= model:
+        # its length by the lookup's own rule (as with --spec ngram), its yield against the model's
+        k = min(len(toks), self._cheap_length(self.rate(src), n_base))
+        r, tokens = self.rate(src), float(n_base)
+        for j in range(1, k + 1):
+            tokens += r ** j
+        if k == 0 or tokens / self.costs.cost(n_base + k) <= model:
             return []
         self.source = src
         return toks[:k]
