@@ -4,7 +4,8 @@ Generation reads every weight once per token; a pass over k + 1 tokens reads the
 so every draft token the model agrees with is a token for (almost) free. Drafts come from the
 text itself (:class:`NgramDrafter`: the tokens that followed the last occurrence of the latest
 n-gram in the prompt and the text so far; code edits repeat what they were shown) or from a
-smaller model with the same vocabulary (:class:`ModelDrafter`).
+smaller model with the same vocabulary (:class:`ModelDrafter`, with prompt lookup beside it: each
+step drafts from whichever of the two yields more).
 
 Exactness: a pass over several tokens gives each the logits of a one-token step (the CPU's row
 kernels below the batch bound and its fixed attention splits; tests/test_speculative.py), so
@@ -353,8 +354,9 @@ class Speculator:
         return self._model_plan(rate, n_base)[0]
 
     def _model_plan(self, rate, n_base: int, behind: int = 0) -> Tuple[int, float]:
-        """The model's best length and its yield (_best_length), its draft steps and the catch-up of
-        `behind` tokens (the text it has not read: a lookup's tokens) counted in target steps."""
+        """(k, tokens per one-token step's time) of the model's draft length that yields the most,
+        its draft steps and the catch-up of `behind` tokens (text it has not read: a lookup's)
+        counted in target steps; (0, no draft's yield times the gain to beat) when none beats that."""
         step = self.costs.step_seconds()
         d = getattr(self.drafter, "seconds", None)
         c = getattr(self.drafter, "catch_up_seconds", None)
@@ -363,20 +365,12 @@ class Speculator:
         # resumed after long lookup runs and did not pay it back (docs/speculative.md)
         catch_up = behind * c / step if behind > 2 and c and step else 0.0
         gain = MODEL_KEEP if self.model_drafting else MODEL_GAIN
-        return self._best_length(rate, n_base, self.draft_max, draft_cost, gain, catch_up)
-
-    def _best_length(self, rate, n_base: int, k_max: int, draft_cost: float, gain: float,
-                     fixed: float = 0.0) -> Tuple[int, float]:
-        """(k, tokens per one-token step's time) of the draft length up to k_max that yields the
-        most, each draft token costing draft_cost steps besides its place in the pass and any draft
-        `fixed` steps; (0, no draft's yield times gain) when none beats that."""
-        plain = n_base / self.costs.cost(n_base)
-        rates = [float(rate)] * k_max if np.isscalar(rate) else list(rate)
-        best_k, best, tokens, kept = 0, plain * gain, float(n_base), 1.0
-        for k in range(1, k_max + 1):
+        rates = [float(rate)] * self.draft_max if np.isscalar(rate) else list(rate)
+        best_k, best, tokens, kept = 0, n_base / self.costs.cost(n_base) * gain, float(n_base), 1.0
+        for k in range(1, self.draft_max + 1):
             kept *= rates[min(k, len(rates)) - 1]
             tokens += kept
-            r = tokens / (self.costs.cost(n_base + k) + k * draft_cost + fixed)
+            r = tokens / (self.costs.cost(n_base + k) + k * draft_cost + catch_up)
             if r > best:
                 best_k, best = k, r
         return best_k, best
