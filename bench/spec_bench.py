@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "python"))
 
 import stowlm  # noqa: E402
-from stowlm.specbench import measure, table  # noqa: E402
+from stowlm.specbench import heading, measure, table  # noqa: E402
 
 CODE = '''import json
 
@@ -106,8 +106,7 @@ def main() -> int:
     plain = stowlm.LLM(a.model, **kw)
     spec = stowlm.LLM(a.model, speculative=a.spec, draft_max=a.draft_max, draft_lookup=a.draft_lookup, **kw)
     rows = measure(plain, spec, prompts, a.n, a.rounds, log=lambda line: print(line, flush=True))
-    lookup = "" if a.draft_lookup or a.spec == "ngram" else " (no lookup)"
-    print(f"\n{Path(str(plain.path)).name}, spec={a.spec}{lookup}, draft_max={spec.draft_max}, {a.rounds} rounds, medians:")
+    print("\n" + heading(plain, spec, a.spec, a.draft_lookup, a.rounds))
     print(table(rows))
     return 0 if all(r["same"] for r in rows) else 1
 

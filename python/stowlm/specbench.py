@@ -20,7 +20,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 from .placement.rules import DEFAULT_N_CTX
 
-__all__ = ["load_prompts", "generation_rate", "measure", "table", "main"]
+__all__ = ["load_prompts", "generation_rate", "measure", "heading", "table", "main"]
 
 
 def load_prompts(path) -> List[dict]:
@@ -106,6 +106,13 @@ def measure(plain, spec, prompts: Sequence[dict], n: int, rounds: int,
     return rows
 
 
+def heading(plain, spec, spec_arg, draft_lookup: bool, rounds: int) -> str:
+    """The line above the table: the model, the drafting, the rounds."""
+    lookup = "" if draft_lookup or spec_arg == "ngram" else " (no lookup)"
+    return (f"{Path(str(plain.path)).name}, spec={spec_arg}{lookup}, draft_max={spec.draft_max}, {rounds} rounds, "
+            "medians:")
+
+
 def table(rows: Sequence[dict]) -> str:
     """The rows as a Markdown table (medians), then the geometric mean of the ratios of each kind."""
     out = ["| prompt | kind | tokens | plain t/s | spec t/s | ratio | accepted / drafted | identical |",
@@ -158,8 +165,6 @@ def main(argv: Sequence[str]) -> int:
                           "draft_max": spec.draft_max,
                           "rounds": a.repetitions, "rows": rows}, indent=1))
     else:
-        lookup = "" if a.draft_lookup or a.spec == "ngram" else " (no lookup)"
-        print(f"{Path(str(plain.path)).name}, spec={a.spec}{lookup}, draft_max={spec.draft_max}, {a.repetitions} rounds, "
-              "medians:")
+        print(heading(plain, spec, a.spec, a.draft_lookup, a.repetitions))
         print(table(rows))
     return 0 if all(r["same"] for r in rows) else 1
