@@ -352,23 +352,6 @@ ModelInfo describe(const GGUFFile& f) {
     return m;
 }
 
-// Bytes of weights one generated token reads: every weight once, but of the input embedding
-// only a row (unless it is tied to the output) and of each expert stack its k used experts.
-double weight_bytes_per_token(const Model& m) {
-    const GGUFFile& f = m.file();
-    const bool tied = f.find_tensor("output.weight") == nullptr;
-    const HParams& hp = m.hp();
-    double bytes = 0;
-    for (const GGUFTensor& t : f.tensors()) {
-        if (t.name == "token_embd.weight" && !tied) continue;
-        if (t.name.find("_exps.") != std::string::npos && hp.n_expert > 0)
-            bytes += (double)t.nbytes * hp.n_expert_used / hp.n_expert;
-        else
-            bytes += (double)t.nbytes;
-    }
-    return bytes;
-}
-
 // ---- memory ---------------------------------------------------------------------------
 
 size_t peak_rss_bytes() {
@@ -911,7 +894,7 @@ int run(const Options& o) {
                             double ts = 0;
                             for (uint64_t ns : r.samples_ns) ts += (double)t.n_gen * 1e9 / (double)ns;
                             ts /= (double)r.samples_ns.size();
-                            const double bpt = weight_bytes_per_token(*model);
+                            const double bpt = model->weight_bytes_per_token();
                             fprintf(stderr, "  %s: %.1f MB of weights per token, read at %.1f GB/s\n", t.name().c_str(),
                                     bpt / 1e6, bpt * ts / 1e9);
                         }

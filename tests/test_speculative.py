@@ -1,6 +1,7 @@
 """Speculative decoding: a pass over several tokens gives each the logits of a one-token step (the
 ground speculation stands on), greedy text with drafts equal to the text without, and sampled text
 with the target's distribution."""
+import functools
 import subprocess
 import sys
 
@@ -718,3 +719,82 @@ def test_prompt_files_and_their_errors(tmp_path):
     from stowlm.cli.app import run_argv
 
     assert run_argv(["bench", "-m", "smollm2-135m", "--spec", "ngram", "--prompt-file", str(tmp_path / "nope.json")]) == 1
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_facts(path):
+    """(its scalar metadata, [(tensor name, bytes)]) of a GGUF file, read with the gguf package."""
+    import gguf
+
+    r = gguf.GGUFReader(str(path))
+    meta = {k: v.contents() for k, v in r.fields.items() if len(v.types) == 1 and k != "general.name"}
+    return meta, [(t.name, int(t.n_bytes)) for t in r.tensors]
+
+
+def _gguf_attention_oracle(path, n_kv):
+    """A token's attention multiply-adds over n_kv cells from the file's own metadata, with
+    Gemma 3's published layout: five sliding-window layers to one global."""
+    f = _gguf_facts(path)[0]
+    arch = f["general.architecture"]
+    n_layer, n_head = f[f"{arch}.block_count"], f[f"{arch}.attention.head_count"]
+    hd = f[f"{arch}.embedding_length"] // n_head
+    dk, dv = f.get(f"{arch}.attention.key_length", hd), f.get(f"{arch}.attention.value_length", hd)
+    window = f.get(f"{arch}.attention.sliding_window", 0) if arch == "gemma3" else 0
+    cells = [min(n_kv, window) if window and il % 6 != 5 else n_kv for il in range(n_layer)]
+    return float(sum(n_head * (dk + dv) * c for c in cells))
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m", "qwen2.5-coder-0.5b", "gemma3-270m", "qwen3moe-tiny"])
+def test_a_tokens_attention_and_weight_bytes_are_counted_from_the_model(name):
+    """What a pass's cost model reads of the model: the weight bytes a token streams (the gguf
+    package's tensor sizes: the input embedding a row only when an output matrix exists, an
+    expert stack its used share) and the attention's multiply-adds at a depth (the file's heads
+    and dims; Gemma 3's windowed layers stop growing at the window)."""
+    from stowlm.engine import Model
+
+    path = get_model(name)
+    meta, tensors = _gguf_facts(path)
+    arch = meta["general.architecture"]
+    n_exp, used = meta.get(f"{arch}.expert_count", 0), meta.get(f"{arch}.expert_used_count", 0)
+    want = 0.0
+    for t, nbytes in tensors:
+        if t == "token_embd.weight" and "output.weight" in dict(tensors):
+            continue
+        want += nbytes * (used / n_exp if n_exp and "_exps." in t else 1)
+    m = Model(str(path))
+    assert m.weight_bytes_per_token == pytest.approx(want, rel=1e-12)
+    for n_kv in (1, 300, 4096):
+        assert m.attention_macs(n_kv) == pytest.approx(_gguf_attention_oracle(path, n_kv), rel=1e-12)
+
+
+def test_a_pass_costs_more_steps_deeper_in_the_context():
+    """A pass's weights cost the same at any depth, its tokens' attention grows with the cells:
+    in one-token steps at that depth a pass of 8 costs the tile model's 1.64 at depth 0 and more
+    with every cell, most for the model whose attention is the larger share (smollm2 against
+    qwen2.5-coder, the figures of speculative.py's fit); prompt lookup drafts shorter there at the
+    same acceptance, and an LLM's costs are its model's."""
+    from stowlm.speculative import ATTN_BYTES_PER_MAC, STEP_ATTN, NgramDrafter, PassCosts, Speculator, prior_cost
+
+    small, coder = get_model("smollm2-135m"), get_model("qwen2.5-coder-0.5b")
+    costs = {}
+    for name, path in (("smollm2", small), ("coder", coder)):
+        with stowlm.LLM(str(path), n_ctx=256, progress=False) as llm:
+            c = llm._pass_costs
+            a = _gguf_attention_oracle(path, 4096) * ATTN_BYTES_PER_MAC / llm.model.weight_bytes_per_token
+            assert c.cost(8, 4096) == pytest.approx((prior_cost(8, c.repacked, c.isa) + 8 * a) / (1 + STEP_ATTN * a))
+            assert c.cost(8, 0) == prior_cost(8, c.repacked, c.isa) and c.cost(1, 4096) == 1.0
+            costs[name] = c
+    for c in costs.values():
+        assert c.cost(8, 0) < c.cost(8, 1024) < c.cost(8, 4096)
+        assert c.cost(2, 4096) < c.cost(4, 4096) < c.cost(8, 4096)
+    assert costs["smollm2"].cost(8, 4096) > costs["coder"].cost(8, 4096) > 2.0
+    spec = Speculator(NgramDrafter(), 7, costs["smollm2"])
+    spec.depth = 0
+    shallow = spec.length(0.8)
+    spec.depth = 4096
+    deep = spec.length(0.8)
+    assert 0 < deep < shallow
+    # the step a pass's seconds say is the step at its depth
+    c = PassCosts(repacked=True, attention=lambda d: d / 4096)
+    c.observe(8, 0.05, depth=4096)
+    assert c.step_seconds() == pytest.approx(0.05 / c.cost(8, 4096))

@@ -152,6 +152,9 @@ STOWLM_BIND(engine) {
         .def_prop_ro("batch_bounds", [](const BoundModel& s) { return s.m->batch_bounds(); })
         .def_prop_ro("n_embd", [](const BoundModel& s) { return s.m->hp().n_embd; })
         .def_prop_ro("n_ctx_train", [](const BoundModel& s) { return s.m->hp().n_ctx_train; })
+        .def_prop_ro("weight_bytes_per_token", [](const BoundModel& s) { return s.m->weight_bytes_per_token(); })
+        .def("attention_macs", [](const BoundModel& s, int64_t n_kv) { return s.m->attention_macs(n_kv); },
+             nb::arg("n_kv"))
         .def_prop_ro("layer_devices", [](const BoundModel& s) { return s.m->layer_devices(); })
         .def("tensor_device",
              [](const BoundModel& s, const std::string& name) { return s.m->weight_device(name); })

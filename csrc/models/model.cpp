@@ -400,6 +400,32 @@ std::vector<Backend*> Model::backends() const {
     return r;
 }
 
+double Model::weight_bytes_per_token() const {
+    const bool tied = file_->find_tensor("output.weight") == nullptr;
+    double bytes = 0;
+    for (const GGUFTensor& t : file_->tensors()) {
+        if (t.name == "token_embd.weight" && !tied) continue;
+        if (t.name.find("_exps.") != std::string::npos && hp_.n_expert > 0)
+            bytes += (double)t.nbytes * hp_.n_expert_used / hp_.n_expert;
+        else
+            bytes += (double)t.nbytes;
+    }
+    return bytes;
+}
+
+double Model::attention_macs(int64_t n_kv) const {
+    // per head and cell: q.k over the key dims, then the weight times v over the value dims (MLA's
+    // are its compressed KV's: deepseek2.cpp)
+    const double dims = (double)(hp_.head_dim_k + hp_.head_dim_v);
+    double macs = 0;
+    for (int64_t il = 0; il < hp_.n_layer; il++) {
+        const bool swa = il < (int64_t)hp_.swa_layer.size() && hp_.swa_layer[il] && hp_.sliding_window > 0;
+        const int64_t cells = swa ? std::min<int64_t>(n_kv, hp_.sliding_window) : n_kv;
+        macs += (double)hp_.n_head * dims * (double)std::max<int64_t>(cells, 0);
+    }
+    return macs;
+}
+
 std::vector<int64_t> Model::batch_bounds() const {
     std::vector<int64_t> r;
     for (auto& b : backends_) r.push_back(b->batched_min_tokens());

@@ -195,6 +195,12 @@ public:
     // The token counts from which some device's products take batched kernels, ascending: a
     // token's logits are the same in any batch whose size lies between the same two bounds.
     std::vector<int64_t> batch_bounds() const;
+    // Bytes of weights a generated token reads: every weight once, but of the input embedding
+    // only a row (unless it is tied to the output) and of each expert stack its used experts.
+    double weight_bytes_per_token() const;
+    // Multiply-adds of one token's attention over n_kv visible cells, all layers (a sliding
+    // window's layers see at most its cells).
+    double attention_macs(int64_t n_kv) const;
     // Tensor parallelism: shards (1 without it), each on one device, and their parts of a layer.
     bool tensor_parallel() const { return !shard_device_.empty(); }
     // How the shards meet: by gathering rows (every product computed as on one device, so the

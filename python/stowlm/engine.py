@@ -120,6 +120,13 @@ class Model:
     batch_bounds = property(lambda self: list(self._m.batch_bounds))
     n_embd = property(lambda self: self._m.n_embd)
     n_ctx_train = property(lambda self: self._m.n_ctx_train)
+    # bytes of weights a generated token reads (an expert stack's used experts only)
+    weight_bytes_per_token = property(lambda self: self._m.weight_bytes_per_token)
+
+    def attention_macs(self, n_kv: int) -> float:
+        """Multiply-adds of one token's attention over n_kv cells, all layers (a sliding window's
+        layers see at most its cells)."""
+        return self._m.attention_macs(int(n_kv))
     layer_devices = property(lambda self: list(self._m.layer_devices))
     interleave = property(lambda self: self._m.interleave)
     # weights the CPU keeps in 16-row groups (csrc/cpu/repack.h; STOWLM_REPACK=0 keeps none)

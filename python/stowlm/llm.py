@@ -112,7 +112,8 @@ class LLM(Conversation):
         self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
         # what passes of several tokens cost here (cheaper with repacked weights, more so with
         # AVX-512's kernels), and their timings
-        self._pass_costs = PassCosts(repacked=bool(getattr(self.model, "repacked", None)), isa=ops.cpu_info()["active"])
+        self._pass_costs = PassCosts.for_model(self.model, repacked=bool(getattr(self.model, "repacked", None)),
+                                               isa=ops.cpu_info()["active"])
         self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
         if speculative is not None:
             self._drafter = parse_spec(draft if draft is not None else speculative, lookup=draft_lookup)

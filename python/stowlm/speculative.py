@@ -66,6 +66,14 @@ def chain_holds(chain: float) -> bool:
     """Whether a draft model's draft goes on past a token: `chain` is the product of the
     probabilities it gave its tokens so far (bench/draft_replay.py replays the same rule)."""
     return chain >= P_CHAIN
+# A pass's attention grows with the context, the weights' part does not: a pass token's attention
+# over n cells costs what streaming ATTN_BYTES_PER_MAC bytes of weights per multiply-add would,
+# a one-token step's STEP_ATTN times that (its cells come from memory, a pass's tokens share
+# them in cache). Fitted on two cores (`stowlm-bench -p 1,2,4,8 -n 0 -d 1024,2048,4096`, Intel
+# Xeon): a pass of 8 in steps, measured / modelled, qwen2.5-coder-0.5b 1.78-1.93 / 2.19 at 2048,
+# 2.64-2.88 / 2.62 at 4096; smollm2-135m 2.43 / 2.47 at 1024, 2.35 / 3.02 at 2048, 3.64 / 3.69 at
+# 4096 (the tile model alone: 1.64 at any depth).
+ATTN_BYTES_PER_MAC, STEP_ATTN = 0.5, 1.4
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
 
@@ -84,39 +92,62 @@ def prior_cost(n: int, repacked: bool = False, isa: str = "avx512") -> float:
 
 
 class PassCosts:
-    """What a pass of n tokens costs in one-token steps: the tile model above (TILE, IN_TILE,
-    PAST_TILE), fixed, so that which tokens are drafted does not depend on timing noise (a single
-    slow pass once learnt made passes of that size look dear for good: they were never timed
-    again, and seeded sampling stopped being reproducible). The passes are timed all the same,
-    for the one-token step's seconds that a draft model's steps are weighed against. One per LLM
-    or batching engine."""
+    """What a pass of n tokens costs in one-token steps at the same depth: the tile model above
+    (TILE, IN_TILE, PAST_TILE) for the weights and, given the model's `attention` (a token's
+    attention over d cells in one-token steps of depth 0: for_model), each token's attention.
+    Fixed, so that which tokens are drafted does not depend on timing noise (a single slow pass
+    once learnt made passes of that size look dear for good: they were never timed again, and
+    seeded sampling stopped being reproducible). The passes are timed all the same, for the
+    one-token step's seconds that a draft model's steps are weighed against. One per LLM or
+    batching engine."""
 
     ALPHA = 0.1
 
-    def __init__(self, repacked: bool = False, isa: str = "avx512"):
+    def __init__(self, repacked: bool = False, isa: str = "avx512", attention=None):
         self.seconds: dict = {}  # tokens in the pass -> moving average of its seconds
         self.repacked = repacked  # the model's CPU weights are in 16-row groups (the cheaper tiles)
         self.isa = isa  # the CPU kernels' instruction set (AVX2's repacked tiles cost more)
+        self.attention = attention  # depth -> a pass token's attention in depth-0 steps (None: none)
+        self._at = (0, 0.0)  # the last depth asked and its attention
         self.step: Optional[float] = None  # moving average of a one-token step's seconds, from every pass
 
-    def observe(self, n: int, seconds: float) -> None:
+    @classmethod
+    def for_model(cls, model, repacked: bool = False, isa: str = "avx512") -> "PassCosts":
+        """The costs of `model`'s passes (an engine.Model: its attention's multiply-adds against
+        the weight bytes a token reads)."""
+        per_token, macs = getattr(model, "weight_bytes_per_token", 0), getattr(model, "attention_macs", None)
+        attention = (lambda d: macs(d) * ATTN_BYTES_PER_MAC / per_token) if macs and per_token > 0 else None
+        return cls(repacked, isa, attention)
+
+    def _attention(self, depth: int) -> float:
+        if self.attention is None or depth <= 0:
+            return 0.0
+        if self._at[0] != depth:  # asked many times a step at one depth
+            self._at = (depth, float(self.attention(depth)))
+        return self._at[1]
+
+    def observe(self, n: int, seconds: float, depth: int = 0) -> None:
         if n < 1 or not seconds > 0:
             return
         old = self.seconds.get(n)
         self.seconds[n] = seconds if old is None else old + self.ALPHA * (seconds - old)
         # every pass says what a step costs: one size alone (while drafts run, no pass is of one
         # token) kept the first steps' time, slow with the graphs still being built, for long
-        one = seconds / self.cost(n)
+        one = seconds / self.cost(n, depth)
         self.step = one if self.step is None else self.step + self.ALPHA * (one - self.step)
 
-    def cost(self, n: int) -> float:
-        return prior_cost(n, self.repacked, self.isa) if n > 1 else 1.0
+    def cost(self, n: int, depth: int = 0) -> float:
+        """A pass of n tokens whose context holds `depth` cells, in one-token steps there."""
+        if n <= 1:
+            return 1.0
+        a = self._attention(depth)
+        return (prior_cost(n, self.repacked, self.isa) + n * a) / (1.0 + STEP_ATTN * a)
 
-    def token(self, j: int) -> float:
+    def token(self, j: int, depth: int = 0) -> float:
         """What a pass's j-th token (1-based) adds, with the margin it must earn past a tile."""
         if j <= 1:
             return 1.0
-        d = self.cost(j) - self.cost(j - 1)
+        d = self.cost(j, depth) - self.cost(j - 1, depth)
         return d * MARGIN if j > TILE else d
 
     def step_seconds(self) -> Optional[float]:
@@ -313,6 +344,7 @@ class Speculator:
         self.wait = 0        # steps left without drafting
         self.backoff = 1     # the next wait while acceptance stays under the floor
         self.source = None   # of the draft in flight
+        self.depth = 0       # cells of context the next pass attends to (its cost grows with them)
         self.drafted = self.accepted = 0
 
     def rate(self, source) -> float:
@@ -337,11 +369,11 @@ class Speculator:
     def _cheap_length(self, rate, n_base: int) -> int:
         """length() for drafts that cost nothing to offer (prompt lookup): each further token while
         its chance to be kept is worth what it adds to the pass (past a tile, MARGIN times that)."""
-        value = self.costs.cost(n_base) / n_base  # of one token, in the pass's own terms
+        value = self.costs.cost(n_base, self.depth) / n_base  # of one token, in the pass's own terms
         k, kept = 0, 1.0
         while k < self.draft_max:
             kept *= rate
-            if kept * value < self.costs.token(n_base + k + 1):
+            if kept * value < self.costs.token(n_base + k + 1, self.depth):
                 break
             k += 1
         return k
@@ -366,11 +398,11 @@ class Speculator:
         catch_up = behind * c / step if behind > 2 and c and step else 0.0
         gain = MODEL_KEEP if self.model_drafting else MODEL_GAIN
         rates = [float(rate)] * self.draft_max if np.isscalar(rate) else list(rate)
-        best_k, best, tokens, kept = 0, n_base / self.costs.cost(n_base) * gain, float(n_base), 1.0
+        best_k, best, tokens, kept = 0, n_base / self.costs.cost(n_base, self.depth) * gain, float(n_base), 1.0
         for k in range(1, self.draft_max + 1):
             kept *= rates[min(k, len(rates)) - 1]
             tokens += kept
-            r = tokens / (self.costs.cost(n_base + k) + k * draft_cost + catch_up)
+            r = tokens / (self.costs.cost(n_base + k, self.depth) + k * draft_cost + catch_up)
             if r > best:
                 best_k, best = k, r
         return best_k, best
@@ -384,13 +416,13 @@ class Speculator:
             return []
         k, model = self._model_plan(self.model_rates(), n_base, behind)
         if k == 0:  # the model would not draft: the lookup is weighed against no draft
-            model = n_base / self.costs.cost(n_base)
+            model = n_base / self.costs.cost(n_base, self.depth)
         # its length by the lookup's own rule (as with --spec ngram), its yield against the model's
         k = min(len(toks), self._cheap_length(self.rate(src), n_base))
         r, tokens = self.rate(src), float(n_base)
         for j in range(1, k + 1):
             tokens += r ** j
-        if k == 0 or tokens / self.costs.cost(n_base + k) <= model:
+        if k == 0 or tokens / self.costs.cost(n_base + k, self.depth) <= model:
             return []
         self.source = src
         return toks[:k]
@@ -403,11 +435,11 @@ class Speculator:
     def timed_pass(self, seconds: float, n_tokens: int) -> None:
         """A pass of the target over n_tokens took this long (what drafts and a draft model's
         steps are weighed against)."""
-        self.costs.observe(n_tokens, seconds)
+        self.costs.observe(n_tokens, seconds, self.depth)
 
     def draft(self, history: Sequence[int], budget: int, n_base: int = 1) -> List[int]:
         """Tokens to follow `history`, as many as pay, at most budget ([] when none do or waiting)."""
-        self.source = None
+        self.source, self.depth = None, len(history)
         if self.wait > 0 or budget <= 0:
             self.wait = max(0, self.wait - 1)
             return []
