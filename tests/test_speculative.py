@@ -769,11 +769,12 @@ def test_a_tokens_attention_and_weight_bytes_are_counted_from_the_model(name):
 
 def test_a_pass_costs_more_steps_deeper_in_the_context():
     """A pass's weights cost the same at any depth, its tokens' attention grows with the cells:
-    in one-token steps at that depth a pass of 8 costs the tile model's 1.64 at depth 0 and more
-    with every cell, most for the model whose attention is the larger share (smollm2 against
-    qwen2.5-coder, the figures of speculative.py's fit); prompt lookup drafts shorter there at the
-    same acceptance, and an LLM's costs are its model's."""
-    from stowlm.speculative import ATTN_BYTES_PER_MAC, STEP_ATTN, NgramDrafter, PassCosts, Speculator, prior_cost
+    in one-token steps at that depth a pass of 8 costs the tile model's 1.64 where it was measured
+    (qwen2.5-coder-0.5b at depth 256) and more with every cell, most for the model whose attention
+    is the larger share (smollm2 against qwen2.5-coder, the figures of speculative.py's fit);
+    prompt lookup drafts shorter there at the same acceptance, and an LLM's costs are its model's."""
+    from stowlm.speculative import (ATTN_BYTES_PER_MAC, STEP_ATTN, TILE_ATTN, NgramDrafter, PassCosts, Speculator,
+                                    prior_cost)
 
     small, coder = get_model("smollm2-135m"), get_model("qwen2.5-coder-0.5b")
     costs = {}
@@ -781,9 +782,13 @@ def test_a_pass_costs_more_steps_deeper_in_the_context():
         with stowlm.LLM(str(path), n_ctx=256, progress=False) as llm:
             c = llm._pass_costs
             a = _gguf_attention_oracle(path, 4096) * ATTN_BYTES_PER_MAC / llm.model.weight_bytes_per_token
-            assert c.cost(8, 4096) == pytest.approx((prior_cost(8, c.repacked, c.isa) + 8 * a) / (1 + STEP_ATTN * a))
-            assert c.cost(8, 0) == prior_cost(8, c.repacked, c.isa) and c.cost(1, 4096) == 1.0
+            weights = prior_cost(8, c.repacked, c.isa) * (1 + STEP_ATTN * TILE_ATTN) - 8 * TILE_ATTN
+            assert c.cost(8, 4096) == pytest.approx((weights + 8 * a) / (1 + STEP_ATTN * a))
+            assert c.cost(1, 4096) == 1.0
             costs[name] = c
+    coder = costs["coder"]
+    assert coder.cost(8, 256) == pytest.approx(prior_cost(8, coder.repacked, coder.isa), rel=1e-3)
+    assert PassCosts(repacked=True).cost(8, 4096) == prior_cost(8, True)  # no model: the tile model
     for c in costs.values():
         assert c.cost(8, 0) < c.cost(8, 1024) < c.cost(8, 4096)
         assert c.cost(2, 4096) < c.cost(4, 4096) < c.cost(8, 4096)

@@ -74,6 +74,9 @@ def chain_holds(chain: float) -> bool:
 # 2.64-2.88 / 2.62 at 4096; smollm2-135m 2.43 / 2.47 at 1024, 2.35 / 3.02 at 2048, 3.64 / 3.69 at
 # 4096 (the tile model alone: 1.64 at any depth).
 ATTN_BYTES_PER_MAC, STEP_ATTN = 0.5, 1.4
+# The tile model's passes were measured on qwen2.5-coder-0.5b at depth 256: a token's attention
+# there (256 cells x 43008 multiply-adds, against 391.9 MB of weights a token) is in its constants.
+TILE_ATTN = 256 * 43008 * ATTN_BYTES_PER_MAC / 391.9e6
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
 
@@ -141,7 +144,12 @@ class PassCosts:
         if n <= 1:
             return 1.0
         a = self._attention(depth)
-        return (prior_cost(n, self.repacked, self.isa) + n * a) / (1.0 + STEP_ATTN * a)
+        if self.attention is None:
+            return prior_cost(n, self.repacked, self.isa)
+        # the weights' part: the tile model less the attention it was measured with, then this
+        # model's attention at this depth
+        weights = prior_cost(n, self.repacked, self.isa) * (1.0 + STEP_ATTN * TILE_ATTN) - n * TILE_ATTN
+        return (weights + n * a) / (1.0 + STEP_ATTN * a)
 
     def token(self, j: int, depth: int = 0) -> float:
         """What a pass's j-th token (1-based) adds, with the margin it must earn past a tile."""
