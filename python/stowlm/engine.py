@@ -122,15 +122,15 @@ class Model:
     n_ctx_train = property(lambda self: self._m.n_ctx_train)
     # bytes of weights a generated token reads (an expert stack's used experts only)
     weight_bytes_per_token = property(lambda self: self._m.weight_bytes_per_token)
+    layer_devices = property(lambda self: list(self._m.layer_devices))
+    interleave = property(lambda self: self._m.interleave)
+    # weights the CPU keeps in 16-row groups (csrc/cpu/repack.h; STOWLM_REPACK=0 keeps none)
+    repacked = property(lambda self: list(self._m.repacked))
 
     def attention_macs(self, n_kv: int) -> float:
         """Multiply-adds of one token's attention over n_kv cells, all layers (a sliding window's
         layers see at most its cells)."""
         return self._m.attention_macs(int(n_kv))
-    layer_devices = property(lambda self: list(self._m.layer_devices))
-    interleave = property(lambda self: self._m.interleave)
-    # weights the CPU keeps in 16-row groups (csrc/cpu/repack.h; STOWLM_REPACK=0 keeps none)
-    repacked = property(lambda self: list(self._m.repacked))
 
     def tensor_device(self, name: str) -> int:
         """Index of the device holding weight `name` (-1 if the model does not use it)."""

@@ -50,6 +50,17 @@ IN_TILE_R16, PAST_TILE_R16 = 0.04, 0.13
 # stowlm-bench -p 1,2,3,4,6,8,12 -n 0 -d 256 -r 3`, two runs): 1.25x for 2 tokens, 1.68x for 4,
 # 2.38x for 8, 3.49x for 12 (the GGUF layout there: 1.23x, 1.73x, 3.0x, 4.4x).
 IN_TILE_R16_AVX2, PAST_TILE_R16_AVX2 = 0.23, 0.2
+# A pass's attention grows with the context, the weights' part does not: a pass token's attention
+# over n cells costs what streaming ATTN_BYTES_PER_MAC bytes of weights per multiply-add would,
+# a one-token step's STEP_ATTN times that (its cells come from memory, a pass's tokens share
+# them in cache). Fitted on two cores (`stowlm-bench -p 1,2,4,8 -n 0 -d 1024,2048,4096`, Intel
+# Xeon): a pass of 8 in steps, measured / modelled, qwen2.5-coder-0.5b 1.78-1.93 / 2.12 at 2048,
+# 2.64-2.88 / 2.55 at 4096; smollm2-135m 2.43 / 2.41 at 1024, 2.35 / 2.97 at 2048, 3.64 / 3.66 at
+# 4096 (the tile model alone: 1.64 at any depth).
+ATTN_BYTES_PER_MAC, STEP_ATTN = 0.5, 1.4
+# The tile model's passes were measured on qwen2.5-coder-0.5b at depth 256: a token's attention
+# there (256 cells x 43008 multiply-adds, against 391.9 MB of weights a token) is in its constants.
+TILE_ATTN = 256 * 43008 * ATTN_BYTES_PER_MAC / 391.9e6
 # A draft model's drafts must yield this many times the tokens per second of no draft to start
 # (its acceptance and step time are estimates), and drafting stops below MODEL_KEEP times: the
 # estimates swing with the text, and a stop ends the request's drafts (Speculator.draft).
@@ -66,17 +77,6 @@ def chain_holds(chain: float) -> bool:
     """Whether a draft model's draft goes on past a token: `chain` is the product of the
     probabilities it gave its tokens so far (bench/draft_replay.py replays the same rule)."""
     return chain >= P_CHAIN
-# A pass's attention grows with the context, the weights' part does not: a pass token's attention
-# over n cells costs what streaming ATTN_BYTES_PER_MAC bytes of weights per multiply-add would,
-# a one-token step's STEP_ATTN times that (its cells come from memory, a pass's tokens share
-# them in cache). Fitted on two cores (`stowlm-bench -p 1,2,4,8 -n 0 -d 1024,2048,4096`, Intel
-# Xeon): a pass of 8 in steps, measured / modelled, qwen2.5-coder-0.5b 1.78-1.93 / 2.19 at 2048,
-# 2.64-2.88 / 2.62 at 4096; smollm2-135m 2.43 / 2.47 at 1024, 2.35 / 3.02 at 2048, 3.64 / 3.69 at
-# 4096 (the tile model alone: 1.64 at any depth).
-ATTN_BYTES_PER_MAC, STEP_ATTN = 0.5, 1.4
-# The tile model's passes were measured on qwen2.5-coder-0.5b at depth 256: a token's attention
-# there (256 cells x 43008 multiply-adds, against 391.9 MB of weights a token) is in its constants.
-TILE_ATTN = 256 * 43008 * ATTN_BYTES_PER_MAC / 391.9e6
 POSITION_WINDOW, PRIOR_TRIALS = 20, 5  # a draft position's acceptance: its recent trials and the prior's weight
 
 
@@ -143,9 +143,9 @@ class PassCosts:
         """A pass of n tokens whose context holds `depth` cells, in one-token steps there."""
         if n <= 1:
             return 1.0
-        a = self._attention(depth)
         if self.attention is None:
             return prior_cost(n, self.repacked, self.isa)
+        a = self._attention(depth)
         # the weights' part: the tile model less the attention it was measured with, then this
         # model's attention at this depth
         weights = prior_cost(n, self.repacked, self.isa) * (1.0 + STEP_ATTN * TILE_ATTN) - n * TILE_ATTN
