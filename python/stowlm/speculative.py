@@ -111,7 +111,6 @@ class PassCosts:
         self.repacked = repacked  # the model's CPU weights are in 16-row groups (the cheaper tiles)
         self.isa = isa  # the CPU kernels' instruction set (AVX2's repacked tiles cost more)
         self.attention = attention  # depth -> a pass token's attention in depth-0 steps (None: none)
-        self._at = (0, 0.0)  # the last depth asked and its attention
         self.step: Optional[float] = None  # moving average of a one-token step's seconds, from every pass
 
     @classmethod
@@ -121,13 +120,6 @@ class PassCosts:
         per_token, macs = getattr(model, "weight_bytes_per_token", 0), getattr(model, "attention_macs", None)
         attention = (lambda d: macs(d) * ATTN_BYTES_PER_MAC / per_token) if macs and per_token > 0 else None
         return cls(repacked, isa, attention)
-
-    def _attention(self, depth: int) -> float:
-        if self.attention is None or depth <= 0:
-            return 0.0
-        if self._at[0] != depth:  # asked many times a step at one depth
-            self._at = (depth, float(self.attention(depth)))
-        return self._at[1]
 
     def observe(self, n: int, seconds: float, depth: int = 0) -> None:
         if n < 1 or not seconds > 0:
@@ -145,7 +137,7 @@ class PassCosts:
             return 1.0
         if self.attention is None:
             return prior_cost(n, self.repacked, self.isa)
-        a = self._attention(depth)
+        a = float(self.attention(depth)) if depth > 0 else 0.0
         # the weights' part: the tile model less the attention it was measured with, then this
         # model's attention at this depth
         weights = prior_cost(n, self.repacked, self.isa) * (1.0 + STEP_ATTN * TILE_ATTN) - n * TILE_ATTN

@@ -205,10 +205,12 @@ class BatchEngine(SlotPlanner, RequestOutput):
                 first.append(len(toks))
                 toks += [s.pending] + drafts.get(s.index, [])
                 seqs += [s.index] * (1 + len(drafts.get(s.index, [])))
-            depth = sum(self.ctx.n_past_of(s.index) for s in group) // len(group)  # what the tokens attend to
+            timed = any(s.spec is not None for s in group)
+            # the cells the tokens attend to, before the pass adds theirs
+            depth = sum(self.ctx.n_past_of(s.index) for s in group) // len(group) if timed else 0
             t0 = time.perf_counter()
             logits = self.ctx.eval_batch(toks, seqs, rows=list(range(len(toks))))
-            if any(s.spec is not None for s in group):
+            if timed:
                 self.pass_costs.observe(len(toks), time.perf_counter() - t0, depth)  # once: the slots share it
             with self.cv:
                 self._recent.append((time.perf_counter(), len(group)))
