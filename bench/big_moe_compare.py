@@ -11,7 +11,7 @@ brings, for the threshold's default; one whose staged experts are copied from un
 brings, against unrepacking each staged copy on the GPU.
 
     python3 bench/big_moe_compare.py [--model PATH] [--mem 8GiB] [--rounds 2] [--out DIR]
-                                     [--devices LIST] [--dry-run] [-- gpu_compare options ...]
+                                     [--devices LIST] [--dry-run] [--no-variants] [--no-sweep] [-- gpu_compare options ...]
 
 --model: the GGUF (default: big-moe.gguf in the stowlm cache, written by make_big_moe.py from
 smollm2-135m when missing; the tools come from $STOWLM_SHARED/tools or ../shared/tools).
@@ -57,7 +57,7 @@ def make_model(out: Path) -> None:
 def tool_args(placement) -> Tuple[List[str], List[str]]:
     """stowlm-bench's and llama-bench's placement arguments for a fitted layer placement: the same
     devices, layers per device, layer ranges (interleave) and overrides for stowlm; for llama.cpp the GPU's layer count
-    (-ngl) and each override that sends weights to a CPU device as -ot REGEX=CPU."""
+    (-ngl) and the overrides that send weights to a CPU device as one -ot 'REGEX=CPU;REGEX=CPU'."""
     if placement.split_mode != "layer":
         raise ValueError("big_moe_compare: a layer placement is needed, fit made a tensor split")
     used = placement.used_devices
@@ -65,11 +65,14 @@ def tool_args(placement) -> Tuple[List[str], List[str]]:
     ours = ["-dev", ",".join(specs), "--layer-split", ",".join(str(d.n_layers) for d in used),
             "--interleave", str(placement.interleave)]
     theirs = ["-ngl", str(sum(d.n_layers for d in used if not d.name.startswith("cpu"))), "-fa", "1"]
+    to_cpu = []
     for o in placement.tensor_overrides:
         rx, _, dev = o.rpartition("=")
         ours += ["-ot", o]
         if dev.startswith("cpu"):
-            theirs += ["-ot", f"{rx}=CPU"]
+            to_cpu.append(f"{rx}=CPU")
+    if to_cpu:  # one -ot, ';' between overrides: llama-bench runs each -ot given as a test of its own
+        theirs += ["-ot", ";".join(to_cpu)]
     return ours, theirs
 
 
@@ -82,7 +85,13 @@ def main(argv=None) -> int:
     ap.add_argument("-c", "--ctx", type=int, default=4096, help="the context fit keeps (default 4096)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--stowlm", default=None, help="stowlm-bench binary (default: build/, the package, PATH)")
     ap.add_argument("--dry-run", action="store_true", help="print the placement and the arguments only")
+    ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
+                    help="the rows with staged experts unpinned and with the CPU's experts unrepacked (default on)")
+    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="then prompt speed by micro-batch with the experts' products on the GPU and on the CPU, "
+                         "and one run with each device's ops timed (default on)")
     a, rest = ap.parse_known_args(argv)
     if rest and rest[0] == "--":
         rest = rest[1:]
@@ -101,12 +110,44 @@ def main(argv=None) -> int:
         return 0
     args = ["-m", str(model), "--rounds", str(a.rounds), "--no-graphs-off",
             "--stowlm-args=" + shlex.join(ours), "--peer-args=" + shlex.join(theirs),
-            "--variant", "experts on the CPU for prompts=--moe-offload-min 0",
-            "--variant", "staged experts not pinned=STOWLM_PIN_EXPERTS=0",
-            "--variant", "experts in GGUF's layout=STOWLM_REPACK=0"]
+            "--variant", "experts on the CPU for prompts=--moe-offload-min 0"]
+    if a.variants:
+        args += ["--variant", "staged experts not pinned=STOWLM_PIN_EXPERTS=0",
+                 "--variant", "experts in GGUF's layout=STOWLM_REPACK=0"]
     if a.out:
         args += ["--out", a.out]
-    return gpu_compare.main(args + rest)
+    if a.stowlm:
+        args += ["--stowlm", a.stowlm]
+    rc = gpu_compare.main(args + rest)
+    if a.sweep:
+        sweep(gpu_compare.find_stowlm_bench(a.stowlm), model, ours)
+    return rc
+
+
+def sweep(exe: str, model: Path, placement_args: List[str]) -> None:
+    """What moe_offload_min's default rests on: prompt speed by micro-batch size with the staged
+    experts' products on the GPU (--moe-offload-min 1) and on the CPU (0); then one run with
+    CUDA graphs off and -v, each device's ops timed (where a token's time goes)."""
+    sizes = "16,32,64,128,256,512"
+    speeds = {}
+    for label, knob in (("GPU", "1"), ("CPU", "0")):
+        cmd = [exe, "-m", str(model)] + placement_args + ["--moe-offload-min", knob, "-p", sizes, "-n", "0", "-r", "2",
+                                                          "-o", "json"]
+        try:
+            rows, _ = gpu_compare.run_tool(cmd, None, 600)
+        except gpu_compare.ToolError as e:
+            print(f"big_moe_compare: sweep: {e}", flush=True)
+            return
+        speeds[label] = {r["test"]: r["avg_ts"] for r in rows}
+    print("\n| micro-batch | experts' products on the GPU (t/s) | on the CPU (t/s) | GPU/CPU |\n| ---: | ---: | ---: | ---: |")
+    for t in speeds["GPU"]:
+        g, c = speeds["GPU"][t], speeds["CPU"].get(t)
+        print(f"| {t} | {g:.1f} | {c:.1f} | {g / c:.2f} |" if c else f"| {t} | {g:.1f} | - | - |")
+    cmd = [exe, "-m", str(model)] + placement_args + ["-p", "512", "-n", "32", "-r", "1", "-o", "json", "-v"]
+    env = dict(os.environ, STOWLM_CUDA_GRAPHS="0")
+    print("+ STOWLM_CUDA_GRAPHS=0 " + " ".join(shlex.quote(c) for c in cmd), flush=True)
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    print(r.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -368,8 +368,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             try:
                 _, err = run_tool(cmd, None, a.call_timeout)
                 kernels[model.stem] = parse_kernel_report(err)
-                for ln in kernels[model.stem]:
-                    print(f"  {model.stem}: {ln}", flush=True)
+                for ln in err.splitlines():  # the report with each device's op table
+                    if ln.startswith("  "):
+                        print(f"  {model.stem}: {ln.strip()}" if " kernels per " in ln else ln, flush=True)
             except ToolError as e:
                 errors.append(f"kernel report, {model.stem}: {e}")
                 print(f"gpu_compare: {errors[-1]}", flush=True)

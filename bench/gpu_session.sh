@@ -45,6 +45,8 @@
 #   If a CUDA model test fails there: STOWLM_CUDA_GRAPHS=0 (no graphs) and STOWLM_CUDA_FUSION=0
 #   (no fused kernels) in a rerun of that test tell which part; tests/test_cuda_ops.py checks each
 #   fused kernel against the kernels it replaces.
+#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); BIG_MOE=1 runs item 4 below at the end
+#   with what is left of SESSION_SECONDS, BIG_MOE_ARGS adds to its arguments (--no-variants, --no-sweep).
 #   Optional, with 7 minutes of device time left, right after call 3 on the same warm machine:
 #   4. command: PYTHONPATH=python python3 bench/big_moe_compare.py --rounds 1 --out $OUT
 #      (writes the Qwen3-30B-A3B-shaped big-moe.gguf with the carried shared tools, fits it on
@@ -145,7 +147,7 @@ SITE=${TMPDIR:-/tmp}/stowlm-site
 if ! "$PY" -c "import gguf" 2>/dev/null; then
     if ls "$STASH"/wheels/*.whl >/dev/null 2>&1; then
         step "gguf wheel" 60 "" "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-            --target "$SITE" "$STASH"/wheels/*.whl && export PYTHONPATH=$PYTHONPATH:$SITE
+            --target "$SITE" "$STASH"/wheels/*.whl && export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE
     else
         log "no gguf package and no carried wheel: tests that use gguf oracles will fail"
     fi
@@ -241,7 +243,9 @@ fi
 PEER=()
 [ -f "$STASH/llama.cpp-cuda-sm90.tar.xz" ] && PEER=(--peer-tar "$STASH/llama.cpp-cuda-sm90.tar.xz")
 if [ "$MODE" = gpu ]; then
-    step "gpu_compare" 300 "" "$PY" bench/gpu_compare.py --device cuda --out "$OUT" "${PEER[@]}"
+    if [ "${COMPARE_ROUNDS:-3}" != 0 ]; then
+        step "gpu_compare" 300 "" "$PY" bench/gpu_compare.py --device cuda --out "$OUT" --rounds "${COMPARE_ROUNDS:-3}" "${PEER[@]}"
+    fi
 else
     CMODELS=()
     for m in smollm2-135m qwen2.5-coder-0.5b qwen3moe-tiny; do have_model "$m" && CMODELS+=(-m "$m"); done
@@ -250,10 +254,20 @@ else
         -p 16 -n 4 -r 1 --rounds 1 -t 2
 fi
 
+# ---- where a step's time goes: each op's kernels timed, graphs off (stowlm-bench -v) ----------------
+if [ "$MODE" = gpu ] && [ -x build/stowlm-bench ]; then
+    for m in smollm2-135m qwen3moe-tiny; do
+        have_model "$m" && step "op times $m" 60 "" env STOWLM_CUDA_GRAPHS=0 build/stowlm-bench -m "$MODELS/$m.gguf" \
+            -dev cuda:0 -p 512 -n 128 -r 1 -o json -v
+    done
+    ls /usr/local/cuda/bin 2>/dev/null | grep -E '^(ncu|nsys)$' | sed 's/^/profiler present: /' | tee -a "$LOG"
+fi
+
 # ---- the big MoE (issue 26 item 6) with what is left of the budget, when asked (BIG_MOE=1) ---------
 if [ "$MODE" = gpu ] && [ "${BIG_MOE:-0}" = 1 ]; then
     mkdir -p "$OUT/big"
-    step "big MoE" 600 "" "$PY" bench/big_moe_compare.py --rounds 1 --out "$OUT/big" "${PEER[@]}"
+    # shellcheck disable=SC2086
+    step "big MoE" 600 "" "$PY" bench/big_moe_compare.py --rounds 1 --out "$OUT/big" ${BIG_MOE_ARGS:-} "${PEER[@]}"
 fi
 
 log "summary:"

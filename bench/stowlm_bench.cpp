@@ -667,22 +667,28 @@ void report_pipeline(const Context& ctx, const Model& model, const Test& t) {
     fprintf(stderr, "\n");
 }
 
-// A CPU device's ops of the timed run, the dearest first: ms per token (or run), calls, and the
-// share of the repetitions' mean wall time; what no op took is the host's part (graph set-up,
-// logits copies) and, with several devices, the others' turns.
-void report_ops(const Test& t, Backend& b, const KernelStats& k, double wall_ms, double steps, const char* unit) {
-    std::vector<KernelStats::Op> ops = k.ops;
+// A device's timed ops, the dearest first: ms per token (or run), calls, and the share of the
+// repetitions' mean wall time.
+void print_ops(std::vector<KernelStats::Op> ops, double wall_ms, double steps) {
     std::sort(ops.begin(), ops.end(), [](const auto& x, const auto& y) { return x.seconds > y.seconds; });
     double sum_ms = 0;
     for (const auto& o : ops) sum_ms += o.seconds * 1e3 / steps;
-    fprintf(stderr, "  %s on %s: %.3f ms per %s (timed run: %.3f ms in ops)\n", t.name().c_str(), b.name().c_str(),
-            wall_ms, unit, sum_ms);
     for (const auto& o : ops) {
         const double ms = o.seconds * 1e3 / steps;
         if (ms < 0.005 * sum_ms) continue;
         fprintf(stderr, "    %-52s %8.3f ms %5.1f%%  %6.1f calls\n", o.label.c_str(), ms,
                 wall_ms > 0 ? 100.0 * ms / wall_ms : 0.0, o.calls / steps);
     }
+}
+
+// A CPU device's ops of the timed run: what no op took is the host's part (graph set-up, logits
+// copies) and, with several devices, the others' turns.
+void report_ops(const Test& t, Backend& b, const KernelStats& k, double wall_ms, double steps, const char* unit) {
+    double sum_ms = 0;
+    for (const auto& o : k.ops) sum_ms += o.seconds * 1e3 / steps;
+    fprintf(stderr, "  %s on %s: %.3f ms per %s (timed run: %.3f ms in ops)\n", t.name().c_str(), b.name().c_str(),
+            wall_ms, unit, sum_ms);
+    print_ops(k.ops, wall_ms, steps);
 }
 
 // -v: one more run of the test with the devices' work timed (CUDA: kernels; CPU: ops)
@@ -726,6 +732,7 @@ void report_kernels(Context& ctx, const Model& model, const Test& t, const Resul
                 t.name().c_str(), b->name().c_str(), k.launches / steps, unit, wall_ms, unit, kernel_ms,
                 wall_ms - kernel_ms, wall_ms > 0 ? 100.0 * (wall_ms - kernel_ms) / wall_ms : 0.0, unit,
                 k.graph_launches / steps, (k.launches - k.graph_kernels) / steps);
+        print_ops(k.ops, wall_ms, steps);  // each op's kernels (or a replayed graph) back to back
         if (k.late_splits)
             fprintf(stderr, "  %s on %s: %llu of %llu timed splits waited for the host past the hold: their kernel "
                             "time includes launch gaps\n",

@@ -205,6 +205,7 @@ CudaDevice::TimedTotal CudaDevice::take_timed() {
         float ms = 0;
         check_cuda(cudaEventElapsedTime(&ms, sp.start, sp.end), "cudaEventElapsedTime");
         t.seconds += ms / 1e3;
+        t.span_s.push_back(ms / 1e3);
         t.spans++;
         {
             std::lock_guard<std::mutex> lk(sp.hold->mu);

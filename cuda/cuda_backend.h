@@ -86,6 +86,7 @@ public:
     struct TimedTotal {
         double seconds = 0;
         uint64_t spans = 0, late = 0;  // late: spans let go by the timeout (their time includes host gaps)
+        std::vector<double> span_s;    // each span's seconds, in the order they began
     };
     static constexpr double kHoldSeconds = 2.0;
     void begin_timed(Stream s);

@@ -238,6 +238,11 @@ public:
         k.timed_splits = timed_splits_.exchange(0);
         k.kernel_s = t.seconds;
         k.late_splits = t.late;
+        // each timed span under its label (an op's kernels, or a replayed graph's)
+        OpTimes ops;
+        for (size_t i = 0; i < t.span_s.size() && i < span_labels_.size(); i++) ops.add(span_labels_[i], t.span_s[i]);
+        span_labels_.clear();
+        k.ops = ops.take();
         return k;
     }
 
@@ -341,6 +346,7 @@ private:
         const bool timed = timing_;
         if (timed) {
             timed_splits_++;
+            span_labels_.push_back("CUDA graph of " + std::to_string(g.kernels) + " kernels");
             dev_->begin_timed(s);
         }
         try {
@@ -366,33 +372,29 @@ private:
         }
     }
 
-    // The split's nodes in held spans of about kTimedSpanLaunches kernels each, so that a held
-    // stream never has more launches pending than the device's launch queue takes (a full queue
-    // would block the host until the hold's timeout).
-    static constexpr uint64_t kTimedSpanLaunches = 256;
+    // Each op (or fused group) of the split in a held span of its own, so that its kernels run
+    // back to back and its time is labelled (stowlm-bench -v's table; STOWLM_CUDA_GRAPHS=0 times
+    // a decode step's ops, else its replayed graph).
     void run_timed(const Split& split, void* scratch, size_t scratch_bytes) {
         const cu::Stream s = dev_->compute_stream();
-        dev_->begin_timed(s);
-        try {
-            uint64_t span0 = cu::launches_on_this_thread();
-            ScratchHolds held;
-            for (size_t i = 0; i < split.nodes.size();) {
-                i = run_at(split.nodes, i, scratch, scratch_bytes, s, held);
-                if (cu::launches_on_this_thread() - span0 >= kTimedSpanLaunches) {
-                    dev_->end_timed(s);
-                    dev_->begin_timed(s);
-                    span0 = cu::launches_on_this_thread();
-                }
-            }
-        } catch (...) {
+        ScratchHolds held;
+        for (size_t i = 0; i < split.nodes.size();) {
+            const size_t at = i;
+            dev_->begin_timed(s);
             try {
-                dev_->end_timed(s);  // never leave the stream held
+                i = run_at(split.nodes, i, scratch, scratch_bytes, s, held);
             } catch (...) {
+                try {
+                    dev_->end_timed(s);  // never leave the stream held
+                } catch (...) {
+                }
+                throw;
             }
-            throw;
+            dev_->end_timed(s);
+            span_labels_.push_back(OpTimes::label(&split.nodes[at], i - at));
         }
-        dev_->end_timed(s);
     }
+    std::vector<std::string> span_labels_;  // the timed spans' labels, in order (take_kernel_stats)
 
     static cu::DeviceWeight weight(const Tensor* w) {
         cu::DeviceWeight d;

@@ -180,7 +180,7 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmv_float_kernel(const uint
 
 void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const block_q8_1* xq,
                  int64_t xq_ld, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s) {
-    if (rows == 0 || (g.off == nullptr && n_slots == 0)) return;
+    if (rows == 0 || (g.off == nullptr && g.slot_ids == nullptr && n_slots == 0)) return;
     const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
     const int nsub = (int)(cols / 32);
     switch (t) {
@@ -220,7 +220,7 @@ void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, s
 
 void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
                       int64_t ldx, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s) {
-    if (rows == 0 || (g.off == nullptr && n_slots == 0)) return;
+    if (rows == 0 || (g.off == nullptr && g.slot_ids == nullptr && n_slots == 0)) return;
     const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
     switch (t) {
         case QType::F32:

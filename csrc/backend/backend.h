@@ -8,6 +8,9 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #include "graph/graph.h"
 
@@ -51,6 +54,42 @@ struct KernelStats {
         double seconds = 0;
     };
     std::vector<Op> ops;
+};
+
+// The timed ops of a device, summed by label: a group run as one (products of one input, a fused
+// kernel) by its nodes joined with '+', a product by its weight's name without the layer
+// ("attn_q.weight+attn_k.weight+attn_v.weight"), any other node by its op's name.
+class OpTimes {
+public:
+    void add(Tensor* const* ns, size_t n, double seconds) { add(label(ns, n), seconds); }
+    void add(const std::string& label, double seconds) {
+        auto [it, fresh] = index_.try_emplace(label, ops_.size());
+        if (fresh) ops_.push_back({label, 0, 0.0});
+        ops_[it->second].calls++;
+        ops_[it->second].seconds += seconds;
+    }
+    std::vector<KernelStats::Op> take() {
+        index_.clear();
+        return std::exchange(ops_, {});
+    }
+    static std::string label(Tensor* const* ns, size_t n) {
+        std::string l;
+        for (size_t j = 0; j < n; j++) {
+            l += j ? "+" : "";
+            if (ns[j]->op != Op::MUL_MAT && ns[j]->op != Op::MUL_MAT_ID) {
+                l += op_name(ns[j]->op);
+                continue;
+            }
+            const std::string& w = ns[j]->src[0]->name;
+            const size_t dot = w.rfind("blk.", 0) == 0 ? w.find('.', 4) : std::string::npos;
+            l += dot == std::string::npos ? w : w.substr(dot + 1);
+        }
+        return l;
+    }
+
+private:
+    std::vector<KernelStats::Op> ops_;
+    std::unordered_map<std::string, size_t> index_;
 };
 
 class Backend {

@@ -121,7 +121,8 @@ public:
             const auto t0 = timing_ ? std::chrono::steady_clock::now() : std::chrono::steady_clock::time_point{};
             if (e - i > 1) run_products(&nodes[i], (int)(e - i), scratch);
             else run(nodes[i], scratch);
-            if (timing_) time_op(&nodes[i], e - i, std::chrono::steady_clock::now() - t0);
+            if (timing_)
+                op_times_.add(&nodes[i], e - i, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
             i = e;
         }
         (void)scratch_bytes;
@@ -131,9 +132,7 @@ public:
     void set_kernel_timing(bool on) override { timing_ = on; }
     KernelStats take_kernel_stats() override {
         KernelStats k;
-        k.ops = std::move(op_times_);
-        op_times_.clear();
-        op_index_.clear();
+        k.ops = op_times_.take();
         return k;
     }
 
@@ -249,26 +248,8 @@ private:
     static constexpr int64_t kReduceChunk = 1 << 18;  // floats: 1 MiB of staging per remote partial
     std::vector<float> reduce_staging_;  // host bytes outside the budget, at most 1 MiB per remote partial
 
-    void time_op(Tensor* const* ns, size_t n, std::chrono::steady_clock::duration dt) {
-        std::string label;
-        if (ns[0]->op == Op::MUL_MAT) {
-            for (size_t j = 0; j < n; j++) {
-                const std::string& w = ns[j]->src[0]->name;
-                const size_t dot = w.rfind("blk.", 0) == 0 ? w.find('.', 4) : std::string::npos;
-                label += (j ? "+" : "") + (dot == std::string::npos ? w : w.substr(dot + 1));
-            }
-        } else {
-            label = op_name(ns[0]->op);
-        }
-        auto [it, fresh] = op_index_.try_emplace(label, op_times_.size());
-        if (fresh) op_times_.push_back({label, 0, 0.0});
-        KernelStats::Op& o = op_times_[it->second];
-        o.calls++;
-        o.seconds += std::chrono::duration<double>(dt).count();
-    }
     bool timing_ = false;
-    std::vector<KernelStats::Op> op_times_;
-    std::unordered_map<std::string, size_t> op_index_;
+    OpTimes op_times_;
 
     static bool same_product_input(const Tensor* a, const Tensor* b) {
         return b->op == Op::MUL_MAT && batched_node(*b) == batched_node(*a) && b->src[1]->data == a->src[1]->data &&

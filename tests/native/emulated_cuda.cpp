@@ -145,7 +145,9 @@ void CudaDevice::end_timed(Stream) {
     not_capturing("timing");
     if (!timing_ || !timing_->open) throw InvalidInput(name_ + ": end_timed without begin_timed");
     timing_->open = false;
-    timing_->total.seconds += std::chrono::duration<double>(Timing::Clock::now() - timing_->start).count();
+    const double s = std::chrono::duration<double>(Timing::Clock::now() - timing_->start).count();
+    timing_->total.seconds += s;
+    timing_->total.span_s.push_back(s);
     timing_->total.spans++;
 }
 CudaDevice::TimedTotal CudaDevice::take_timed() {
