@@ -40,18 +40,9 @@ HOST_DEVICE void router_top_ids(const float* x, int n, int k, int* ids) {
 // expert ids[0..k) from the n router logits, softmax over all n (sigmoid_gate false) or a
 // sigmoid each; when `normalize`, divided by their sum clamped below at 2^-14 (llama.cpp's
 // clamp); then times `scale` unless it is 0 or 1.
-HOST_DEVICE void moe_gate_weights(const float* logits, int n, const int* ids, int k, bool sigmoid_gate,
-                                  bool normalize, float scale, float* w) {
-    if (!sigmoid_gate) {
-        // In double like the CPU op: routers with near-tied experts amplify float rounding.
-        float mx = logits[0];
-        for (int e = 1; e < n; e++) mx = fmaxf(mx, logits[e]);
-        double denom = 0.0;
-        for (int e = 0; e < n; e++) denom += exp((double)(logits[e] - mx));
-        for (int j = 0; j < k; j++) w[j] = (float)(exp((double)(logits[ids[j]] - mx)) / denom);
-    } else {
-        for (int j = 0; j < k; j++) w[j] = 1.0f / (1.0f + expf(-logits[ids[j]]));
-    }
+// The picked experts' gates made final: divided by their sum clamped below at 2^-14 when
+// `normalize`, then times `scale` unless it is 0 or 1.
+HOST_DEVICE void moe_gate_finish(float* w, int k, bool normalize, float scale) {
     if (normalize) {
         float s = 0.0f;
         for (int j = 0; j < k; j++) s += w[j];
@@ -60,6 +51,25 @@ HOST_DEVICE void moe_gate_weights(const float* logits, int n, const int* ids, in
     }
     if (scale != 0.0f && scale != 1.0f)
         for (int j = 0; j < k; j++) w[j] *= scale;
+}
+
+// One softmax term over all logits, in double like the CPU op (routers with near-tied experts
+// amplify float rounding): the parallel kernels compute each with this and sum in order.
+HOST_DEVICE double moe_softmax_term(float logit, float mx) { return exp((double)(logit - mx)); }
+
+HOST_DEVICE void moe_gate_weights(const float* logits, int n, const int* ids, int k, bool sigmoid_gate,
+                                  bool normalize, float scale, float* w) {
+    if (!sigmoid_gate) {
+        // In double like the CPU op: routers with near-tied experts amplify float rounding.
+        float mx = logits[0];
+        for (int e = 1; e < n; e++) mx = fmaxf(mx, logits[e]);
+        double denom = 0.0;
+        for (int e = 0; e < n; e++) denom += moe_softmax_term(logits[e], mx);
+        for (int j = 0; j < k; j++) w[j] = (float)(moe_softmax_term(logits[ids[j]], mx) / denom);
+    } else {
+        for (int j = 0; j < k; j++) w[j] = 1.0f / (1.0f + expf(-logits[ids[j]]));
+    }
+    moe_gate_finish(w, k, normalize, scale);
 }
 
 // Experts 0..n-1, top k (k <= n) into ids[0..k), weights into w[0..k), best first.

@@ -44,6 +44,70 @@ __global__ void __launch_bounds__(128) top_k_weights_kernel(const float* __restr
     moe_gate_weights_any(logits + r * n_expert, n_expert, ids + r * p.k, p.k, gating, normalize, scale, w + r * p.k);
 }
 
+// Whether candidate (oi, ov) ranks above (bi, bv) in router_argmax's order: any number above NaN,
+// the larger first, the lower id on ties; id -1 is no candidate.
+__device__ __forceinline__ bool ranks_above(int oi, float ov, int bi, float bv) {
+    if (oi < 0) return false;
+    if (bi < 0) return true;
+    const bool on = ov == ov, bn = bv == bv;
+    if (on != bn) return on;
+    if (on && ov != bv) return ov > bv;
+    return oi < bi;
+}
+
+// top_k_weights_kernel's picks and weights with a warp per row (rows of at most
+// kWarpTopKMaxN experts, k <= 32): each pick is the warp's best of its lanes' bests in
+// router_argmax's order (so the same ids); softmax terms computed by the lanes, each as
+// moe_gate_weights computes it, and summed in its order by lane 0 (so the same bits).
+constexpr int kWarpTopKMaxN = 1024, kWarpTopKMaxK = 32;
+__global__ void __launch_bounds__(32) top_k_weights_warp_kernel(const float* __restrict__ x, int64_t ldx, ExpertSelect p,
+                                                                int32_t* ids, const float* __restrict__ logits,
+                                                                int n_expert, int gating, bool normalize, float scale,
+                                                                float* w) {
+    extern __shared__ double terms[];  // [n_expert]
+    __shared__ int picked[kWarpTopKMaxK];
+    const int64_t r = blockIdx.x;
+    const int lane = threadIdx.x;
+    const float* xr = x + r * ldx;
+    uint32_t taken = 0;  // bit i: element lane + 32 i is picked
+    for (int j = 0; j < p.k; j++) {
+        int bi = -1;
+        float bv = 0.0f;
+        for (int i = 0, e = lane; e < p.n; i++, e += 32) {
+            if (taken >> i & 1) continue;
+            const float v = xr[e];
+            if (bi < 0 || v > bv || (bv != bv && v == v)) bi = e, bv = v;
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            const float ov = __shfl_xor_sync(0xffffffffu, bv, o);
+            if (ranks_above(oi, ov, bi, bv)) bi = oi, bv = ov;
+        }
+        if (bi % 32 == lane) taken |= 1u << (bi / 32);
+        if (lane == 0) picked[j] = bi;
+    }
+    __syncwarp();
+    for (int j = lane; j < p.k; j += 32) ids[r * p.k + j] = picked[j];
+    const float* lr = logits + r * n_expert;
+    float* wr = w + r * p.k;
+    if (gating != kGateSoftmax) {  // k terms only (a sigmoid each, or a softmax over the picked)
+        if (lane == 0) moe_gate_weights_any(lr, n_expert, picked, p.k, gating, normalize, scale, wr);
+        return;
+    }
+    float mx = -INFINITY;
+    for (int e = lane; e < n_expert; e += 32) mx = e == lane ? lr[e] : fmaxf(mx, lr[e]);
+    if (lane >= n_expert) mx = NAN;  // no element: fmaxf ignores it
+    mx = warp_max(mx);
+    for (int e = lane; e < n_expert; e += 32) terms[e] = moe_softmax_term(lr[e], mx);
+    __syncwarp();
+    if (lane != 0) return;
+    double denom = 0.0;
+    for (int e = 0; e < n_expert; e++) denom += terms[e];
+    for (int j = 0; j < p.k; j++) wr[j] = (float)(terms[picked[j]] / denom);
+    moe_gate_finish(wr, p.k, normalize, scale);
+}
+
 // Gated / biased / grouped selection: one warp per row; the lanes write the scores to shared
 // memory, lane 0 picks.
 __global__ void __launch_bounds__(32) top_k_scored_kernel(const float* __restrict__ x, int64_t ldx, ExpertSelect p,
@@ -194,6 +258,12 @@ void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const
     if (!top_k_is_plain(n, p)) throw InvalidInput("cuda top_k_weights: only the plain selection (top_k otherwise)");
     if (n_rows <= 0) return;
     const ExpertSelect e = expert_select_of(n, p);
+    if (n <= kWarpTopKMaxN && p.k <= kWarpTopKMaxK && n_rows <= 0x7fffffff) {
+        top_k_weights_warp_kernel<<<(unsigned)n_rows, 32, (size_t)n * sizeof(double), (cudaStream_t)s>>>(
+            x, ldx, e, ids, logits, (int)n, (int)gating, normalize, scale, w);
+        check_launch("top_k_weights_warp_kernel");
+        return;
+    }
     top_k_weights_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids, logits, (int)n,
                                                                              (int)gating, normalize, scale, w);
     check_launch("top_k_weights_kernel");

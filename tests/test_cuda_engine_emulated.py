@@ -86,7 +86,8 @@ def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):
     """stowlm-bench -v on a CUDA device: kernels per generated token (per run for a prompt) and
     the wall time per token split into kernels run back to back and the rest, from the emulated
     device's counter and timed spans; the counts follow the architecture whatever the length, and
-    a decode step is one CUDA graph launch once its shape has run twice."""
+    a decode step is one CUDA graph launch once its shape has run twice; then each op's kernels (a
+    replayed graph's) timed under its label."""
     import gguf
 
     exe = build_emulated("bench/stowlm_bench.cpp", tmp_path / "stowlm-bench-emulated")
@@ -115,3 +116,20 @@ def test_bench_kernel_report_on_an_emulated_device(model_path, tmp_path):
             row = rows[n_gen if test.startswith("tg") else 0]
             per = row["n_gen"] if unit == "token" else 1
             assert float(wall) == pytest.approx(1e3 * (row["n_prompt"] + row["n_gen"]) / row["avg_ts"] / per, rel=2e-3)
+        # each op's kernels timed under its label: the prompt's ops (run directly), a decode step's graph
+        lines = r.stderr.splitlines()
+        for m in found:
+            at = lines.index(m.group(0))
+            ops = {}
+            for ln in lines[at + 1:]:
+                op = re.match(r"^    (\S.*?) +([\d.]+) ms +[\d.]+%  +([\d.]+) calls$", ln)
+                if not op:
+                    break
+                ops[op.group(1)] = (float(op.group(2)), float(op.group(3)))
+            inside = float(m.group(5))
+            assert sum(ms for ms, _ in ops.values()) == pytest.approx(inside, rel=0.02, abs=0.002), ops
+            if m.group(3) == "run":
+                assert ops["flash_attn"][1] == ops["ffn_down.weight"][1] == n_layer, ops
+                assert ops["ffn_gate.weight+ffn_up.weight+swiglu"][1] == n_layer, ops
+            else:
+                assert list(ops) == [f"CUDA graph of {expected} kernels"] and ops[list(ops)[0]][1] == 1.0, ops
