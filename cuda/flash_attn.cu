@@ -3,11 +3,10 @@
 // softcap, sinks, GQA; K and V of their own widths and cell strides (V may be a view into K, as
 // multi-head latent attention stores it); online softmax (attn_math.h).
 //
-// One block of 4 warps per (query token, head). The cells are cut into splits, a split into
-// chunks of 32 cells from its first; each warp takes every 4th chunk with its own (m, l, acc):
-// a lane scores one cell of the chunk (the query from shared memory), the chunk's state (its max,
-// sum and weighted values, lanes holding the head's elements lane, lane + 32, ...) folds into the
-// warp's; the warps' states are merged in shared memory into the split's (m, l, acc). A block either folds every split in order itself
+// One block of 4 warps per (query token, head). The cells are cut into splits; within a split
+// each warp walks every 4th cell (counted from the split's first cell) with its own (m, l, acc),
+// lanes holding the head's elements lane, lane + 32, ...; the warps' states are merged in
+// shared memory into the split's (m, l, acc). A block either folds every split in order itself
 // or, when there are too few blocks to fill the device (decoding), runs one split and writes its
 // state, and a second kernel folds the states in the same order with the same arithmetic
 // (explicit fused multiply-adds): so with fixed split boundaries (several sequences) a query's
@@ -69,10 +68,8 @@ template <QType KV, int PK, int PV>
 __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
     constexpr int kDV = PV * 32;
     constexpr int kPT = (kDV + kFaThreads - 1) / kFaThreads;  // folded outputs per thread
-    constexpr int kChunk = 32;                                 // cells a warp scores at once, a lane each
     __shared__ float sm_m[kFaWarps], sm_l[kFaWarps];
     __shared__ float sm_acc[kFaWarps][kDV];
-    __shared__ float sm_q[PK * 32];
     const int64_t qi = blockIdx.x;  // t * n_head + h
     const int64_t t = qi / a.n_head, h = qi % a.n_head;
     const int64_t kvh = h / (a.n_head / a.n_head_kv);
@@ -82,9 +79,13 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
     int64_t lo, hi;
     attn_seq_region(qs, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi, a.seq_end);
 
+    float qv[PK];
     const float* qrow = a.q + t * a.ld_q + h * a.hd_k;
-    for (int d = threadIdx.x; d < a.hd_k; d += kFaThreads) sm_q[d] = qrow[d];
-    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < PK; i++) {
+        const int d = lane + 32 * i;
+        qv[i] = d < a.hd_k ? qrow[d] : 0.0f;
+    }
     const uint8_t* kbase = a.k + (size_t)kvh * a.k_head_bytes;
     const uint8_t* vbase = a.v + (size_t)kvh * a.v_head_bytes;
 
@@ -103,44 +104,29 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
         float m = -INFINITY, l = 0.0f, acc[PV];
 #pragma unroll
         for (int i = 0; i < PV; i++) acc[i] = 0.0f;
-        // this warp's chunks: c = warp, warp + 4, ... counted from the split's first cell, from
-        // the first chunk holding cell jb (the cells outside [jb, je) are skipped unread)
-        const int64_t c_first = (jb - j0) / kChunk;
-        for (int64_t c = c_first + ((warp - c_first % kFaWarps) + kFaWarps) % kFaWarps; j0 + c * kChunk < je;
-             c += kFaWarps) {
-            const int64_t jc = j0 + c * kChunk, j = jc + lane;
-            const bool seen = j >= jb && j < je && kv_visible(qp, a.kv_pos[j], a.causal, a.window) &&
-                              (!a.q_seq || a.kv_seq[j] == qs);
-            float s = -INFINITY;
-            if (seen) {
-                const uint8_t* kr = kbase + (size_t)j * a.k_cell_bytes;
-                float dot = 0.0f;
-#pragma unroll 8
-                for (int d = 0; d < a.hd_k; d++) dot = fmaf(sm_q[d], kv_value<KV>(kr, d), dot);
-                s = dot * a.scale;
-                if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
+        int64_t j = j0 + warp;  // this warp's cells: j0 + warp + 4i, from the first one >= jb
+        if (j < jb) j += (jb - j + kFaWarps - 1) / kFaWarps * kFaWarps;
+        for (; j < je; j += kFaWarps) {
+            // uniform over the warp
+            if (!kv_visible(qp, a.kv_pos[j], a.causal, a.window) || (a.q_seq && a.kv_seq[j] != qs)) continue;
+            const uint8_t* kr = kbase + (size_t)j * a.k_cell_bytes;
+            float s = 0.0f;
+#pragma unroll
+            for (int i = 0; i < PK; i++) {
+                const int d = lane + 32 * i;
+                if (d < a.hd_k) s = fmaf(qv[i], kv_value<KV>(kr, d), s);
             }
-            const float mc = warp_max(s);
-            if (mc == -INFINITY) continue;  // no cell of the chunk seen (uniform over the warp)
-            const float p = seen ? expf(s - mc) : 0.0f;
-            const float lc = warp_sum(p);
-            float part[PV];
+            // lane 0's sum for everyone, so every lane updates (m, l) identically
+            s = __shfl_sync(0xffffffffu, warp_sum(s), 0) * a.scale;
+            if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
+            float f;
+            const float p = online_softmax_update(m, l, s, &f);
+            const uint8_t* vr = vbase + (size_t)j * a.v_cell_bytes;
 #pragma unroll
-            for (int i = 0; i < PV; i++) part[i] = 0.0f;
-            for (int u = 0; u < kChunk; u++) {
-                const float pu = __shfl_sync(0xffffffffu, p, u);
-                if (pu == 0.0f) continue;  // uniform: every lane holds cell u's weight
-                const uint8_t* vr = vbase + (size_t)(jc + u) * a.v_cell_bytes;
-#pragma unroll
-                for (int i = 0; i < PV; i++) {
-                    const int d = lane + 32 * i;
-                    if (d < a.hd_v) part[i] = fmaf(pu, kv_value<KV>(vr, d), part[i]);
-                }
+            for (int i = 0; i < PV; i++) {
+                const int d = lane + 32 * i;
+                if (d < a.hd_v) acc[i] = fmaf(p, kv_value<KV>(vr, d), acc[i] * f);
             }
-            float fa, fb;
-            online_softmax_merge(m, l, mc, lc, &fa, &fb);
-#pragma unroll
-            for (int i = 0; i < PV; i++) acc[i] = attn_fold_acc(acc[i], fa, part[i], fb);
         }
         __syncthreads();  // the previous split's shared state has been read
         if (lane == 0) sm_m[warp] = m, sm_l[warp] = l;

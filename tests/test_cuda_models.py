@@ -23,7 +23,11 @@ DENSE = ["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"]
 # within the fixture's bar of llama.cpp (mean KL 0.0073 on an H100, 0.0060 on the CPU), so the two
 # may sit up to twice that bar from each other. Measured on an H100, 2026-11-26: decode mean 0.012,
 # max 0.031; four sequences max 0.054; tensor split over cuda:0 + cpu top-1 0.964.
-LOOSE = {"deepseek2-tiny"}
+# glm4moe-tiny picks its experts by sigmoid scores plus biases, and its near-tied picks move with
+# the engines' roundings: on an H100 beside its AMX host (2026-11-28) decode sat at mean KL 5.2e-3
+# (max 1.3e-2) with graphs and fused kernels on or off, and under 5e-3 once attention summed in
+# another order, while the GPU stayed within the fixture's bar of llama.cpp (mean KL 0.0038).
+LOOSE = {"deepseek2-tiny", "glm4moe-tiny"}
 
 
 def cpu_gap(name, mean, worst):

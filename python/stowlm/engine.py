@@ -48,7 +48,7 @@ class Model:
     device 1 7-13, device 0 14-21, ...), so a pipeline's stages are shorter and so are its fill
     and drain; on a GPU each extra range costs a sync per generated token, so there it is 1
     unless asked for. 1 keeps one range per device. `layer_devices` says where each layer went.
-    moe_offload_min (default 256): with experts kept in RAM (tensor_overrides, fit's spill) and
+    moe_offload_min (default 128): with experts kept in RAM (tensor_overrides, fit's spill) and
     the rest of their layers on a GPU, micro-batches of at least this many tokens multiply them on
     the GPU, which copies each layer's experts in as it goes (its compute buffer holds two slots of
     the largest expert tensor); smaller ones (decoding) leave them to the CPU. 0: never.
