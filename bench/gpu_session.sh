@@ -45,7 +45,8 @@
 #   If a CUDA model test fails there: STOWLM_CUDA_GRAPHS=0 (no graphs) and STOWLM_CUDA_FUSION=0
 #   (no fused kernels) in a rerun of that test tell which part; tests/test_cuda_ops.py checks each
 #   fused kernel against the kernels it replaces.
-#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); BIG_MOE=1 runs item 4 below at the end
+#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); PROFILE (ncu on the kernels
+#   matching this regex, default flash_attn, 0: none; into session.log: $OUT holds at most 8 files); BIG_MOE=1 runs item 4 below at the end
 #   with what is left of SESSION_SECONDS, BIG_MOE_ARGS adds to its arguments (--no-variants, --no-sweep).
 #   Optional, with 7 minutes of device time left, right after call 3 on the same warm machine:
 #   4. command: PYTHONPATH=python python3 bench/big_moe_compare.py --rounds 1 --out $OUT
@@ -260,7 +261,17 @@ if [ "$MODE" = gpu ] && [ -x build/stowlm-bench ]; then
         have_model "$m" && step "op times $m" 60 "" env STOWLM_CUDA_GRAPHS=0 build/stowlm-bench -m "$MODELS/$m.gguf" \
             -dev cuda:0 -p 512 -n 128 -r 1 -o json -v
     done
-    ls /usr/local/cuda/bin 2>/dev/null | grep -E '^(ncu|nsys)$' | sed 's/^/profiler present: /' | tee -a "$LOG"
+    # the dearest kernel's counters (PROFILE, a kernel name regex; default the attention kernel, the
+    # dearest on 2026-11-28; PROFILE=0: none): what bounds it (memory, latency, occupancy)
+    NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)
+    if [ -n "$NCU" ] && [ "${PROFILE:-flash_attn}" != 0 ] && have_model smollm2-135m; then
+        # the last layer's launch in a 512-token prompt, then the first in a one-token step
+        step "ncu ${PROFILE:-flash_attn}" 90 "" env STOWLM_CUDA_GRAPHS=0 "$NCU" \
+            --kernel-name "regex:${PROFILE:-flash_attn}" --launch-skip 29 --launch-count 2 --section SpeedOfLight \
+            --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy --section WarpStateStats \
+            --section SchedulerStats build/stowlm-bench -m "$MODELS/smollm2-135m.gguf" -dev cuda:0 -p 512,1 -n 0 \
+            -r 1 --no-warmup -o json
+    fi
 fi
 
 # ---- the big MoE (issue 26 item 6) with what is left of the budget, when asked (BIG_MOE=1) ---------
