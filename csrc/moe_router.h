@@ -36,10 +36,6 @@ HOST_DEVICE void router_top_ids(const float* x, int n, int k, int* ids) {
     for (int j = 0; j < k; j++) ids[j] = router_argmax(x, n, ids, j);
 }
 
-// The MOE_WEIGHTS op for one token (same rules as cpu::moe_weights): the gate of each picked
-// expert ids[0..k) from the n router logits, softmax over all n (sigmoid_gate false) or a
-// sigmoid each; when `normalize`, divided by their sum clamped below at 2^-14 (llama.cpp's
-// clamp); then times `scale` unless it is 0 or 1.
 // The picked experts' gates made final: divided by their sum clamped below at 2^-14 when
 // `normalize`, then times `scale` unless it is 0 or 1.
 HOST_DEVICE void moe_gate_finish(float* w, int k, bool normalize, float scale) {
@@ -57,6 +53,10 @@ HOST_DEVICE void moe_gate_finish(float* w, int k, bool normalize, float scale) {
 // amplify float rounding): the parallel kernels compute each with this and sum in order.
 HOST_DEVICE double moe_softmax_term(float logit, float mx) { return exp((double)(logit - mx)); }
 
+// The MOE_WEIGHTS op for one token (same rules as cpu::moe_weights): the gate of each picked
+// expert ids[0..k) from the n router logits, softmax over all n (sigmoid_gate false) or a
+// sigmoid each; when `normalize`, divided by their sum clamped below at 2^-14 (llama.cpp's
+// clamp); then times `scale` unless it is 0 or 1.
 HOST_DEVICE void moe_gate_weights(const float* logits, int n, const int* ids, int k, bool sigmoid_gate,
                                   bool normalize, float scale, float* w) {
     if (!sigmoid_gate) {

@@ -13,6 +13,9 @@
 // result is the same bits whatever the batch and whichever way the launcher chose. A query of a
 // sequence that owns a region of cells skips the cells outside it without reading them, and the
 // splits outside it altogether (they would fold as no-ops).
+#include <cstdlib>
+#include <string>
+
 #include "attn_visibility.h"
 #include "cpu/attn_math.h"
 #include "cuda_backend.h"
@@ -63,13 +66,13 @@ __device__ __forceinline__ float kv_value(const uint8_t* row, int d) {
     }
 }
 
-// PK / PV: K / V elements per lane (head widths up to 32 * PK and 32 * PV).
-template <QType KV, int PK, int PV>
-__global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
+// PK / PV: K / V elements per lane (head widths up to 32 * PK and 32 * PV); W warps a block.
+template <QType KV, int PK, int PV, int W>
+__global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
     constexpr int kDV = PV * 32;
-    constexpr int kPT = (kDV + kFaThreads - 1) / kFaThreads;  // folded outputs per thread
-    __shared__ float sm_m[kFaWarps], sm_l[kFaWarps];
-    __shared__ float sm_acc[kFaWarps][kDV];
+    constexpr int kPT = (kDV + (W * 32) - 1) / (W * 32);  // folded outputs per thread
+    __shared__ float sm_m[W], sm_l[W];
+    __shared__ float sm_acc[W][kDV];
     const int64_t qi = blockIdx.x;  // t * n_head + h
     const int64_t t = qi / a.n_head, h = qi % a.n_head;
     const int64_t kvh = h / (a.n_head / a.n_head_kv);
@@ -105,8 +108,8 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
 #pragma unroll
         for (int i = 0; i < PV; i++) acc[i] = 0.0f;
         int64_t j = j0 + warp;  // this warp's cells: j0 + warp + 4i, from the first one >= jb
-        if (j < jb) j += (jb - j + kFaWarps - 1) / kFaWarps * kFaWarps;
-        for (; j < je; j += kFaWarps) {
+        if (j < jb) j += (jb - j + W - 1) / W * W;
+        for (; j < je; j += W) {
             // uniform over the warp
             if (!kv_visible(qp, a.kv_pos[j], a.causal, a.window) || (a.q_seq && a.kv_seq[j] != qs)) continue;
             const uint8_t* kr = kbase + (size_t)j * a.k_cell_bytes;
@@ -136,9 +139,9 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
         __syncthreads();
 
         // the split's state: the warps' merged in order
-        float ms = -INFINITY, ls = 0.0f, fs[kFaWarps];
+        float ms = -INFINITY, ls = 0.0f, fs[W];
 #pragma unroll
-        for (int w = 0; w < kFaWarps; w++) {
+        for (int w = 0; w < W; w++) {
             float fa, fb;
             online_softmax_merge(ms, ls, sm_m[w], sm_l[w], &fa, &fb);
             for (int u = 0; u < w; u++) fs[u] *= fa;
@@ -153,11 +156,11 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
         }
 #pragma unroll
         for (int i = 0; i < kPT; i++) {
-            const int d = threadIdx.x + kFaThreads * i;
+            const int d = threadIdx.x + (W * 32) * i;
             if (d >= a.hd_v) break;
             float r = 0.0f;
 #pragma unroll
-            for (int w = 0; w < kFaWarps; w++) r = fmaf(fs[w], sm_acc[w][d], r);
+            for (int w = 0; w < W; w++) r = fmaf(fs[w], sm_acc[w][d], r);
             if (a.per_block) part[2 + d] = r;
             else A[i] = attn_fold_acc(A[i], fa, r, fb);
         }
@@ -167,7 +170,7 @@ __global__ void __launch_bounds__(kFaThreads, 1) flash_attn_kernel(FaArgs a) {
     float* o = a.out + t * a.ld_out + h * a.hd_v;
 #pragma unroll
     for (int i = 0; i < kPT; i++) {
-        const int d = threadIdx.x + kFaThreads * i;
+        const int d = threadIdx.x + (W * 32) * i;
         if (d < a.hd_v) o[d] = A[i] * sc;
     }
 }
@@ -194,12 +197,19 @@ __global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const Fa
     }
 }
 
-template <QType KV>
+template <QType KV, int W>
 void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
     if (a.hd_k <= 256 && a.hd_v <= 256)
-        flash_attn_kernel<KV, 8, 8><<<grid, kFaThreads, 0, s>>>(a);
+        flash_attn_kernel<KV, 8, 8, W><<<grid, W * 32, 0, s>>>(a);
     else
-        flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32><<<grid, kFaThreads, 0, s>>>(a);
+        flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W><<<grid, W * 32, 0, s>>>(a);
+}
+
+// Warps a block (STOWLM_CUDA_FA_WARPS=16, for now a measurement: a (token, head)'s cells walked
+// by 16 warps, not 4, a quarter of the latency chain each; other bits than 4's).
+int fa_warps() {
+    const char* e = std::getenv("STOWLM_CUDA_FA_WARPS");
+    return e && std::string(e) == "16" ? 16 : kFaWarps;
 }
 
 }  // namespace
@@ -249,8 +259,9 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
              n_splits, per_block, (float*)scratch};
     const dim3 grid((unsigned)(n_tok * n_head), per_block ? (unsigned)n_splits : 1u);
     const cudaStream_t st = (cudaStream_t)s;
-    if (kv_type == QType::F16) launch<QType::F16>(a, grid, st);
-    else launch<QType::Q8_0>(a, grid, st);
+    const bool wide = fa_warps() == 16;
+    if (kv_type == QType::F16) wide ? launch<QType::F16, 16>(a, grid, st) : launch<QType::F16, kFaWarps>(a, grid, st);
+    else wide ? launch<QType::Q8_0, 16>(a, grid, st) : launch<QType::Q8_0, kFaWarps>(a, grid, st);
     check_launch("flash_attn_kernel");
     if (per_block) {
         flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), kFaThreads, 0, st>>>(a);

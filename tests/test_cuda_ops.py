@@ -674,15 +674,20 @@ def test_expert_selection_of_deepseek_v3_shape(dev):
 
 @pytest.mark.parametrize("gating", [0, 2])
 @pytest.mark.parametrize("normalize,scale", [(False, 0.0), (True, 2.5)])
-def test_top_k_weights_gives_the_two_kernels_bits(dev, gating, normalize, scale):
-    """The router's plain top-k and its picks' weights in one kernel (a decode step's router)
-    against top_k then moe_weights launched apart, bit for bit, ties included."""
+@pytest.mark.parametrize("n_expert,k", [(64, 6), (128, 8), (100, 8)])
+def test_top_k_weights_gives_the_two_kernels_bits(dev, gating, normalize, scale, n_expert, k):
+    """The router's plain top-k and its picks' weights in one kernel (a decode step's router: a
+    warp a row up to 1024 experts) against top_k then moe_weights launched apart, bit for bit, ties
+    included (across a warp's lanes and within one lane's elements), and a row with NaN logits."""
     cuda_only(dev)
     rng = np.random.default_rng(27)
-    logits = (rng.standard_normal((70, 64)) * 2).astype(np.float32)
+    logits = (rng.standard_normal((70, n_expert)) * 2).astype(np.float32)
     logits[:, 9] = logits[:, 2]
-    ids, w = run(dev, "top_k_weights", logits, 6, gating, normalize, scale)
-    want = run(dev, "top_k", logits, 6, gating)
+    logits[:, 34] = logits[:, 2]  # the same lane as expert 2
+    logits[:, n_expert - 1] = logits[:, 0] = logits.max(1)
+    logits[5, [3, 40]] = np.nan
+    ids, w = run(dev, "top_k_weights", logits, k, gating, normalize, scale)
+    want = run(dev, "top_k", logits, k, gating)
     np.testing.assert_array_equal(ids, want)
     np.testing.assert_array_equal(w, run(dev, "moe_weights", logits, want, gating, normalize, scale))
 
