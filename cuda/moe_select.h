@@ -108,16 +108,9 @@ HOST_DEVICE void moe_gate_weights_any(const float* logits, int n, const int* ids
     float mx = logits[ids[0]];
     for (int j = 1; j < k; j++) mx = fmaxf(mx, logits[ids[j]]);
     double sum = 0.0;
-    for (int j = 0; j < k; j++) sum += exp((double)(logits[ids[j]] - mx));
-    for (int j = 0; j < k; j++) w[j] = (float)(exp((double)(logits[ids[j]] - mx)) / sum);
-    if (normalize) {
-        float s = 0.0f;
-        for (int j = 0; j < k; j++) s += w[j];
-        s = fmaxf(s, 6.103515625e-5f);
-        for (int j = 0; j < k; j++) w[j] /= s;
-    }
-    if (scale != 0.0f && scale != 1.0f)
-        for (int j = 0; j < k; j++) w[j] *= scale;
+    for (int j = 0; j < k; j++) sum += moe_softmax_term(logits[ids[j]], mx);
+    for (int j = 0; j < k; j++) w[j] = (float)(moe_softmax_term(logits[ids[j]], mx) / sum);
+    moe_gate_finish(w, k, normalize, scale);
 }
 
 }  // namespace stowlm
