@@ -46,9 +46,10 @@
 #   (no fused kernels) in a rerun of that test tell which part; tests/test_cuda_ops.py checks each
 #   fused kernel against the kernels it replaces.
 #   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); FA_WARPS_16 (default 1: the
-#   attention kernel with STOWLM_CUDA_FA_WARPS=16 in the GPU tests, a gpu_compare column, op times); PROFILE (ncu on the kernels
-#   matching this regex, default flash_attn, 0: none; into session.log: $OUT holds at most 8 files); BIG_MOE=1 runs item 4 below at the end
-#   with what is left of SESSION_SECONDS, BIG_MOE_ARGS adds to its arguments (--no-variants, --no-sweep).
+#   attention kernel with STOWLM_CUDA_FA_WARPS=16 in the GPU tests, a gpu_compare column, op
+#   times); PROFILE (ncu on the kernels matching this regex, default flash_attn, 0: none; into
+#   session.log: $OUT brings back at most 8 files); BIG_MOE=1 runs item 4 below at the end with
+#   what is left of SESSION_SECONDS, BIG_MOE_ARGS adds to its arguments (--no-variants, --no-sweep).
 #   Optional, with 7 minutes of device time left, right after call 3 on the same warm machine:
 #   4. command: PYTHONPATH=python python3 bench/big_moe_compare.py --rounds 1 --out $OUT
 #      (writes the Qwen3-30B-A3B-shaped big-moe.gguf with the carried shared tools, fits it on
