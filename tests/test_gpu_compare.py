@@ -4,6 +4,7 @@ stand-in tools whose samples are known, the refusal of a peer that fell back to 
 real run of the stowlm side on the CPU (and of the prebuilt peer on the CPU where it is found)."""
 import json
 import os
+import re
 import statistics
 import string
 import subprocess
@@ -401,3 +402,27 @@ def test_big_moe_arguments_follow_the_fit(model_path):
     parts = ots[0].split(";")
     assert all(o.endswith("=CPU") for o in parts)
     assert parts == [o.rpartition("=")[0] + "=CPU" for o in pl.tensor_overrides if o.rpartition("=")[2].startswith("cpu")]
+
+
+def test_big_moe_sweep_times_each_micro_batch_and_each_op(model_path, capsys):
+    """big_moe_compare's sweep (what moe_offload_min's default rests on): prompt speed for each
+    micro-batch size with the staged products on (--moe-offload-min 1) and off (0), one row each,
+    the ratio the two speeds' own; then a -v run with each device's op table. Here on two CPU
+    devices (no staging: both columns run the CPU's experts)."""
+    import big_moe_compare
+    from stowlm.fit import fit
+    from test_bench import bench_exe
+
+    path = model_path("smollm2-moe")
+    pl = fit(str(path), "cpu:1[mem=64MiB],cpu:0", n_ctx=512)
+    ours, _ = big_moe_compare.tool_args(pl)
+    big_moe_compare.sweep(bench_exe(), path, ours + ["-t", "1"])
+    out = capsys.readouterr().out
+    rows = [ln.split("|")[1:-1] for ln in out.splitlines() if re.match(r"^\| pp\d+ \|", ln)]
+    assert [r[0].strip() for r in rows] == [f"pp{n}" for n in (16, 32, 64, 128, 256, 512)], out
+    for _, gpu, cpu, ratio in rows:
+        assert float(gpu) > 0 and float(cpu) > 0
+        assert float(ratio) == pytest.approx(float(gpu) / float(cpu), abs=0.006)
+    assert "--moe-offload-min 1" in out and "--moe-offload-min 0" in out
+    # the -v run: each device's ops, the experts' products among cpu:0's
+    assert re.search(r"tg32 on cpu:0: [\d.]+ ms per token", out) and "ffn_gate_exps.weight" in out, out
