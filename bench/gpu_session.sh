@@ -45,9 +45,9 @@
 #   If a CUDA model test fails there: STOWLM_CUDA_GRAPHS=0 (no graphs) and STOWLM_CUDA_FUSION=0
 #   (no fused kernels) in a rerun of that test tell which part; tests/test_cuda_ops.py checks each
 #   fused kernel against the kernels it replaces.
-#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); FA_WARPS_16 (default 1: the
-#   attention kernel with STOWLM_CUDA_FA_WARPS=16 in the GPU tests, a gpu_compare column, op
-#   times); PROFILE (ncu on the kernels matching this regex, default flash_attn, 0: none; into
+#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); FA_VARIANTS (attention
+#   experiments, each VAR=VALUE: its GPU tests, a gpu_compare column, op times; default
+#   "STOWLM_CUDA_FA_WARPS=16 STOWLM_CUDA_FA_TILED=1", "" for none); PROFILE (ncu on the kernels matching this regex, default flash_attn, 0: none; into
 #   session.log: $OUT brings back at most 8 files); BIG_MOE=1 runs item 4 below at the end with
 #   what is left of SESSION_SECONDS, BIG_MOE_ARGS adds to its arguments (--no-variants, --no-sweep).
 #   Optional, with 7 minutes of device time left, right after call 3 on the same warm machine:
@@ -86,6 +86,7 @@ STASH=$STOWLM_CARRIED
 MODELS=${STOWLM_CACHE:-$HOME/.cache/stowlm}/models
 CARRY=${CARRY_DIR:-$REPO/.carry}
 BUDGET=${SESSION_SECONDS:-480}
+FA_VARIANTS=${FA_VARIANTS-STOWLM_CUDA_FA_WARPS=16 STOWLM_CUDA_FA_TILED=1}
 START=$SECONDS
 SUMMARY=()
 
@@ -233,12 +234,12 @@ if [ "$MODE" = gpu ]; then
             done
         fi
     fi
-    # the attention kernel with 16 warps a block (a measurement for now): its tests and the
-    # models' against llama.cpp and the CPU
-    if [ "${FA_WARPS_16:-1}" = 1 ]; then
-        step "GPU tests, attention in 16 warps" 90 "" env STOWLM_REQUIRE_GPU=1 STOWLM_CUDA_FA_WARPS=16 "$PY" -m pytest \
-            -q -p no:cacheprovider -rfE --tb=line "${GPU_TESTS[@]}" -k "(flash_attn or decoding or arch_models or same_logits or matches_llama) ${KEXPR:+and ($KEXPR)}"
-    fi
+    # each attention experiment (FA_VARIANTS): its tests and the models' against llama.cpp and the CPU
+    for fav in $FA_VARIANTS; do
+        step "GPU tests with $fav" 90 "" env STOWLM_REQUIRE_GPU=1 "$fav" "$PY" -m pytest -q -p no:cacheprovider -rfE \
+            --tb=line "${GPU_TESTS[@]}" \
+            -k "(flash_attn or decoding or arch_models or same_logits or matches_llama or tensor_split) ${KEXPR:+and ($KEXPR)}"
+    done
     log "waiting for test_cuda_build.py (the comparison wants a quiet machine)"
     wait "$BUILD_TESTS"
     tail -3 "$OUT/pytest_build.log" | tee -a "$LOG"
@@ -254,7 +255,7 @@ PEER=()
 if [ "$MODE" = gpu ]; then
     if [ "${COMPARE_ROUNDS:-3}" != 0 ]; then
         VARIANT=()
-        [ "${FA_WARPS_16:-1}" = 1 ] && VARIANT=(--variant "attention in 16 warps=STOWLM_CUDA_FA_WARPS=16")
+        for fav in $FA_VARIANTS; do VARIANT+=(--variant "${fav/=/ }=$fav"); done  # label: no '=' in it
         step "gpu_compare" 300 "" "$PY" bench/gpu_compare.py --device cuda --out "$OUT" --rounds "${COMPARE_ROUNDS:-3}" \
             "${VARIANT[@]}" "${PEER[@]}"
     fi
@@ -272,10 +273,10 @@ if [ "$MODE" = gpu ] && [ -x build/stowlm-bench ]; then
         have_model "$m" && step "op times $m" 60 "" env STOWLM_CUDA_GRAPHS=0 build/stowlm-bench -m "$MODELS/$m.gguf" \
             -dev cuda:0 -p 512 -n 128 -r 1 -o json -v
     done
-    if [ "${FA_WARPS_16:-1}" = 1 ] && have_model smollm2-135m; then
-        step "op times smollm2-135m, attention in 16 warps" 60 "" env STOWLM_CUDA_GRAPHS=0 STOWLM_CUDA_FA_WARPS=16 \
+    for fav in $FA_VARIANTS; do
+        have_model smollm2-135m && step "op times smollm2-135m with $fav" 60 "" env STOWLM_CUDA_GRAPHS=0 "$fav" \
             build/stowlm-bench -m "$MODELS/smollm2-135m.gguf" -dev cuda:0 -p 512 -n 128 -r 1 -o json -v
-    fi
+    done
     # the dearest kernel's counters (PROFILE, a kernel name regex; default the attention kernel, the
     # dearest on 2026-11-28; PROFILE=0: none): what bounds it (memory, latency, occupancy)
     NCU=$(command -v ncu || ls /usr/local/cuda/bin/ncu 2>/dev/null)

@@ -197,6 +197,110 @@ __global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const Fa
     }
 }
 
+// ---- prompts: a block for a tile of tokens of one head, K and V tiles shared in shared memory ----
+//
+// kTileQ tokens of head h share each tile of kTileK cells, read once into shared memory
+// (coalesced, as floats; K padded a column so a lane a cell reads without bank conflicts). A warp
+// takes kTileQ / 4 of the tokens; for each, a lane scores one cell of the tile, the tile's state
+// (max, sum, weighted values; lanes holding the head's elements lane, lane + 32, ...) folds into
+// the token's by online_softmax_merge and attn_fold_acc. The tiles start at cell 0 whatever the
+// batch, so a token's result is the same bits in any batch that takes this kernel (a single
+// class: passes of kCudaBatchedMinTokens tokens and more, as the tiled products).
+constexpr int kTileQ = 16, kTileK = 32;
+
+template <int HD>
+__global__ void __launch_bounds__(128) flash_attn_tiled_kernel(FaArgs a) {
+    constexpr int kPer = HD / 32;                 // elements a lane holds
+    constexpr int kQW = kTileQ / 4;               // tokens a warp takes
+    __shared__ float ks[kTileK][HD + 1], vs[kTileK][HD], qs[kTileQ][HD];
+    const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+    const int64_t h = blockIdx.y, t0 = (int64_t)blockIdx.x * kTileQ;
+    const int64_t kvh = h / (a.n_head / a.n_head_kv);
+    for (int i = threadIdx.x; i < kTileQ * HD; i += 128) {
+        const int64_t t = t0 + i / HD;
+        qs[i / HD][i % HD] = t < a.n_tok ? a.q[t * a.ld_q + h * HD + i % HD] : 0.0f;
+    }
+    int32_t qp[kQW], qsq[kQW];
+    int64_t lo[kQW], hi[kQW];
+    float m[kQW], l[kQW], acc[kQW][kPer];
+#pragma unroll
+    for (int u = 0; u < kQW; u++) {
+        const int64_t t = t0 + warp * kQW + u;
+        const bool real = t < a.n_tok;
+        qp[u] = real ? a.q_pos[t] : INT32_MIN;  // a row past the batch sees nothing
+        qsq[u] = real && a.q_seq ? a.q_seq[t] : 0;
+        attn_seq_region(qsq[u], a.q_seq ? a.seq_cells : 0, a.n_kv, &lo[u], &hi[u], a.seq_end);
+        m[u] = -INFINITY, l[u] = 0.0f;
+#pragma unroll
+        for (int i = 0; i < kPer; i++) acc[u][i] = 0.0f;
+    }
+    const uint8_t* kbase = a.k + (size_t)kvh * a.k_head_bytes;
+    const uint8_t* vbase = a.v + (size_t)kvh * a.v_head_bytes;
+    for (int64_t j0 = 0; j0 < a.n_kv; j0 += kTileK) {
+        __syncthreads();  // the last tile has been read (and, the first time, qs written)
+        for (int i = threadIdx.x; i < kTileK * HD; i += 128) {
+            const int64_t j = j0 + i / HD;
+            const int d = i % HD;
+            const bool in = j < a.n_kv;
+            ks[i / HD][d] = in ? fp16_to_f32(((const uint16_t*)(kbase + (size_t)j * a.k_cell_bytes))[d]) : 0.0f;
+            vs[i / HD][d] = in ? fp16_to_f32(((const uint16_t*)(vbase + (size_t)j * a.v_cell_bytes))[d]) : 0.0f;
+        }
+        __syncthreads();
+        const int64_t j = j0 + lane;
+        const int32_t kp = j < a.n_kv ? a.kv_pos[j] : -1;
+        const int32_t ksq = j < a.n_kv && a.q_seq ? a.kv_seq[j] : 0;
+#pragma unroll
+        for (int u = 0; u < kQW; u++) {
+            const bool seen = j >= lo[u] && j < hi[u] && kv_visible(qp[u], kp, a.causal, a.window) &&
+                              (!a.q_seq || ksq == qsq[u]);
+            if (!__any_sync(0xffffffffu, seen)) continue;  // no cell of the tile for this token
+            const int q = warp * kQW + u;
+            float s = -INFINITY;
+            if (seen) {
+                float dot = 0.0f;
+#pragma unroll 16
+                for (int d = 0; d < HD; d++) dot = fmaf(qs[q][d], ks[lane][d], dot);
+                s = dot * a.scale;
+                if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
+            }
+            const float mc = warp_max(s);
+            const float p = seen ? expf(s - mc) : 0.0f;
+            const float lc = warp_sum(p);
+            float part[kPer];
+#pragma unroll
+            for (int i = 0; i < kPer; i++) part[i] = 0.0f;
+            for (int c = 0; c < kTileK; c++) {
+                const float pc = __shfl_sync(0xffffffffu, p, c);
+                if (pc == 0.0f) continue;  // uniform; an unseen cell's V may be any bits (a NaN times 0 is NaN)
+#pragma unroll
+                for (int i = 0; i < kPer; i++) part[i] = fmaf(pc, vs[c][lane + 32 * i], part[i]);
+            }
+            float fa, fb;
+            online_softmax_merge(m[u], l[u], mc, lc, &fa, &fb);
+#pragma unroll
+            for (int i = 0; i < kPer; i++) acc[u][i] = attn_fold_acc(acc[u][i], fa, part[i], fb);
+        }
+    }
+#pragma unroll
+    for (int u = 0; u < kQW; u++) {
+        const int64_t t = t0 + warp * kQW + u;
+        if (t >= a.n_tok) break;
+        const float sc = attn_out_scale(m[u], l[u], a.sinks != nullptr, a.sinks ? a.sinks[h] : 0.0f);
+        float* o = a.out + t * a.ld_out + h * HD;
+#pragma unroll
+        for (int i = 0; i < kPer; i++) o[lane + 32 * i] = acc[u][i] * sc;
+    }
+}
+
+// Whether a pass takes the tiled kernel: STOWLM_CUDA_FA_TILED=1 (a measurement for now), a batched
+// pass (the tiled products' class), F16 cells, K and V heads of 64 or 128.
+bool tiled_prompt(const FaArgs& a, QType kv_type) {
+    const char* e = std::getenv("STOWLM_CUDA_FA_TILED");
+    return e && std::string(e) == "1" && a.n_tok >= kCudaBatchedMinTokens && kv_type == QType::F16 &&
+           a.hd_k == a.hd_v && (a.hd_k == 64 || a.hd_k == 128) && a.n_tok <= (int64_t)kTileQ * 0x7fffffff &&
+           a.n_head <= 65535;
+}
+
 template <QType KV, int W>
 void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
     if (a.hd_k <= 256 && a.hd_v <= 256)
@@ -257,8 +361,15 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
              p.q_seq, p.kv_seq, p.seq_cells, p.q_seq ? p.seq_end : nullptr, p.scale, p.softcap, p.window, p.causal,
              out, ld_out, split_len,
              n_splits, per_block, (float*)scratch};
-    const dim3 grid((unsigned)(n_tok * n_head), per_block ? (unsigned)n_splits : 1u);
     const cudaStream_t st = (cudaStream_t)s;
+    if (tiled_prompt(a, kv_type)) {
+        const dim3 tiles((unsigned)((n_tok + kTileQ - 1) / kTileQ), (unsigned)n_head);
+        if (kv.hd_k == 64) flash_attn_tiled_kernel<64><<<tiles, 128, 0, st>>>(a);
+        else flash_attn_tiled_kernel<128><<<tiles, 128, 0, st>>>(a);
+        check_launch("flash_attn_tiled_kernel");
+        return;
+    }
+    const dim3 grid((unsigned)(n_tok * n_head), per_block ? (unsigned)n_splits : 1u);
     const bool wide = fa_warps() == 16;
     if (kv_type == QType::F16) wide ? launch<QType::F16, 16>(a, grid, st) : launch<QType::F16, kFaWarps>(a, grid, st);
     else wide ? launch<QType::Q8_0, 16>(a, grid, st) : launch<QType::Q8_0, kFaWarps>(a, grid, st);
