@@ -144,10 +144,13 @@ def sweep(exe: str, model: Path, placement_args: List[str]) -> None:
         g, c = speeds["GPU"][t], speeds["CPU"].get(t)
         print(f"| {t} | {g:.1f} | {c:.1f} | {g / c:.2f} |" if c else f"| {t} | {g:.1f} | - | - |")
     cmd = [exe, "-m", str(model)] + placement_args + ["-p", "512", "-n", "32", "-r", "1", "-o", "json", "-v"]
-    env = dict(os.environ, STOWLM_CUDA_GRAPHS="0")
-    print("+ STOWLM_CUDA_GRAPHS=0 " + " ".join(shlex.quote(c) for c in cmd), flush=True)
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
-    print(r.stderr, flush=True)
+    print("(STOWLM_CUDA_GRAPHS=0)", flush=True)
+    try:
+        _, err = gpu_compare.run_tool(cmd, dict(os.environ, STOWLM_CUDA_GRAPHS="0"), 600)
+    except gpu_compare.ToolError as e:
+        print(f"big_moe_compare: sweep: {e}", flush=True)
+        return
+    print(err, flush=True)
 
 
 if __name__ == "__main__":

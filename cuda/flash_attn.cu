@@ -3,16 +3,17 @@
 // softcap, sinks, GQA; K and V of their own widths and cell strides (V may be a view into K, as
 // multi-head latent attention stores it); online softmax (attn_math.h).
 //
-// One block of 4 warps per (query token, head). The cells are cut into splits; within a split
-// each warp walks every 4th cell (counted from the split's first cell) with its own (m, l, acc),
-// lanes holding the head's elements lane, lane + 32, ...; the warps' states are merged in
-// shared memory into the split's (m, l, acc). A block either folds every split in order itself
-// or, when there are too few blocks to fill the device (decoding), runs one split and writes its
-// state, and a second kernel folds the states in the same order with the same arithmetic
-// (explicit fused multiply-adds): so with fixed split boundaries (several sequences) a query's
-// result is the same bits whatever the batch and whichever way the launcher chose. A query of a
-// sequence that owns a region of cells skips the cells outside it without reading them, and the
-// splits outside it altogether (they would fold as no-ops).
+// One block of W warps (4; 16 with STOWLM_CUDA_FA_WARPS=16) per (query token, head). The cells
+// are cut into splits; within a split each warp walks every W-th cell (counted from the split's
+// first cell) with its own (m, l, acc), lanes holding the head's elements lane, lane + 32, ...;
+// the warps' states are merged in shared memory into the split's (m, l, acc). A block either
+// folds every split in order itself or, when there are too few blocks to fill the device
+// (decoding), runs one split and writes its state, and a second kernel folds the states in the
+// same order with the same arithmetic (explicit fused multiply-adds): so with fixed split
+// boundaries (several sequences) a query's result is the same bits whatever the batch and
+// whichever way the launcher chose. A query of a sequence that owns a region of cells skips the
+// cells outside it without reading them, and the splits outside it altogether (they would fold
+// as no-ops).
 #include <cstdlib>
 #include <string>
 
@@ -107,7 +108,7 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
         float m = -INFINITY, l = 0.0f, acc[PV];
 #pragma unroll
         for (int i = 0; i < PV; i++) acc[i] = 0.0f;
-        int64_t j = j0 + warp;  // this warp's cells: j0 + warp + 4i, from the first one >= jb
+        int64_t j = j0 + warp;  // this warp's cells: j0 + warp + W i, from the first one >= jb
         if (j < jb) j += (jb - j + W - 1) / W * W;
         for (; j < je; j += W) {
             // uniform over the warp
@@ -294,9 +295,15 @@ __global__ void __launch_bounds__(128) flash_attn_tiled_kernel(FaArgs a) {
 
 // Whether a pass takes the tiled kernel: STOWLM_CUDA_FA_TILED=1 (a measurement for now), a batched
 // pass (the tiled products' class), F16 cells, K and V heads of 64 or 128.
+// (The switches are read once, as the engine reads STOWLM_CUDA_GRAPHS: not on every launch.)
+bool env_is(const char* name, const char* value) {
+    const char* e = std::getenv(name);
+    return e && std::string(e) == value;
+}
+
 bool tiled_prompt(const FaArgs& a, QType kv_type) {
-    const char* e = std::getenv("STOWLM_CUDA_FA_TILED");
-    return e && std::string(e) == "1" && a.n_tok >= kCudaBatchedMinTokens && kv_type == QType::F16 &&
+    static const bool on = env_is("STOWLM_CUDA_FA_TILED", "1");
+    return on && a.n_tok >= kCudaBatchedMinTokens && kv_type == QType::F16 &&
            a.hd_k == a.hd_v && (a.hd_k == 64 || a.hd_k == 128) && a.n_tok <= (int64_t)kTileQ * 0x7fffffff &&
            a.n_head <= 65535;
 }
@@ -312,8 +319,8 @@ void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
 // Warps a block (STOWLM_CUDA_FA_WARPS=16, for now a measurement: a (token, head)'s cells walked
 // by 16 warps, not 4, a quarter of the latency chain each; other bits than 4's).
 int fa_warps() {
-    const char* e = std::getenv("STOWLM_CUDA_FA_WARPS");
-    return e && std::string(e) == "16" ? 16 : kFaWarps;
+    static const int w = env_is("STOWLM_CUDA_FA_WARPS", "16") ? 16 : kFaWarps;
+    return w;
 }
 
 }  // namespace
