@@ -5,7 +5,8 @@
 //
 // One block of W warps (4; 16 with STOWLM_CUDA_FA_WARPS=16) per (query token, head). The cells
 // are cut into splits; within a split each warp walks every W-th cell (counted from the split's
-// first cell) with its own (m, l, acc), lanes holding the head's elements lane, lane + 32, ...;
+// first cell), several in flight at once, with its own (m, l, acc), lanes holding the head's
+// elements lane, lane + 32, ...;
 // the warps' states are merged in shared memory into the split's (m, l, acc). A block either
 // folds every split in order itself or, when there are too few blocks to fill the device
 // (decoding), runs one split and writes its state, and a second kernel folds the states in the
@@ -14,6 +15,7 @@
 // whichever way the launcher chose. A query of a sequence that owns a region of cells skips the
 // cells outside it without reading them, and the splits outside it altogether (they would fold
 // as no-ops).
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -67,8 +69,9 @@ __device__ __forceinline__ float kv_value(const uint8_t* row, int d) {
     }
 }
 
-// PK / PV: K / V elements per lane (head widths up to 32 * PK and 32 * PV); W warps a block.
-template <QType KV, int PK, int PV, int W>
+// PK / PV: K / V elements per lane (head widths up to 32 * PK and 32 * PV); W warps a block; G
+// cells in flight per warp.
+template <QType KV, int PK, int PV, int W, int G>
 __global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
     constexpr int kDV = PV * 32;
     constexpr int kPT = (kDV + (W * 32) - 1) / (W * 32);  // folded outputs per thread
@@ -110,26 +113,49 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
         for (int i = 0; i < PV; i++) acc[i] = 0.0f;
         int64_t j = j0 + warp;  // this warp's cells: j0 + warp + W i, from the first one >= jb
         if (j < jb) j += (jb - j + W - 1) / W * W;
-        for (; j < je; j += W) {
-            // uniform over the warp
-            if (!kv_visible(qp, a.kv_pos[j], a.causal, a.window) || (a.q_seq && a.kv_seq[j] != qs)) continue;
-            const uint8_t* kr = kbase + (size_t)j * a.k_cell_bytes;
-            float s = 0.0f;
+        // G of the warp's cells at a time: their loads and score sums issued together, then
+        // folded one by one in cell order, as a walk of one cell at a time would (the same bits).
+        for (; j < je; j += (int64_t)W * G) {
+            bool seen[G];  // uniform over the warp
 #pragma unroll
-            for (int i = 0; i < PK; i++) {
-                const int d = lane + 32 * i;
-                if (d < a.hd_k) s = fmaf(qv[i], kv_value<KV>(kr, d), s);
+            for (int g = 0; g < G; g++) {
+                const int64_t jg = j + (int64_t)W * g;
+                seen[g] = jg < je && kv_visible(qp, a.kv_pos[jg], a.causal, a.window) &&
+                          (!a.q_seq || a.kv_seq[jg] == qs);
             }
-            // lane 0's sum for everyone, so every lane updates (m, l) identically
-            s = __shfl_sync(0xffffffffu, warp_sum(s), 0) * a.scale;
-            if (a.softcap > 0.0f) s = apply_softcap(s, a.softcap);
-            float f;
-            const float p = online_softmax_update(m, l, s, &f);
-            const uint8_t* vr = vbase + (size_t)j * a.v_cell_bytes;
+            float s[G], vv[G][PV];
 #pragma unroll
-            for (int i = 0; i < PV; i++) {
-                const int d = lane + 32 * i;
-                if (d < a.hd_v) acc[i] = fmaf(p, kv_value<KV>(vr, d), acc[i] * f);
+            for (int g = 0; g < G; g++) {
+                s[g] = 0.0f;
+                if (!seen[g]) continue;
+                const size_t jg = (size_t)(j + (int64_t)W * g);
+                const uint8_t* kr = kbase + jg * a.k_cell_bytes;
+                const uint8_t* vr = vbase + jg * a.v_cell_bytes;
+#pragma unroll
+                for (int i = 0; i < PK; i++) {
+                    const int d = lane + 32 * i;
+                    if (d < a.hd_k) s[g] = fmaf(qv[i], kv_value<KV>(kr, d), s[g]);
+                }
+#pragma unroll
+                for (int i = 0; i < PV; i++) {
+                    const int d = lane + 32 * i;
+                    vv[g][i] = d < a.hd_v ? kv_value<KV>(vr, d) : 0.0f;
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; g++)
+                if (seen[g]) s[g] = warp_sum(s[g]);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                if (!seen[g]) continue;
+                // lane 0's sum for everyone, so every lane updates (m, l) identically
+                float sc = __shfl_sync(0xffffffffu, s[g], 0) * a.scale;
+                if (a.softcap > 0.0f) sc = apply_softcap(sc, a.softcap);
+                float f;
+                const float p = online_softmax_update(m, l, sc, &f);
+#pragma unroll
+                for (int i = 0; i < PV; i++)
+                    if (lane + 32 * i < a.hd_v) acc[i] = fmaf(p, vv[g][i], acc[i] * f);
             }
         }
         __syncthreads();  // the previous split's shared state has been read
@@ -308,12 +334,15 @@ bool tiled_prompt(const FaArgs& a, QType kv_type) {
            a.n_head <= 65535;
 }
 
+// Per-lane widths by head width (fewer registers for the common heads, more cells in flight);
+// an element past the width adds nothing, so each instance gives the widest one's bits.
 template <QType KV, int W>
 void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
-    if (a.hd_k <= 256 && a.hd_v <= 256)
-        flash_attn_kernel<KV, 8, 8, W><<<grid, W * 32, 0, s>>>(a);
-    else
-        flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W><<<grid, W * 32, 0, s>>>(a);
+    const int hd = std::max(a.hd_k, a.hd_v);
+    if (hd <= 64) flash_attn_kernel<KV, 2, 2, W, 8><<<grid, W * 32, 0, s>>>(a);
+    else if (hd <= 128) flash_attn_kernel<KV, 4, 4, W, 8><<<grid, W * 32, 0, s>>>(a);
+    else if (hd <= 256) flash_attn_kernel<KV, 8, 8, W, 4><<<grid, W * 32, 0, s>>>(a);
+    else flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W, 2><<<grid, W * 32, 0, s>>>(a);
 }
 
 // Warps a block (STOWLM_CUDA_FA_WARPS=16, for now a measurement: a (token, head)'s cells walked
