@@ -283,15 +283,10 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const int64_t n_units = n_tiles * n_head_kv * n_split;
     if (nth == 1 || n_units == 1 || small) {
         for (int64_t u = 0; u < n_units; u++) unit(u, 0);
-    } else if (n_split > 1) {
-        // Units dealt round robin: the splits a sliding window (or a short region) leaves work
-        // in are neighbours, and a contiguous share would give them all to one thread.
-        const int64_t nth_units = std::min<int64_t>(nth, n_units);
-        pool.parallel_for(nth_units, [&](int64_t b, int64_t e, int ith) {
-            for (int64_t k = b; k < e; k++)
-                for (int64_t u = k; u < n_units; u += nth_units) unit(u, ith);
-        });
     } else {
+        // Units taken one at a time as threads come free: a split's cells vary (the last split
+        // is partial; a sliding window or a short region leaves work in a few neighbours), and a
+        // fixed share would leave one thread with the full ones.
         pool.parallel_for_dynamic(n_units, 1, [&](int64_t b, int64_t e, int ith) {
             for (int64_t u = b; u < e; u++) unit(u, ith);
         });
