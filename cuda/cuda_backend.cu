@@ -377,6 +377,30 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
         launch_mmvq(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, xq, w.cols / 32, n_tok, TokenGroups{}, y, ldy, st);
 }
 
+void matmul_multi(const DeviceWeight* ws, int n, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
+                  const int64_t* ldys, void* scratch, Stream s, bool x_quantized) {
+    if (n < 1 || n > kMmvMulti) throw InvalidInput("cuda matmul_multi: 1 to " + std::to_string(kMmvMulti) + " weights");
+    const DeviceWeight& w0 = ws[0];
+    for (int i = 0; i < n; i++) {
+        if (is_float_type(ws[i].type) || ws[i].type != w0.type || ws[i].cols != w0.cols || ws[i].rows < 0)
+            throw InvalidInput("cuda matmul_multi: the weights must be quantized, of one type and width");
+        if (ldys[i] < ws[i].rows) throw InvalidInput("cuda matmul_multi: ldy < rows");
+    }
+    if (w0.cols <= 0 || w0.cols % 32 || w0.cols % qtype_checked((uint32_t)w0.type).block_elems)
+        throw InvalidInput("cuda matmul_multi: cols=" + std::to_string(w0.cols) + " is not a multiple of the block");
+    if (n_tok < 0 || n_tok >= kCudaBatchedMinTokens)
+        throw InvalidInput("cuda matmul_multi: " + std::to_string(n_tok) + " tokens (the vector kernel takes fewer than " +
+                           std::to_string(kCudaBatchedMinTokens) + ")");
+    if (ldx < w0.cols) throw InvalidInput("cuda matmul_multi: ldx < cols");
+    if (n_tok == 0) return;
+    if (scratch == nullptr) throw InvalidInput("cuda matmul_multi: needs matmul_scratch_bytes() of scratch");
+    if (!x_quantized) quantize_q8_1(x, n_tok, w0.cols, ldx, scratch, s);
+    MmvqMulti m;
+    for (int i = 0; i < n; i++) m.w[i] = (const uint8_t*)ws[i].data, m.y[i] = ys[i], m.rows[i] = ws[i].rows, m.ldy[i] = ldys[i];
+    launch_mmvq_multi(w0.type, m, row_bytes(w0.type, w0.cols), w0.cols, (const block_q8_1*)scratch, w0.cols / 32, n_tok,
+                      (cudaStream_t)s);
+}
+
 void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x, int64_t n_tok, int64_t ldx,
                 float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s, bool x_quantized) {
     if (is_float_type(gate.type) || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)

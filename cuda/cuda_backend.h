@@ -161,6 +161,12 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
 void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x, int64_t n_tok, int64_t ldx,
                 float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s,
                 bool x_quantized = false);
+constexpr int kMmvMulti = 3;
+// n (1..kMmvMulti) products of the same x by quantized weights of one type and width (a layer's q, k and
+// v), n_tok < kCudaBatchedMinTokens: one quantization of x (none with x_quantized) and one kernel;
+// ys[i] ([n_tok][ldys[i]]) gets the bits matmul gives it.
+void matmul_multi(const DeviceWeight* ws, int n, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
+                  const int64_t* ldys, void* scratch, Stream s, bool x_quantized = false);
 
 // ---- mixture of experts (moe.cu) -------------------------------------------------------
 

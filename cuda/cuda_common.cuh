@@ -5,6 +5,7 @@
 
 #include <string>
 
+#include "cuda_backend.h"
 #include "error.h"
 #include "quant/dot_q8_1.h"
 #include "quant/types.h"
@@ -83,6 +84,17 @@ struct TokenGroups {
 // blocks apart); n_slots is the slot count of the plain product (ignored when grouped).
 void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const block_q8_1* xq,
                  int64_t xq_ld, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s);
+// mmvq.cu: up to kMmvMulti products of the same block_q8_1 rows (weights of one type and width) in
+// one launch, each row's bits as launch_mmvq's; entries past the used ones have 0 rows.
+struct MmvqMulti {
+    const uint8_t* w[kMmvMulti] = {};
+    float* y[kMmvMulti] = {};
+    int64_t rows[kMmvMulti] = {};
+    int64_t ldy[kMmvMulti] = {};
+    unsigned block_end[kMmvMulti] = {};  // set by the launcher: blocks of entries 0..i
+};
+void launch_mmvq_multi(QType t, MmvqMulti m, size_t row_bytes, int64_t cols, const block_q8_1* xq,
+                       int64_t xq_ld, int64_t n_tok, cudaStream_t s);
 // mmvq.cu: the gate and up products of n_tok (< kCudaBatchedMinTokens) block_q8_1 rows joined by
 // the GLU (gelu: gelu_tanh(g) * u, else silu(g) * u), all three written with row stride ldy; or,
 // with grp by slot (one token's experts), grp.n_groups slots' products of their experts.

@@ -588,6 +588,23 @@ private:
                same_rows(g, g);
     }
 
+    // Consecutive products of one x (a layer's q, k and v) by quantized weights of one type and
+    // width, a decode-sized batch: how many (2..kMmvMulti, 0: none) take one matmul_multi kernel.
+    static int products_of_one_x(const std::vector<Tensor*>& nodes, size_t i) {
+        const Tensor* a = nodes[i];
+        if (a->op != Op::MUL_MAT || is_float_type(a->src[0]->type)) return 0;
+        const Tensor* x = a->src[1];
+        if (x->n_rows() >= kCudaBatchedMinTokens || !same_rows(x, x) || x->ne[0] % 32) return 0;
+        int n = 0;
+        for (; n < cu::kMmvMulti && i + n < nodes.size(); n++) {
+            const Tensor* m = nodes[i + n];
+            if (m->op != Op::MUL_MAT || m->src[1] != x || m->src[0]->type != a->src[0]->type ||
+                m->src[0]->ne[0] != x->ne[0] || !same_rows(m, m) || m->ne[0] != m->src[0]->ne[1])
+                break;
+        }
+        return n >= 2 ? n : 0;
+    }
+
     // Two ROPEs of the same tokens, head width, positions and angles (a layer's q and k).
     static bool rope_pair(const std::vector<Tensor*>& nodes, size_t i) {
         if (i + 1 >= nodes.size()) return false;
@@ -636,7 +653,7 @@ private:
 
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
-    // gate and up products + their GLU; q and k ROPEs [+ the K and V stores after them]; K and V stores.
+    // gate and up products + their GLU; products of one x (q, k, v); q and k ROPEs [+ the K and V stores after them]; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
         if (!fusion_on_) {  // every node its own kernels (STOWLM_CUDA_FUSION=0: to compare, or to isolate a fault)
@@ -685,6 +702,16 @@ private:
                            g->ne[0], act->op == Op::GEGLU, scratch, s, held.x == x);
             held.x = x;
             return i + 3;
+        }
+        if (const int n = products_of_one_x(nodes, i)) {
+            cu::DeviceWeight ws[cu::kMmvMulti];
+            float* ys[cu::kMmvMulti];
+            int64_t ldys[cu::kMmvMulti];
+            for (int j = 0; j < n; j++) ws[j] = weight(nodes[i + j]->src[0]), ys[j] = f32(nodes[i + j]), ldys[j] = nodes[i + j]->ne[0];
+            Tensor* x = nodes[i]->src[1];
+            cu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, s, held.x == x);
+            held.x = x;
+            return i + n;
         }
         const bool with_add = add_then_norm(nodes, i);
         const size_t ni = with_add ? i + 1 : i;

@@ -37,33 +37,25 @@ __device__ __forceinline__ int64_t out_row(const TokenGroups& g, int64_t slot) {
     return g.out_row && !g.slot_ids ? g.out_row[slot] : slot;
 }
 
-// Reduces the per-lane partial sums of n rows and writes them (lane t writes row t).
+// Reduces the per-lane partial sums of n rows and writes them (lane t writes row t). n is uniform
+// over the warp: a decode step reduces its one row, not all kMmvBatch.
 __device__ __forceinline__ void write_rows(float (&acc)[kMmvBatch], int n, const TokenGroups& g, int64_t c0,
                                            int64_t row, float* y, int64_t ldy) {
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int t = 0; t < kMmvBatch; t++) {
+        if (t >= n) break;
         const float v = warp_sum(acc[t]);
-        if (lane == t && t < n) y[out_row(g, c0 + t) * ldy + row] = v;
+        if (lane == t) y[out_row(g, c0 + t) * ldy + row] = v;
     }
 }
 
+// One weight row's products with the activation rows of slots [begin, end), by the warp.
 template <QType T>
-__global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
-                                                              int64_t rows, int nsub,
-                                                              const block_q8_1* __restrict__ xq, int64_t xq_ld,
-                                                              int64_t n_slots, TokenGroups g, float* __restrict__ y,
-                                                              int64_t ldy) {
-    const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
-    if (row >= rows) return;
-    int64_t begin, end;
-    const uint8_t* wbase = group_slots(w, n_slots, g, &begin, &end);
+__device__ __forceinline__ void mmvq_row(const uint8_t* wrow, int nsub, const block_q8_1* __restrict__ xq,
+                                         int64_t xq_ld, int64_t begin, int64_t end, const TokenGroups& g,
+                                         int64_t row, float* __restrict__ y, int64_t ldy) {
     const int lane = threadIdx.x & 31;
-    if (!wbase) {  // by slot: an expert held elsewhere
-        if (lane == 0) y[out_row(g, begin) * ldy + row] = 0.0f;
-        return;
-    }
-    const uint8_t* wrow = wbase + (size_t)row * row_bytes;
     for (int64_t c0 = begin; c0 < end; c0 += kMmvBatch) {
         const int n = (int)min((int64_t)kMmvBatch, end - c0);
         const block_q8_1* xr[kMmvBatch];
@@ -79,6 +71,41 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* 
         }
         write_rows(acc, n, g, c0, row, y, ldy);
     }
+}
+
+template <QType T>
+__global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
+                                                              int64_t rows, int nsub,
+                                                              const block_q8_1* __restrict__ xq, int64_t xq_ld,
+                                                              int64_t n_slots, TokenGroups g, float* __restrict__ y,
+                                                              int64_t ldy) {
+    const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
+    if (row >= rows) return;
+    int64_t begin, end;
+    const uint8_t* wbase = group_slots(w, n_slots, g, &begin, &end);
+    if (!wbase) {  // by slot: an expert held elsewhere
+        if ((threadIdx.x & 31) == 0) y[out_row(g, begin) * ldy + row] = 0.0f;
+        return;
+    }
+    mmvq_row<T>(wbase + (size_t)row * row_bytes, nsub, xq, xq_ld, begin, end, g, row, y, ldy);
+}
+
+// Up to kMmvMulti products of the same activation rows (a layer's q, k and v) in one launch: the
+// blocks of weight 0's rows, then weight 1's, ...; each row as mmvq_kernel computes it (the same
+// bits). Entries picked by selects: a dynamic index would copy the parameters to local memory.
+template <QType T>
+__global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_multi_kernel(MmvqMulti m, size_t row_bytes, int nsub,
+                                                                    const block_q8_1* __restrict__ xq, int64_t xq_ld,
+                                                                    int64_t n_tok) {
+    const unsigned b = blockIdx.x;
+    const int i = b < m.block_end[0] ? 0 : b < m.block_end[1] ? 1 : 2;
+    const unsigned b0 = i == 0 ? 0u : i == 1 ? m.block_end[0] : m.block_end[1];
+    const int64_t row = (int64_t)(b - b0) * kMmvWarps + threadIdx.x / 32;
+    if (row >= (i == 0 ? m.rows[0] : i == 1 ? m.rows[1] : m.rows[2])) return;
+    const uint8_t* w = i == 0 ? m.w[0] : i == 1 ? m.w[1] : m.w[2];
+    float* y = i == 0 ? m.y[0] : i == 1 ? m.y[1] : m.y[2];
+    const int64_t ldy = i == 0 ? m.ldy[0] : i == 1 ? m.ldy[1] : m.ldy[2];
+    mmvq_row<T>(w + (size_t)row * row_bytes, nsub, xq, xq_ld, 0, n_tok, TokenGroups{}, row, y, ldy);
 }
 
 // The gate and up products of the same activations and the GLU that joins them, one warp per row
@@ -129,8 +156,9 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_glu_kernel(const uint8
         }
 #pragma unroll
         for (int t = 0; t < kMmvBatch; t++) {
+            if (t >= n) break;  // uniform over the warp
             const float vg = warp_sum(ag[t]), vu = warp_sum(au[t]);
-            if (lane == t && t < n) {
+            if (lane == t) {
                 const int64_t at = out_row(grp, c0 + t) * ldy + row;
                 g[at] = vg, u[at] = vu;
                 act[at] = Gelu ? gelu_tanh(vg) * vu : silu(vg) * vu;
@@ -193,6 +221,24 @@ void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int6
         default: throw InvalidInput(std::string("mmvq: weight type ") + qtype_name(t) + " is not a quantized type");
     }
     check_launch("mmvq_kernel");
+}
+
+void launch_mmvq_multi(QType t, MmvqMulti m, size_t row_bytes, int64_t cols, const block_q8_1* xq,
+                       int64_t xq_ld, int64_t n_tok, cudaStream_t s) {
+    int64_t blocks = 0;
+    for (int i = 0; i < kMmvMulti; i++) m.block_end[i] = (unsigned)(blocks += ceil_div(m.rows[i], kMmvWarps));
+    if (blocks == 0 || n_tok == 0) return;
+    const int nsub = (int)(cols / 32);
+    switch (t) {
+#define STOWLM_CASE(T)                                                                                         \
+    case QType::T:                                                                                             \
+        mmvq_multi_kernel<QType::T><<<(unsigned)blocks, kMmvWarps * 32, 0, s>>>(m, row_bytes, nsub, xq, xq_ld, n_tok); \
+        break;
+        STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
+#undef STOWLM_CASE
+        default: throw InvalidInput(std::string("mmvq_multi: weight type ") + qtype_name(t) + " is not a quantized type");
+    }
+    check_launch("mmvq_multi_kernel");
 }
 
 void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, size_t row_bytes, int64_t rows,

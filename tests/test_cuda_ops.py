@@ -126,6 +126,22 @@ def test_matmul_glu_gives_the_bits_of_its_three_kernels(dev, name, n_tok, gelu):
     np.testing.assert_array_equal(act, run(dev, "geglu" if gelu else "swiglu", g, u))
 
 
+@pytest.mark.parametrize("name", ["Q4_1", "Q8_0", "Q5_0", "Q6_K"])
+@pytest.mark.parametrize("n_tok", [1, 3, 8])
+@pytest.mark.parametrize("rows", [(576, 192, 192), (136, 8), (5,)])
+def test_matmul_multi_gives_each_products_bits(dev, name, n_tok, rows):
+    """A layer's q, k and v products of one x in one launch (matmul_multi) against each product
+    launched by itself, bit for bit; row counts that leave a block part full included."""
+    cuda_only(dev)
+    rng = np.random.default_rng(31 + n_tok + len(rows))
+    raws = [random_weights(name, r, 512, rng)[0] for r in rows]
+    x = rng.standard_normal((n_tok, 512)).astype(np.float32)
+    ys = run(dev, "matmul_multi", raws, int(T[name]), list(rows), 512, x)
+    assert len(ys) == len(rows)
+    for raw, r, y in zip(raws, rows, ys):
+        np.testing.assert_array_equal(y, run(dev, "matmul_raw", raw, int(T[name]), r, 512, x, path="vector"))
+
+
 def test_device_quantizer_bit_exact_with_host(dev):
     cuda_only(dev)
     rng = np.random.default_rng(8)

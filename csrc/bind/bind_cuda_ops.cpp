@@ -149,6 +149,37 @@ nb::tuple matmul_glu(In<uint8_t> wg, In<uint8_t> wu, uint32_t qtype, int64_t row
     return nb::make_tuple(download<float>(d, yg, shape), download<float>(d, yu, shape), download<float>(d, ya, shape));
 }
 
+// Products of one x by 1..3 weights of one type and width in one kernel (matmul_multi): a list
+// of (n_tok, rows_i) arrays.
+nb::list matmul_multi(const std::vector<In<uint8_t>>& ws, uint32_t qtype, const std::vector<int64_t>& rows,
+                      int64_t cols, In<float> x, int dev_index) {
+    stowlm::qtype_checked(qtype);
+    const QType tt = (QType)qtype;
+    const int n = (int)ws.size();
+    if (n < 1 || n > cu::kMmvMulti || rows.size() != ws.size())
+        throw InvalidInput("matmul_multi: 1 to 3 weights, a row count for each");
+    if (x.ndim() != 2 || (int64_t)x.shape(1) != cols) throw InvalidInput("matmul_multi: x must be (n_tok, cols)");
+    cu::CudaDevice& d = device(dev_index);
+    const int64_t n_tok = (int64_t)x.shape(0);
+    std::vector<std::unique_ptr<Buf>> wb, yb;
+    cu::DeviceWeight dw[cu::kMmvMulti];
+    float* ys[cu::kMmvMulti];
+    int64_t ldys[cu::kMmvMulti];
+    for (int i = 0; i < n; i++) {
+        if (ws[i].size() != stowlm::row_bytes(tt, cols) * (size_t)rows[i])
+            throw InvalidInput("matmul_multi: weight " + std::to_string(i) + " must have rows*row_bytes bytes");
+        wb.push_back(std::make_unique<Buf>(d, ws[i].data(), ws[i].size()));
+        yb.push_back(std::make_unique<Buf>(d, (size_t)(n_tok * rows[i]) * 4));
+        dw[i] = {wb[i]->p, tt, rows[i], cols};
+        ys[i] = yb[i]->as<float>(), ldys[i] = rows[i];
+    }
+    Buf xb(d, x.data(), x.size() * 4), sb(d, cu::matmul_scratch_bytes(tt, cols, n_tok));
+    cu::matmul_multi(dw, n, xb.as<float>(), n_tok, cols, ys, ldys, sb.p, d.compute_stream());
+    nb::list out;
+    for (int i = 0; i < n; i++) out.append(download<float>(d, *yb[i], {(size_t)n_tok, (size_t)rows[i]}));
+    return out;
+}
+
 Out<uint8_t> quantize_q8_1(In<float> x, int dev_index) {
     if (x.ndim() != 2) throw InvalidInput("quantize_q8_1: x must be 2-D");
     cu::CudaDevice& d = device(dev_index);
@@ -339,6 +370,8 @@ STOWLM_BIND(cuda_ops) {
            nb::arg("cols"), nb::arg("x"), nb::arg("path") = "auto", nb::arg("device") = 0);
     co.def("matmul_glu", &matmul_glu, nb::arg("wg"), nb::arg("wu"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
            nb::arg("x"), nb::arg("gelu") = false, nb::arg("device") = 0);
+    co.def("matmul_multi", &matmul_multi, nb::arg("ws"), nb::arg("qtype"), nb::arg("rows"), nb::arg("cols"),
+           nb::arg("x"), nb::arg("device") = 0);
     co.def("quantize_q8_1", &quantize_q8_1, nb::arg("x"), nb::arg("device") = 0,
            "block_q8_1 bytes (n, cols/32*48) as the device quantizer writes them");
     co.def("flash_attn", &flash_attn, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("q_pos"), nb::arg("kv_pos"),

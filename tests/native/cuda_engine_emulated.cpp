@@ -214,7 +214,7 @@ void check_seqs(const std::string& model_dir, const std::string& name, Run r, co
 // first, unless the product before it or the norm that made them left their q8_1 rows in the
 // scratch; a residual add and the norm after it are one kernel; attention over fewer than 512
 // cells runs in one KV split.
-constexpr int kLlamaLayerKernels = 3     // q, k, v: three products of the rows attn_norm quantized
+constexpr int kLlamaLayerKernels = 1     // q, k, v: one launch of the three products of the rows attn_norm quantized
                                    + 1   // rope q and k and store k and v, one launch
                                    + 1   // flash attention
                                    + 2   // attn_output

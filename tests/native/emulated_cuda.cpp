@@ -328,6 +328,21 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
     });
 }
 
+void matmul_multi(const DeviceWeight* ws, int n, const float* x, int64_t n_tok, int64_t ldx, float* const* ys,
+                  const int64_t* ldys, void* scratch, Stream s, bool x_quantized) {
+    if (n < 1 || n > kMmvMulti) throw InvalidInput("matmul_multi: 1 to 3 weights");
+    for (int i = 0; i < n; i++)
+        if (is_float_type(ws[i].type) || ws[i].type != ws[0].type || ws[i].cols != ws[0].cols)
+            throw InvalidInput("matmul_multi: the weights must be quantized, of one type and width");
+    if (n_tok < 0 || n_tok >= kCudaBatchedMinTokens) throw InvalidInput("matmul_multi: too many tokens");
+    // each product as matmul (the first quantizes x unless x_quantized, the others check the
+    // scratch holds its rows), counted as the real launcher's kernels: quantize_q8_1 + one
+    const uint64_t before = t_launches;
+    for (int i = 0; i < n; i++) matmul(ws[i], x, n_tok, ldx, ys[i], ldys[i], scratch, s, MatmulPath::Vector, x_quantized || i > 0);
+    t_launches = before;
+    launched(n_tok > 0, x_quantized ? 1 : 2);
+}
+
 void matmul_glu(const DeviceWeight& gate, const DeviceWeight& up, const float* x, int64_t n_tok, int64_t ldx,
                 float* g, float* u, float* act, int64_t ldy, bool gelu, void* scratch, Stream s, bool x_quantized) {
     if (is_float_type(gate.type) || gate.type != up.type || gate.rows != up.rows || gate.cols != up.cols)
