@@ -287,9 +287,11 @@ inline int flash_attn_auto_splits(int64_t n_tok, int64_t n_head, int64_t n_kv, i
 // own, n_split 1 folds them in order in one block per (token, head): the same bits either way, so
 // a query's result depends on its own cells only. With p.seq_cells > 0 a query reads only its
 // sequence's region. Scratch: flash_attn_scratch_bytes(n_tok, n_head, hd_v, n_split).
+// With yq, out's block_q8_1 rows too (as quantize_q8_1 would write them, for the product that
+// reads out): ld_out must be n_head * hd_v and hd_v a multiple of 32.
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
-                int n_split, void* scratch, Stream s);
+                int n_split, void* scratch, Stream s, void* yq = nullptr);
 
 // ---- elementwise (elementwise.cu) --------------------------------------------------------
 

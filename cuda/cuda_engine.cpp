@@ -605,6 +605,17 @@ private:
         return n >= 2 ? n : 0;
     }
 
+    // An attention whose output the next node multiplies by quantized weights (attn_output): the
+    // attention kernel writes the product's q8_1 rows into the scratch too.
+    bool attn_feeds_product(const std::vector<Tensor*>& nodes, size_t i, size_t scratch_bytes) const {
+        const Tensor* n = nodes[i];
+        if (n->op != Op::FLASH_ATTN || i + 1 >= nodes.size() || !same_rows(n, n) || n->ne[0] % 32) return false;
+        const Tensor* mm = nodes[i + 1];
+        const int64_t hd_v = kv_view(*n).hd_v;
+        return mm->op == Op::MUL_MAT && mm->src[1] == n && !is_float_type(mm->src[0]->type) && hd_v % 32 == 0 &&
+               n->ne[0] == n->src[0]->ne[1] * hd_v && q8_1_span(*n) <= scratch_bytes;
+    }
+
     // Two ROPEs of the same tokens, head width, positions and angles (a layer's q and k).
     static bool rope_pair(const std::vector<Tensor*>& nodes, size_t i) {
         if (i + 1 >= nodes.size()) return false;
@@ -653,7 +664,7 @@ private:
 
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
-    // gate and up products + their GLU; products of one x (q, k, v); q and k ROPEs [+ the K and V stores after them]; K and V stores.
+    // gate and up products + their GLU; products of one x (q, k, v); attention + its output's q8_1 rows; q and k ROPEs [+ the K and V stores after them]; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
         if (!fusion_on_) {  // every node its own kernels (STOWLM_CUDA_FUSION=0: to compare, or to isolate a fault)
@@ -703,6 +714,11 @@ private:
             held.x = x;
             return i + 3;
         }
+        if (scratch && attn_feeds_product(nodes, i, scratch_bytes)) {
+            attention(nodes[i], scratch, scratch_bytes, s, scratch);
+            held.x = nodes[i];  // the product after it finds its q8_1 rows in the scratch
+            return i + 1;
+        }
         if (const int n = products_of_one_x(nodes, i)) {
             cu::DeviceWeight ws[cu::kMmvMulti];
             float* ys[cu::kMmvMulti];
@@ -730,6 +746,23 @@ private:
         run(nodes[i], scratch, scratch_bytes, s, held);
         return i + 1;
     }
+
+    // Attention; with yq (the scratch's start) its output's q8_1 rows too, the split partials then
+    // after them.
+    void attention(Tensor* n, void* scratch, size_t scratch_bytes, cu::Stream s, void* yq) {
+        const Tensor* q = n->src[0];
+        const size_t skip = yq ? q8_1_span(*n) : 0;
+        char* part = scratch ? (char*)scratch + skip : nullptr;
+        const size_t part_bytes = scratch_bytes > skip ? scratch_bytes - skip : 0;
+        // Split the KV range when the scratch the plan reserved holds the partials (with fixed
+        // splits, not splitting gives the same bits).
+        int n_split = attn_splits(*n);
+        if (n_split > 1 && (!part || attn_scratch(*n) > part_bytes)) n_split = 1;
+        cu::flash_attn(f32(q), q->ne[2], q->ne[1], q->ne[0] * q->ne[1], kv_view(*n), i32(n->src[3]), i32(n->src[4]),
+                       attn_params(*n), f32(n), n->ne[0], n_split, n_split > 1 ? part : nullptr, s, yq);
+    }
+    // The scratch bytes an attention's q8_1 output rows take (the partials start 256-aligned after).
+    static size_t q8_1_span(const Tensor& n) { return (cu::q8_1_bytes(n.n_rows(), n.ne[0]) + 255) & ~(size_t)255; }
 
     // Enqueues node n on stream s (the compute stream, or the capture stream while capturing).
     void run(Tensor* n, void* scratch, size_t scratch_bytes, cu::Stream s, ScratchHolds& held) {
@@ -808,17 +841,9 @@ private:
                 });
                 return;
             }
-            case Op::FLASH_ATTN: {
-                const cpu::KvView kv = kv_view(*n);
-                const cpu::AttnParams p = attn_params(*n);
-                // Split the KV range when the scratch the plan reserved holds the partials (with
-                // fixed splits, not splitting gives the same bits).
-                int n_split = attn_splits(*n);
-                if (n_split > 1 && (!scratch || attn_scratch(*n) > scratch_bytes)) n_split = 1;
-                cu::flash_attn(f32(a), a->ne[2], a->ne[1], a->ne[0] * a->ne[1], kv, i32(n->src[3]), i32(n->src[4]), p,
-                               f32(n), n->ne[0], n_split, n_split > 1 ? scratch : nullptr, s);
+            case Op::FLASH_ATTN:
+                attention(n, scratch, scratch_bytes, s, nullptr);
                 return;
-            }
             case Op::SWIGLU:
             case Op::GEGLU:
                 in_row_chunks(a->n_rows(), [&](int64_t r0, int64_t nr) {

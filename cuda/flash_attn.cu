@@ -56,6 +56,7 @@ struct FaArgs {
     int64_t n_splits;   // splits of the n_kv cells
     bool per_block;     // blockIdx.y is the split, its state goes to `partial`; else a block folds all
     float* partial;     // [n_tok * n_head][n_splits][hd_v + 2]: m, l, acc
+    block_q8_1* yq;     // or null: out's q8_1 rows too (ld_out == n_head * hd_v, hd_v % 32 == 0)
 };
 
 // Element d of a K or V head row. Q8_0: element lane + 32*i is value `lane` of block i.
@@ -198,7 +199,10 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
 #pragma unroll
     for (int i = 0; i < kPT; i++) {
         const int d = threadIdx.x + (W * 32) * i;
-        if (d < a.hd_v) o[d] = A[i] * sc;
+        if (d >= a.hd_v) break;  // with yq uniform over a warp (hd_v % 32 == 0)
+        const float v = A[i] * sc;
+        o[d] = v;
+        if (a.yq) warp_quantize_q8_1(v, a.yq + (t * a.ld_out + h * a.hd_v + d) / 32);
     }
 }
 
@@ -220,7 +224,9 @@ __global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const Fa
             online_softmax_merge(M, L, p[0], p[1], &fa, &fb);
             A = attn_fold_acc(A, fa, p[2 + d], fb);
         }
-        o[d] = A * attn_out_scale(M, L, sinks != nullptr, sinks ? sinks[h] : 0.0f);
+        const float v = A * attn_out_scale(M, L, sinks != nullptr, sinks ? sinks[h] : 0.0f);
+        o[d] = v;
+        if (a.yq) warp_quantize_q8_1(v, a.yq + (t * a.ld_out + h * a.hd_v + d) / 32);  // a warp: 32 of d
     }
 }
 
@@ -356,7 +362,7 @@ int fa_warps() {
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
-                int n_split, void* scratch, Stream s) {
+                int n_split, void* scratch, Stream s, void* yq) {
     const QType kv_type = kv.type;
     if (kv_type != QType::F16 && kv_type != QType::Q8_0)
         throw InvalidInput(std::string("cuda flash_attn: kv_type ") + qtype_name(kv_type) + " is not F16 or Q8_0");
@@ -391,18 +397,21 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     }
     const bool per_block = n_split > 1;
     if (per_block && scratch == nullptr) throw InvalidInput("cuda flash_attn: n_split > 1 needs scratch");
+    if (yq && (ld_out != n_head * kv.hd_v || kv.hd_v % 32))
+        throw InvalidInput("cuda flash_attn: q8_1 rows of out need ld_out == n_head * hd_v and hd_v % 32 == 0");
     if (n_tok == 0 || n_head == 0) return;
     FaArgs a{q, n_tok, n_head, ld_q, (const uint8_t*)kv.k, (const uint8_t*)kv.v, n_kv, kv.n_head_kv,
              kv.k_cell_bytes, kv.v_cell_bytes, rb_k, rb_v, (int)kv.hd_k, (int)kv.hd_v, q_pos, kv_pos, p.sinks,
              p.q_seq, p.kv_seq, p.seq_cells, p.q_seq ? p.seq_end : nullptr, p.scale, p.softcap, p.window, p.causal,
              out, ld_out, split_len,
-             n_splits, per_block, (float*)scratch};
+             n_splits, per_block, (float*)scratch, (block_q8_1*)yq};
     const cudaStream_t st = (cudaStream_t)s;
     if (tiled_prompt(a, kv_type)) {
         const dim3 tiles((unsigned)((n_tok + kTileQ - 1) / kTileQ), (unsigned)n_head);
         if (kv.hd_k == 64) flash_attn_tiled_kernel<64><<<tiles, 128, 0, st>>>(a);
         else flash_attn_tiled_kernel<128><<<tiles, 128, 0, st>>>(a);
         check_launch("flash_attn_tiled_kernel");
+        if (yq) quantize_q8_1(out, n_tok, n_head * kv.hd_v, ld_out, yq, s);
         return;
     }
     const dim3 grid((unsigned)(n_tok * n_head), per_block ? (unsigned)n_splits : 1u);

@@ -231,6 +231,21 @@ def test_flash_attn_q8_0_cache(dev, n_split):
     np.testing.assert_allclose(out, ref, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("n_tok,hd,n_split", [(1, 64, 1), (1, 64, 4), (3, 128, 1), (12, 64, 1), (2, 64, 0)])
+def test_flash_attn_writes_its_outputs_q8_1_rows(dev, n_tok, hd, n_split):
+    """The attention kernel that also writes its output's block_q8_1 rows (for attn_output's
+    product): the same output, and rows that are the device quantizer's of it, byte for byte,
+    through one block, split partials and their merge, and a prompt-sized pass."""
+    cuda_only(dev)
+    q, k, v, q_pos, kv_pos = attn_inputs(n_tok, 6, 2, hd, 700)
+    k, v = k.astype(np.float16).view(np.uint16), v.astype(np.float16).view(np.uint16)
+    scale = 1 / np.sqrt(hd)
+    plain = run(dev, "flash_attn", q, k, v, q_pos, kv_pos, scale, n_split=n_split)
+    out, rows = run(dev, "flash_attn", q, k, v, q_pos, kv_pos, scale, n_split=n_split, q8_1=True)
+    np.testing.assert_array_equal(out, plain)
+    np.testing.assert_array_equal(rows, run(dev, "quantize_q8_1", out.reshape(n_tok, -1)))
+
+
 # ---- elementwise --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["F32", "F16", "BF16", "Q4_0", "Q5_1", "Q8_0", "IQ4_NL", "Q2_K", "Q3_K",

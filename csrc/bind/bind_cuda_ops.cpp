@@ -228,10 +228,11 @@ std::unique_ptr<Buf> upload_opt(cu::CudaDevice& d, const std::optional<In<T>>& a
     return std::make_unique<Buf>(d, a->data(), a->size() * sizeof(T));
 }
 
-Out<float> flash_attn(In<float> q, AnyArr k, AnyArr v, In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap,
+// With q8_1: (out, its block_q8_1 rows as the kernel wrote them beside it).
+nb::object flash_attn(In<float> q, AnyArr k, AnyArr v, In<int32_t> q_pos, In<int32_t> kv_pos, float scale, float softcap,
                       int window, bool causal, int n_split, const std::string& kv_type_name,
                       std::optional<In<float>> sinks, std::optional<In<int32_t>> q_seq,
-                      std::optional<In<int32_t>> kv_seq, int split_cells, int seq_cells, int dev_index) {
+                      std::optional<In<int32_t>> kv_seq, int split_cells, int seq_cells, bool q8_1, int dev_index) {
     const QType kv_type = kv_type_of(kv_type_name);
     if (q.ndim() != 3 || k.ndim() != 3 || v.ndim() != 3) throw InvalidInput("flash_attn: q, k, v must be 3-D");
     const int64_t n_tok = q.shape(0), n_head = q.shape(1), hd = q.shape(2), n_kv = k.shape(0), n_head_kv = k.shape(1);
@@ -260,9 +261,14 @@ Out<float> flash_attn(In<float> q, AnyArr k, AnyArr v, In<int32_t> q_pos, In<int
     kv.k_cell_bytes = (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd);
     kv.v_cell_bytes = (size_t)n_head_kv * stowlm::row_bytes(kv_type, hd_v);
     kv.hd_k = hd, kv.hd_v = hd_v;
+    std::unique_ptr<Buf> yb;
+    if (q8_1) yb = std::make_unique<Buf>(d, cu::q8_1_bytes(n_tok, n_head * hd_v));
     cu::flash_attn(qb.as<float>(), n_tok, n_head, n_head * hd, kv, qpb.as<int32_t>(), kpb.as<int32_t>(), p,
-                   ob.as<float>(), n_head * hd_v, n_split, sb.p, d.compute_stream());
-    return download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd_v});
+                   ob.as<float>(), n_head * hd_v, n_split, sb.p, d.compute_stream(), yb ? yb->p : nullptr);
+    nb::object out = nb::cast(download<float>(d, ob, {(size_t)n_tok, (size_t)n_head, (size_t)hd_v}));
+    if (!q8_1) return out;
+    const size_t row = (size_t)(n_head * hd_v / 32) * sizeof(stowlm::block_q8_1);
+    return nb::make_tuple(out, download<uint8_t>(d, *yb, {(size_t)n_tok, row}));
 }
 
 // Multi-head latent attention's layout: V is the first hd_v values of each K cell (one KV head,
@@ -378,9 +384,9 @@ STOWLM_BIND(cuda_ops) {
            nb::arg("scale"), nb::arg("softcap") = 0.0f, nb::arg("window") = 0, nb::arg("causal") = true,
            nb::arg("n_split") = 1, nb::arg("kv_type") = "F16", nb::arg("sinks").none() = nb::none(),
            nb::arg("q_seq").none() = nb::none(), nb::arg("kv_seq").none() = nb::none(), nb::arg("split_cells") = 0,
-           nb::arg("seq_cells") = 0, nb::arg("device") = 0,
+           nb::arg("seq_cells") = 0, nb::arg("q8_1") = false, nb::arg("device") = 0,
            "k (n_kv, n_head_kv, hd_k), v (n_kv, n_head_kv, hd_v): float16 bits as uint16, or float32 stored into "
-           "kv_type cells on the device; n_split <= 0: the launcher's choice");
+           "kv_type cells on the device; n_split <= 0: the launcher's choice; q8_1: (out, its block_q8_1 rows)");
     co.def("flash_attn_v_in_k", &flash_attn_v_in_k, nb::arg("q"), nb::arg("k"), nb::arg("hd_v"), nb::arg("q_pos"),
            nb::arg("kv_pos"), nb::arg("scale"), nb::arg("n_split") = 1, nb::arg("device") = 0);
     co.def("unrepack_rows16", &unrepack_rows16, nb::arg("packed"), nb::arg("qtype"), nb::arg("n_mat"), nb::arg("rows"),

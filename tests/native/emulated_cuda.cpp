@@ -472,7 +472,7 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
 
 void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, const cpu::KvView& kv,
                 const int32_t* q_pos, const int32_t* kv_pos, const cpu::AttnParams& p, float* out, int64_t ld_out,
-                int n_split, void* scratch, Stream) {
+                int n_split, void* scratch, Stream, void* yq) {
     if (kv.hd_k > kFlashAttnMaxHeadDimK || kv.hd_v > kFlashAttnMaxHeadDimV)
         throw InvalidInput("flash_attn: head widths beyond the kernel's");
     dev_ptr(q, span(n_tok, ld_q, n_head * kv.hd_k), "flash_attn q");
@@ -494,11 +494,23 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
         g_split_calls++;
         if (p.split_cells > 0) g_fixed_split_calls++;
     }
+    const int64_t cols = n_head * kv.hd_v;
+    if (yq) {
+        if (ld_out != cols || kv.hd_v % 32) throw InvalidInput("flash_attn: q8_1 rows need ld_out == n_head * hd_v, hd_v % 32 == 0");
+        dev_ptr(yq, q8_1_bytes(n_tok, cols), "flash_attn yq");
+        if (n_split > 1 && (char*)scratch < (char*)yq + q8_1_bytes(n_tok, cols) &&
+            (char*)yq < (char*)scratch + flash_attn_scratch_bytes(n_tok, n_head, kv.hd_v, n_split))
+            throw InvalidInput("flash_attn: the q8_1 rows overlap the split partials");
+    }
     launched(n_tok > 0 && n_head > 0, n_split > 1 ? 2 : 1);  // the split partials' merge is a kernel of its own
     exec([=] {
         // the split partials overwrite the scratch, as on the device
         if (n_split > 1) memset(scratch, 0x5a, flash_attn_scratch_bytes(n_tok, n_head, kv.hd_v, n_split));
         cpu::flash_attn(q, n_tok, n_head, ld_q, kv, q_pos, kv_pos, p, out, ld_out, nullptr, pool());
+        if (yq) {  // the kernel that writes out writes its q8_1 rows too
+            const std::vector<block_q8_1> r = q8_1_rows(out, n_tok, cols, ld_out);
+            memcpy(yq, r.data(), r.size() * sizeof(block_q8_1));
+        }
     });
 }
 
