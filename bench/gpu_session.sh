@@ -45,9 +45,9 @@
 #   If a CUDA model test fails there: STOWLM_CUDA_GRAPHS=0 (no graphs) and STOWLM_CUDA_FUSION=0
 #   (no fused kernels) in a rerun of that test tell which part; tests/test_cuda_ops.py checks each
 #   fused kernel against the kernels it replaces.
-#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); FA_VARIANTS (attention
+#   Knobs: COMPARE_ROUNDS (gpu_compare's rounds, default 3, 0: none); FA_VARIANTS (kernel
 #   experiments, each VAR=VALUE: its GPU tests, a gpu_compare column, op times; default
-#   "STOWLM_CUDA_FA_WARPS=16 STOWLM_CUDA_FA_TILED=1", "" for none); PROFILE (ncu on the kernels matching this regex, default flash_attn, 0: none; into
+#   "STOWLM_CUDA_FA_TILED=1 STOWLM_CUDA_PDL=1"; STOWLM_CUDA_FA_WARPS=16 is another; "" for none); PROFILE (ncu on the kernels matching this regex, default flash_attn, 0: none; into
 #   session.log: $OUT brings back at most 8 files); BIG_MOE=1 runs item 4 below at the end with
 #   what is left of SESSION_SECONDS, BIG_MOE_ARGS adds to its arguments (--no-variants, --no-sweep).
 #   Optional, with 7 minutes of device time left, right after call 3 on the same warm machine:
@@ -86,7 +86,7 @@ STASH=$STOWLM_CARRIED
 MODELS=${STOWLM_CACHE:-$HOME/.cache/stowlm}/models
 CARRY=${CARRY_DIR:-$REPO/.carry}
 BUDGET=${SESSION_SECONDS:-480}
-FA_VARIANTS=${FA_VARIANTS-STOWLM_CUDA_FA_WARPS=16 STOWLM_CUDA_FA_TILED=1}
+FA_VARIANTS=${FA_VARIANTS-STOWLM_CUDA_FA_TILED=1 STOWLM_CUDA_PDL=1}
 START=$SECONDS
 SUMMARY=()
 
@@ -234,7 +234,7 @@ if [ "$MODE" = gpu ]; then
             done
         fi
     fi
-    # each attention experiment (FA_VARIANTS): its tests and the models' against llama.cpp and the CPU
+    # each kernel experiment (FA_VARIANTS): its tests and the models' against llama.cpp and the CPU
     for fav in $FA_VARIANTS; do
         step "GPU tests with $fav" 90 "" env STOWLM_REQUIRE_GPU=1 "$fav" "$PY" -m pytest -q -p no:cacheprovider -rfE \
             --tb=line "${GPU_TESTS[@]}" \

@@ -2,6 +2,7 @@
 // kernel (mmvq.cu) and the tiled tensor-core kernel (mmq.cu).
 #include <chrono>
 #include <condition_variable>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -25,6 +26,19 @@ int current_cc_major() {
 }  // namespace
 
 thread_local uint64_t t_launches = 0;
+bool pdl_enabled() {
+    static const bool asked = [] {
+        const char* e = std::getenv("STOWLM_CUDA_PDL");
+        return e && std::string(e) == "1";
+    }();
+    if (!asked) return false;
+    thread_local int dev = -1, ok = 0;  // the current device's answer, per thread
+    int cur = 0;
+    check_cuda(cudaGetDevice(&cur), "cudaGetDevice");
+    if (cur != dev) dev = cur, ok = current_cc_major() >= 9;
+    return ok;
+}
+
 uint64_t launches_on_this_thread() { return t_launches; }
 
 namespace {

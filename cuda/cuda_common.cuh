@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <utility>
 
 #include "cuda_backend.h"
 #include "error.h"
@@ -26,6 +27,31 @@ inline void check_launch(const char* kernel) {
 }
 
 inline unsigned ceil_div(int64_t a, int64_t b) { return (unsigned)((a + b - 1) / b); }
+
+// Programmatic dependent launch (sm_90+, STOWLM_CUDA_PDL=1, for now a measurement): a decode
+// step's kernels launched by launch_pdl may be scheduled while the kernel before them is still
+// running, and wait in pdl_begin until it has finished and its writes are visible, so a launch's
+// latency overlaps the kernel before. Every kernel launch_pdl launches starts with pdl_begin.
+bool pdl_enabled();  // cuda_backend.cu: the switch, and a device of compute capability 9+
+__device__ __forceinline__ void pdl_begin() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");  // the next kernel may be scheduled now
+    asm volatile("griddepcontrol.wait;" ::: "memory");               // the kernel before has finished
+#endif
+}
+template <typename... P, typename... A>
+inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t s, A&&... args) {
+    if (!pdl_enabled()) {
+        kernel<<<grid, block, smem, s>>>(std::forward<A>(args)...);
+        return;
+    }
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t c = {};
+    c.gridDim = grid, c.blockDim = block, c.dynamicSmemBytes = smem, c.stream = s, c.attrs = attr, c.numAttrs = 1;
+    check_cuda(cudaLaunchKernelEx(&c, kernel, std::forward<A>(args)...), "cudaLaunchKernelEx");
+}
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

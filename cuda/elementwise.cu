@@ -21,6 +21,7 @@ template <typename Block, int N, void (*Decode)(const Block*, float*)>
 __global__ void __launch_bounds__(128) get_rows_kernel(const uint8_t* __restrict__ table, size_t row_bytes,
                                                        int64_t n_cols, const int32_t* __restrict__ ids,
                                                        float* __restrict__ out, int64_t ld_out) {
+    pdl_begin();
     const int64_t i = blockIdx.y;
     const int64_t nb = n_cols / N;
     const Block* row = (const Block*)(table + (size_t)ids[i] * row_bytes);
@@ -33,7 +34,7 @@ void launch_get_rows(const void* table, size_t rb, int64_t n_cols, const int32_t
                      int64_t ld_out, cudaStream_t s) {
     const int64_t nb = n_cols / N;
     const dim3 grid((unsigned)std::min<int64_t>(ceil_div(nb, 128), 64), (unsigned)n_ids);
-    get_rows_kernel<Block, N, Decode><<<grid, 128, 0, s>>>((const uint8_t*)table, rb, n_cols, ids, out, ld_out);
+    launch_pdl(get_rows_kernel<Block, N, Decode>, grid, 128, 0, s, (const uint8_t*)table, rb, n_cols, ids, out, ld_out);
 }
 
 // ---- row reductions: one block of 256 threads per row -------------------------------------
@@ -59,6 +60,7 @@ __device__ __forceinline__ float block_max(float v, float* red) {
 
 __global__ void __launch_bounds__(256) rms_norm_kernel(const float* __restrict__ x, int64_t dim, int64_t ldx,
                                                        const float* __restrict__ w, float eps, float* y, int64_t ldy) {
+    pdl_begin();
     __shared__ float red[8];
     const float* xr = x + blockIdx.x * ldx;
     float ss = 0.0f;
@@ -77,6 +79,7 @@ __global__ void __launch_bounds__(256) rms_norm_kernel(const float* __restrict__
 __global__ void __launch_bounds__(256) add_rms_norm_kernel(const float* a, const float* b, int64_t dim,
                                                            float* sum, const float* __restrict__ w, float eps,
                                                            float* y, block_q8_1* yq) {
+    pdl_begin();
     __shared__ float red[8];
     const int64_t row = (int64_t)blockIdx.x * dim;
     const float* x = b ? sum : a;
@@ -97,6 +100,7 @@ __global__ void __launch_bounds__(256) add_rms_norm_kernel(const float* a, const
 
 __global__ void __launch_bounds__(256) softmax_kernel(const float* __restrict__ x, int64_t dim, int64_t ldx, float sc,
                                                       float* y, int64_t ldy) {
+    pdl_begin();
     __shared__ float red[8];
     const float* xr = x + blockIdx.x * ldx;
     float* yr = y + blockIdx.x * ldy;
@@ -155,6 +159,7 @@ __device__ __forceinline__ void rope_rotate(float* xh, int64_t i, int32_t pos, b
 
 __global__ void __launch_bounds__(256) rope_kernel(RopeJobs jobs, int64_t n_tok, int64_t head_dim,
                                                    const int32_t* __restrict__ pos, bool neox, RopeAngleParams a) {
+    pdl_begin();
     float* x = pick(jobs.x, blockIdx.y);
     const int64_t n_head = pick(jobs.n_head, blockIdx.y), ld_tok = pick(jobs.ld_tok, blockIdx.y);
     const int64_t half = a.n_rot / 2;
@@ -177,6 +182,7 @@ __device__ __forceinline__ const float* strided_row(const float* base, const Str
 
 // Rows in blockIdx.y steps (any count), elements in blockIdx.x * blockDim.x steps.
 __global__ void __launch_bounds__(256) cont_kernel(const float* x, Strides sx, int64_t rows, int64_t ne0, float* out) {
+    pdl_begin();
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const float* xr = strided_row(x, sx, r);
         for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < ne0; i += (int64_t)gridDim.x * blockDim.x)
@@ -186,6 +192,7 @@ __global__ void __launch_bounds__(256) cont_kernel(const float* x, Strides sx, i
 
 __global__ void __launch_bounds__(256) concat_kernel(const float* a, Strides sa, int64_t a0, const float* b, Strides sb,
                                                      int64_t b0, int64_t rows, float* out) {
+    pdl_begin();
     const int64_t w = a0 + b0;
     for (int64_t r = blockIdx.y; r < rows; r += gridDim.y) {
         const float* ar = strided_row(a, sa, r);
@@ -197,6 +204,7 @@ __global__ void __launch_bounds__(256) concat_kernel(const float* a, Strides sa,
 
 __global__ void __launch_bounds__(256) swiglu_oai_kernel(const float* g, const float* u, int64_t n, float alpha,
                                                          float limit, float* out) {
+    pdl_begin();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         out[i] = stowlm::swiglu_oai(g[i], u[i], alpha, limit);
 }
@@ -212,6 +220,7 @@ enum class Ew { Add, Mul, SwiGLU, GeGLU };
 template <Ew Op>
 __global__ void __launch_bounds__(256) binary_kernel(const float* a, int64_t ld_a, const float* b, int64_t ld_b,
                                                      int64_t dim, float* out, int64_t ld_out) {
+    pdl_begin();
     const int64_t r = blockIdx.y;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x) {
         const float x = a[r * ld_a + i], z = b[r * ld_b + i];
@@ -226,6 +235,7 @@ __global__ void __launch_bounds__(256) binary_kernel(const float* a, int64_t ld_
 
 template <bool Cap>
 __global__ void __launch_bounds__(256) unary_kernel(float* x, int64_t dim, int64_t ldx, float c) {
+    pdl_begin();
     const int64_t r = blockIdx.y;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x) {
         float& v = x[r * ldx + i];
@@ -234,10 +244,12 @@ __global__ void __launch_bounds__(256) unary_kernel(float* x, int64_t dim, int64
 }
 
 __global__ void __launch_bounds__(256) f32_to_f16_kernel(const float* x, uint16_t* y, int64_t n) {
+    pdl_begin();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = f32_to_fp16(x[i]);
 }
 __global__ void __launch_bounds__(256) f16_to_f32_kernel(const uint16_t* x, float* y, int64_t n) {
+    pdl_begin();
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x)
         y[i] = fp16_to_f32(x[i]);
 }
@@ -268,10 +280,12 @@ __device__ __forceinline__ void store_row(const StoreJobs& jobs, unsigned j, int
     }
 }
 __global__ void __launch_bounds__(256) store_kv_f16_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
+    pdl_begin();
     store_row<false>(jobs, blockIdx.z, blockIdx.y, cells, (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
                      (int64_t)gridDim.x * blockDim.x);
 }
 __global__ void __launch_bounds__(128) store_kv_q8_0_kernel(StoreJobs jobs, const int32_t* __restrict__ cells) {
+    pdl_begin();
     store_row<true>(jobs, blockIdx.z, blockIdx.y, cells, (int64_t)blockIdx.x * blockDim.x + threadIdx.x,
                     (int64_t)gridDim.x * blockDim.x);
 }
@@ -284,6 +298,7 @@ __global__ void __launch_bounds__(256) rope_store_kernel(float* __restrict__ q, 
                                                          int64_t n_head_k, StoreJobs kv, int64_t head_dim,
                                                          const int32_t* __restrict__ pos, bool neox, RopeAngleParams a,
                                                          const int32_t* __restrict__ cells) {
+    pdl_begin();
     const int64_t t = blockIdx.x, half = a.n_rot / 2;
     const unsigned job = blockIdx.y;
     if (job < 2) {
@@ -308,7 +323,7 @@ void binary(const char* name, const float* a, int64_t ld_a, const float* b, int6
             float* out, int64_t ld_out, Stream s) {
     check_rows(name, n, dim);
     if (n == 0 || dim == 0) return;
-    binary_kernel<Op><<<rows_grid(n, dim), 256, 0, (cudaStream_t)s>>>(a, ld_a, b, ld_b, dim, out, ld_out);
+    launch_pdl(binary_kernel<Op>, rows_grid(n, dim), 256, 0, (cudaStream_t)s, a, ld_a, b, ld_b, dim, out, ld_out);
     check_launch(name);
 }
 
@@ -362,7 +377,7 @@ void rms_norm(const float* x, int64_t n_rows, int64_t dim, int64_t ldx, const fl
               int64_t ldy, Stream s) {
     if (n_rows < 0 || dim < 0) throw InvalidInput("rms_norm: negative size");
     if (n_rows == 0 || dim == 0) return;
-    rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(x, dim, ldx, weight, eps, y, ldy);
+    launch_pdl(rms_norm_kernel, (unsigned)n_rows, 256, 0, (cudaStream_t)s, x, dim, ldx, weight, eps, y, ldy);
     check_launch("rms_norm_kernel");
 }
 
@@ -372,7 +387,7 @@ void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, f
     if (yq && dim % 32) throw InvalidInput("add_rms_norm: quantized rows need a multiple of 32 elements");
     if (b && !sum) throw InvalidInput("add_rms_norm: an add needs its sum's bytes");
     if (n_rows == 0 || dim == 0) return;
-    add_rms_norm_kernel<<<(unsigned)n_rows, 256, 0, (cudaStream_t)s>>>(a, b, dim, sum, weight, eps, y,
+    launch_pdl(add_rms_norm_kernel, (unsigned)n_rows, 256, 0, (cudaStream_t)s, a, b, dim, sum, weight, eps, y,
                                                                        (block_q8_1*)yq);
     check_launch("add_rms_norm_kernel");
 }
@@ -380,7 +395,7 @@ void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, f
 void softmax(const float* x, int64_t n, int64_t dim, int64_t ldx, float sc, float* y, int64_t ldy, Stream s) {
     if (n < 0 || dim < 0) throw InvalidInput("softmax: negative size");
     if (n == 0 || dim == 0) return;
-    softmax_kernel<<<(unsigned)n, 256, 0, (cudaStream_t)s>>>(x, dim, ldx, sc, y, ldy);
+    launch_pdl(softmax_kernel, (unsigned)n, 256, 0, (cudaStream_t)s, x, dim, ldx, sc, y, ldy);
     check_launch("softmax_kernel");
 }
 
@@ -402,7 +417,7 @@ static void rope_jobs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t h
     const int64_t n = rope_pairs(jobs, n_jobs, n_tok, head_dim, p);
     if (n == 0) return;
     const RopeAngleParams a = rope_angle_params(p);
-    rope_kernel<<<dim3(ceil_div(n, 256), (unsigned)n_jobs), 256, 0, (cudaStream_t)s>>>(jobs, n_tok, head_dim, pos,
+    launch_pdl(rope_kernel, dim3(ceil_div(n, 256), (unsigned)n_jobs), 256, 0, (cudaStream_t)s, jobs, n_tok, head_dim, pos,
                                                                                        p.neox, a);
     check_launch("rope_kernel");
 }
@@ -422,7 +437,7 @@ void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, S
     if (ne[0] < 0 || rows < 0) throw InvalidInput("cont: negative size");
     if (nb[0] != sizeof(float)) throw InvalidInput("cont: rows must be contiguous (nb[0] = 4)");
     if (rows == 0 || ne[0] == 0) return;
-    cont_kernel<<<strided_grid(rows, ne[0]), 256, 0, (cudaStream_t)s>>>(x, Strides{ne[1], ne[2], nb[1], nb[2], nb[3]},
+    launch_pdl(cont_kernel, strided_grid(rows, ne[0]), 256, 0, (cudaStream_t)s, x, Strides{ne[1], ne[2], nb[1], nb[2], nb[3]},
                                                                        rows, ne[0], out);
     check_launch("cont_kernel");
 }
@@ -433,7 +448,7 @@ void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const f
     if (a_ne[0] < 0 || b_ne0 < 0 || rows < 0) throw InvalidInput("concat: negative size");
     if (a_nb[0] != sizeof(float) || b_nb[0] != sizeof(float)) throw InvalidInput("concat: rows must be contiguous");
     if (rows == 0 || a_ne[0] + b_ne0 == 0) return;
-    concat_kernel<<<strided_grid(rows, a_ne[0] + b_ne0), 256, 0, (cudaStream_t)s>>>(
+    launch_pdl(concat_kernel, strided_grid(rows, a_ne[0] + b_ne0), 256, 0, (cudaStream_t)s, 
         a, Strides{a_ne[1], a_ne[2], a_nb[1], a_nb[2], a_nb[3]}, a_ne[0], b, Strides{a_ne[1], a_ne[2], b_nb[1], b_nb[2], b_nb[3]},
         b_ne0, rows, out);
     check_launch("concat_kernel");
@@ -442,7 +457,7 @@ void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const f
 void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream s) {
     if (n < 0) throw InvalidInput("swiglu_oai: negative size");
     if (n == 0) return;
-    swiglu_oai_kernel<<<(unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s>>>(
+    launch_pdl(swiglu_oai_kernel, (unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s, 
         gate, up, n, alpha, limit, out);
     check_launch("swiglu_oai_kernel");
 }
@@ -467,25 +482,25 @@ void mul(const float* a, int64_t ld_a, const float* b, int64_t ld_b, int64_t n, 
 void scale(float* x, int64_t n, int64_t dim, int64_t ldx, float sc, Stream s) {
     check_rows("scale", n, dim);
     if (n == 0 || dim == 0) return;
-    unary_kernel<false><<<rows_grid(n, dim), 256, 0, (cudaStream_t)s>>>(x, dim, ldx, sc);
+    launch_pdl(unary_kernel<false>, rows_grid(n, dim), 256, 0, (cudaStream_t)s, x, dim, ldx, sc);
     check_launch("scale");
 }
 void softcap(float* x, int64_t n, int64_t dim, int64_t ldx, float cap, Stream s) {
     check_rows("softcap", n, dim);
     if (!(cap > 0.0f)) throw InvalidInput("softcap: cap must be > 0");
     if (n == 0 || dim == 0) return;
-    unary_kernel<true><<<rows_grid(n, dim), 256, 0, (cudaStream_t)s>>>(x, dim, ldx, cap);
+    launch_pdl(unary_kernel<true>, rows_grid(n, dim), 256, 0, (cudaStream_t)s, x, dim, ldx, cap);
     check_launch("softcap");
 }
 
 void f32_to_f16(const float* x, uint16_t* y, int64_t n, Stream s) {
     if (n <= 0) return;
-    f32_to_f16_kernel<<<(unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s>>>(x, y, n);
+    launch_pdl(f32_to_f16_kernel, (unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s, x, y, n);
     check_launch("f32_to_f16");
 }
 void f16_to_f32(const uint16_t* x, float* y, int64_t n, Stream s) {
     if (n <= 0) return;
-    f16_to_f32_kernel<<<(unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s>>>(x, y, n);
+    launch_pdl(f16_to_f32_kernel, (unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s, x, y, n);
     check_launch("f16_to_f32");
 }
 
@@ -527,10 +542,10 @@ static void store_kv_jobs(const KvRows* rows, int n_jobs, int64_t n_tok, QType k
     if (n_tok == 0 || widest == 0) return;
     if (kv_type == QType::F16) {
         const dim3 grid((unsigned)std::min<int64_t>(ceil_div(widest, 256), 64), (unsigned)n_tok, (unsigned)n_jobs);
-        store_kv_f16_kernel<<<grid, 256, 0, (cudaStream_t)s>>>(jobs, cells);
+        launch_pdl(store_kv_f16_kernel, grid, 256, 0, (cudaStream_t)s, jobs, cells);
     } else {
         const dim3 grid((unsigned)std::min<int64_t>(ceil_div(widest, 128), 64), (unsigned)n_tok, (unsigned)n_jobs);
-        store_kv_q8_0_kernel<<<grid, 128, 0, (cudaStream_t)s>>>(jobs, cells);
+        launch_pdl(store_kv_q8_0_kernel, grid, 128, 0, (cudaStream_t)s, jobs, cells);
     }
     check_launch("store_kv");
 }
@@ -557,7 +572,7 @@ void rope_store(float* q, int64_t n_head_q, int64_t ld_q, const KvRows& k, const
     if (n_tok == 0 || (pairs == 0 && widest == 0)) return;
     const RopeAngleParams a = rope_angle_params(p);
     auto kernel = kv_type == QType::Q8_0 ? rope_store_kernel<true> : rope_store_kernel<false>;
-    kernel<<<dim3((unsigned)n_tok, 3), 256, 0, (cudaStream_t)s>>>(q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos,
+    launch_pdl(kernel, dim3((unsigned)n_tok, 3), 256, 0, (cudaStream_t)s, q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos,
                                                                   p.neox, a, dst_cells);
     check_launch("rope_store_kernel");
 }

@@ -74,6 +74,7 @@ __device__ __forceinline__ float kv_value(const uint8_t* row, int d) {
 // cells in flight per warp.
 template <QType KV, int PK, int PV, int W, int G>
 __global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
+    pdl_begin();
     constexpr int kDV = PV * 32;
     constexpr int kPT = (kDV + (W * 32) - 1) / (W * 32);  // folded outputs per thread
     __shared__ float sm_m[W], sm_l[W];
@@ -209,6 +210,7 @@ __global__ void __launch_bounds__(W * 32, 1) flash_attn_kernel(FaArgs a) {
 // Folds the states of one (token, head) in split order, as flash_attn_kernel folds them (the
 // splits outside the query's region have none).
 __global__ void __launch_bounds__(kFaThreads) flash_attn_combine_kernel(const FaArgs a) {
+    pdl_begin();
     const int64_t qi = blockIdx.x, t = qi / a.n_head, h = qi % a.n_head;
     int64_t lo, hi, jb, je;
     attn_seq_region(a.q_seq ? a.q_seq[t] : 0, a.q_seq ? a.seq_cells : 0, a.n_kv, &lo, &hi, a.seq_end);
@@ -243,6 +245,7 @@ constexpr int kTileQ = 16, kTileK = 32;
 
 template <int HD>
 __global__ void __launch_bounds__(128) flash_attn_tiled_kernel(FaArgs a) {
+    pdl_begin();
     constexpr int kPer = HD / 32;                 // elements a lane holds
     constexpr int kQW = kTileQ / 4;               // tokens a warp takes
     __shared__ float ks[kTileK][HD + 1], vs[kTileK][HD], qs[kTileQ][HD];
@@ -345,10 +348,10 @@ bool tiled_prompt(const FaArgs& a, QType kv_type) {
 template <QType KV, int W>
 void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
     const int hd = std::max(a.hd_k, a.hd_v);
-    if (hd <= 64) flash_attn_kernel<KV, 2, 2, W, 8><<<grid, W * 32, 0, s>>>(a);
-    else if (hd <= 128) flash_attn_kernel<KV, 4, 4, W, 8><<<grid, W * 32, 0, s>>>(a);
-    else if (hd <= 256) flash_attn_kernel<KV, 8, 8, W, 4><<<grid, W * 32, 0, s>>>(a);
-    else flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W, 2><<<grid, W * 32, 0, s>>>(a);
+    if (hd <= 64) launch_pdl(flash_attn_kernel<KV, 2, 2, W, 8>, grid, W * 32, 0, s, a);
+    else if (hd <= 128) launch_pdl(flash_attn_kernel<KV, 4, 4, W, 8>, grid, W * 32, 0, s, a);
+    else if (hd <= 256) launch_pdl(flash_attn_kernel<KV, 8, 8, W, 4>, grid, W * 32, 0, s, a);
+    else launch_pdl(flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W, 2>, grid, W * 32, 0, s, a);
 }
 
 // Warps a block (STOWLM_CUDA_FA_WARPS=16, for now a measurement: a (token, head)'s cells walked
@@ -408,8 +411,8 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     const cudaStream_t st = (cudaStream_t)s;
     if (tiled_prompt(a, kv_type)) {
         const dim3 tiles((unsigned)((n_tok + kTileQ - 1) / kTileQ), (unsigned)n_head);
-        if (kv.hd_k == 64) flash_attn_tiled_kernel<64><<<tiles, 128, 0, st>>>(a);
-        else flash_attn_tiled_kernel<128><<<tiles, 128, 0, st>>>(a);
+        if (kv.hd_k == 64) launch_pdl(flash_attn_tiled_kernel<64>, tiles, 128, 0, st, a);
+        else launch_pdl(flash_attn_tiled_kernel<128>, tiles, 128, 0, st, a);
         check_launch("flash_attn_tiled_kernel");
         if (yq) quantize_q8_1(out, n_tok, n_head * kv.hd_v, ld_out, yq, s);
         return;
@@ -420,7 +423,7 @@ void flash_attn(const float* q, int64_t n_tok, int64_t n_head, int64_t ld_q, con
     else wide ? launch<QType::Q8_0, 16>(a, grid, st) : launch<QType::Q8_0, kFaWarps>(a, grid, st);
     check_launch("flash_attn_kernel");
     if (per_block) {
-        flash_attn_combine_kernel<<<(unsigned)(n_tok * n_head), kFaThreads, 0, st>>>(a);
+        launch_pdl(flash_attn_combine_kernel, (unsigned)(n_tok * n_head), kFaThreads, 0, st, a);
         check_launch("flash_attn_combine_kernel");
     }
 }

@@ -79,6 +79,7 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_kernel(const uint8_t* 
                                                               const block_q8_1* __restrict__ xq, int64_t xq_ld,
                                                               int64_t n_slots, TokenGroups g, float* __restrict__ y,
                                                               int64_t ldy) {
+    pdl_begin();
     const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
     if (row >= rows) return;
     int64_t begin, end;
@@ -97,6 +98,7 @@ template <QType T>
 __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_multi_kernel(MmvqMulti m, size_t row_bytes, int nsub,
                                                                     const block_q8_1* __restrict__ xq, int64_t xq_ld,
                                                                     int64_t n_tok) {
+    pdl_begin();
     const unsigned b = blockIdx.x;
     const int i = b < m.block_end[0] ? 0 : b < m.block_end[1] ? 1 : 2;
     const unsigned b0 = i == 0 ? 0u : i == 1 ? m.block_end[0] : m.block_end[1];
@@ -121,6 +123,7 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_glu_kernel(const uint8
                                                                   int64_t n_tok, TokenGroups grp,
                                                                   float* __restrict__ g, float* __restrict__ u,
                                                                   float* __restrict__ act, int64_t ldy) {
+    pdl_begin();
     const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
     if (row >= rows) return;
     const int lane = threadIdx.x & 31;
@@ -180,6 +183,7 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmv_float_kernel(const uint
                                                                    const float* __restrict__ x, int64_t ldx,
                                                                    int64_t n_slots, TokenGroups g,
                                                                    float* __restrict__ y, int64_t ldy) {
+    pdl_begin();
     const int64_t row = (int64_t)blockIdx.x * kMmvWarps + threadIdx.x / 32;
     if (row >= rows) return;
     int64_t begin, end;
@@ -214,7 +218,7 @@ void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int6
     switch (t) {
 #define STOWLM_CASE(T)                                                                                     \
     case QType::T:                                                                                         \
-        mmvq_kernel<QType::T><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, nsub, xq, xq_ld, n_slots, g, y, ldy); \
+        launch_pdl(mmvq_kernel<QType::T>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, nsub, xq, xq_ld, n_slots, g, y, ldy); \
         break;
         STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
@@ -232,7 +236,7 @@ void launch_mmvq_multi(QType t, MmvqMulti m, size_t row_bytes, int64_t cols, con
     switch (t) {
 #define STOWLM_CASE(T)                                                                                         \
     case QType::T:                                                                                             \
-        mmvq_multi_kernel<QType::T><<<(unsigned)blocks, kMmvWarps * 32, 0, s>>>(m, row_bytes, nsub, xq, xq_ld, n_tok); \
+        launch_pdl(mmvq_multi_kernel<QType::T>, (unsigned)blocks, kMmvWarps * 32, 0, s, m, row_bytes, nsub, xq, xq_ld, n_tok); \
         break;
         STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
@@ -251,10 +255,10 @@ void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, s
 #define STOWLM_CASE(T)                                                                                              \
     case QType::T:                                                                                                  \
         if (gelu)                                                                                                   \
-            mmvq_glu_kernel<QType::T, true><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq, xq_ld, \
+            launch_pdl(mmvq_glu_kernel<QType::T, true>, grid, kMmvWarps * 32, 0, s, wg, wu, row_bytes, rows, nsub, xq, xq_ld, \
                                                                          n_tok, grp, g, u, act, ldy);               \
         else                                                                                                        \
-            mmvq_glu_kernel<QType::T, false><<<grid, kMmvWarps * 32, 0, s>>>(wg, wu, row_bytes, rows, nsub, xq,      \
+            launch_pdl(mmvq_glu_kernel<QType::T, false>, grid, kMmvWarps * 32, 0, s, wg, wu, row_bytes, rows, nsub, xq,      \
                                                                           xq_ld, n_tok, grp, g, u, act, ldy);       \
         break;
         STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
@@ -270,13 +274,13 @@ void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows,
     const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
     switch (t) {
         case QType::F32:
-            mmv_float_kernel<QType::F32><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            launch_pdl(mmv_float_kernel<QType::F32>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
             break;
         case QType::F16:
-            mmv_float_kernel<QType::F16><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            launch_pdl(mmv_float_kernel<QType::F16>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
             break;
         case QType::BF16:
-            mmv_float_kernel<QType::BF16><<<grid, kMmvWarps * 32, 0, s>>>(w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            launch_pdl(mmv_float_kernel<QType::BF16>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
             break;
         default: throw InvalidInput(std::string("mmv_float: weight type ") + qtype_name(t) + " is not F32/F16/BF16");
     }

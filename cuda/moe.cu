@@ -15,6 +15,7 @@ namespace {
 
 __global__ void __launch_bounds__(128) router_kernel(const float* __restrict__ logits, int64_t n_tok, int n_expert,
                                                      RouterParams p, int32_t* ids, float* w) {
+    pdl_begin();
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n_tok) return;
     router_topk(logits + t * n_expert, n_expert, p, ids + t * p.k, w + t * p.k);
@@ -27,6 +28,7 @@ static_assert(kGateSoftmax == (int)cpu::Gating::Softmax && kGateSigmoid == (int)
 // The plain selection (raw logits): one thread per row.
 __global__ void __launch_bounds__(128) top_k_kernel(const float* __restrict__ x, int64_t n_rows, int64_t ldx,
                                                     ExpertSelect p, int32_t* ids) {
+    pdl_begin();
     const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= n_rows) return;
     router_top_ids(x + r * ldx, p.n, p.k, ids + r * p.k);
@@ -38,6 +40,7 @@ __global__ void __launch_bounds__(128) top_k_weights_kernel(const float* __restr
                                                             ExpertSelect p, int32_t* ids,
                                                             const float* __restrict__ logits, int n_expert,
                                                             int gating, bool normalize, float scale, float* w) {
+    pdl_begin();
     const int64_t r = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (r >= n_rows) return;
     router_top_ids(x + r * ldx, p.n, p.k, ids + r * p.k);
@@ -64,6 +67,7 @@ __global__ void __launch_bounds__(32) top_k_weights_warp_kernel(const float* __r
                                                                 int32_t* ids, const float* __restrict__ logits,
                                                                 int n_expert, int gating, bool normalize, float scale,
                                                                 float* w) {
+    pdl_begin();
     extern __shared__ double terms[];  // [n_expert]
     __shared__ int picked[kWarpTopKMaxK];
     const int64_t r = blockIdx.x;
@@ -112,6 +116,7 @@ __global__ void __launch_bounds__(32) top_k_weights_warp_kernel(const float* __r
 // memory, lane 0 picks.
 __global__ void __launch_bounds__(32) top_k_scored_kernel(const float* __restrict__ x, int64_t ldx, ExpertSelect p,
                                                           int32_t* ids) {
+    pdl_begin();
     extern __shared__ float score[];
     const int64_t r = blockIdx.x;
     const float* xr = x + r * ldx;
@@ -123,6 +128,7 @@ __global__ void __launch_bounds__(32) top_k_scored_kernel(const float* __restric
 __global__ void __launch_bounds__(128) moe_weights_kernel(const float* __restrict__ logits, int64_t n_tok, int n_expert,
                                                           const int32_t* __restrict__ ids, int k, int gating,
                                                           bool normalize, float scale, float* w) {
+    pdl_begin();
     const int64_t t = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (t >= n_tok) return;
     moe_gate_weights_any(logits + t * n_expert, n_expert, ids + t * k, k, gating, normalize, scale, w + t * k);
@@ -131,6 +137,7 @@ __global__ void __launch_bounds__(128) moe_weights_kernel(const float* __restric
 // Slot i (blockIdx.y steps) of x [n_slots][d] gets its expert's bias row.
 __global__ void __launch_bounds__(256) add_id_kernel(float* x, const float* __restrict__ bias, int64_t n_expert,
                                                      const int32_t* __restrict__ ids, int64_t n_slots, int64_t d) {
+    pdl_begin();
     for (int64_t r = blockIdx.y; r < n_slots; r += gridDim.y) {
         const int32_t e = ids[r];
         if (e < 0 || e >= n_expert) continue;
@@ -141,6 +148,7 @@ __global__ void __launch_bounds__(256) add_id_kernel(float* x, const float* __re
 
 __global__ void __launch_bounds__(256) moe_count_kernel(const int32_t* __restrict__ ids, int64_t n_slots, int n_expert,
                                                         int32_t* counts) {
+    pdl_begin();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i >= n_slots) return;
     const int32_t e = ids[i];
@@ -149,6 +157,7 @@ __global__ void __launch_bounds__(256) moe_count_kernel(const int32_t* __restric
 
 // Exclusive prefix sum of the counts (n_expert is small: one thread does it).
 __global__ void moe_scan_kernel(const int32_t* counts, int n_expert, int32_t* off, int32_t* cursor) {
+    pdl_begin();
     if (threadIdx.x != 0 || blockIdx.x != 0) return;
     int32_t acc = 0;
     for (int e = 0; e < n_expert; e++) {
@@ -166,6 +175,7 @@ __global__ void __launch_bounds__(256) moe_scatter_kernel(const int32_t* __restr
                                                           int n_expert, bool per_slot_input, int32_t* cursor,
                                                           int32_t* act_row, int32_t* out_row, float* y, int64_t ldy,
                                                           int64_t rows) {
+    pdl_begin();
     const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const int32_t e = i < n_slots ? ids[i] : 0;
     const bool routed = i < n_slots && e >= 0 && e < n_expert;
@@ -186,6 +196,7 @@ __global__ void __launch_bounds__(256) moe_scatter_kernel(const int32_t* __restr
 __global__ void __launch_bounds__(256) moe_combine_kernel(const float* __restrict__ y, int64_t ldy,
                                                           const float* __restrict__ w, int k, int64_t dim,
                                                           float* out, int64_t ld_out) {
+    pdl_begin();
     const int64_t t = blockIdx.y;
     for (int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x; i < dim; i += (int64_t)gridDim.x * blockDim.x) {
         float s = 0.0f;
@@ -220,7 +231,7 @@ void router_topk(const float* logits, int64_t n_tok, int n_expert, const RouterP
     if (n_expert <= 0 || n_expert > 256) throw InvalidInput("router_topk: n_expert " + std::to_string(n_expert) + " outside 1..256");
     if (p.k <= 0 || p.k > n_expert) throw InvalidInput("router_topk: k=" + std::to_string(p.k) + " outside 1..n_expert");
     if (n_tok <= 0) return;
-    router_kernel<<<ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s>>>(logits, n_tok, n_expert, p, ids, weights);
+    launch_pdl(router_kernel, ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s, logits, n_tok, n_expert, p, ids, weights);
     check_launch("router_kernel");
 }
 
@@ -238,7 +249,7 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
     if (n_rows <= 0) return;
     const ExpertSelect e = expert_select_of(n, p);
     if (expert_select_plain(e)) {
-        top_k_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids);
+        launch_pdl(top_k_kernel, ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s, x, n_rows, ldx, e, ids);
         check_launch("top_k_kernel");
         return;
     }
@@ -246,7 +257,7 @@ void top_k(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const cpu::To
         throw InvalidInput("cuda top_k: " + std::to_string(n) + " experts with gated, biased or grouped scores, the "
                            "kernel takes at most " + std::to_string(kTopKMaxScored));
     if (n_rows > 0x7fffffff) throw InvalidInput("cuda top_k: too many rows");
-    top_k_scored_kernel<<<(unsigned)n_rows, 32, (size_t)n * sizeof(float), (cudaStream_t)s>>>(x, ldx, e, ids);
+    launch_pdl(top_k_scored_kernel, (unsigned)n_rows, 32, (size_t)n * sizeof(float), (cudaStream_t)s, x, ldx, e, ids);
     check_launch("top_k_scored_kernel");
 }
 
@@ -259,12 +270,12 @@ void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const
     if (n_rows <= 0) return;
     const ExpertSelect e = expert_select_of(n, p);
     if (n <= kWarpTopKMaxN && p.k <= kWarpTopKMaxK && n_rows <= 0x7fffffff) {
-        top_k_weights_warp_kernel<<<(unsigned)n_rows, 32, (size_t)n * sizeof(double), (cudaStream_t)s>>>(
+        launch_pdl(top_k_weights_warp_kernel, (unsigned)n_rows, 32, (size_t)n * sizeof(double), (cudaStream_t)s, 
             x, ldx, e, ids, logits, (int)n, (int)gating, normalize, scale, w);
         check_launch("top_k_weights_warp_kernel");
         return;
     }
-    top_k_weights_kernel<<<ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s>>>(x, n_rows, ldx, e, ids, logits, (int)n,
+    launch_pdl(top_k_weights_kernel, ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s, x, n_rows, ldx, e, ids, logits, (int)n,
                                                                              (int)gating, normalize, scale, w);
     check_launch("top_k_weights_kernel");
 }
@@ -275,7 +286,7 @@ void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int
         throw InvalidInput("cuda moe_weights: n_expert " + std::to_string(n_expert) + " outside 1..2^20");
     if (k < 1 || k > n_expert) throw InvalidInput("cuda moe_weights: k=" + std::to_string(k) + " outside 1..n_expert");
     if (n_tok <= 0) return;
-    moe_weights_kernel<<<ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s>>>(logits, n_tok, (int)n_expert, ids, (int)k,
+    launch_pdl(moe_weights_kernel, ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s, logits, n_tok, (int)n_expert, ids, (int)k,
                                                                           (int)gating, normalize, scale, w);
     check_launch("moe_weights_kernel");
 }
@@ -286,7 +297,7 @@ void add_id(float* x, const float* bias, int64_t n_expert, const int32_t* ids, i
     const int64_t n_slots = n_tok * k;
     if (n_slots == 0 || d == 0) return;
     const dim3 grid((unsigned)std::min<int64_t>(ceil_div(d, 256), 64), (unsigned)std::min<int64_t>(n_slots, 65535));
-    add_id_kernel<<<grid, 256, 0, (cudaStream_t)s>>>(x, bias, n_expert, ids, n_slots, d);
+    launch_pdl(add_id_kernel, grid, 256, 0, (cudaStream_t)s, x, bias, n_expert, ids, n_slots, d);
     check_launch("add_id_kernel");
 }
 
@@ -328,11 +339,11 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
         return;
     }
     check_cuda(cudaMemsetAsync(sc.counts, 0, sizeof(int32_t) * (size_t)n_expert, st), "moe_matmul memset");
-    moe_count_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, n_expert, sc.counts);
+    launch_pdl(moe_count_kernel, ceil_div(n_slots, 256), 256, 0, st, ids, n_slots, n_expert, sc.counts);
     check_launch("moe_count_kernel");
-    moe_scan_kernel<<<1, 32, 0, st>>>(sc.counts, n_expert, sc.off, sc.cursor);
+    launch_pdl(moe_scan_kernel, 1, 32, 0, st, sc.counts, n_expert, sc.off, sc.cursor);
     check_launch("moe_scan_kernel");
-    moe_scatter_kernel<<<ceil_div(n_slots, 256), 256, 0, st>>>(ids, n_slots, k, n_expert, per_slot_input, sc.cursor,
+    launch_pdl(moe_scatter_kernel, ceil_div(n_slots, 256), 256, 0, st, ids, n_slots, k, n_expert, per_slot_input, sc.cursor,
                                                                 sc.act_row, sc.out_row, y, ldy, w.rows);
     check_launch("moe_scatter_kernel");
     TokenGroups g;
@@ -372,7 +383,7 @@ void moe_combine(const float* y, int64_t ldy, const float* weights, int64_t n_to
     if (n_tok <= 0 || dim <= 0) return;
     if (n_tok > 65535) throw InvalidInput("moe_combine: more than 65535 tokens per launch");
     const dim3 grid((unsigned)std::min<int64_t>(ceil_div(dim, 256), 64), (unsigned)n_tok);
-    moe_combine_kernel<<<grid, 256, 0, (cudaStream_t)s>>>(y, ldy, weights, k, dim, out, ld_out);
+    launch_pdl(moe_combine_kernel, grid, 256, 0, (cudaStream_t)s, y, ldy, weights, k, dim, out, ld_out);
     check_launch("moe_combine_kernel");
 }
 

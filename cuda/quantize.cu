@@ -10,6 +10,7 @@ namespace stowlm::cuda {
 __global__ void __launch_bounds__(256) quantize_q8_1_kernel(const float* __restrict__ x, int64_t n_blocks,
                                                             int64_t blocks_per_row, int64_t ldx,
                                                             block_q8_1* __restrict__ y) {
+    pdl_begin();
     const int64_t b = (int64_t)blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32;
     if (b >= n_blocks) return;  // whole warps leave together
     const int lane = threadIdx.x & 31;
@@ -24,7 +25,7 @@ void quantize_q8_1(const float* x, int64_t n_rows, int64_t cols, int64_t ldx, vo
     if (ldx < cols) throw InvalidInput("quantize_q8_1: ldx < cols");
     const int64_t n_blocks = n_rows * (cols / 32);
     if (n_blocks == 0) return;
-    quantize_q8_1_kernel<<<ceil_div(n_blocks, 8), 256, 0, (cudaStream_t)s>>>(x, n_blocks, cols / 32, ldx,
+    launch_pdl(quantize_q8_1_kernel, ceil_div(n_blocks, 8), 256, 0, (cudaStream_t)s, x, n_blocks, cols / 32, ldx,
                                                                                (block_q8_1*)xq);
     check_launch("quantize_q8_1_kernel");
 }
