@@ -373,8 +373,11 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
     if (n_tok == 0 || w.rows == 0) return;
     const size_t rb = row_bytes(w.type, w.cols);
     const cudaStream_t st = (cudaStream_t)s;
-    if (is_float_type(w.type)) {
-        launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, TokenGroups{}, y, ldy, st);
+    if (is_float_type(w.type)) {  // the tiled product for many rows (its own class, as the quantized ones')
+        if (path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= kCudaBatchedMinTokens))
+            launch_mmf(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, y, ldy, st);
+        else
+            launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, TokenGroups{}, y, ldy, st);
         return;
     }
     if (scratch == nullptr) throw InvalidInput("cuda matmul: quantized weights need matmul_scratch_bytes() of scratch");

@@ -127,7 +127,11 @@ void launch_mmvq_multi(QType t, MmvqMulti m, size_t row_bytes, int64_t cols, con
 void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, size_t row_bytes, int64_t rows,
                      int64_t cols, const block_q8_1* xq, int64_t xq_ld, int64_t n_tok, const TokenGroups& grp, float* g,
                      float* u, float* act, int64_t ldy, cudaStream_t s);
-// mmvq.cu: the same for F32/F16/BF16 weights against float activations (ldx floats apart).
+// mmf.cu: float weights times n_tok (many) activation rows, a tiled product (batches of
+// kCudaBatchedMinTokens and more; a row's value does not depend on the batch).
+void launch_mmf(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const float* x, int64_t ldx,
+                int64_t n_tok, float* y, int64_t ldy, cudaStream_t s);
+// mmvq.cu: launch_mmvq's product for F32/F16/BF16 weights against float activations (ldx floats apart).
 void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64_t cols, const float* x,
                       int64_t ldx, int64_t n_slots, const TokenGroups& g, float* y, int64_t ldy, cudaStream_t s);
 // mmq.cu: tiled product of a quantized weight against n_tok block_q8_1 rows.

@@ -95,6 +95,24 @@ def test_matmul_vector_and_tiled_paths_agree(dev, name):
     check_matmul(yt, w, x, True)
 
 
+@pytest.mark.parametrize("name", ["F32", "F16", "BF16"])
+def test_float_tiled_product_is_each_rows_own(dev, name):
+    """Float weights (a MoE router, an F16 model) through the tiled kernel (prompts): the
+    product's value within float rounding of the vector kernel's, and each activation row's
+    result the same bits whatever else is in the batch (130 rows: tile edges in both directions;
+    a column count not a multiple of the 32-column tile)."""
+    cuda_only(dev)
+    rng = np.random.default_rng(17)
+    raw, w = random_weights(name, 130, 200, rng)
+    x = rng.standard_normal((130, 200)).astype(np.float32)
+    yt = run(dev, "matmul_raw", raw, int(T[name]), 130, 200, x, path="tiled")
+    yv = run(dev, "matmul_raw", raw, int(T[name]), 130, 200, x, path="vector")
+    np.testing.assert_allclose(yt, yv, rtol=1e-5, atol=1e-5 * np.abs(yv).max())
+    check_matmul(yt, w, x, False)
+    part = run(dev, "matmul_raw", raw, int(T[name]), 130, 200, x[70:83], path="tiled")
+    np.testing.assert_array_equal(part, yt[70:83])
+
+
 @pytest.mark.parametrize("path,n_tok", [("vector", 3), ("tiled", 40)])
 def test_matmul_reusing_the_quantized_activations(dev, path, n_tok):
     """The second product of the same x with x_quantized (the scratch holds the rows the first
