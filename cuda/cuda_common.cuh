@@ -9,6 +9,7 @@
 #include "cuda_backend.h"
 #include "error.h"
 #include "quant/dot_q8_1.h"
+#include "quant/float_types.h"
 #include "quant/types.h"
 
 namespace stowlm::cuda {
@@ -51,6 +52,14 @@ inline void launch_pdl(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem,
     cudaLaunchConfig_t c = {};
     c.gridDim = grid, c.blockDim = block, c.dynamicSmemBytes = smem, c.stream = s, c.attrs = attr, c.numAttrs = 1;
     check_cuda(cudaLaunchKernelEx(&c, kernel, std::forward<A>(args)...), "cudaLaunchKernelEx");
+}
+
+// Element i of a row of F32, F16 or BF16 weights (the float products, mmvq.cu and mmf.cu).
+template <QType T>
+__device__ __forceinline__ float load_float(const uint8_t* row, int64_t i) {
+    if constexpr (T == QType::F32) return ((const float*)row)[i];
+    else if constexpr (T == QType::F16) return fp16_to_f32(((const uint16_t*)row)[i]);
+    else return bf16_to_f32(((const uint16_t*)row)[i]);
 }
 
 __device__ __forceinline__ float warp_sum(float v) {

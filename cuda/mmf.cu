@@ -6,7 +6,6 @@
 // columns in order, one tile after the other, so its value depends on its own row and token only.
 #include "cuda_backend.h"
 #include "cuda_common.cuh"
-#include "quant/float_types.h"
 
 namespace stowlm::cuda {
 
@@ -14,13 +13,6 @@ namespace {
 
 constexpr int kMfRows = 64, kMfToks = 64, kMfK = 32;
 static_assert(kMfRows == kMfToks, "one loop stages both tiles");
-
-template <QType T>
-__device__ __forceinline__ float weight_at(const uint8_t* row, int64_t i) {
-    if constexpr (T == QType::F32) return ((const float*)row)[i];
-    else if constexpr (T == QType::F16) return fp16_to_f32(((const uint16_t*)row)[i]);
-    else return bf16_to_f32(((const uint16_t*)row)[i]);
-}
 
 template <QType T>
 __global__ void __launch_bounds__(256) mmf_kernel(const uint8_t* __restrict__ w, size_t row_bytes, int64_t rows,
@@ -41,7 +33,7 @@ __global__ void __launch_bounds__(256) mmf_kernel(const uint8_t* __restrict__ w,
 #pragma unroll
         for (int r = threadIdx.x / kMfK; r < kMfRows; r += 256 / kMfK) {
             const int64_t gr = r0 + r, gt = t0 + r;
-            ws[k][r] = in && gr < rows ? weight_at<T>(w + (size_t)gr * row_bytes, gk) : 0.0f;
+            ws[k][r] = in && gr < rows ? load_float<T>(w + (size_t)gr * row_bytes, gk) : 0.0f;
             xs[k][r] = in && gt < n_tok ? x[gt * ldx + gk] : 0.0f;
         }
         __syncthreads();

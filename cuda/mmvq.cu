@@ -171,13 +171,6 @@ __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmvq_glu_kernel(const uint8
 }
 
 template <QType T>
-__device__ __forceinline__ float load_float(const uint8_t* row, int64_t i) {
-    if constexpr (T == QType::F32) return ((const float*)row)[i];
-    else if constexpr (T == QType::F16) return fp16_to_f32(((const uint16_t*)row)[i]);
-    else return bf16_to_f32(((const uint16_t*)row)[i]);
-}
-
-template <QType T>
 __global__ void __launch_bounds__(kMmvWarps * 32, 1) mmv_float_kernel(const uint8_t* __restrict__ w, size_t row_bytes,
                                                                    int64_t rows, int64_t cols,
                                                                    const float* __restrict__ x, int64_t ldx,

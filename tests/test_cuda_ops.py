@@ -81,17 +81,24 @@ def test_matmul(dev, name, rows, cols, n_tok):
     check_matmul(y, w, x, name not in ("F32", "F16", "BF16"))
 
 
+def vector_and_tiled(dev, name, rows, cols, n_tok, seed, rtol):
+    """Random weights and activations through the vector and the tiled kernel, which must agree
+    within rtol: (raw, w, x, y_vector, y_tiled)."""
+    rng = np.random.default_rng(seed)
+    raw, w = random_weights(name, rows, cols, rng)
+    x = rng.standard_normal((n_tok, cols)).astype(np.float32)
+    yv = run(dev, "matmul_raw", raw, int(T[name]), rows, cols, x, path="vector")
+    yt = run(dev, "matmul_raw", raw, int(T[name]), rows, cols, x, path="tiled")
+    np.testing.assert_allclose(yt, yv, rtol=rtol, atol=rtol * np.abs(yv).max())
+    return raw, w, x, yv, yt
+
+
 @pytest.mark.parametrize("name", ["Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q5_0", "Q3_K", "IQ4_XS", "MXFP4", "IQ2_XXS",
                                   "IQ2_S", "IQ3_S", "IQ1_M"])
 def test_matmul_vector_and_tiled_paths_agree(dev, name):
     """The same quantized activations through mmvq (dp4a) and mmq (int8 tensor cores)."""
     cuda_only(dev)
-    rng = np.random.default_rng(7)
-    raw, w = random_weights(name, 96, 768, rng)
-    x = rng.standard_normal((40, 768)).astype(np.float32)
-    yv = run(dev, "matmul_raw", raw, int(T[name]), 96, 768, x, path="vector")
-    yt = run(dev, "matmul_raw", raw, int(T[name]), 96, 768, x, path="tiled")
-    np.testing.assert_allclose(yt, yv, rtol=1e-4, atol=1e-4 * np.abs(yv).max())
+    raw, w, x, yv, yt = vector_and_tiled(dev, name, 96, 768, 40, 7, 1e-4)
     check_matmul(yt, w, x, True)
 
 
@@ -102,12 +109,7 @@ def test_float_tiled_product_is_each_rows_own(dev, name):
     result the same bits whatever else is in the batch (130 rows: tile edges in both directions;
     a column count not a multiple of the 32-column tile)."""
     cuda_only(dev)
-    rng = np.random.default_rng(17)
-    raw, w = random_weights(name, 130, 200, rng)
-    x = rng.standard_normal((130, 200)).astype(np.float32)
-    yt = run(dev, "matmul_raw", raw, int(T[name]), 130, 200, x, path="tiled")
-    yv = run(dev, "matmul_raw", raw, int(T[name]), 130, 200, x, path="vector")
-    np.testing.assert_allclose(yt, yv, rtol=1e-5, atol=1e-5 * np.abs(yv).max())
+    raw, w, x, yv, yt = vector_and_tiled(dev, name, 130, 200, 130, 17, 1e-5)
     check_matmul(yt, w, x, False)
     part = run(dev, "matmul_raw", raw, int(T[name]), 130, 200, x[70:83], path="tiled")
     np.testing.assert_array_equal(part, yt[70:83])
