@@ -377,7 +377,8 @@ void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, f
         if (path == MatmulPath::Tiled || (path == MatmulPath::Auto && n_tok >= kCudaBatchedMinTokens))
             launch_mmf(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, y, ldy, st);
         else
-            launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, TokenGroups{}, y, ldy, st);
+            launch_mmv_float(w.type, (const uint8_t*)w.data, rb, w.rows, w.cols, x, ldx, n_tok, TokenGroups{}, y, ldy,
+                             st);
         return;
     }
     if (scratch == nullptr) throw InvalidInput("cuda matmul: quantized weights need matmul_scratch_bytes() of scratch");
@@ -413,7 +414,8 @@ void matmul_multi(const DeviceWeight* ws, int n, const float* x, int64_t n_tok, 
     if (scratch == nullptr) throw InvalidInput("cuda matmul_multi: needs matmul_scratch_bytes() of scratch");
     if (!x_quantized) quantize_q8_1(x, n_tok, w0.cols, ldx, scratch, s);
     MmvqMulti m;
-    for (int i = 0; i < n; i++) m.w[i] = (const uint8_t*)ws[i].data, m.y[i] = ys[i], m.rows[i] = ws[i].rows, m.ldy[i] = ldys[i];
+    for (int i = 0; i < n; i++)
+        m.w[i] = (const uint8_t*)ws[i].data, m.y[i] = ys[i], m.rows[i] = ws[i].rows, m.ldy[i] = ldys[i];
     launch_mmvq_multi(w0.type, m, row_bytes(w0.type, w0.cols), w0.cols, (const block_q8_1*)scratch, w0.cols / 32, n_tok,
                       (cudaStream_t)s);
 }

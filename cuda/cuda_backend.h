@@ -147,9 +147,9 @@ size_t matmul_scratch_bytes(QType wtype, int64_t cols, int64_t n_tok);
 enum class MatmulPath { Auto, Vector, Tiled };
 // y[t * ldy + r] = sum_c W[r, c] * x[t * ldx + c]. Auto: the vector kernel (mmvq) for up to
 // 8 tokens, the tiled tensor-core kernel (mmq) above; float weight types the float vector kernel
-// for up to 8 tokens and the tiled float kernel (mmf) above. Quantized weights: x is quantized into scratch first, unless x_quantized
-// says scratch holds x's block_q8_1 rows already (a product of the same x just before left them:
-// the q, k and v products of one input quantize it once).
+// for up to 8 tokens and the tiled float kernel (mmf) above. Quantized weights: x is quantized
+// into scratch first, unless x_quantized says scratch holds x's block_q8_1 rows already (a
+// product of the same x just before left them: the q, k and v products of one input quantize it once).
 void matmul(const DeviceWeight& w, const float* x, int64_t n_tok, int64_t ldx, float* y, int64_t ldy, void* scratch,
             Stream s, MatmulPath path = MatmulPath::Auto, bool x_quantized = false);
 

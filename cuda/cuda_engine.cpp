@@ -664,7 +664,8 @@ private:
 
     // Runs nodes[i] on stream s, fused with the nodes after it where they fuse; the index of the
     // next node. Fused: [residual ADD +] RMS_NORM [+ its q8_1 rows for the product after it];
-    // gate and up products + their GLU; products of one x (q, k, v); attention + its output's q8_1 rows; q and k ROPEs [+ the K and V stores after them]; K and V stores.
+    // gate and up products + their GLU; products of one x (q, k, v); attention + its output's
+    // q8_1 rows; q and k ROPEs [+ the K and V stores after them]; K and V stores.
     size_t run_at(const std::vector<Tensor*>& nodes, size_t i, void* scratch, size_t scratch_bytes, cu::Stream s,
                   ScratchHolds& held) {
         if (!fusion_on_) {  // every node its own kernels (STOWLM_CUDA_FUSION=0: to compare, or to isolate a fault)
@@ -723,7 +724,8 @@ private:
             cu::DeviceWeight ws[cu::kMmvMulti];
             float* ys[cu::kMmvMulti];
             int64_t ldys[cu::kMmvMulti];
-            for (int j = 0; j < n; j++) ws[j] = weight(nodes[i + j]->src[0]), ys[j] = f32(nodes[i + j]), ldys[j] = nodes[i + j]->ne[0];
+            for (int j = 0; j < n; j++)
+                ws[j] = weight(nodes[i + j]->src[0]), ys[j] = f32(nodes[i + j]), ldys[j] = nodes[i + j]->ne[0];
             Tensor* x = nodes[i]->src[1];
             cu::matmul_multi(ws, n, f32(x), x->n_rows(), x->ne[0], ys, ldys, scratch, s, held.x == x);
             held.x = x;

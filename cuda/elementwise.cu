@@ -388,7 +388,7 @@ void add_rms_norm(const float* a, const float* b, int64_t n_rows, int64_t dim, f
     if (b && !sum) throw InvalidInput("add_rms_norm: an add needs its sum's bytes");
     if (n_rows == 0 || dim == 0) return;
     launch_pdl(add_rms_norm_kernel, (unsigned)n_rows, 256, 0, (cudaStream_t)s, a, b, dim, sum, weight, eps, y,
-                                                                       (block_q8_1*)yq);
+               (block_q8_1*)yq);
     check_launch("add_rms_norm_kernel");
 }
 
@@ -417,8 +417,8 @@ static void rope_jobs(const RopeJobs& jobs, int n_jobs, int64_t n_tok, int64_t h
     const int64_t n = rope_pairs(jobs, n_jobs, n_tok, head_dim, p);
     if (n == 0) return;
     const RopeAngleParams a = rope_angle_params(p);
-    launch_pdl(rope_kernel, dim3(ceil_div(n, 256), (unsigned)n_jobs), 256, 0, (cudaStream_t)s, jobs, n_tok, head_dim, pos,
-                                                                                       p.neox, a);
+    launch_pdl(rope_kernel, dim3(ceil_div(n, 256), (unsigned)n_jobs), 256, 0, (cudaStream_t)s, jobs, n_tok, head_dim,
+               pos, p.neox, a);
     check_launch("rope_kernel");
 }
 
@@ -437,8 +437,8 @@ void cont(const float* x, const int64_t ne[4], const size_t nb[4], float* out, S
     if (ne[0] < 0 || rows < 0) throw InvalidInput("cont: negative size");
     if (nb[0] != sizeof(float)) throw InvalidInput("cont: rows must be contiguous (nb[0] = 4)");
     if (rows == 0 || ne[0] == 0) return;
-    launch_pdl(cont_kernel, strided_grid(rows, ne[0]), 256, 0, (cudaStream_t)s, x, Strides{ne[1], ne[2], nb[1], nb[2], nb[3]},
-                                                                       rows, ne[0], out);
+    launch_pdl(cont_kernel, strided_grid(rows, ne[0]), 256, 0, (cudaStream_t)s, x,
+               Strides{ne[1], ne[2], nb[1], nb[2], nb[3]}, rows, ne[0], out);
     check_launch("cont_kernel");
 }
 
@@ -448,17 +448,17 @@ void concat(const float* a, const int64_t a_ne[4], const size_t a_nb[4], const f
     if (a_ne[0] < 0 || b_ne0 < 0 || rows < 0) throw InvalidInput("concat: negative size");
     if (a_nb[0] != sizeof(float) || b_nb[0] != sizeof(float)) throw InvalidInput("concat: rows must be contiguous");
     if (rows == 0 || a_ne[0] + b_ne0 == 0) return;
-    launch_pdl(concat_kernel, strided_grid(rows, a_ne[0] + b_ne0), 256, 0, (cudaStream_t)s, 
-        a, Strides{a_ne[1], a_ne[2], a_nb[1], a_nb[2], a_nb[3]}, a_ne[0], b, Strides{a_ne[1], a_ne[2], b_nb[1], b_nb[2], b_nb[3]},
-        b_ne0, rows, out);
+    launch_pdl(concat_kernel, strided_grid(rows, a_ne[0] + b_ne0), 256, 0, (cudaStream_t)s, a,
+               Strides{a_ne[1], a_ne[2], a_nb[1], a_nb[2], a_nb[3]}, a_ne[0], b,
+               Strides{a_ne[1], a_ne[2], b_nb[1], b_nb[2], b_nb[3]}, b_ne0, rows, out);
     check_launch("concat_kernel");
 }
 
 void swiglu_oai(const float* gate, const float* up, int64_t n, float alpha, float limit, float* out, Stream s) {
     if (n < 0) throw InvalidInput("swiglu_oai: negative size");
     if (n == 0) return;
-    launch_pdl(swiglu_oai_kernel, (unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s, 
-        gate, up, n, alpha, limit, out);
+    launch_pdl(swiglu_oai_kernel, (unsigned)std::min<int64_t>(ceil_div(n, 256), 4096), 256, 0, (cudaStream_t)s, gate,
+               up, n, alpha, limit, out);
     check_launch("swiglu_oai_kernel");
 }
 
@@ -572,8 +572,8 @@ void rope_store(float* q, int64_t n_head_q, int64_t ld_q, const KvRows& k, const
     if (n_tok == 0 || (pairs == 0 && widest == 0)) return;
     const RopeAngleParams a = rope_angle_params(p);
     auto kernel = kv_type == QType::Q8_0 ? rope_store_kernel<true> : rope_store_kernel<false>;
-    launch_pdl(kernel, dim3((unsigned)n_tok, 3), 256, 0, (cudaStream_t)s, q, n_head_q, ld_q, k.n_head_kv, jobs, head_dim, pos,
-                                                                  p.neox, a, dst_cells);
+    launch_pdl(kernel, dim3((unsigned)n_tok, 3), 256, 0, (cudaStream_t)s, q, n_head_q, ld_q, k.n_head_kv, jobs,
+               head_dim, pos, p.neox, a, dst_cells);
     check_launch("rope_store_kernel");
 }
 

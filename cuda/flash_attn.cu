@@ -351,7 +351,9 @@ void launch(const FaArgs& a, dim3 grid, cudaStream_t s) {
     if (hd <= 64) launch_pdl(flash_attn_kernel<KV, 2, 2, W, 8>, grid, W * 32, 0, s, a);
     else if (hd <= 128) launch_pdl(flash_attn_kernel<KV, 4, 4, W, 8>, grid, W * 32, 0, s, a);
     else if (hd <= 256) launch_pdl(flash_attn_kernel<KV, 8, 8, W, 4>, grid, W * 32, 0, s, a);
-    else launch_pdl(flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W, 2>, grid, W * 32, 0, s, a);
+    else
+        launch_pdl(flash_attn_kernel<KV, kFlashAttnMaxHeadDimK / 32, kFlashAttnMaxHeadDimV / 32, W, 2>, grid, W * 32, 0,
+                   s, a);
 }
 
 // Warps a block (STOWLM_CUDA_FA_WARPS=16, for now a measurement: a (token, head)'s cells walked

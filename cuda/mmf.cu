@@ -64,10 +64,11 @@ void launch_mmf(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int64
     if (rows == 0 || n_tok == 0) return;
     if (ceil_div(n_tok, kMfToks) > 65535) throw InvalidInput("mmf: more than 65535 * 64 activation rows in one launch");
     const dim3 grid(ceil_div(rows, kMfRows), ceil_div(n_tok, kMfToks));
+    auto go = [&](auto kernel) { launch_pdl(kernel, grid, 256, 0, s, w, row_bytes, rows, cols, x, ldx, n_tok, y, ldy); };
     switch (t) {
-        case QType::F32: launch_pdl(mmf_kernel<QType::F32>, grid, 256, 0, s, w, row_bytes, rows, cols, x, ldx, n_tok, y, ldy); break;
-        case QType::F16: launch_pdl(mmf_kernel<QType::F16>, grid, 256, 0, s, w, row_bytes, rows, cols, x, ldx, n_tok, y, ldy); break;
-        case QType::BF16: launch_pdl(mmf_kernel<QType::BF16>, grid, 256, 0, s, w, row_bytes, rows, cols, x, ldx, n_tok, y, ldy); break;
+        case QType::F32: go(mmf_kernel<QType::F32>); break;
+        case QType::F16: go(mmf_kernel<QType::F16>); break;
+        case QType::BF16: go(mmf_kernel<QType::BF16>); break;
         default: throw InvalidInput(std::string("mmf: weight type ") + qtype_name(t) + " is not F32/F16/BF16");
     }
     check_launch("mmf_kernel");

@@ -209,9 +209,10 @@ void launch_mmvq(QType t, const uint8_t* w, size_t row_bytes, int64_t rows, int6
     const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
     const int nsub = (int)(cols / 32);
     switch (t) {
-#define STOWLM_CASE(T)                                                                                     \
-    case QType::T:                                                                                         \
-        launch_pdl(mmvq_kernel<QType::T>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, nsub, xq, xq_ld, n_slots, g, y, ldy); \
+#define STOWLM_CASE(T)                                                                                              \
+    case QType::T:                                                                                                  \
+        launch_pdl(mmvq_kernel<QType::T>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, nsub, xq, xq_ld, n_slots, \
+                   g, y, ldy);                                                                                      \
         break;
         STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
@@ -227,9 +228,10 @@ void launch_mmvq_multi(QType t, MmvqMulti m, size_t row_bytes, int64_t cols, con
     if (blocks == 0 || n_tok == 0) return;
     const int nsub = (int)(cols / 32);
     switch (t) {
-#define STOWLM_CASE(T)                                                                                         \
-    case QType::T:                                                                                             \
-        launch_pdl(mmvq_multi_kernel<QType::T>, (unsigned)blocks, kMmvWarps * 32, 0, s, m, row_bytes, nsub, xq, xq_ld, n_tok); \
+#define STOWLM_CASE(T)                                                                                              \
+    case QType::T:                                                                                                  \
+        launch_pdl(mmvq_multi_kernel<QType::T>, (unsigned)blocks, kMmvWarps * 32, 0, s, m, row_bytes, nsub, xq,     \
+                   xq_ld, n_tok);                                                                                   \
         break;
         STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
@@ -248,11 +250,11 @@ void launch_mmvq_glu(QType t, bool gelu, const uint8_t* wg, const uint8_t* wu, s
 #define STOWLM_CASE(T)                                                                                              \
     case QType::T:                                                                                                  \
         if (gelu)                                                                                                   \
-            launch_pdl(mmvq_glu_kernel<QType::T, true>, grid, kMmvWarps * 32, 0, s, wg, wu, row_bytes, rows, nsub, xq, xq_ld, \
-                                                                         n_tok, grp, g, u, act, ldy);               \
+            launch_pdl(mmvq_glu_kernel<QType::T, true>, grid, kMmvWarps * 32, 0, s, wg, wu, row_bytes, rows, nsub,  \
+                       xq, xq_ld, n_tok, grp, g, u, act, ldy);                                                      \
         else                                                                                                        \
-            launch_pdl(mmvq_glu_kernel<QType::T, false>, grid, kMmvWarps * 32, 0, s, wg, wu, row_bytes, rows, nsub, xq,      \
-                                                                          xq_ld, n_tok, grp, g, u, act, ldy);       \
+            launch_pdl(mmvq_glu_kernel<QType::T, false>, grid, kMmvWarps * 32, 0, s, wg, wu, row_bytes, rows,       \
+                       nsub, xq, xq_ld, n_tok, grp, g, u, act, ldy);                                                \
         break;
         STOWLM_Q8_1_WEIGHT_TYPES(STOWLM_CASE)
 #undef STOWLM_CASE
@@ -267,13 +269,16 @@ void launch_mmv_float(QType t, const uint8_t* w, size_t row_bytes, int64_t rows,
     const dim3 grid(ceil_div(rows, kMmvWarps), (unsigned)g.n_groups);
     switch (t) {
         case QType::F32:
-            launch_pdl(mmv_float_kernel<QType::F32>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            launch_pdl(mmv_float_kernel<QType::F32>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx,
+                       n_slots, g, y, ldy);
             break;
         case QType::F16:
-            launch_pdl(mmv_float_kernel<QType::F16>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            launch_pdl(mmv_float_kernel<QType::F16>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx,
+                       n_slots, g, y, ldy);
             break;
         case QType::BF16:
-            launch_pdl(mmv_float_kernel<QType::BF16>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx, n_slots, g, y, ldy);
+            launch_pdl(mmv_float_kernel<QType::BF16>, grid, kMmvWarps * 32, 0, s, w, row_bytes, rows, cols, x, ldx,
+                       n_slots, g, y, ldy);
             break;
         default: throw InvalidInput(std::string("mmv_float: weight type ") + qtype_name(t) + " is not F32/F16/BF16");
     }

@@ -270,13 +270,13 @@ void top_k_weights(const float* x, int64_t n_rows, int64_t n, int64_t ldx, const
     if (n_rows <= 0) return;
     const ExpertSelect e = expert_select_of(n, p);
     if (n <= kWarpTopKMaxN && p.k <= kWarpTopKMaxK && n_rows <= 0x7fffffff) {
-        launch_pdl(top_k_weights_warp_kernel, (unsigned)n_rows, 32, (size_t)n * sizeof(double), (cudaStream_t)s, 
-            x, ldx, e, ids, logits, (int)n, (int)gating, normalize, scale, w);
+        launch_pdl(top_k_weights_warp_kernel, (unsigned)n_rows, 32, (size_t)n * sizeof(double), (cudaStream_t)s, x, ldx,
+                   e, ids, logits, (int)n, (int)gating, normalize, scale, w);
         check_launch("top_k_weights_warp_kernel");
         return;
     }
-    launch_pdl(top_k_weights_kernel, ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s, x, n_rows, ldx, e, ids, logits, (int)n,
-                                                                             (int)gating, normalize, scale, w);
+    launch_pdl(top_k_weights_kernel, ceil_div(n_rows, 128), 128, 0, (cudaStream_t)s, x, n_rows, ldx, e, ids, logits,
+               (int)n, (int)gating, normalize, scale, w);
     check_launch("top_k_weights_kernel");
 }
 
@@ -286,8 +286,8 @@ void moe_weights(const float* logits, int64_t n_tok, int64_t n_expert, const int
         throw InvalidInput("cuda moe_weights: n_expert " + std::to_string(n_expert) + " outside 1..2^20");
     if (k < 1 || k > n_expert) throw InvalidInput("cuda moe_weights: k=" + std::to_string(k) + " outside 1..n_expert");
     if (n_tok <= 0) return;
-    launch_pdl(moe_weights_kernel, ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s, logits, n_tok, (int)n_expert, ids, (int)k,
-                                                                          (int)gating, normalize, scale, w);
+    launch_pdl(moe_weights_kernel, ceil_div(n_tok, 128), 128, 0, (cudaStream_t)s, logits, n_tok, (int)n_expert, ids,
+               (int)k, (int)gating, normalize, scale, w);
     check_launch("moe_weights_kernel");
 }
 
@@ -343,8 +343,8 @@ void moe_matmul(const DeviceWeight& w, int n_expert, const float* x, int64_t ldx
     check_launch("moe_count_kernel");
     launch_pdl(moe_scan_kernel, 1, 32, 0, st, sc.counts, n_expert, sc.off, sc.cursor);
     check_launch("moe_scan_kernel");
-    launch_pdl(moe_scatter_kernel, ceil_div(n_slots, 256), 256, 0, st, ids, n_slots, k, n_expert, per_slot_input, sc.cursor,
-                                                                sc.act_row, sc.out_row, y, ldy, w.rows);
+    launch_pdl(moe_scatter_kernel, ceil_div(n_slots, 256), 256, 0, st, ids, n_slots, k, n_expert, per_slot_input,
+               sc.cursor, sc.act_row, sc.out_row, y, ldy, w.rows);
     check_launch("moe_scatter_kernel");
     TokenGroups g;
     g.off = sc.off, g.act_row = sc.act_row, g.out_row = sc.out_row;

@@ -26,7 +26,7 @@ void quantize_q8_1(const float* x, int64_t n_rows, int64_t cols, int64_t ldx, vo
     const int64_t n_blocks = n_rows * (cols / 32);
     if (n_blocks == 0) return;
     launch_pdl(quantize_q8_1_kernel, ceil_div(n_blocks, 8), 256, 0, (cudaStream_t)s, x, n_blocks, cols / 32, ldx,
-                                                                               (block_q8_1*)xq);
+               (block_q8_1*)xq);
     check_launch("quantize_q8_1_kernel");
 }
 
