@@ -2,6 +2,7 @@
 // exact half/bfloat16 conversions usable on both sides.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 #if defined(__CUDACC__)
@@ -88,6 +89,13 @@ HOST_DEVICE uint16_t f32_to_bf16(float f) {
     uint32_t x = f32_to_bits(f);
     if ((x & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x >> 16) | 64u);
     return (uint16_t)((x + (0x7fffu + ((x >> 16) & 1u))) >> 16);
+}
+
+// Whether environment variable `name` is set to `value` (the STOWLM_* switches; read once by
+// their callers, not per launch or per token).
+inline bool env_is(const char* name, const char* value) {
+    const char* e = std::getenv(name);
+    return e && std::strcmp(e, value) == 0;
 }
 
 }  // namespace stowlm

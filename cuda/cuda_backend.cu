@@ -2,7 +2,6 @@
 // kernel (mmvq.cu) and the tiled tensor-core kernel (mmq.cu).
 #include <chrono>
 #include <condition_variable>
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
@@ -27,10 +26,7 @@ int current_cc_major() {
 
 thread_local uint64_t t_launches = 0;
 bool pdl_enabled() {
-    static const bool asked = [] {
-        const char* e = std::getenv("STOWLM_CUDA_PDL");
-        return e && std::string(e) == "1";
-    }();
+    static const bool asked = env_is("STOWLM_CUDA_PDL", "1");
     if (!asked) return false;
     thread_local int dev = -1, ok = 0;  // the current device's answer, per thread
     int cur = 0;

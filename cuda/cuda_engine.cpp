@@ -93,10 +93,8 @@ public:
         // A budget below the device's memory makes it refuse allocations past it, as a CPU
         // virtual device does; the device's own size is the limit otherwise.
         budget_ = spec.mem_bytes ? std::min(spec.mem_bytes, dev_->memory_total()) : dev_->memory_total();
-        const char* e = std::getenv("STOWLM_CUDA_GRAPHS");
-        graphs_on_ = !(e && std::string(e) == "0");
-        const char* f = std::getenv("STOWLM_CUDA_FUSION");
-        fusion_on_ = !(f && std::string(f) == "0");
+        graphs_on_ = !env_is("STOWLM_CUDA_GRAPHS", "0");
+        fusion_on_ = !env_is("STOWLM_CUDA_FUSION", "0");
     }
     ~CudaBackend() override {
         try {
@@ -991,10 +989,7 @@ private:
     // The CUDA shards (two or more, on distinct devices) exchange their partials through NCCL:
     // each sends its own to every other and receives theirs into its slots (marked moved).
     void nccl_gather(const Collective& c, int me, const std::vector<void*>& slot, std::vector<char>& moved) {
-        static const bool enabled = [] {
-            const char* e = std::getenv("STOWLM_NCCL");
-            return !(e && std::string(e) == "0");
-        }();
+        static const bool enabled = !env_is("STOWLM_NCCL", "0");
         if (!enabled) return;
         std::vector<int> devices, shard_of_rank;
         for (int t = 0; t < (int)c.shards.size(); t++)

@@ -6,17 +6,15 @@
 // One block of W warps (4; 16 with STOWLM_CUDA_FA_WARPS=16) per (query token, head). The cells
 // are cut into splits; within a split each warp walks every W-th cell (counted from the split's
 // first cell), several in flight at once, with its own (m, l, acc), lanes holding the head's
-// elements lane, lane + 32, ...;
-// the warps' states are merged in shared memory into the split's (m, l, acc). A block either
-// folds every split in order itself or, when there are too few blocks to fill the device
-// (decoding), runs one split and writes its state, and a second kernel folds the states in the
-// same order with the same arithmetic (explicit fused multiply-adds): so with fixed split
-// boundaries (several sequences) a query's result is the same bits whatever the batch and
-// whichever way the launcher chose. A query of a sequence that owns a region of cells skips the
+// elements lane, lane + 32, ...; the warps' states are merged in shared memory into the split's
+// (m, l, acc). A block either folds every split in order itself or, when there are too few blocks
+// to fill the device (decoding), runs one split and writes its state, and a second kernel folds
+// the states in the same order with the same arithmetic (explicit fused multiply-adds): so with
+// fixed split boundaries (several sequences) a query's result is the same bits whatever the batch
+// and whichever way the launcher chose. A query of a sequence that owns a region of cells skips the
 // cells outside it without reading them, and the splits outside it altogether (they would fold
 // as no-ops).
 #include <algorithm>
-#include <cstdlib>
 #include <string>
 
 #include "attn_visibility.h"
@@ -331,11 +329,6 @@ __global__ void __launch_bounds__(128) flash_attn_tiled_kernel(FaArgs a) {
 // Whether a pass takes the tiled kernel: STOWLM_CUDA_FA_TILED=1 (a measurement for now), a batched
 // pass (the tiled products' class), F16 cells, K and V heads of 64 or 128.
 // (The switches are read once, as the engine reads STOWLM_CUDA_GRAPHS: not on every launch.)
-bool env_is(const char* name, const char* value) {
-    const char* e = std::getenv(name);
-    return e && std::string(e) == value;
-}
-
 bool tiled_prompt(const FaArgs& a, QType kv_type) {
     static const bool on = env_is("STOWLM_CUDA_FA_TILED", "1");
     return on && a.n_tok >= kCudaBatchedMinTokens && kv_type == QType::F16 &&

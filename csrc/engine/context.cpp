@@ -209,8 +209,7 @@ ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape
 // pin is portable), unless that would lock more than half the RAM (STOWLM_PIN_EXPERTS=0: never).
 // Returns the bytes pinned.
 size_t pin_staged_weights(const Model& m, const Graph& g, const std::vector<Backend*>& backends) {
-    const char* env = std::getenv("STOWLM_PIN_EXPERTS");
-    if (env && std::string(env) == "0") return 0;
+    if (env_is("STOWLM_PIN_EXPERTS", "0")) return 0;
     const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // [begin, end), page-aligned
     Backend* stager = nullptr;

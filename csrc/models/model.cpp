@@ -341,8 +341,7 @@ size_t mem_available() {
 // evicted and read from the file again; anonymous copies could only go to swap).
 // STOWLM_REPACK=0 keeps the GGUF layout.
 void Model::repack_cpu_weights(const std::vector<DeviceSpec>& devices, const std::vector<Tensor*>& candidates) {
-    const char* env = std::getenv("STOWLM_REPACK");
-    if (env && std::string(env) == "0") return;
+    if (env_is("STOWLM_REPACK", "0")) return;
     const cpu::Isa isa = cpu::active_isa();
     if (isa == cpu::Isa::Scalar) return;
     bool gpu = false;
