@@ -5,13 +5,14 @@ GPU held to --mem (default 8 GiB) plus the CPU as fit decides, against llama.cpp
 the same number of layers on the GPU and the same layers' experts on the CPU (-ngl, -ot ...=CPU).
 bench/gpu_compare.py alternates the two (pp512 and tg128 over --rounds), with one more stowlm row
 whose prompts leave the experts to the CPU (--moe-offload-min 0): what copying them to the GPU
-brings, for the threshold's default; one whose staged experts are copied from unpinned pages
-(STOWLM_PIN_EXPERTS=0): what page-locking them brings; and one whose CPU weights keep GGUF's layout
-(STOWLM_REPACK=0; beside the GPU that is the experts): what repacking them for the CPU's decode
-brings, against unrepacking each staged copy on the GPU.
+brings, for the threshold's default; and two whose host computes a share of each staged layer's
+experts itself while the GPU copies in the rest (STOWLM_MOE_CPU_SHARE=0.25 and 0.35: a prompt is
+bound by the bus there, and the host's cores wait). --old-variants runs the rows of the first
+measurement instead: staged experts copied from unpinned pages (STOWLM_PIN_EXPERTS=0) and the CPU's
+weights in GGUF's layout (STOWLM_REPACK=0).
 
     python3 bench/big_moe_compare.py [--model PATH] [--mem 8GiB] [--rounds 2] [--out DIR]
-                                     [--devices LIST] [--dry-run] [--no-variants] [--no-sweep] [-- gpu_compare options ...]
+                                     [--devices LIST] [--dry-run] [--no-variants] [--old-variants] [--no-sweep] [-- gpu_compare options ...]
 
 --model: the GGUF (default: big-moe.gguf in the stowlm cache, written by make_big_moe.py from
 smollm2-135m when missing; the tools come from $STOWLM_SHARED/tools or ../shared/tools).
@@ -88,7 +89,9 @@ def main(argv=None) -> int:
     ap.add_argument("--stowlm", default=None, help="stowlm-bench binary (default: build/, the package, PATH)")
     ap.add_argument("--dry-run", action="store_true", help="print the placement and the arguments only")
     ap.add_argument("--variants", action=argparse.BooleanOptionalAction, default=True,
-                    help="the rows with staged experts unpinned and with the CPU's experts unrepacked (default on)")
+                    help="the rows with the host computing a share of the staged experts (default on)")
+    ap.add_argument("--old-variants", action="store_true",
+                    help="the unpinned and GGUF-layout rows instead of the host's shares")
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="then prompt speed by micro-batch with the experts' products on the GPU and on the CPU, "
                          "and one run with each device's ops timed (default on)")
@@ -111,9 +114,12 @@ def main(argv=None) -> int:
     args = ["-m", str(model), "--rounds", str(a.rounds), "--no-graphs-off",
             "--stowlm-args=" + shlex.join(ours), "--peer-args=" + shlex.join(theirs),
             "--variant", "experts on the CPU for prompts=--moe-offload-min 0"]
-    if a.variants:
+    if a.variants and a.old_variants:
         args += ["--variant", "staged experts not pinned=STOWLM_PIN_EXPERTS=0",
                  "--variant", "experts in GGUF's layout=STOWLM_REPACK=0"]
+    elif a.variants:
+        args += ["--variant", "host computes 25% of staged experts=STOWLM_MOE_CPU_SHARE=0.25",
+                 "--variant", "host computes 35% of staged experts=STOWLM_MOE_CPU_SHARE=0.35"]
     if a.out:
         args += ["--out", a.out]
     if a.stowlm:

@@ -853,6 +853,9 @@ int run(const Options& o) {
                                         ctx->pinned_host_bytes() ? " (STOWLM_PIN_EXPERTS=0: copied through bounce buffers)"
                                                                  : " (refused by the driver, over half the RAM, or "
                                                                    "STOWLM_PIN_EXPERTS=0)");
+                            if (ctx->staging_from() > 0 && cp.moe_cpu_share > 0)
+                                fprintf(stderr, "  of each staged layer's experts the host computes %.0f%% itself "
+                                        "(STOWLM_MOE_CPU_SHARE)\n", 100.0 * cp.moe_cpu_share);
                             const size_t expected = info.file_bytes + kv + compute;
                             if (expected > mem.expected) {
                                 mem.expected = expected;

@@ -2,6 +2,7 @@
 // exact half/bfloat16 conversions usable on both sides.
 #pragma once
 #include <cstdint>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 
@@ -96,6 +97,16 @@ HOST_DEVICE uint16_t f32_to_bf16(float f) {
 inline bool env_is(const char* name, const char* value) {
     const char* e = std::getenv(name);
     return e && std::strcmp(e, value) == 0;
+}
+
+// The number environment variable `name` holds: `fallback` where it is unset, NaN where it is not
+// a number (which the caller's range check then refuses, instead of a typo passing unnoticed).
+inline double env_number(const char* name, double fallback) {
+    const char* e = std::getenv(name);
+    if (!e || !*e) return fallback;
+    char* end = nullptr;
+    const double v = std::strtod(e, &end);
+    return *end == 0 ? v : std::nan("");
 }
 
 }  // namespace stowlm

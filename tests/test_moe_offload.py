@@ -63,3 +63,23 @@ def test_cli_flag(model_path):
     assert json.loads(r.stdout)["moe_offload_min"] == 0
     r = run_cli("fit", "-m", path, "--devices", "cpu:0[mem=1GiB]", "--moe-offload-min", "-3")
     assert r.returncode != 0 and "moe_offload_min" in r.stderr
+
+
+def test_host_share_is_checked_and_changes_nothing_without_staging(model_path, monkeypatch):
+    """STOWLM_MOE_CPU_SHARE (ContextParams::moe_cpu_share: of each staged layer's experts, the
+    share the host computes itself while the GPU copies in the rest) must lie in [0, 1), said by
+    name; with CPU devices nothing is staged, so any share gives the same plan and logits. The
+    split itself runs on the emulated device (tests/native/cuda_engine_emulated.cpp)."""
+    path = model_path(MOE)
+    ids = [1, 5, 9, 200, 7, 3, 11, 42]
+    m = stowlm.Model(path, devices=["cpu:0[threads=1]"], moe_offload_min=4)
+    rows, plans = [], []
+    for share in ("0", "0.5"):
+        monkeypatch.setenv("STOWLM_MOE_CPU_SHARE", share)
+        plans.append(m.plan(n_ctx=64, n_ubatch=8))
+        rows.append(stowlm.Context(m, n_ctx=64, n_ubatch=8).eval(ids, logits="all"))
+    assert plans[0] == plans[1] and np.array_equal(rows[0], rows[1])
+    for bad in ("1", "-0.1", "2", "0.3x"):
+        monkeypatch.setenv("STOWLM_MOE_CPU_SHARE", bad)
+        with pytest.raises(ValueError, match="STOWLM_MOE_CPU_SHARE"):
+            stowlm.Context(m, n_ctx=64, n_ubatch=8)

@@ -29,6 +29,9 @@ ContextParams checked(const Model& m, ContextParams p) {
     if (p.n_copies < 1) throw InvalidInput("n_copies must be >= 1, got " + std::to_string(p.n_copies));
     if (p.moe_offload_min < 0)
         throw InvalidInput("moe_offload_min must be >= 0 (0: never), got " + std::to_string(p.moe_offload_min));
+    if (!(p.moe_cpu_share >= 0 && p.moe_cpu_share < 1))
+        throw InvalidInput("moe_cpu_share (STOWLM_MOE_CPU_SHARE) must be in [0, 1), got " +
+                           std::to_string(p.moe_cpu_share));
     if (p.n_seq < 1 || p.n_seq > p.n_ctx)
         throw InvalidInput("n_seq must be in [1, n_ctx], got " + std::to_string(p.n_seq));
     if (p.n_ctx % p.n_seq)  // each sequence owns n_ctx / n_seq cells
@@ -89,6 +92,15 @@ bool own_copy_area(const Model& m) {
     return m.tensor_parallel();
 }
 
+// Whether g's host and a GPU each take a share of some layer's experts (ContextParams::
+// moe_cpu_share): their splits then run at once, one thread per device, and copies get their own
+// area as for tensor parallelism.
+bool shares_experts(const Graph& g) {
+    for (const Tensor* n : g.nodes())
+        if (n->share == Tensor::Share::HOST) return true;
+    return false;
+}
+
 // other: a second plan sharing the buffers (expert staging's smaller shapes), or null.
 std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, const ComputePlan& plan,
                                  const ComputePlan* other = nullptr) {
@@ -115,7 +127,8 @@ std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, 
 }  // namespace
 
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched, bool stage) {
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched, bool stage,
+                           float cpu_share) {
     in.tokens = g.new_input("inp_tokens", QType::I32, n_tok);
     in.pos = g.new_input("inp_pos", QType::I32, n_tok);
     in.cells = g.new_input("inp_kv_cells", QType::I32, n_tok);
@@ -144,6 +157,7 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
         }
     }
     BuildContext c{g, model, kv, in, n_tok, n_kv, n_out};
+    c.host_expert_share = stage ? cpu_share : 0.0f;
     g.output = model.arch().build(c);
     if (batched) {  // every product over the tokens and the attention; the logits' rows follow their count
         std::set<const Tensor*> heads{model.output()};
@@ -172,7 +186,8 @@ struct ContextPlans {
 int64_t context_graphs(const Model& m, const ContextParams& p, KVCache& shape_only, Graph& ref, Graph& small) {
     const bool may_stage = p.moe_offload_min > 0 && p.n_ubatch >= p.moe_offload_min && !own_copy_area(m);
     BuildInputs in;
-    build_scheduled_graph(m, shape_only, p.n_ubatch, p.n_ctx, p.n_outputs, ref, in, nullptr, false, may_stage);
+    build_scheduled_graph(m, shape_only, p.n_ubatch, p.n_ctx, p.n_outputs, ref, in, nullptr, false, may_stage,
+                          p.moe_cpu_share);
     bool staged = false;
     for (const Tensor* n : ref.nodes()) staged = staged || n->staged;
     if (!staged) return 0;
@@ -197,7 +212,7 @@ ContextPlans plan_context(const Model& m, const ContextParams& p, KVCache& shape
     r.pipeline.n_copies = 1;
     r.pipeline.reason = "micro-batches of " + std::to_string(r.stage_min) +
                         " tokens or more run host-resident experts on the GPU (moe_offload_min)";
-    r.plan = plan_compute(ref, m.backends(), 1, false);
+    r.plan = plan_compute(ref, m.backends(), 1, shares_experts(ref));
     if (r.stage_min > 1) r.small_plan = plan_compute(small, m.backends(), 1, false);
     return r;
 }
@@ -330,8 +345,10 @@ Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_o
     if (it != graphs_.end()) return *it->second;
     auto sg = std::make_unique<ShapeGraph>();
     const bool stage = stage_min_ > 0 && n_tok >= stage_min_;
-    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage, batched, stage);
+    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage, batched, stage,
+                          params_.moe_cpu_share);
     sg->plan = stage || stage_min_ == 0 ? &plan_ : &small_plan_;
+    sg->concurrent = stage && shares_experts(sg->g);
     place_graph(sg->g, *sg->plan, compute_, slot);
     plan_of_[&sg->g] = sg->plan;
     return *graphs_.emplace(key, std::move(sg)).first->second;
@@ -508,8 +525,15 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
         } else {
             for (int i = 0; i < (int)micro.size(); i++) {
                 ShapeGraph& sg = start(i, 0);
-                run(sg);
-                copy_logits(i, sg.g);
+                if (sg.concurrent)  // the host's share of the experts while the GPU does the rest
+                    run_pipeline(
+                        1, 1, backends_, [&](int) { return &sg.g; },
+                        [&](const Graph&, const Split& s) { run_split(s, *sg.plan, false); },
+                        [&](int, const Graph& g) { copy_logits(i, g); }, nullptr);
+                else {
+                    run(sg);
+                    copy_logits(i, sg.g);
+                }
             }
         }
     } catch (...) {

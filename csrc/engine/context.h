@@ -40,6 +40,11 @@ struct ContextParams {
     // memory on the GPU that computes the rest of their layer, which copies the experts in as it
     // goes (graph/scheduler.h); smaller ones (decoding) leave them to the CPU. 0: never.
     int64_t moe_offload_min = kMoeOffloadMin;
+    // In those micro-batches, the host computes this share of each such layer's experts itself
+    // (from RAM, while the GPU copies in and multiplies the rest: the bus is the bound there), the
+    // first experts of the layer, at least one. 0: the GPU takes them all. A measurement's setting
+    // until a GPU session sets its default (STOWLM_MOE_CPU_SHARE).
+    float moe_cpu_share = (float)env_number("STOWLM_MOE_CPU_SHARE", 0.0);
 };
 
 // Whether a context pipelines its micro-batches over the devices, and why not when it does not.
@@ -124,6 +129,7 @@ private:
         BuildInputs in;
         std::vector<std::vector<int32_t>> input_storage;
         const ComputePlan* plan = nullptr;  // plan_, or small_plan_ for an unstaged shape
+        bool concurrent = false;  // its devices run at once (the host's and a GPU's shares of experts)
     };
     ShapeGraph& graph_for(int64_t n_tok, int64_t n_kv, int64_t n_out, int slot, bool batched);
     // Fills sg's inputs for the tokens [b0, b0 + nt) (out: the rows of them whose logits are
@@ -154,9 +160,10 @@ private:
 
 // Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg);
 // batched: its products over the tokens and its attention marked for the batched kernels.
-// stage: expert products of host-resident experts go to a GPU that stages them (Backend::can_stage).
+// stage: expert products of host-resident experts go to a GPU that stages them (Backend::can_stage),
+// but cpu_share of each layer's experts (ContextParams::moe_cpu_share).
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
                            BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched = false,
-                           bool stage = false);
+                           bool stage = false, float cpu_share = 0);
 
 }  // namespace stowlm

@@ -58,7 +58,7 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
 
 // The device that stages n's host-resident experts (where its activations come from), or -1.
 int staging_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
-    if (n->op != Op::MUL_MAT_ID || !n->src[0]) return -1;
+    if (n->op != Op::MUL_MAT_ID || !n->src[0] || n->share == Tensor::Share::HOST) return -1;
     const Tensor* w = n->src[0]->storage_root();
     if (w->role != TensorRole::WEIGHT || w->device < 0 || !backends.at(w->device)->host_accessible()) return -1;
     const int dev = latest_source_device(n, index, 1);
@@ -134,8 +134,10 @@ void schedule(Graph& g, const std::vector<Backend*>& backends, bool stage_host_e
         // computes at the same time: a split waits for all its copies before its first node, and
         // this shard's own vocabulary rows must not wait for the other shards'. (Elsewhere a copy
         // waits for work already done, and one split per device and micro-batch keeps pipelining.)
+        // And the sum joining the host's and a GPU's shares of a layer's experts.
         bool waits = false;
-        for (int i = 0; i < n->n_src() && !waits && n->op == Op::CONCAT; i++) {
+        const bool joins = n->op == Op::CONCAT || n->share == Tensor::Share::JOIN;
+        for (int i = 0; i < n->n_src() && !waits && joins; i++) {
             const Tensor* s = n->src[i] ? n->src[i]->storage_root() : nullptr;
             waits = s && s->role == TensorRole::COMPUTE && s->device != dev && !copies.count({n->src[i], dev});
         }

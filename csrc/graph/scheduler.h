@@ -8,7 +8,8 @@
 // and which it waits for; a device's consecutive splits with nothing crossing between them are
 // one split. With stage_host_experts, an expert product (MUL_MAT_ID) whose experts live in host
 // memory runs where its activations come from when that device can stage them (a GPU copying
-// the experts in as it goes: Backend::can_stage), instead of on the host.
+// the experts in as it goes: Backend::can_stage), instead of on the host; the host's share of a
+// layer's experts split between the two (Tensor::Share) stays on the host, concurrently.
 #pragma once
 #include <vector>
 

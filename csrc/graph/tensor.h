@@ -96,6 +96,10 @@ struct Tensor {
     // A MUL_MAT_ID the scheduler gave to a device that stages its host-resident weights itself
     // (Backend::can_stage): its weights stay where they are, no COPY node brings them.
     bool staged = false;
+    // A layer's experts split between the host and a GPU that stages the rest (models/blocks.cpp,
+    // ContextParams::moe_cpu_share): the host's products are never staged, and the sum that joins
+    // the two shares starts a split of its own, so that the GPU's share need not wait for the host's.
+    enum class Share : uint8_t { NONE, HOST, JOIN } share = Share::NONE;
     // A CPU weight repacked at load into groups of 16 interleaved rows (cpu/repack.h).
     bool rows16 = false;
 

@@ -1,5 +1,6 @@
 #include "models/blocks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <functional>
 
@@ -206,10 +207,84 @@ SubBlock build_ffn(BuildContext& c, int il, Tensor* x, FfnAct act) {
     return projected(c, il, h, w.ffn_down, "ffn_out");
 }
 
+namespace {
+
+// Some of a layer's experts: their stacks, per-expert biases, and the slots' ids renumbered for
+// them (-1: a slot picked another's expert, and its rows come out zero).
+struct ExpertSet {
+    Tensor *gate = nullptr, *up = nullptr, *down = nullptr;
+    Tensor *gate_b = nullptr, *up_b = nullptr, *down_b = nullptr;
+    Tensor* ids = nullptr;
+};
+
+// Experts [e0, e0 + n) of a stack (dim 2) or of its biases (dim 1): a weight leaf of the graph
+// over the same bytes (repacked ones included: a repacked expert keeps its place and size).
+Tensor* expert_range(Graph& g, const Tensor* t, int dim, int64_t e0, int64_t n) {
+    if (!t) return nullptr;
+    int64_t ne[4] = {t->ne[0], t->ne[1], t->ne[2], t->ne[3]};
+    ne[dim] = n;
+    Tensor* r = g.new_tensor(t->name + "[" + std::to_string(e0) + ":" + std::to_string(e0 + n) + "]", t->type, ne[0],
+                             ne[1], ne[2], ne[3], TensorRole::WEIGHT);
+    r->data = (uint8_t*)t->data + (size_t)e0 * t->nb[dim];
+    r->buffer = t->buffer, r->device = t->device, r->rows16 = t->rows16;
+    return r;
+}
+
+ExpertSet expert_set(Graph& g, const LayerWeights& w, Tensor* ids, int64_t e0, int64_t n, int64_t n_expert) {
+    if (e0 == 0 && n == n_expert)
+        return {w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, w.ffn_gate_exps_b, w.ffn_up_exps_b, w.ffn_down_exps_b, ids};
+    return {expert_range(g, w.ffn_gate_exps, 2, e0, n), expert_range(g, w.ffn_up_exps, 2, e0, n),
+            expert_range(g, w.ffn_down_exps, 2, e0, n), expert_range(g, w.ffn_gate_exps_b, 1, e0, n),
+            expert_range(g, w.ffn_up_exps_b, 1, e0, n), expert_range(g, w.ffn_down_exps_b, 1, e0, n),
+            local_ids(g, ids, e0, n)};
+}
+
+Tensor* expert_product(BuildContext& c, int il, Tensor* stack, Tensor* bias, Tensor* in, Tensor* ids,
+                       const std::string& what, Tensor::Share share) {
+    Tensor* y = named(mul_mat_id(c.g, stack, in, ids), il, what.c_str());
+    y->share = share;
+    return bias ? named(add_id(c.g, y, bias, ids), il, (what + "_biased").c_str()) : y;
+}
+
+// e's products of x3 [n_embd, 1, n] (gate and up, with their biases) and their activation.
+Tensor* expert_act(BuildContext& c, int il, const ExpertSet& e, Tensor* x3, const std::string& sfx, Tensor::Share share) {
+    Tensor* gate = expert_product(c, il, e.gate, e.gate_b, x3, e.ids, "ffn_moe_gate" + sfx, share);
+    Tensor* up = expert_product(c, il, e.up, e.up_b, x3, e.ids, "ffn_moe_up" + sfx, share);
+    const HParams& hp = c.model.hp();
+    return named(hp.expert_act_oai ? swiglu_oai(c.g, gate, up, 1.702f, 7.0f) : swiglu(c.g, gate, up), il,
+                 ("ffn_moe_act" + sfx).c_str());
+}
+
+// e's down products of their activations, summed with the routing weights: [n_embd, n].
+Tensor* expert_out(BuildContext& c, int il, const ExpertSet& e, Tensor* act, Tensor* weights, const std::string& sfx,
+                   Tensor::Share share) {
+    Tensor* down = expert_product(c, il, e.down, e.down_b, act, e.ids, "ffn_moe_down" + sfx, share);
+    return named(moe_sum(c.g, down, weights), il, ("ffn_moe_out" + sfx).c_str());
+}
+
+// How many of layer il's experts the host computes itself while a GPU stages the rest (0: none):
+// in a staged graph (BuildContext::host_expert_share), one shard, experts in host memory and the
+// router, which the expert products follow, on a device that is not.
+int64_t host_experts(const BuildContext& c, int il) {
+    const LayerWeights& w = c.w(il);
+    const int64_t n = c.model.hp().n_expert;
+    if (c.host_expert_share <= 0 || c.model.n_shards() > 1 || !w.ffn_gate_exps || !w.ffn_gate_inp) return 0;
+    const auto backends = c.model.backends();
+    if (!backends.at(w.ffn_gate_exps->device)->host_accessible() ||
+        backends.at(w.ffn_gate_inp->device)->host_accessible())
+        return 0;
+    return std::clamp<int64_t>(std::llround(c.host_expert_share * (double)n), 1, n - 1);
+}
+
+}  // namespace
+
 // Mixture-of-experts FFN: the router and the selection run whole on every shard (same bits
 // everywhere); a shard computes its part of the picked experts (whole experts: the others'
 // slots give zero rows) and of the shared expert. The weighted sum over the picked experts and
 // the shared expert's gate come after the meeting, so one meeting serves them all.
+// Where a GPU stages experts kept in host memory, the host may take the first of them (built
+// first, so that they run while the GPU copies in and multiplies the rest): their weighted sum is
+// added to the GPU's.
 SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     const HParams& hp = c.model.hp();
     const LayerWeights& w = c.w(il);
@@ -217,7 +292,8 @@ SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     const bool has_shexp = c.model.layers()[il].ffn_up_shexp != nullptr;
     Graph& g = c.g;
     const int64_t n = c.n_tok, k = hp.n_expert_used;
-    Tensor *weights = nullptr, *mine = nullptr, *act = nullptr;
+    Tensor *weights = nullptr, *act = nullptr, *host_out = nullptr;
+    ExpertSet mine;
     if (geom.experts > 0) {
         Tensor* logits = named(mul_mat(g, w.ffn_gate_inp, x), il, "ffn_moe_logits");
         if (w.ffn_gate_inp_b) logits = named(add(g, logits, w.ffn_gate_inp_b), il, "ffn_moe_logits_biased");
@@ -226,19 +302,22 @@ SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
                             il, "ffn_moe_topk");
         weights = named(moe_weights(g, logits, ids, hp.expert_gating, hp.expert_weights_norm, hp.expert_weights_scale),
                         il, "ffn_moe_weights");
-        mine = geom.experts == hp.n_expert ? ids : named(local_ids(g, ids, geom.expert0, geom.experts), il,
-                                                         "ffn_moe_local_ids");
+        const int64_t on_host = geom.expert_ff > 0 ? host_experts(c, il) : 0;
+        if (on_host > 0) {
+            Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
+            const ExpertSet host = expert_set(g, w, ids, 0, on_host, hp.n_expert);
+            named(host.ids, il, "ffn_moe_local_ids_host");
+            host_out = expert_out(c, il, host, expert_act(c, il, host, x3, "_host", Tensor::Share::HOST), weights, "_host",
+                                  Tensor::Share::HOST);
+        }
+        mine = geom.experts == hp.n_expert ? expert_set(g, w, ids, on_host, hp.n_expert - on_host, hp.n_expert)
+                                           : ExpertSet{w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps,
+                                                       w.ffn_gate_exps_b, w.ffn_up_exps_b, w.ffn_down_exps_b,
+                                                       local_ids(g, ids, geom.expert0, geom.experts)};
+        if (mine.ids != ids) named(mine.ids, il, "ffn_moe_local_ids");
     }
-    auto experts = [&c, il, mine](Tensor* stack, Tensor* bias, Tensor* in, const char* what) {
-        Tensor* y = named(mul_mat_id(c.g, stack, in, mine), il, what);
-        return bias ? named(add_id(c.g, y, bias, mine), il, (std::string(what) + "_biased").c_str()) : y;
-    };
-    if (geom.experts > 0 && geom.expert_ff > 0) {
-        Tensor* x3 = reshape(g, x, hp.n_embd, 1, n);
-        Tensor* gate = experts(w.ffn_gate_exps, w.ffn_gate_exps_b, x3, "ffn_moe_gate");
-        Tensor* up = experts(w.ffn_up_exps, w.ffn_up_exps_b, x3, "ffn_moe_up");
-        act = named(hp.expert_act_oai ? swiglu_oai(g, gate, up, 1.702f, 7.0f) : swiglu(g, gate, up), il, "ffn_moe_act");
-    }
+    if (geom.experts > 0 && geom.expert_ff > 0)
+        act = expert_act(c, il, mine, reshape(g, x, hp.n_embd, 1, n), "", Tensor::Share::NONE);
     Tensor* sh_act = nullptr;
     if (geom.shexp_ff > 0) {
         Tensor* sg = named(mul_mat(g, w.ffn_gate_shexp, x), il, "ffn_shexp_gate");
@@ -248,12 +327,14 @@ SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
     SubBlock sb;
     sb.mid = {act};
     if (has_shexp) sb.mid.push_back(sh_act);
-    sb.out = [&c, il, x, &w, weights, experts](const std::vector<Tensor*>& v) -> Tensor* {
+    sb.out = [&c, il, x, &w, weights, mine, host_out](const std::vector<Tensor*>& v) -> Tensor* {
         Graph& g = c.g;
         Tensor* out = nullptr;
-        if (v[0] && w.ffn_down_exps)
-            out = named(moe_sum(g, experts(w.ffn_down_exps, w.ffn_down_exps_b, v[0], "ffn_moe_down"), weights), il,
-                        "ffn_moe_out");
+        if (v[0] && w.ffn_down_exps) out = expert_out(c, il, mine, v[0], weights, "", Tensor::Share::NONE);
+        if (host_out) {
+            out = named(add(g, out, host_out), il, "ffn_moe_out_joined");
+            out->share = Tensor::Share::JOIN;
+        }
         if (v.size() < 2 || !v[1] || !w.ffn_down_shexp) return out;
         Tensor* shared = named(mul_mat(g, w.ffn_down_shexp, v[1]), il, "ffn_shexp");
         if (w.ffn_gate_inp_shexp) {

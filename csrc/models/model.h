@@ -113,6 +113,9 @@ struct BuildContext {
     BuildInputs in;
     int64_t n_tok = 0, n_kv = 0, n_out = 0;
     int shard = 0;  // the shard the blocks build for (tensor parallelism; 0 otherwise)
+    // A graph whose host-resident experts a GPU stages: the share of each such layer's experts
+    // the host computes meanwhile (ContextParams::moe_cpu_share; 0: none).
+    float host_expert_share = 0;
     // This shard's weights and part of layer il.
     const LayerWeights& w(int il) const;
     const ShardGeometry& geom(int il) const;

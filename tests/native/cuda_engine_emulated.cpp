@@ -51,6 +51,8 @@ struct Run {
     int interleave = 0;  // out: the model's layer ranges per device
     int ask_interleave = 0;  // what the model is loaded with (0: its default)
     int64_t moe_min = kMoeOffloadMin;  // ContextParams::moe_offload_min
+    float cpu_share = 0;               // ContextParams::moe_cpu_share
+    int64_t n_expert = 0;              // out: the model's experts a layer
     int64_t staged_from = 0;           // out: Context::staging_from()
     size_t compute_bytes = 0;          // out: the compute bytes of the first device
     size_t scratch_bytes = 0;          // out: the scratch of the first device (the staged plan's)
@@ -69,7 +71,9 @@ std::vector<float> run(const std::string& path, Run& r, const std::vector<int32_
     auto m = Model::load(path, r.devices, r.split, true, r.overrides, {}, r.ask_interleave);
     ContextParams p;
     p.n_ctx = n_ctx, p.n_ubatch = n_ubatch, p.kv_type = r.kv, p.n_copies = r.n_copies, p.moe_offload_min = r.moe_min;
+    p.moe_cpu_share = r.cpu_share;
     Context c(*m, p);
+    r.n_expert = m->hp().n_expert;
     r.pipelined = c.pipeline().n_copies;
     r.not_pipelined = c.pipeline().reason;
     r.interleave = m->interleave();
@@ -373,6 +377,82 @@ void check_staging(const std::string& dir, const std::string& name, int n_layer)
     if (!ok) failures++;
 }
 
+// The host's share of staged experts (ContextParams::moe_cpu_share): of each layer whose experts
+// cuda:0 stages, cpu:0 computes the first experts itself, concurrently. The schedule lets the
+// GPU's share go without waiting for the host's (its split depends on no host split of the layer,
+// and the sum joining them on both); cuda:0's staging slots and the bytes it copies and pins are
+// its share's alone. Logits: the two shares' sums are added, another order than one sum over the
+// picked experts, and most test models carry an ulp into visible logits from the second token
+// on (smollm2-135m's AVX2 and AVX-512 kernels differ by ~1 there); qwen3moe-tiny stays within
+// 1e-3 of the CPU over this prompt, so its logits are checked.
+void check_host_share(const std::string& dir, const std::string& name, int n_layer) {
+    const std::string path = dir + "/" + name + ".gguf";
+    const std::vector<TensorOverride> experts_cpu = {{"blk\\.[0-9]+\\.ffn_.*_exps.*", 1, ""}};
+    Run plain{{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_cpu};
+    plain.moe_min = 12;  // of the micro-batches 16, 16, 8: two staged
+    std::vector<int32_t> none, prompt;
+    for (int i = 0; i < 40; i++) prompt.push_back(1 + (i * 7919) % 2000);
+    run(path, plain, prompt, 1, 128, 16, &none);
+    for (float share : {0.25f, 0.5f}) {
+        Run r = plain;
+        r.cpu_share = share;
+        if (name == "qwen3moe-tiny") {
+            r.moe_min = 8;  // every micro-batch of the 32 tokens staged
+            check(dir, name, r, "cpu:0 computes " + std::to_string((int)(share * 100)) + "% of the staged experts", 32,
+                  2);
+            r.moe_min = 12;
+        }
+        run(path, r, prompt, 1, 128, 16, &none);
+        const int64_t E = r.n_expert, h = std::clamp<int64_t>(std::llround(share * E), 1, E - 1);
+        const size_t gpu_share = r.experts / E * (E - h), largest = r.largest_experts / E * (E - h);
+        const size_t page = (size_t)sysconf(_SC_PAGESIZE), slack = 2 * page * 3 * (size_t)n_layer;
+        bool ok = r.staged_from == 12 && r.pinned_copied == 2 * gpu_share && r.pinned >= gpu_share &&
+                  r.pinned <= gpu_share + slack && r.scratch_bytes >= 2 * largest &&
+                  r.scratch_bytes + 2 * (r.largest_experts - largest) <= plain.scratch_bytes + 512;
+        // the schedule of a staged micro-batch
+        auto m = Model::load(path, r.devices, r.split, true, r.overrides, {}, 0);
+        ContextParams p;
+        p.n_ctx = 128, p.n_ubatch = 16;
+        KVCache kv(context_kv_layout(*m, p), m->backends(), false, 1);
+        Graph g;
+        BuildInputs in;
+        build_scheduled_graph(*m, kv, 16, 128, 16, g, in, nullptr, false, true, share);
+        const auto at = g.split_of();
+        std::vector<std::vector<char>> after(g.splits.size());  // after[j][i]: split j waits for split i
+        for (size_t j = 0; j < g.splits.size(); j++) {
+            after[j].assign(g.splits.size(), 0);
+            for (int d : g.splits[j].deps) {
+                after[j][d] = 1;
+                for (size_t i = 0; i < j; i++) after[j][i] |= after[d][i];
+            }
+        }
+        int layers = 0;
+        for (int il = 0; il < n_layer; il++) {
+            int host = -1, gpu = -1, join = -1;
+            const std::string blk = "blk." + std::to_string(il) + ".";
+            for (const Tensor* n : g.nodes()) {
+                if (n->name.rfind(blk, 0) != 0) continue;
+                if (n->share == Tensor::Share::HOST) host = std::max(host, at.at(n));
+                if (n->staged) gpu = std::max(gpu, at.at(n));
+                if (n->share == Tensor::Share::JOIN) join = at.at(n);
+            }
+            if (host < 0 && gpu < 0) continue;
+            layers++;
+            const bool fine = host >= 0 && gpu >= 0 && join >= 0 && g.splits[host].device == 1 &&
+                              g.splits[gpu].device == 0 && !after[gpu][host] && after[join][host] && after[join][gpu];
+            if (!fine) printf("FAIL %s layer %d: host share in split %d, GPU share in %d, joined in %d\n", name.c_str(),
+                              il, host, gpu, join);
+            ok = ok && fine;
+        }
+        ok = ok && layers > 0;
+        printf("%s %-22s share %.2f (%lld of %lld experts on cpu:0, %d layers): cuda:0 copied %zu bytes (its share "
+               "%zu x 2 micro-batches), pinned %zu; scratch %zu, %zu without a host share\n",
+               ok ? "ok  " : "FAIL", name.c_str(), share, (long long)h, (long long)E, layers, r.pinned_copied, gpu_share,
+               r.pinned, r.scratch_bytes, plain.scratch_bytes);
+        if (!ok) failures++;
+    }
+}
+
 // STOWLM_CUDA_FUSION=0: every node its own kernels (24 a llama layer: each product quantizes its
 // input, the two ropes, the two stores, the adds, the norms and swiglu apart; the tied output 5),
 // the same logits as fused (on the emulated device every kernel is the CPU op it mirrors).
@@ -526,6 +606,7 @@ int main(int argc, char** argv) {
         for (const char* name : {"qwen3moe-tiny", "smollm2-moe"}) {
             const int n_layer = (int)Model::load(dir + "/" + name + ".gguf", {spec("cpu", 0)}, {}, false)->hp().n_layer;
             check_staging(dir, name, n_layer);
+            check_host_share(dir, name, n_layer);
             check(dir, name, cuda0, "cuda:0");
             check(dir, name, {{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_on_1},
                   "layers on cuda:0, experts on cpu:0");
