@@ -6,7 +6,9 @@ Here, on the machine without a GPU (everything lands in .carry/, which git ignor
 
     python3 bench/carry_models.py smollm2-135m [qwen3moe-tiny ...]   # models cut into pieces <= 60 MiB
     python3 bench/carry_models.py --extras --prebuilt build-py312    # peer, shared tools and fixtures,
-                                                                      # the gguf wheel, a prebuilt build
+                                                                      # the gguf wheel, a prebuilt build,
+                                                                      # shape twins of the models too big
+                                                                      # to carry (bench/shape_twin.py)
     python3 bench/carry_models.py --plan                              # the device calls, with their carry lists
 
 A model is a name of the stowlm cache (~/.cache/stowlm/models/NAME.gguf) or a path. manifest.json
@@ -176,12 +178,30 @@ def shared_dir() -> Path:
     return Path(os.environ["STOWLM_SHARED"]) if "STOWLM_SHARED" in os.environ else REPO.parent / "shared"
 
 
+# Models too big to carry whose speed the GPU session measures on their shape twins (their
+# headers, weights made random there: bench/shape_twin.py).
+TWIN_MODELS = ("qwen2.5-coder-0.5b", "gemma3-270m")
+
+
 def gather_extras(carry: Path, prebuilt: Optional[Path], python_tag: str) -> dict:
     """The peer tarball, ../shared's tools (the MoE and architecture test models are written from
     smollm2 by them) and fixtures (llama.cpp's logits the GPU tests compare with), the gguf wheel
-    (the tests' oracles and the tools need it; the device image has none), and optionally a
-    prebuilt extension for python_tag and stowlm-bench."""
+    (the tests' oracles and the tools need it; the device image has none), the shape twins of
+    TWIN_MODELS found in the model cache, and optionally a prebuilt extension for python_tag and
+    stowlm-bench."""
     extras = {}
+    twins = carry / "twins"
+    if twins.exists():
+        shutil.rmtree(twins)
+    twins.mkdir(parents=True)
+    sys.path.insert(0, str(REPO / "bench"))
+    import shape_twin
+
+    for name in TWIN_MODELS:
+        model = cache_models() / f"{name}.gguf"
+        if model.is_file():
+            shape_twin.save(model, twins / f"{name}.twin")
+            extras[f"twins/{name}.twin"] = {"bytes": (twins / f"{name}.twin").stat().st_size}
     shared = shared_dir()
     peer = shared / "peers" / PEER_TAR
     if not peer.is_file():
@@ -243,13 +263,22 @@ def gather_prebuilt(carry: Path, build: Path, python_tag: str) -> dict:
 
 # ---- here: the device calls --------------------------------------------------------------------
 
+def folder_extras(m: dict) -> Dict[str, int]:
+    """Extras inside a folder (shared/tools, twins/NAME.twin): one carry item per folder, since a
+    receive replaces the whole folder in the stash."""
+    out: Dict[str, int] = {}
+    for name, e in m["extras"].items():
+        if "/" in name:
+            top = f".carry/{name.split('/')[0]}"
+            out[top] = out.get(top, 0) + e["bytes"]
+    return out
+
+
 def plan_calls(m: dict, budget: int) -> List[List[str]]:
     """The carry lists of the device calls: extras first, then pieces in order; each list holds
     manifest.json and at most 8 paths, and stays within the budget."""
-    items = [(f".carry/{name}", e["bytes"]) for name, e in sorted(m["extras"].items())
-             if not name.startswith("shared/")]
-    if any(n.startswith("shared/") for n in m["extras"]):
-        items.append((".carry/shared", sum(e["bytes"] for n, e in m["extras"].items() if n.startswith("shared/"))))
+    items = [(f".carry/{name}", e["bytes"]) for name, e in sorted(m["extras"].items()) if "/" not in name]
+    items += sorted(folder_extras(m).items())
     items.sort(key=lambda it: -it[1])  # the big extras first, then the small ones fill in
     for name in m["models"]:
         items += [(f".carry/{p['name']}", p["bytes"]) for p in m["models"][name]["pieces"]]
@@ -280,7 +309,7 @@ def print_plan(m: dict, carry: Path) -> None:
     for name, e in sorted(m["extras"].items()):
         print(f"extra {name}: {e['bytes'] / MIB:.1f} MiB")
     sizes = {f".carry/{n}": e["bytes"] for n, e in m["extras"].items()}
-    sizes[".carry/shared"] = sum(e["bytes"] for n, e in m["extras"].items() if n.startswith("shared/"))
+    sizes.update(folder_extras(m))
     for e in m["models"].values():
         sizes.update({f".carry/{p['name']}": p["bytes"] for p in e["pieces"]})
     print(f"\n{len(calls)} device call(s), one right after the other (a machine idle for 30 s is given back; "

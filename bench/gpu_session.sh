@@ -17,7 +17,8 @@
 #       -k "<deselects the cases of models not present>"
 # with tests/test_cuda_build.py (nvcc only, no GPU) beside it in the background, then
 # bench/gpu_compare.py (3 rounds, pp512/tg128, smollm2-135m, qwen2.5-coder-0.5b and qwen3moe-tiny
-# where present, plus stowlm-bench -v's kernels per token). $OUT gets session.log,
+# where present, qwen2.5-coder-0.5b otherwise by its shape twin: its carried header, random weights
+# written there by bench/shape_twin.py; plus stowlm-bench -v's kernels per token). $OUT gets session.log,
 # pytest_gpu.log, pytest_build.log, gpu_compare.md and gpu_compare.json (5 of the 8 files a call
 # brings back).
 #
@@ -30,8 +31,9 @@
 #                                       # (rebuild after any change to csrc/, cuda/ or stowlm_bench.cpp:
 #                                       # a build from other sources is not used there but rebuilt, minutes)
 #   python3 bench/carry_models.py smollm2-135m                         # 93.8 MiB -> 2 pieces
-#   python3 bench/carry_models.py --extras --prebuilt build-py312      # peer 42.7 MiB, prebuilt 11.4 MiB,
-#                                                                      # shared 0.5 MiB, gguf wheel 0.1 MiB
+#   python3 bench/carry_models.py --extras --prebuilt build-py312      # peer 42.7 MiB, prebuilt 22.9 MiB,
+#                                                                      # shared 0.5 MiB, gguf wheel 0.1 MiB,
+#                                                                      # twins 2.5 MiB (qwen2.5-coder, gemma3)
 #   python3 bench/carry_models.py --plan                               # prints the calls below
 # Then the device calls, each right after the other (a machine idle for 30 s is given back and the
 # next call starts a bare one, the carried files lost):
@@ -146,6 +148,13 @@ else
     log "nothing carried ($STASH/manifest.json missing): models only from $MODELS"
 fi
 [ -d "$STASH/shared" ] && export STOWLM_SHARED=$STASH/shared  # fixtures and tools for the tests
+# Shape twins of the models too big to carry (bench/shape_twin.py: their headers, random weights
+# written here in seconds): the same work per token, for the comparison only, never the tests.
+for t in "$STASH"/twins/*.twin; do
+    [ -f "$t" ] || continue
+    n=$(basename "$t" .twin)
+    have_model "$n" || have_model "$n-twin" || step "twin $n" 60 "" "$PY" bench/shape_twin.py fill "$t" "$MODELS/$n-twin.gguf"
+done
 
 SITE=${TMPDIR:-/tmp}/stowlm-site
 if ! "$PY" -c "import gguf" 2>/dev/null; then
@@ -252,16 +261,18 @@ fi
 # ---- stowlm against llama.cpp ---------------------------------------------------------------------
 PEER=()
 [ -f "$STASH/llama.cpp-cuda-sm90.tar.xz" ] && PEER=(--peer-tar "$STASH/llama.cpp-cuda-sm90.tar.xz")
+CMODELS=()  # issue 26's three models: each itself, else its shape twin
+for m in smollm2-135m qwen2.5-coder-0.5b qwen3moe-tiny; do
+    if have_model "$m"; then CMODELS+=(-m "$m"); elif have_model "$m-twin"; then CMODELS+=(-m "$MODELS/$m-twin.gguf"); fi
+done
 if [ "$MODE" = gpu ]; then
     if [ "${COMPARE_ROUNDS:-3}" != 0 ]; then
         VARIANT=()
         for fav in $FA_VARIANTS; do VARIANT+=(--variant "${fav/=/ }=$fav"); done  # label: no '=' in it
-        step "gpu_compare" 300 "" "$PY" bench/gpu_compare.py --device cuda --out "$OUT" --rounds "${COMPARE_ROUNDS:-3}" \
-            "${VARIANT[@]}" "${PEER[@]}"
+        step "gpu_compare" 360 "" "$PY" bench/gpu_compare.py --device cuda --out "$OUT" --rounds "${COMPARE_ROUNDS:-3}" \
+            "${VARIANT[@]}" "${PEER[@]}" "${CMODELS[@]}"
     fi
 else
-    CMODELS=()
-    for m in smollm2-135m qwen2.5-coder-0.5b qwen3moe-tiny; do have_model "$m" && CMODELS+=(-m "$m"); done
     [ ${#CMODELS[@]} -eq 0 ] && CMODELS=(-m smollm2-135m)
     step "gpu_compare (cpu)" 240 "" "$PY" bench/gpu_compare.py --device cpu --out "$OUT" "${PEER[@]}" "${CMODELS[@]}" \
         -p 16 -n 4 -r 1 --rounds 1 -t 2

@@ -154,10 +154,15 @@ def test_source_digest_follows_the_sources(tmp_path):
 
 def test_session_script_without_a_gpu(model, tmp_path):
     """gpu_session.sh --no-gpu: each step in order, the GPU tests collected with the absent models'
-    cases deselected, the comparison on the CPU, and $OUT as a device call can bring it back
-    (at most 8 files, two folders deep, plain names)."""
+    cases deselected, the comparison on the CPU (a model too big to carry by its shape twin: here
+    one made from the small model under qwen2.5-coder-0.5b's name), and $OUT as a device call can
+    bring it back (at most 8 files, two folders deep, plain names)."""
+    import shape_twin
+
     c, out = tmp_path / "carry", tmp_path / "out"
     assert carry(model, "--dir", c, "--piece-mib", 16).returncode == 0
+    (tmp_path / "stash" / "twins").mkdir(parents=True)
+    shape_twin.save(model, tmp_path / "stash" / "twins" / "qwen2.5-coder-0.5b.twin")
     # the same stowlm as this run (installed in CI, python/ in a development build)
     env = subprocess_env(CARRY_DIR=str(c), STOWLM_CARRIED=str(tmp_path / "stash"), OUT=str(out),
                          STOWLM_CACHE=str(tmp_path / "cache"), SESSION_SECONDS="300", PYTHON=sys.executable)
@@ -178,8 +183,9 @@ def test_session_script_without_a_gpu(model, tmp_path):
     assert "tests/test_cuda_ops.py::" in collected and "tests/test_cuda_build.py::" in collected
     data = json.loads((out / "gpu_compare.json").read_text())
     assert data["device"] == "cpu"
-    assert {(row["model"], row["test"]) for row in data["table"]} == {("qwen3moe-tiny", "pp16"),
-                                                                      ("qwen3moe-tiny", "tg4")}
+    assert {(row["model"], row["test"]) for row in data["table"]} == {
+        (m, t) for m in ("qwen3moe-tiny", "qwen2.5-coder-0.5b-twin") for t in ("pp16", "tg4")}
+    assert "== twin qwen2.5-coder-0.5b" in log
     assert all(row["stowlm"] > 0 for row in data["table"])
     files = [p for p in out.rglob("*") if p.is_file()]
     assert 1 <= len(files) <= 8
