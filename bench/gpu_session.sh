@@ -56,10 +56,10 @@
 #   4. command: PYTHONPATH=python python3 bench/big_moe_compare.py --rounds 1 --out $OUT
 #      (writes the Qwen3-30B-A3B-shaped big-moe.gguf with the carried shared tools, fits it on
 #      cuda:0[mem=8GiB] + cpu, and runs stowlm-bench -- the fitted placement, prompts' experts
-#      staged on the GPU and not, staged from pinned pages and not (STOWLM_PIN_EXPERTS=0), the
-#      experts repacked for the CPU (unrepacked on the GPU when staged) and not (STOWLM_REPACK=0) --
-#      beside llama-bench with the same layers and -ot ...=CPU;
-#      the issue's item 6, and the measurement moe_offload_min's default waits for).
+#      staged on the GPU and not, and with the host computing 25% and 35% of each staged layer's
+#      experts itself while the GPU copies in the rest (STOWLM_MOE_CPU_SHARE; --old-variants: the
+#      unpinned and GGUF-layout rows of the first run instead) -- beside llama-bench with the same
+#      layers and -ot ...=CPU; the issue's item 6: the share that wins becomes the default).
 # From call 2 on each reply must say warm: true (the call found the machine of the call before);
 # otherwise the stash went back with the old machine: start again at call 1.
 # (--plan packs small pieces into the same call where they fit.) Worth carrying, in this order:
