@@ -142,12 +142,14 @@ public:
     }
 
     bool can_stage(const Tensor& n) const override {
-        if (n.op != Op::MUL_MAT_ID || !unsupported_reason(n).empty()) return false;
-        const Tensor* w = n.src[0];  // repacked experts come back to GGUF's layout a group at a time in shared memory
+        const Tensor* w = staged_weight(n);
+        if (!w || !unsupported_reason(n).empty()) return false;
+        if (n.op == Op::ADD_ID) return w->type == QType::F32 && w->is_contiguous();  // gpt-oss's expert biases
+        // repacked experts come back to GGUF's layout a group at a time in shared memory
         return !w->rows16 || rows16_group_bytes(w->type, w->ne[0]) <= kStagedRows16GroupMax;
     }
     size_t staging_bytes(const Tensor& n) const override {
-        return n.staged ? (n.src[0]->nbytes() + 255) & ~(size_t)255 : 0;  // the slot: 256-byte aligned
+        return n.staged ? (staged_weight(n)->nbytes() + 255) & ~(size_t)255 : 0;  // the slot: 256-byte aligned
     }
 
     size_t pin_host(const std::vector<std::pair<const void*, size_t>>& ranges) override {
@@ -521,7 +523,7 @@ private:
     void stage_copy(Stager& st, size_t k) {
         const int s = (int)(k % 2);
         const cu::Stream cs = dev_->copy_stream();
-        const Tensor* w = st.nodes[k]->src[0];
+        const Tensor* w = staged_weight(*st.nodes[k]);
         if (st.used[s]) dev_->wait(cs, st.used[s]), dev_->release(st.used[s]), st.used[s] = nullptr;
         dev_->copy_to_device(st.slot[s], w->data, w->nbytes(), cs);
         // experts the CPU keeps repacked for its own products: GGUF's layout again for the GPU's
@@ -780,10 +782,17 @@ private:
             case Op::SWIGLU_OAI:
                 cu::swiglu_oai(f32(a), f32(b), n->n_elements(), n->fparams[0], n->fparams[1], f32(n), s);
                 return;
-            case Op::ADD_ID:
+            case Op::ADD_ID: {
                 prepare_in_place(n, s);
-                cu::add_id(f32(n), f32(b), b->ne[1], i32(n->src[2]), n->ne[2], n->ne[1], n->ne[0], s);
+                const float* bias = f32(b);
+                if (n->staged) {  // the biases live in host memory: the stager copied them in
+                    if (!held.stager) throw InvalidInput(name_ + ": staged node " + n->name + " outside a staging split");
+                    bias = (const float*)stage_take(*held.stager, n, s);
+                }
+                cu::add_id(f32(n), bias, b->ne[1], i32(n->src[2]), n->ne[2], n->ne[1], n->ne[0], s);
+                if (n->staged) stage_done(*held.stager, s);
                 return;
+            }
             case Op::NONE:
             case Op::VIEW:
             case Op::COPY:  // done by the context's copy step before the split runs

@@ -230,7 +230,7 @@ size_t pin_staged_weights(const Model& m, const Graph& g, const std::vector<Back
     Backend* stager = nullptr;
     for (const Tensor* n : g.nodes()) {
         if (!n->staged) continue;
-        const Tensor* w = n->src[0];
+        const Tensor* w = staged_weight(*n);
         if (!m.outlives_backends(w->data, w->nbytes())) continue;
         stager = stager ? stager : backends.at(n->device);
         const uintptr_t b = (uintptr_t)w->data;

@@ -175,6 +175,11 @@ Tensor* top_k(Graph& g, Tensor* x, int64_t k, int32_t gating = 0, Tensor* bias =
               int32_t n_group_used = 0);
 Tensor* moe_weights(Graph& g, Tensor* logits, Tensor* ids, int32_t gating, bool normalize, float scale);
 Tensor* mul_mat_id(Graph& g, Tensor* experts, Tensor* x, Tensor* ids);
+// The host-resident weight a staged node (Tensor::staged) has its device copy in: a MUL_MAT_ID's
+// experts, an ADD_ID's per-expert biases (gpt-oss); null for other ops.
+inline const Tensor* staged_weight(const Tensor& n) {
+    return n.op == Op::MUL_MAT_ID ? n.src[0] : n.op == Op::ADD_ID ? n.src[1] : nullptr;
+}
 Tensor* moe_sum(Graph& g, Tensor* e, Tensor* weights);
 
 }  // namespace stowlm

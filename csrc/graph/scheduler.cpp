@@ -56,12 +56,14 @@ int choose_device(const Tensor* n, const std::vector<Backend*>& backends, const 
     return dev;
 }
 
-// The device that stages n's host-resident experts (where its activations come from), or -1.
+// The device that stages n's host-resident experts (or their biases: staged_weight) where its
+// activations come from, or -1.
 int staging_device(const Tensor* n, const std::vector<Backend*>& backends, const NodeIndex& index) {
-    if (n->op != Op::MUL_MAT_ID || !n->src[0] || n->share == Tensor::Share::HOST) return -1;
-    const Tensor* w = n->src[0]->storage_root();
+    const Tensor* sw = staged_weight(*n);
+    if (!sw || n->share == Tensor::Share::HOST) return -1;
+    const Tensor* w = sw->storage_root();
     if (w->role != TensorRole::WEIGHT || w->device < 0 || !backends.at(w->device)->host_accessible()) return -1;
-    const int dev = latest_source_device(n, index, 1);
+    const int dev = latest_source_device(n, index);  // (weights are no computed inputs)
     if (dev < 0 || backends.at(dev)->host_accessible() || !backends[dev]->can_stage(*n)) return -1;
     return dev;
 }
