@@ -230,9 +230,13 @@ Tensor* expert_range(Graph& g, const Tensor* t, int dim, int64_t e0, int64_t n) 
     return r;
 }
 
+// All of w's experts, picked by ids.
+ExpertSet whole_set(const LayerWeights& w, Tensor* ids) {
+    return {w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, w.ffn_gate_exps_b, w.ffn_up_exps_b, w.ffn_down_exps_b, ids};
+}
+
 ExpertSet expert_set(Graph& g, const LayerWeights& w, Tensor* ids, int64_t e0, int64_t n, int64_t n_expert) {
-    if (e0 == 0 && n == n_expert)
-        return {w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps, w.ffn_gate_exps_b, w.ffn_up_exps_b, w.ffn_down_exps_b, ids};
+    if (e0 == 0 && n == n_expert) return whole_set(w, ids);
     return {expert_range(g, w.ffn_gate_exps, 2, e0, n), expert_range(g, w.ffn_up_exps, 2, e0, n),
             expert_range(g, w.ffn_down_exps, 2, e0, n), expert_range(g, w.ffn_gate_exps_b, 1, e0, n),
             expert_range(g, w.ffn_up_exps_b, 1, e0, n), expert_range(g, w.ffn_down_exps_b, 1, e0, n),
@@ -243,7 +247,10 @@ Tensor* expert_product(BuildContext& c, int il, Tensor* stack, Tensor* bias, Ten
                        const std::string& what, Tensor::Share share) {
     Tensor* y = named(mul_mat_id(c.g, stack, in, ids), il, what.c_str());
     y->share = share;
-    return bias ? named(add_id(c.g, y, bias, ids), il, (what + "_biased").c_str()) : y;
+    if (!bias) return y;
+    Tensor* biased = named(add_id(c.g, y, bias, ids), il, (what + "_biased").c_str());
+    biased->share = share;  // its biases are staged or not with the product (staged_weight)
+    return biased;
 }
 
 // e's products of x3 [n_embd, 1, n] (gate and up, with their biases) and their activation.
@@ -310,10 +317,9 @@ SubBlock build_moe_ffn(BuildContext& c, int il, Tensor* x) {
             host_out = expert_out(c, il, host, expert_act(c, il, host, x3, "_host", Tensor::Share::HOST), weights, "_host",
                                   Tensor::Share::HOST);
         }
+        // (a tensor-parallel shard's stacks hold its experts only: their ids renumbered)
         mine = geom.experts == hp.n_expert ? expert_set(g, w, ids, on_host, hp.n_expert - on_host, hp.n_expert)
-                                           : ExpertSet{w.ffn_gate_exps, w.ffn_up_exps, w.ffn_down_exps,
-                                                       w.ffn_gate_exps_b, w.ffn_up_exps_b, w.ffn_down_exps_b,
-                                                       local_ids(g, ids, geom.expert0, geom.experts)};
+                                           : whole_set(w, local_ids(g, ids, geom.expert0, geom.experts));
         if (mine.ids != ids) named(mine.ids, il, "ffn_moe_local_ids");
     }
     if (geom.experts > 0 && geom.expert_ff > 0)
