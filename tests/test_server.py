@@ -175,6 +175,10 @@ def test_errors_have_openai_shapes(client, server):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=MODEL, prompt="hello " * 2100, max_tokens=1)
     assert e.value.body["code"] == "context_length_exceeded" and "2048" in e.value.message and "2101" in e.value.message
+    assert e.value.body["param"] == "prompt"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello " * 2100}], max_tokens=1)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "messages"
     # past one slot's 512 cells, within n_ctx: the request takes the cells of idle slots
     long = client.completions.create(model=MODEL, prompt="hello " * 700, max_tokens=3, temperature=0)
     assert long.usage.prompt_tokens == 701 and long.usage.completion_tokens == 3

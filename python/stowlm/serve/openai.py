@@ -47,13 +47,13 @@ class OpenAIRoutes:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def _check_length(self, tokens: List[int]) -> None:
+    def _check_length(self, tokens: List[int], param: str) -> None:
         engine = self.ctx.engine
         if len(tokens) >= engine.ctx.n_ctx:
             raise APIError(400, f"This model's maximum context length is {engine.ctx.n_ctx} tokens (n_ctx, shared by "
                                 f"{engine.n_seq} slots of {engine.slot_ctx}: a long request takes the cells of idle "
                                 f"slots), but the prompt has {len(tokens)} tokens (and at least one must be "
-                                "generated).", param="messages", code="context_length_exceeded")
+                                "generated).", param=param, code="context_length_exceeded")
 
     # -- the models ------------------------------------------------------------------------------------
     async def models(self, request: Request):
@@ -89,7 +89,7 @@ class OpenAIRoutes:
         ctx.check_model(body)
         job = await asyncio.to_thread(parse_chat if chat else parse_completion, body, ctx.llm)
         for p in job.prompts:
-            self._check_length(p)
+            self._check_length(p, "messages" if chat else "prompt")
         runs: List[Run] = []
         try:
             for p, pj in job.runs():
