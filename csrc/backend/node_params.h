@@ -22,7 +22,7 @@ inline cpu::RopeParams rope_params(const Tensor& n) {
 }
 
 // A MUL_MAT or FLASH_ATTN node of a pass that takes the batched kernels however few its tokens
-// (build_scheduled_graph's `batched`; MUL_MAT's iparams[0], FLASH_ATTN's iparams[3]).
+// (GraphOptions::batched; MUL_MAT's iparams[0], FLASH_ATTN's iparams[3]).
 inline bool batched_node(const Tensor& n) { return n.iparams[n.op == Op::FLASH_ATTN ? 3 : 0] != 0; }
 inline void mark_batched(Tensor& n) { n.iparams[n.op == Op::FLASH_ATTN ? 3 : 0] = 1; }
 

@@ -60,8 +60,9 @@ nb::list to_py(const std::vector<DeviceMemory>& r, const std::vector<Backend*>* 
 }
 
 ContextParams params(int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs, int n_copies,
-                     int n_seq = 1, int64_t moe_offload_min = kMoeOffloadMin) {
+                     int n_seq = 1, int64_t moe_offload_min = kMoeOffloadMin, bool embeddings = false) {
     ContextParams p;
+    p.embeddings = embeddings;
     p.moe_offload_min = moe_offload_min;
     p.n_seq = n_seq;
     p.n_ctx = n_ctx;
@@ -173,20 +174,21 @@ STOWLM_BIND(engine) {
              })
         .def("plan",
              [](const BoundModel& s, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type, int64_t n_outputs,
-                int n_copies, int n_seq, int64_t moe_offload_min) {
-                 return projection_py(
-                     project_memory(*s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min)));
+                int n_copies, int n_seq, int64_t moe_offload_min, bool embeddings) {
+                 return projection_py(project_memory(
+                     *s.m, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min, embeddings)));
              },
              nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"),
-             nb::arg("n_seq") = 1, nb::arg("moe_offload_min") = kMoeOffloadMin);
+             nb::arg("n_seq") = 1, nb::arg("moe_offload_min") = kMoeOffloadMin, nb::arg("embeddings") = false);
 
     e.attr("DEFAULT_MOE_OFFLOAD_MIN") = kMoeOffloadMin;
 
     nb::class_<BoundContext>(e, "Context")
         .def("__init__",
              [](BoundContext* self, BoundModel& model, int64_t n_ctx, int64_t n_ubatch, const std::string& kv_type,
-                int64_t n_outputs, int n_copies, int n_seq, int64_t moe_offload_min) {
-                 const ContextParams p = params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min);
+                int64_t n_outputs, int n_copies, int n_seq, int64_t moe_offload_min, bool embeddings) {
+                 const ContextParams p =
+                     params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min, embeddings);
                  std::unique_ptr<Context> c;
                  {
                      nb::gil_scoped_release nogil;
@@ -196,7 +198,7 @@ STOWLM_BIND(engine) {
              },
              nb::arg("model"), nb::arg("n_ctx"), nb::arg("n_ubatch"), nb::arg("kv_type"), nb::arg("n_outputs"),
              nb::arg("n_copies"), nb::arg("n_seq") = 1, nb::arg("moe_offload_min") = kMoeOffloadMin,
-             nb::keep_alive<1, 2>())
+             nb::arg("embeddings") = false, nb::keep_alive<1, 2>())
         .def("eval",
              [](BoundContext& s, const std::vector<int32_t>& tokens, const std::vector<int32_t>& positions, bool all) {
                  std::vector<float>* out = nullptr;
@@ -204,10 +206,10 @@ STOWLM_BIND(engine) {
                      nb::gil_scoped_release nogil;
                      out = new std::vector<float>(s.c->eval(tokens, positions, all));
                  }
-                 const size_t n_vocab = (size_t)s.c->n_vocab();
-                 const size_t rows = out->size() / n_vocab;
+                 const size_t width = (size_t)s.c->row_width();
+                 const size_t rows = out->size() / width;
                  nb::capsule owner(out, [](void* p) noexcept { delete (std::vector<float>*)p; });
-                 return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {rows, n_vocab}, owner);
+                 return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {rows, width}, owner);
              },
              nb::arg("tokens"), nb::arg("positions"), nb::arg("all_logits"))
         // Tokens of several sequences (seqs[i] is token i's); logits of the rows listed, in order.
@@ -219,9 +221,9 @@ STOWLM_BIND(engine) {
                      nb::gil_scoped_release nogil;
                      out = new std::vector<float>(s.c->eval_batch(tokens, seqs, positions, rows, batched));
                  }
-                 const size_t n_vocab = (size_t)s.c->n_vocab();
+                 const size_t width = (size_t)s.c->row_width();
                  nb::capsule owner(out, [](void* p) noexcept { delete (std::vector<float>*)p; });
-                 return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {out->size() / n_vocab, n_vocab}, owner);
+                 return nb::ndarray<nb::numpy, float, nb::ndim<2>>(out->data(), {out->size() / width, width}, owner);
              },
              nb::arg("tokens"), nb::arg("seqs"), nb::arg("positions"), nb::arg("rows"), nb::arg("batched") = false)
         .def_prop_ro("can_force_batched", [](const BoundContext& s) { return s.c->can_force_batched(); })
@@ -237,6 +239,8 @@ STOWLM_BIND(engine) {
         .def_prop_ro("n_cells_used", [](const BoundContext& s) { return s.c->n_cells_used(); })
         .def_prop_ro("n_seq", [](const BoundContext& s) { return s.c->n_seq(); })
         .def_prop_ro("n_ctx", [](const BoundContext& s) { return s.c->n_ctx(); })
+        .def_prop_ro("embeddings", [](const BoundContext& s) { return s.c->embeddings(); })
+        .def_prop_ro("row_width", [](const BoundContext& s) { return s.c->row_width(); })
         .def_prop_ro("n_graphs", [](const BoundContext& s) { return s.c->n_graphs(); })
         .def("check_plan", [](const BoundContext& s) { return s.c->check_plan_sound(); })
         .def_prop_ro("n_inplace", [](const BoundContext& s) { return s.c->plan().n_inplace; })
@@ -320,16 +324,17 @@ STOWLM_BIND(engine) {
              [](const BoundProjector& s, const std::vector<SpecTuple>& devices, const std::vector<int>& layer_split,
                 const std::vector<OverrideTuple>& overrides, int64_t n_ctx, int64_t n_ubatch,
                 const std::string& kv_type, int64_t n_outputs, int n_copies, int n_seq,
-                const std::vector<double>& tensor_split, int interleave, bool tensor_sum, int64_t moe_offload_min) {
+                const std::vector<double>& tensor_split, int interleave, bool tensor_sum, int64_t moe_offload_min,
+                bool embeddings) {
                  auto model = Model::load(s.file, to_specs(devices), layer_split, false, to_overrides(overrides),
                                           tensor_split, interleave, tensor_sum);
                  return projection_py(project_memory(
-                     *model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min)));
+                     *model, params(n_ctx, n_ubatch, kv_type, n_outputs, n_copies, n_seq, moe_offload_min, embeddings)));
              },
              nb::arg("devices"), nb::arg("layer_split"), nb::arg("overrides"), nb::arg("n_ctx"), nb::arg("n_ubatch"),
              nb::arg("kv_type"), nb::arg("n_outputs"), nb::arg("n_copies"), nb::arg("n_seq") = 1,
              nb::arg("tensor_split") = std::vector<double>(), nb::arg("interleave") = 0, nb::arg("tensor_sum") = false,
-             nb::arg("moe_offload_min") = kMoeOffloadMin);
+             nb::arg("moe_offload_min") = kMoeOffloadMin, nb::arg("embeddings") = false);
 
     // MPI ranks other than 0 (stowlm.mpi): repeat rank 0's contexts over this model until rank 0
     // ends the job; returns the status it ends with. model None: this rank could not load its

@@ -23,7 +23,7 @@ enum CommandType : int64_t { kOpen = 1, kEval, kTruncate, kClear, kClose, kEnd }
 
 struct Command {
     int64_t type = 0;
-    int64_t v[7] = {0, 0, 0, 0, 0, 0, 0};
+    int64_t v[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 };
 
 struct Reply {
@@ -78,7 +78,7 @@ std::unique_ptr<ContextLink> ContextLink::make(const Model& m, const ContextPara
     Command c;
     c.type = kOpen;
     c.v[0] = p.n_ctx, c.v[1] = p.n_ubatch, c.v[2] = p.n_outputs, c.v[3] = (int64_t)p.kv_type;
-    c.v[4] = p.n_copies, c.v[5] = p.n_seq, c.v[6] = (int64_t)signature;
+    c.v[4] = p.n_copies, c.v[5] = p.n_seq, c.v[6] = (int64_t)signature, c.v[7] = p.embeddings;
     to_all(c);
     std::string failed;
     std::vector<int> opened;
@@ -224,7 +224,7 @@ int serve(Model* model, const std::string& load_error) {
                     try {
                         ContextParams p;
                         p.n_ctx = c.v[0], p.n_ubatch = c.v[1], p.n_outputs = c.v[2], p.kv_type = (QType)c.v[3];
-                        p.n_copies = (int)c.v[4], p.n_seq = (int)c.v[5];
+                        p.n_copies = (int)c.v[4], p.n_seq = (int)c.v[5], p.embeddings = c.v[7] != 0;
                         ctx = std::make_unique<Context>(*model, p);
                         if (!ctx->link() || ctx->link()->signature() != (uint64_t)c.v[6]) {
                             ctx.reset();

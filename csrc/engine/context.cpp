@@ -127,8 +127,7 @@ std::vector<DeviceMemory> report(const Model& m, const std::vector<size_t>& kv, 
 }  // namespace
 
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched, bool stage,
-                           float cpu_share) {
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, const GraphOptions& o) {
     in.tokens = g.new_input("inp_tokens", QType::I32, n_tok);
     in.pos = g.new_input("inp_pos", QType::I32, n_tok);
     in.cells = g.new_input("inp_kv_cells", QType::I32, n_tok);
@@ -157,15 +156,16 @@ void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64
         }
     }
     BuildContext c{g, model, kv, in, n_tok, n_kv, n_out};
-    c.host_expert_share = stage ? cpu_share : 0.0f;
+    c.host_expert_share = o.stage ? o.cpu_share : 0.0f;
+    c.embeddings = o.embeddings;
     g.output = model.arch().build(c);
-    if (batched) {  // every product over the tokens and the attention; the logits' rows follow their count
+    if (o.batched) {  // every product over the tokens and the attention; the logits' rows follow their count
         std::set<const Tensor*> heads{model.output()};
         for (int s = 0; s < model.n_shards(); s++) heads.insert(model.shard_output(s));
         for (Tensor* t : g.nodes())
             if ((t->op == Op::MUL_MAT && !heads.count(t->src[0])) || t->op == Op::FLASH_ATTN) mark_batched(*t);
     }
-    schedule(g, model.backends(), stage);
+    schedule(g, model.backends(), o.stage);
 }
 
 namespace {
@@ -186,16 +186,16 @@ struct ContextPlans {
 int64_t context_graphs(const Model& m, const ContextParams& p, KVCache& shape_only, Graph& ref, Graph& small) {
     const bool may_stage = p.moe_offload_min > 0 && p.n_ubatch >= p.moe_offload_min && !own_copy_area(m);
     BuildInputs in;
-    build_scheduled_graph(m, shape_only, p.n_ubatch, p.n_ctx, p.n_outputs, ref, in, nullptr, false, may_stage,
-                          p.moe_cpu_share);
+    build_scheduled_graph(m, shape_only, p.n_ubatch, p.n_ctx, p.n_outputs, ref, in, nullptr,
+                          {false, may_stage, p.embeddings, p.moe_cpu_share});
     bool staged = false;
     for (const Tensor* n : ref.nodes()) staged = staged || n->staged;
     if (!staged) return 0;
     if (p.moe_offload_min > 1) {
         const int64_t nt = p.moe_offload_min - 1;
         BuildInputs in_small;
-        build_scheduled_graph(m, shape_only, nt, p.n_ctx, std::min(p.n_outputs, nt), small, in_small, nullptr, false,
-                              false);
+        build_scheduled_graph(m, shape_only, nt, p.n_ctx, std::min(p.n_outputs, nt), small, in_small, nullptr,
+                              {false, false, p.embeddings});
     }
     return p.moe_offload_min;
 }
@@ -345,8 +345,8 @@ Context::ShapeGraph& Context::graph_for(int64_t n_tok, int64_t n_kv, int64_t n_o
     if (it != graphs_.end()) return *it->second;
     auto sg = std::make_unique<ShapeGraph>();
     const bool stage = stage_min_ > 0 && n_tok >= stage_min_;
-    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage, batched, stage,
-                          params_.moe_cpu_share);
+    build_scheduled_graph(model_, *kv_, n_tok, n_kv, n_out, sg->g, sg->in, &sg->input_storage,
+                          {batched, stage, params_.embeddings, params_.moe_cpu_share});
     sg->plan = stage || stage_min_ == 0 ? &plan_ : &small_plan_;
     sg->concurrent = stage && shares_experts(sg->g);
     place_graph(sg->g, *sg->plan, compute_, slot);
@@ -486,7 +486,8 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
         b0 += m.nt;
         micro.push_back(std::move(m));
     }
-    std::vector<float> logits(out_rows.size() * (size_t)n_vocab);
+    const int64_t width = row_width();
+    std::vector<float> logits(out_rows.size() * (size_t)width);
     // Takes the micro-batch's cells, then the graph of its shape in copy slot `slot` (the KV range
     // it looks at is the cells in use, in buckets), and fills its inputs.
     std::vector<int32_t> cells(n);
@@ -503,9 +504,9 @@ std::vector<float> Context::eval_batch(const std::vector<int32_t>& tokens, const
         const Micro& m = micro[i];
         if (m.out.empty()) return;
         const Tensor* out = g.output;
-        const size_t bytes = m.out.size() * (size_t)n_vocab * sizeof(float);
-        if (link_ && link_->logits(i, *out, logits.data() + m.first_out * n_vocab, bytes, backends_)) return;
-        backends_[out->device]->copy_to_host(*out, logits.data() + m.first_out * n_vocab, bytes);
+        const size_t bytes = m.out.size() * (size_t)width * sizeof(float);
+        if (link_ && link_->logits(i, *out, logits.data() + m.first_out * width, bytes, backends_)) return;
+        backends_[out->device]->copy_to_host(*out, logits.data() + m.first_out * width, bytes);
     };
     try {
         // Tensor parallelism runs its devices at once (their all-reduces meet inside their splits).

@@ -45,6 +45,9 @@ struct ContextParams {
     // first experts of the layer, at least one. 0: the GPU takes them all. A measurement's setting
     // until a GPU session sets its default (STOWLM_MOE_CPU_SHARE).
     float moe_cpu_share = (float)env_number("STOWLM_MOE_CPU_SHARE", 0.0);
+    // The graphs end at the output norm: eval returns each wanted row's final hidden state
+    // (n_embd floats, what embeddings pool) instead of its logits, and the head is never run.
+    bool embeddings = false;
 };
 
 // Whether a context pipelines its micro-batches over the devices, and why not when it does not.
@@ -81,7 +84,7 @@ public:
                             bool all_logits);
     // The general form: token i belongs to sequence seqs[i] (positions default to each sequence's
     // length, then on), and the logits of the tokens listed in out_rows (ascending) come back in
-    // that order. On any error every sequence is left as it was. batched: every product and the
+    // that order (their hidden states with ContextParams::embeddings: row_width() floats a row). On any error every sequence is left as it was. batched: every product and the
     // attention over the tokens take the kernels of a prompt-sized batch however few they are
     // (routed experts keep choosing by their own token counts): a prompt's tail after a reused
     // prefix gets the bits of the chunk it belongs to. CPU devices of this process only.
@@ -106,6 +109,9 @@ public:
     std::vector<uint8_t> kv_bytes(int il, bool v) const;
     int64_t n_ctx() const { return params_.n_ctx; }
     int64_t n_vocab() const { return model_.hp().n_vocab; }
+    // Floats per row eval returns: n_vocab (logits), or n_embd with ContextParams::embeddings.
+    int64_t row_width() const { return params_.embeddings ? model_.hp().n_embd : model_.hp().n_vocab; }
+    bool embeddings() const { return params_.embeddings; }
     std::vector<DeviceMemory> memory_report() const;
     const PipelineMode& pipeline() const { return pipeline_; }
     // Of the last eval that ran its micro-batches as a pipeline (micro_batches 0 if none did).
@@ -158,12 +164,17 @@ private:
     std::unique_ptr<dist::ContextLink> link_;
 };
 
-// Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg);
-// batched: its products over the tokens and its attention marked for the batched kernels.
-// stage: expert products of host-resident experts go to a GPU that stages them (Backend::can_stage),
-// but cpu_share of each layer's experts (ContextParams::moe_cpu_share).
+// How one micro-batch shape's graph is built. batched: its products over the tokens and its
+// attention marked for the batched kernels. stage: expert products of host-resident experts go
+// to a GPU that stages them (Backend::can_stage), but cpu_share of each layer's experts
+// (ContextParams::moe_cpu_share). embeddings: it ends at the output norm (ContextParams::embeddings).
+struct GraphOptions {
+    bool batched = false, stage = false, embeddings = false;
+    float cpu_share = 0;
+};
+
+// Builds and schedules the graph of one micro-batch shape (inputs in host storage of sg).
 void build_scheduled_graph(const Model& model, KVCache& kv, int64_t n_tok, int64_t n_kv, int64_t n_out, Graph& g,
-                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, bool batched = false,
-                           bool stage = false, float cpu_share = 0);
+                           BuildInputs& in, std::vector<std::vector<int32_t>>* storage, const GraphOptions& o);
 
 }  // namespace stowlm

@@ -364,6 +364,7 @@ Tensor* build_output(BuildContext& c, const std::vector<Tensor*>& xs) {
         if (!head) continue;  // no vocabulary rows on this shard
         Tensor* x = named(get_rows(c.g, xs[s], c.in.out_ids), -1, "out_rows");
         x = named(rms_norm(c.g, x, c.model.shard_output_norm(s), hp.eps), -1, "out_norm");
+        if (c.embeddings) return x;  // every shard holds the whole rows: the first one's
         Tensor* l = named(mul_mat(c.g, head, x), -1, "logits");
         if (hp.final_softcap > 0) l = named(softcap(c.g, l, hp.final_softcap), -1, "logits_softcap");
         // the shards' vocabulary rows, in order

@@ -116,6 +116,7 @@ struct BuildContext {
     // A graph whose host-resident experts a GPU stages: the share of each such layer's experts
     // the host computes meanwhile (ContextParams::moe_cpu_share; 0: none).
     float host_expert_share = 0;
+    bool embeddings = false;  // end at the output norm (the hidden states), no head
     // This shard's weights and part of layer il.
     const LayerWeights& w(int il) const;
     const ShardGeometry& geom(int il) const;
@@ -126,7 +127,7 @@ struct ArchDef {
     const char* name;
     void (*load_hparams)(const GGUFFile& f, HParams& hp);
     void (*load_layer)(Model& m, int il, LayerWeights& w);
-    Tensor* (*build)(BuildContext& c);  // returns the logits [n_vocab, n_out]
+    Tensor* (*build)(BuildContext& c);  // returns the logits [n_vocab, n_out] (hidden states [n_embd, n_out]: c.embeddings)
 };
 const ArchDef* find_arch(const std::string& name);  // nullptr if unknown
 // Defined by the architecture files (listed explicitly: a static library drops unreferenced

@@ -6,7 +6,7 @@
 // planner projected, and the decode path must use split-KV attention with its scratch. Also the
 // ops of gpt-oss, deepseek2 and glm4moe, and contexts of several sequences (eval_batch), against
 // the CPU backend's. The launch counter: kernels per decode step against a count from the
-// architecture.
+// architecture. Embeddings contexts (the hidden states) against the CPU's.
 // Built and run by tests/test_cuda_engine_emulated.py: argv[1] is the models directory.
 #include <unistd.h>
 
@@ -428,7 +428,7 @@ void check_host_share(const std::string& dir, const std::string& name, int n_lay
         KVCache kv(context_kv_layout(*m, p), m->backends(), false, 1);
         Graph g;
         BuildInputs in;
-        build_scheduled_graph(*m, kv, 16, 128, 16, g, in, nullptr, false, true, share);
+        build_scheduled_graph(*m, kv, 16, 128, 16, g, in, nullptr, {false, true, false, share});
         const auto at = g.split_of();
         std::vector<std::vector<char>> after(g.splits.size());  // after[j][i]: split j waits for split i
         for (size_t j = 0; j < g.splits.size(); j++) {
@@ -567,6 +567,40 @@ void check_graphs(const std::string& dir, const std::string& name, const Run& r,
 
 }  // namespace
 
+// An embeddings context (ContextParams::embeddings: the graph ends at the output norm) on the
+// emulated device against the CPU's: every row's hidden state, the width n_embd, and the bytes
+// allocated those planned.
+void check_embeddings(const std::string& dir, const std::string& name, const Run& r, const std::string& what) {
+    const std::string path = dir + "/" + name + ".gguf";
+    std::vector<int32_t> prompt;
+    for (int i = 0; i < 40; i++) prompt.push_back(1 + (i * 7919) % 2000);
+    auto hidden = [&](const std::vector<DeviceSpec>& devices, const std::vector<int>& split, bool* exact) {
+        auto m = Model::load(path, devices, split, true, {}, {});
+        ContextParams p;
+        p.n_ctx = 128, p.n_ubatch = 16, p.embeddings = true;
+        Context c(*m, p);
+        std::vector<float> h = c.eval(prompt, {}, true);
+        *exact = c.row_width() == m->hp().n_embd && h.size() == prompt.size() * (size_t)m->hp().n_embd;
+        for (const DeviceMemory& d : c.memory_report()) {
+            size_t used = 0;
+            for (Backend* b : m->backends())
+                if (b->name() == d.name) used = b->memory_used();
+            *exact = *exact && used == d.total;
+        }
+        return h;
+    };
+    bool ref_ok = false, ok = false;
+    const std::vector<float> ref = hidden({spec("cpu", 0)}, {}, &ref_ok);
+    const std::vector<float> got = hidden(r.devices, r.split, &ok);
+    double maxd = 0, maxv = 0;
+    for (size_t i = 0; i < ref.size() && i < got.size(); i++)
+        maxd = std::max(maxd, (double)std::fabs(ref[i] - got[i])), maxv = std::max(maxv, (double)std::fabs(ref[i]));
+    ok = ok && ref_ok && got.size() == ref.size() && maxd <= 1e-4 * maxv;
+    printf("%s %-22s %-56s max|hidden diff| %.3g of %.3g\n", ok ? "ok  " : "FAIL", name.c_str(),
+           ("embeddings, " + what).c_str(), maxd, maxv);
+    if (!ok) failures++;
+}
+
 int main(int argc, char** argv) {
     if (argc < 2) {
         fprintf(stderr, "usage: %s MODELS_DIR\n", argv[0]);
@@ -600,6 +634,8 @@ int main(int argc, char** argv) {
         const Run cuda0{{spec("cuda", 0)}, {}, {}};
         for (const char* name : {"smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"})
             check(dir, name, cuda0, "cuda:0");
+        check_embeddings(dir, "gemma3-270m", cuda0, "cuda:0");
+        check_embeddings(dir, "smollm2-135m", {{spec("cpu", 0), spec("cuda", 0)}, {15, 15}, {}}, "cpu:0 + cuda:0 [15, 15]");
         Run q8 = cuda0;
         q8.kv = QType::Q8_0;
         check(dir, "smollm2-135m", q8, "cuda:0, q8_0 KV");
