@@ -227,6 +227,13 @@ class FloatModel:
     # ---- the model ----------------------------------------------------------------------
     def logits(self, ids, positions=None, last_only=False, kv_f16=False, eps=0.0, rng=None):
         """Logits [len(ids), vocab] (or of the last position) for one causal sequence."""
+        x = self.hidden(ids, positions, last_only, kv_f16, eps, rng)
+        lg = x @ self.W("output.weight" if self.has("output.weight") else "token_embd.weight").astype(np.float64).T
+        return lg[0] if last_only else lg
+
+    def hidden(self, ids, positions=None, last_only=False, kv_f16=False, eps=0.0, rng=None):
+        """The final hidden states [len(ids), n_embd] (or [1, n_embd]: the last position's), after
+        the output norm: what the head multiplies and what embeddings pool."""
         pos = np.arange(len(ids)) if positions is None else np.asarray(positions)
         gemma = self.arch == "gemma3"
         x = self.W("token_embd.weight")[ids].astype(np.float64) * (np.sqrt(self.n_embd) if gemma else 1)
@@ -241,9 +248,7 @@ class FloatModel:
             x = x + (self.norm(p + "post_ffw_norm", f) if gemma else f)
             if eps:
                 x = x * (1 + eps * rng.standard_normal(x.shape))
-        x = self.norm("output_norm", x[-1:] if last_only else x)
-        lg = x @ self.W("output.weight" if self.has("output.weight") else "token_embd.weight").astype(np.float64).T
-        return lg[0] if last_only else lg
+        return self.norm("output_norm", x[-1:] if last_only else x)
 
 
 @functools.lru_cache(maxsize=1)

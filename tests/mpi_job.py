@@ -50,6 +50,11 @@ def main():
             out = llm.generate(args["prompt"], max_tokens=args["max_tokens"], temperature=0)
             with open(args["out"], "w") as f:
                 json.dump({"text": out.text, "tokens": out.tokens}, f)
+        elif mode == "embed":  # pooled hidden states, several inputs a pass
+            llm = stowlm.LLM(path, devices=devices, layer_split=split, fit=False, progress=False, embedding=True,
+                             n_seq=2, n_ctx=512)
+            with open(args["out"], "w") as f:
+                json.dump(llm.embed(args["texts"]), f)
         elif mode == "forever":  # until a rank is killed
             llm = stowlm.LLM(path, devices=devices, layer_split=split, fit=False, progress=False)
             llm.generate("Once upon a time", max_tokens=4, temperature=0)

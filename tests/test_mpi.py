@@ -117,6 +117,22 @@ def test_greedy_generation_across_ranks(mpirun, tmp_path):
     assert got["text"] == want["text"]
 
 
+def test_embeddings_across_ranks(mpirun, tmp_path):
+    """An embeddings context over two ranks (ContextParams::embeddings goes to the other rank with
+    the rest of the context): the hidden states of one process over the same split."""
+    path = str(get_model("smollm2-135m"))
+    texts = ["The capital of France is Paris.", "def add(a, b):\n    return a + b", "Hi"]
+    args = dict(model=path, mode="embed", texts=texts, layer_split=[15, 15])
+    _job(mpirun, 2, devices="cpu:0[threads=1]", out=str(tmp_path / "mpi.json"), **args)
+    subprocess.run([sys.executable, JOB, json.dumps(dict(args, local=True, out=str(tmp_path / "local.json"),
+                                                         local_devices=[f"cpu:{i}[threads=1]" for i in range(2)]))],
+                   check=True, env=subprocess_env(), timeout=300)
+    got = np.array(json.loads((tmp_path / "mpi.json").read_text()))
+    want = np.array(json.loads((tmp_path / "local.json").read_text()))
+    assert got.shape == (3, 576)
+    np.testing.assert_array_equal(got, want)
+
+
 def test_cli_run_and_fit(mpirun):
     path = str(get_model("smollm2-135m"))
     prompt = ["-p", "The capital of France is", "-n", "16", "--temp", "0", "-q"]

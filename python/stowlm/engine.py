@@ -137,11 +137,11 @@ class Model:
         return self._m.tensor_device(name)
 
     def plan(self, n_ctx: int = DEFAULT_N_CTX, n_ubatch: int = DEFAULT_N_UBATCH, kv_type: str = DEFAULT_KV_TYPE,
-             n_outputs: Optional[int] = None) -> List[dict]:
+             n_outputs: Optional[int] = None, embeddings: bool = False) -> List[dict]:
         """Bytes per device (weights, kv, compute, copies, total, budget) a Context with these
         parameters would take; allocates nothing."""
         return self._m.plan(int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), self.n_copies,
-                            moe_offload_min=self.moe_offload_min)["devices"]
+                            moe_offload_min=self.moe_offload_min, embeddings=bool(embeddings))["devices"]
 
     def __repr__(self) -> str:
         return f"Model({self.path!r}, arch={self.arch}, devices={[str(d) for d in self.devices]})"
@@ -161,10 +161,13 @@ class Context:
     n_ubatch: tokens per micro-batch of prompt processing. n_outputs: most rows of logits one
     micro-batch returns (default n_ubatch); the logits buffer (n_vocab floats per row) dominates
     the compute buffer of large-vocabulary models, so a small n_outputs saves memory and only
-    makes logits="all" requests go in smaller steps."""
+    makes logits="all" requests go in smaller steps. embeddings: eval returns each row's final
+    hidden state (after the output norm, n_embd floats; what stowlm.embedding pools) instead of
+    its logits, and the output head is never run."""
 
     def __init__(self, model: Model, n_ctx: Optional[int] = None, n_ubatch: Optional[int] = None,
-                 kv_type: Optional[str] = None, n_outputs: Optional[int] = None, n_seq: Optional[int] = None):
+                 kv_type: Optional[str] = None, n_outputs: Optional[int] = None, n_seq: Optional[int] = None,
+                 embeddings: bool = False):
         p = model.placement
         if p is not None:  # the placement's values, which its projection was made with
             for key, value in (("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type), ("n_outputs", n_outputs),
@@ -186,13 +189,13 @@ class Context:
         self.model = model
         self.n_ubatch = int(n_ubatch)
         self._c = _native.Context(model._m, int(n_ctx), int(n_ubatch), kv_type, _n_outputs(n_outputs), model.n_copies,
-                                  n_seq, moe_offload_min=model.moe_offload_min)
+                                  n_seq, moe_offload_min=model.moe_offload_min, embeddings=bool(embeddings))
         if self._c.pipeline["n_copies"] == 1 and model.n_copies > 1 and "retried" in self._c.pipeline["reason"]:
             _log.warning("stowlm: pipeline parallelism off: %s", self._c.pipeline["reason"])
 
     def eval(self, tokens, positions=None, logits: str = "last") -> np.ndarray:
         """Appends tokens to the sequence and returns float32 logits: [n_vocab] for
-        logits="last", [len(tokens), n_vocab] for logits="all"."""
+        logits="last", [len(tokens), n_vocab] for logits="all" (n_embd with embeddings=True)."""
         if logits not in ("last", "all"):
             raise ValueError(f"logits must be 'last' or 'all', got {logits!r}")
         toks = np.asarray(tokens).reshape(-1)
@@ -258,6 +261,8 @@ class Context:
     n_past = property(lambda self: self._c.n_past)
     n_ctx = property(lambda self: self._c.n_ctx)
     n_seq = property(lambda self: self._c.n_seq)
+    embeddings = property(lambda self: self._c.embeddings)
+    row_width = property(lambda self: self._c.row_width)  # floats per row eval returns
 
     @property
     def pipeline(self) -> dict:

@@ -16,12 +16,13 @@ import numpy as np
 
 from . import ops
 from .conversation import Conversation
+from .embedding import Embeddings
 from .devices import parse_devices
 from .generation import Completion, Generation, Served
 from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
 from .placement.rules import DEFAULT_N_OUTPUTS
 from .prefix import PrefixReuse
-from .speculative import DRAFT_MAX, PassCosts, Speculator, parse_spec
+from .speculative import PassCosts, Speculator, drafter_for
 from .text.sampling import SamplingParams
 
 __all__ = ["LLM", "Completion"]
@@ -32,7 +33,7 @@ def _names_a_model(spec) -> bool:
     return isinstance(spec, (str, os.PathLike)) and os.fspath(spec) not in ("ngram", "none")
 
 
-class LLM(Conversation):
+class LLM(Conversation, Embeddings):
     """A model, its tokenizer and one context, ready to generate.
 
     model: a name from ``stowlm.pull.list_models()`` (downloaded on first use) or a .gguf path.
@@ -51,7 +52,7 @@ class LLM(Conversation):
     interleave: each device's layers in that many ranges taking turns with the other devices'
         (shorter pipeline stages; default 2 where only CPU devices hold layers, 1: one range each).
     moe_offload_min: with experts in RAM and their layers on a GPU, micro-batches of at least this
-        many tokens multiply the experts on the GPU, copying them in layer by layer (default 256;
+        many tokens multiply the experts on the GPU, copying them in layer by layer (default 128;
         0: never; decoding leaves them to the CPU).
     split_mode="tensor" (tensor_split: shares per device): every layer cut over the devices, which
         all work on every token (tensor parallelism; fit picks the shares from free memory; the
@@ -67,6 +68,9 @@ class LLM(Conversation):
         draft tokens per step at most (default 7). A Completion's drafted/accepted count them. With
         a draft model, prompt lookup drafts too where it yields more (no draft steps, but the draft
         must read what it skipped before drafting again); draft_lookup=False: the model alone.
+    embedding: compute embeddings, not logits (embed(), create_embedding(); no generating), pooled by
+        ``pooling``: "mean", "last", "cls" or "none" (default: the file's pooling_type, else "mean");
+        n_seq inputs a pass.
     """
 
     def __init__(self, model: Union[str, os.PathLike] = "smollm2-135m", n_ctx: Optional[int] = None,
@@ -78,7 +82,8 @@ class LLM(Conversation):
                  n_copies: Optional[int] = None, fit_ctx: Optional[int] = None, n_seq: int = 1,
                  split_mode: Optional[str] = None, tensor_split: Optional[Sequence[float]] = None,
                  interleave: Optional[int] = None, speculative=None, draft_max: Optional[int] = None,
-                 moe_offload_min: Optional[int] = None, draft_lookup: bool = True):
+                 moe_offload_min: Optional[int] = None, draft_lookup: bool = True, embedding: bool = False,
+                 pooling: Optional[str] = None):
         if n_threads is not None and (not isinstance(n_threads, int) or n_threads < 1):
             raise ValueError(f"n_threads must be a positive integer, got {n_threads!r}")
         if devices is None and n_threads is not None:
@@ -86,6 +91,7 @@ class LLM(Conversation):
         if not draft_lookup and (speculative is None or speculative in ("ngram", "none")):
             raise ValueError("draft_lookup=False needs a draft model (speculative='draft.gguf'): it turns off the "
                              "prompt lookup beside one")
+        self._check_embedding_args(embedding, pooling, speculative)
         # A draft model loads first, on the first device, so that fit counts what it holds there.
         draft = self._load_draft(speculative, devices, n_ctx, n_seq) if _names_a_model(speculative) else None
         reserved = None if draft is None else {d["device"]: d["total"] for d in draft.ctx.memory_report()}
@@ -95,13 +101,14 @@ class LLM(Conversation):
                       tensor_overrides=tensor_overrides, fit=fit, placement=placement, fit_margin=fit_margin,
                       cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, n_copies=n_copies, fit_ctx=fit_ctx, n_seq=n_seq,
                       split_mode=split_mode, tensor_split=tensor_split, interleave=interleave, reserved=reserved,
-                      moe_offload_min=moe_offload_min)
+                      moe_offload_min=moe_offload_min, embedding=embedding)
         except BaseException:
             if draft is not None:
                 draft.close()
             raise
         self.path, self.placement, self.model, self.metadata = ld.path, ld.placement, ld.model, ld.metadata
         self.tokenizer, self.ctx = ld.tokenizer, ld.ctx
+        self._open_embedding(embedding, pooling, ld.metadata)
         self._template, self._template_error = ld.template, ld.template_error
         self._cached: List[int] = []  # tokens whose K/V are in the cache, in order
         self._kernels: List[int] = []  # the kernel class of each cached token's pass (-1: not reusable)
@@ -109,21 +116,14 @@ class LLM(Conversation):
         self._reuse = PrefixReuse.of(self.ctx, self.model, self.ctx.n_ubatch)
         self._grammars: Dict[str, object] = {}  # compiled grammars of recent requests
         self._grammars_lock = threading.Lock()
-        self._drafter, self.draft_max = None, DRAFT_MAX if draft_max is None else draft_max
         # what passes of several tokens cost here (cheaper with repacked weights, more so with
         # AVX-512's kernels), and their timings
         self._pass_costs = PassCosts.for_model(self.model, repacked=bool(getattr(self.model, "repacked", None)),
                                                isa=ops.cpu_info()["active"])
         self._owns_drafter = draft is not None  # a draft model this LLM loaded itself
-        if speculative is not None:
-            self._drafter = parse_spec(draft if draft is not None else speculative, lookup=draft_lookup)
-            if not isinstance(self.draft_max, int) or not 1 <= self.draft_max <= self._max_draft():
-                raise ValueError(f"draft_max must be an integer in [1, {self._max_draft()}] (a draft and its "
-                                 f"token stay below the batch bound), got {draft_max!r}")
-            if hasattr(self._drafter, "follow"):  # a draft model: its vocabulary must be ours
-                self._drafter.follow(self)
+        self._drafter, self.draft_max = drafter_for(self, speculative, draft, draft_max, draft_lookup)
         self._engine = None
-        if self.ctx.n_seq > 1:
+        if self.ctx.n_seq > 1 and not self.embedding:
             self.engine()
 
     @staticmethod
@@ -136,6 +136,7 @@ class LLM(Conversation):
     def engine(self, max_queue: Optional[int] = None):
         """The continuous-batching engine serving this LLM's context (made on first use; from then
         on generate() and chat() go through it too)."""
+        self._for_generation()
         if self._engine is None:
             from .batching import BatchEngine
 
@@ -158,6 +159,7 @@ class LLM(Conversation):
 
     def logits(self, tokens: Sequence[int]) -> np.ndarray:
         """Logits [len(tokens), n_vocab] for every position of ``tokens``, as a fresh sequence."""
+        self._for_generation()
         tokens = self._check_tokens(tokens)
         self._rewind(0)
         out = self.ctx.eval(tokens, logits="all")
@@ -180,6 +182,7 @@ class LLM(Conversation):
         ...}}), ``json_schema`` (a schema dict), or ``grammar`` (llama.cpp's GBNF text, or a
         stowlm.text.grammar.Grammar): only text they allow is generated. speculative=False turns the
         LLM's drafting off for this call (it is also off where a grammar constrains the text)."""
+        self._for_generation()
         params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,

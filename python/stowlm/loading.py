@@ -34,21 +34,22 @@ class Loaded:
 def load(model, n_ctx=None, devices=None, n_ubatch=None, kv_type=None, layer_split=None, chat_template=None,
          progress=True, tensor_overrides=None, fit=None, placement=None, fit_margin=None, cpu_moe=False,
          n_cpu_moe=None, n_copies=None, fit_ctx=None, n_seq=1, split_mode=None, tensor_split=None,
-         interleave=None, reserved=None, moe_offload_min=None) -> Loaded:
+         interleave=None, reserved=None, moe_offload_min=None, embedding=False) -> Loaded:
     """LLM's arguments (n_threads already made a device) as a loaded model and its context.
-    reserved: device name -> bytes a draft model already holds there, which fit counts."""
+    reserved: device name -> bytes a draft model already holds there, which fit counts.
+    embedding: the context computes hidden states instead of logits (engine.Context's embeddings)."""
     path = pull(model, progress=progress)
     # held open for the whole load: fit's projector, the native model and the tokenizer then
     # share its one parse and mapping (GGUFFile::open_shared)
     with GGUFFile(path) as f:
         return _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress,
                      tensor_overrides, fit, placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq,
-                     split_mode, tensor_split, interleave, reserved, moe_offload_min)
+                     split_mode, tensor_split, interleave, reserved, moe_offload_min, embedding)
 
 
 def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template, progress, tensor_overrides, fit,
           placement, fit_margin, cpu_moe, n_cpu_moe, n_copies, fit_ctx, n_seq, split_mode, tensor_split,
-          interleave, reserved, moe_offload_min) -> Loaded:
+          interleave, reserved, moe_offload_min, embedding) -> Loaded:
     if placement is not None:
         given = [k for k, v in (("devices", devices), ("n_ctx", n_ctx), ("n_ubatch", n_ubatch), ("kv_type", kv_type),
                                 ("layer_split", layer_split), ("tensor_overrides", tensor_overrides),
@@ -59,7 +60,7 @@ def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template
         if given:
             raise ValueError(f"LLM: a placement fixes {', '.join(given)}; give either the placement or these")
     elif fit or (fit is None and _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq,
-                                            fit_margin, reserved)):
+                                            fit_margin, reserved, embedding)):
         placement = fit_placement(path, devices, n_ctx=n_ctx, n_ubatch=n_ubatch, kv_type=kv_type,
                                   layer_split=layer_split, tensor_overrides=tensor_overrides,
                                   cpu_moe=cpu_moe, n_cpu_moe=n_cpu_moe, margin=fit_margin, n_copies=n_copies,
@@ -87,13 +88,13 @@ def _load(path, f, n_ctx, devices, n_ubatch, kv_type, layer_split, chat_template
     except ValueError as e:
         template_error = str(e)
     if placement is not None:
-        ctx = Context(m)
+        # the placement's n_outputs: an embeddings graph is then its logits graph less the head,
+        # within the bytes fit projected
+        ctx = Context(m, embeddings=embedding)
     else:
         n_ubatch = n_ubatch or DEFAULT_N_UBATCH
-        # Generation needs one row of logits; a few rows keep logits() reasonably batched while
-        # the logits buffer (n_vocab floats per row) stays small for 150k-260k vocabularies.
         ctx = Context(m, n_ctx=slot_context(_default_ctx(m.n_ctx_train, n_ctx, n_seq), n_seq), n_ubatch=n_ubatch,
-                      n_seq=n_seq, kv_type=kv_type, n_outputs=min(n_ubatch, DEFAULT_N_OUTPUTS))
+                      n_seq=n_seq, kv_type=kv_type, n_outputs=_n_outputs(n_ubatch, embedding), embeddings=embedding)
     return Loaded(path, placement, m, metadata, tokenizer, template, template_error, ctx)
 
 
@@ -102,7 +103,15 @@ def _default_ctx(n_ctx_train: int, n_ctx: Optional[int], n_seq: int = 1) -> int:
     return n_seq * min(DEFAULT_N_CTX, n_ctx_train) if n_ctx is None else n_ctx
 
 
-def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin, reserved=None) -> bool:
+def _n_outputs(n_ubatch: int, embedding: bool) -> int:
+    """Rows a micro-batch returns. Generation needs one row of logits; a few keep logits() reasonably
+    batched while the logits buffer (n_vocab floats a row) stays small for 150k-260k vocabularies.
+    Embeddings read every row (mean pooling) of n_embd floats: all of them."""
+    return n_ubatch if embedding else min(n_ubatch, DEFAULT_N_OUTPUTS)
+
+
+def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_seq, margin, reserved=None,
+               embedding=False) -> bool:
     """Several devices, an expert spill asked for, or a model that does not fit the one device."""
     specs = parse_devices(devices)
     if len(specs) > 1 or cpu_moe or n_cpu_moe is not None:
@@ -111,4 +120,4 @@ def _wants_fit(path, devices, n_ctx, n_ubatch, kv_type, cpu_moe, n_cpu_moe, n_se
     projector = _core.engine.Projector(os.fspath(path))
     n_ctx = slot_context(_default_ctx(projector.n_ctx_train, n_ctx, n_seq), n_seq)
     return not fits_one_device(projector, specs[0], n_ctx, n_ubatch, kv_type or DEFAULT_KV_TYPE,
-                               min(n_ubatch, DEFAULT_N_OUTPUTS), margin, n_seq, reserved)
+                               _n_outputs(n_ubatch, embedding), margin, n_seq, reserved, embedding)

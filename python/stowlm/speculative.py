@@ -31,7 +31,8 @@ import numpy as np
 
 from .text.stream import common_prefix
 
-__all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "PassCosts", "verify", "DRAFT_MAX", "parse_spec"]
+__all__ = ["NgramDrafter", "ModelDrafter", "Speculator", "PassCosts", "verify", "DRAFT_MAX", "parse_spec",
+           "drafter_for"]
 
 DRAFT_MAX = 7   # draft tokens per step (one pass checks them with the pending token: 8 rows, two tiles)
 MAX_BACKOFF = 16  # steps without drafting after repeated misses, at most
@@ -308,6 +309,21 @@ def parse_spec(spec, lookup: bool = True) -> Optional[object]:
     if hasattr(spec, "ctx") and hasattr(spec, "tokenizer"):  # an LLM
         return ModelDrafter(spec, lookup=lookup)
     raise ValueError(f"speculative: 'ngram', a draft model's .gguf path or name, or None; got {spec!r}")
+
+
+def drafter_for(llm, spec, draft, draft_max: Optional[int], lookup: bool):
+    """(drafter, draft_max) of an LLM asked for `spec` (`draft`: the draft model it loaded for it),
+    draft_max checked against what one pass of the LLM may check."""
+    n = DRAFT_MAX if draft_max is None else draft_max
+    if spec is None:
+        return None, n
+    drafter = parse_spec(draft if draft is not None else spec, lookup=lookup)
+    if not isinstance(n, int) or not 1 <= n <= llm._max_draft():
+        raise ValueError(f"draft_max must be an integer in [1, {llm._max_draft()}] (a draft and its token stay below "
+                         f"the batch bound), got {draft_max!r}")
+    if hasattr(drafter, "follow"):  # a draft model: its vocabulary must be ours
+        drafter.follow(llm)
+    return drafter, n
 
 
 class Speculator:

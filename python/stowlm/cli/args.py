@@ -244,6 +244,12 @@ def parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-queue", type=int, default=128, help="waiting requests before 503 (default 128)")
     sv.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     sv.add_argument("-q", "--quiet", action="store_true", help="no load messages")
+    sv.add_argument("--embedding", "--embeddings", dest="embeddings", action="store_true",
+                    help="serve /v1/embeddings instead of generating (the model's pooled, normalized final "
+                         "hidden states; --parallel inputs a pass)")
+    sv.add_argument("--pooling", choices=["mean", "last", "cls", "none"], default=None,
+                    help="with --embeddings: how a text's token vectors become one (default: the file's "
+                         "pooling_type, else mean)")
     add_placement(sv)
 
     pl = sub.add_parser("pull", help="download a model into the cache")

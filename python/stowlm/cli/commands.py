@@ -92,7 +92,12 @@ def serve(a: argparse.Namespace) -> int:
         raise RuntimeError(f"stowlm serve needs starlette and uvicorn ({e}); pip install starlette uvicorn") from None
     from ..serve.app import serve as serve_http
 
-    llm = load(a, n_seq=a.parallel)
+    if a.pooling is not None and not a.embeddings:
+        raise ValueError("--pooling needs --embeddings")
+    extra = {"embedding": True, "pooling": a.pooling} if a.embeddings else {}
+    if a.embeddings and a.spec is not None:
+        raise ValueError("--spec drafts tokens to generate; an --embeddings server generates none")
+    llm = load(a, n_seq=a.parallel, **extra)
     serve_http(llm, host=a.host, port=a.port, model_id=a.alias,
                api_key=a.api_key or os.environ.get("STOWLM_API_KEY"), max_queue=a.max_queue)
     return 0

@@ -171,10 +171,11 @@ def host_record(devs: Sequence[Dev], totals: Sequence[int], host_free: int, host
 
 
 def fits_one_device(projector, device: DeviceSpec, n_ctx: int, n_ubatch: int, kv_type: str, n_outputs: int,
-                    margin=None, n_seq: int = 1, reserved: Optional[Dict[str, int]] = None) -> bool:
+                    margin=None, n_seq: int = 1, reserved: Optional[Dict[str, int]] = None,
+                    embeddings: bool = False) -> bool:
     """Whether the model (a _core.engine.Projector of its file) with these settings fits `device`
     alone: its free memory less its margin (and less what `reserved` says is held there)."""
     devs, host_free, host_margin = describe_devices([device], margin, reserved)
     total = projector.project([device.as_tuple()], [], [], n_ctx, n_ubatch, kv_type, n_outputs, 1,
-                              n_seq)["devices"][0]["total"]
+                              n_seq, embeddings=embeddings)["devices"][0]["total"]
     return not over(devs, [total], host_free, host_margin)

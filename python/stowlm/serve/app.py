@@ -28,14 +28,17 @@ __all__ = ["make_app", "serve"]
 
 
 def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None, max_queue: int = 128):
-    """The ASGI app serving `llm` (its engine is made here, with max_queue waiting requests)."""
-    engine = llm.engine(max_queue=max_queue)
+    """The ASGI app serving `llm` (its engine is made here, with max_queue waiting requests; an LLM
+    opened with embedding=True has none and serves /v1/embeddings instead of generating)."""
+    engine = None if llm.embedding else llm.engine(max_queue=max_queue)
     ctx = ServerContext(llm, engine, model_id, api_key)
     metrics, tok = ctx.metrics, ctx.tok
     openai = OpenAIRoutes(ctx)
 
     async def health(request: Request):
         metrics.count("/health", 200)
+        if engine is None:
+            return JSONResponse({"status": "ok"})
         st = engine.stats()
         return JSONResponse({"status": "ok", "slots_idle": st["slots"] - st["slots_busy"],
                              "slots_processing": st["slots_busy"]})
@@ -43,7 +46,8 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
     async def prometheus(request: Request):
         ctx.check_key(request)
         metrics.count("/metrics", 200)
-        return PlainTextResponse(metrics.prometheus(engine.stats()), media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(metrics.prometheus(None if engine is None else engine.stats()),
+                                 media_type="text/plain; version=0.0.4")
 
     async def tokenize(request: Request):
         """llama-server's POST /tokenize: {"content", "add_special", "parse_special", "with_pieces"}."""
@@ -109,6 +113,8 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         Route("/tokenize", tokenize, methods=["POST"]),
         Route("/detokenize", detokenize, methods=["POST"]),
         Route("/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v1/embeddings", openai.embeddings, methods=["POST"]),
+        Route("/embeddings", openai.embeddings, methods=["POST"]),
     ]
     app = Starlette(routes=routes, exception_handlers={APIError: on_api_error, HTTPException: on_http_error,
                                                       Exception: on_unexpected})
@@ -153,9 +159,14 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8080, model_id: Optional[str
     config = uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=3, access_log=False)
     server = uvicorn.Server(config)
     hostport = f"[{host}]:{bound}" if family == socket.AF_INET6 else f"{host}:{bound}"
-    print(f"stowlm: serving {app.state.model_id} at http://{hostport}/v1 ({llm.ctx.n_seq} slots of "
-          f"{app.state.engine.slot_ctx} tokens, a long request takes idle slots' cells up to "
-          f"{llm.ctx.n_ctx}); Ctrl-C stops", file=sys.stderr, flush=True)
+    if llm.embedding:
+        what = (f"embeddings ({llm.pooling} pooling, inputs of up to {llm.ctx.capacity(0)} tokens, {llm.ctx.n_seq} "
+                "a pass)")
+    else:
+        what = (f"{llm.ctx.n_seq} slots of {app.state.engine.slot_ctx} tokens, a long request takes idle slots' "
+                f"cells up to {llm.ctx.n_ctx}")
+    print(f"stowlm: serving {app.state.model_id} at http://{hostport}/v1 ({what}); Ctrl-C stops", file=sys.stderr,
+          flush=True)
     if ready is not None:
         ready(host, bound)
     try:

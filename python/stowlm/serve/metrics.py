@@ -3,7 +3,7 @@ path and status, time to the first token) in Prometheus's text format."""
 from __future__ import annotations
 
 import time
-from typing import Dict, Mapping, Tuple
+from typing import Dict, Mapping, Optional, Tuple
 
 __all__ = ["Metrics"]
 
@@ -14,6 +14,11 @@ class Metrics:
         self.ttft_sum = 0.0
         self.ttft_count = 0
         self.started = time.time()
+        self.embed_inputs = self.embed_tokens = 0
+
+    def embedded(self, inputs: int, tokens: int) -> None:
+        self.embed_inputs += inputs
+        self.embed_tokens += tokens
 
     def count(self, path: str, status: int) -> None:
         key = (path, status)
@@ -24,14 +29,20 @@ class Metrics:
         self.ttft_sum += time.perf_counter() - t_start
         self.ttft_count += 1
 
-    def prometheus(self, st: Mapping) -> str:
-        """The text of /metrics, from the engine's stats() and these counts."""
+    def prometheus(self, st: Optional[Mapping]) -> str:
+        """The text of /metrics, from the engine's stats() (None: an embeddings server's, which has
+        no engine) and these counts."""
         lines = []
 
         def metric(name, kind, help_, value, labels=""):
             lines.append(f"# HELP stowlm_{name} {help_}")
             lines.append(f"# TYPE stowlm_{name} {kind}")
             lines.append(f"stowlm_{name}{labels} {value}")
+
+        if st is None:
+            metric("embedding_inputs_total", "counter", "Inputs embedded.", self.embed_inputs)
+            metric("embedding_tokens_total", "counter", "Tokens of the inputs embedded.", self.embed_tokens)
+            return self._http(lines)
 
         metric("requests_total", "counter", "Generation requests accepted by the engine.", st["requests_total"])
         metric("prompt_tokens_total", "counter", "Prompt tokens of accepted requests (tokens in).",
@@ -51,6 +62,9 @@ class Metrics:
         metric("time_to_first_token_seconds_sum", "counter", "Sum of times to the first token.",
                f"{self.ttft_sum:.6f}")
         metric("time_to_first_token_seconds_count", "counter", "Requests with a first token.", self.ttft_count)
+        return self._http(lines)
+
+    def _http(self, lines) -> str:
         lines.append("# HELP stowlm_http_responses_total HTTP responses by path and status.")
         lines.append("# TYPE stowlm_http_responses_total counter")
         for (path, status), n in sorted(self.http.items()):

@@ -1,7 +1,8 @@
 """The OpenAI routes: /v1/models, /v1/completions and /v1/chat/completions (request checks in
 stowlm.serve.protocol, result shapes in stowlm.serve.events), streamed as server-sent events or
 answered whole. Handlers only submit requests and await the events the engine posts back to the
-event loop, so the loop never waits on a forward pass."""
+event loop, so the loop never waits on a forward pass. /v1/embeddings, on a server of an LLM
+opened with embedding=True (`stowlm serve --embeddings`), runs on a worker thread."""
 from __future__ import annotations
 
 import asyncio
@@ -16,7 +17,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from ..batching import Event, QueueFull
 from .context import ServerContext
 from .events import ChoiceOut, Mailbox, PieceJson, Run, chunk_json, usage
+from ..embedding import InputTooLong, openai_list
 from .protocol import APIError, Job, parse_chat, parse_completion
+
+_EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 
 __all__ = ["OpenAIRoutes"]
 
@@ -60,10 +64,13 @@ class OpenAIRoutes:
         ctx = self.ctx
         ctx.check_key(request)
         ctx.metrics.count("/v1/models", 200)
+        llm = ctx.llm
+        meta = {"n_ctx": llm.ctx.n_ctx, "n_ctx_slot": llm.ctx.capacity(0), "slots": llm.ctx.n_seq,
+                "n_vocab": llm.model.n_vocab}
+        if llm.embedding:
+            meta.update(n_embd=llm.model.n_embd, pooling=llm.pooling)
         return JSONResponse({"object": "list", "data": [
-            {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "stowlm",
-             "meta": {"n_ctx": ctx.engine.ctx.n_ctx, "n_ctx_slot": ctx.engine.slot_ctx, "slots": ctx.engine.n_seq,
-                      "n_vocab": ctx.llm.model.n_vocab}}]})
+            {"id": ctx.model_id, "object": "model", "created": ctx.created, "owned_by": "stowlm", "meta": meta}]})
 
     async def model_one(self, request: Request):
         ctx = self.ctx
@@ -81,10 +88,52 @@ class OpenAIRoutes:
     async def chat_completions(self, request: Request):
         return await self._generate(request, chat=True)
 
+    async def embeddings(self, request: Request):
+        """OpenAI's POST /v1/embeddings: {"input", "model", "encoding_format", "dimensions", "user"}."""
+        ctx = self.ctx
+        ctx.check_key(request)
+        llm = ctx.llm
+        if not llm.embedding:
+            raise APIError(400, "This server generates text; it computes no embeddings. Start one with --embeddings "
+                                "for /v1/embeddings.", code="embeddings_disabled")
+        body = await ctx.read_json(request)
+        for k in body:
+            if k not in _EMBEDDING_FIELDS:
+                raise APIError(400, f"'{k}': is not a field of this endpoint ({', '.join(sorted(_EMBEDDING_FIELDS))})",
+                               param=k, code="unsupported_parameter")
+        ctx.check_model(body)
+        if "input" not in body:
+            raise APIError(400, "'input': is required", param="input", code="missing_required_parameter")
+        fmt = body.get("encoding_format", "float")
+        if fmt not in ("float", "base64"):
+            raise APIError(400, "'encoding_format': must be 'float' or 'base64'", param="encoding_format",
+                           code="invalid_value")
+        dims = body.get("dimensions")
+        if dims is not None and dims != llm.model.n_embd:
+            raise APIError(400, f"'dimensions': this model's embeddings have {llm.model.n_embd} dimensions, and it "
+                                "cannot give fewer", param="dimensions", code="invalid_value")
+        if llm.pooling == "none":  # as llama-server: per-token vectors have no place in OpenAI's format
+            raise APIError(400, "Pooling 'none' gives a vector per token, which OpenAI's embeddings format has no "
+                                "place for; start the server with --pooling mean, last or cls.", param="input",
+                           code="invalid_value")
+        try:
+            vecs, _, n = await asyncio.to_thread(llm.embed_arrays, body["input"])
+        except InputTooLong as e:
+            raise APIError(400, f"input[{e.index}] has {e.n_tokens} tokens, more than the {e.capacity} one input may "
+                                "have here (n_ctx / --parallel)", param="input", code="context_length_exceeded") from None
+        except ValueError as e:
+            raise APIError(400, str(e), param="input", code="invalid_value") from None
+        ctx.metrics.embedded(len(vecs), n)
+        ctx.metrics.count(request.url.path, 200)
+        return JSONResponse(openai_list(vecs, ctx.model_id, n, fmt))
+
     async def _generate(self, request: Request, chat: bool):
         ctx = self.ctx
         path = request.url.path
         ctx.check_key(request)
+        if ctx.llm.embedding:
+            raise APIError(400, "This server computes embeddings only (--embeddings); start one without it to "
+                                "generate.", code="generation_disabled")
         body = await ctx.read_json(request)
         ctx.check_model(body)
         job = await asyncio.to_thread(parse_chat if chat else parse_completion, body, ctx.llm)
