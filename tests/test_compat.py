@@ -63,9 +63,23 @@ def test_chat_with_a_schema_and_with_tools(llm):
     assert "city" in json.loads(call["function"]["arguments"])
 
 
+def test_echo_puts_the_prompt_before_the_completion(llm):
+    """llama-cpp-python's own first example: llm(prompt, ..., echo=True)."""
+    prompt = "Q: Name the planets in the solar system? A: "
+    want = llm.generate(prompt, max_tokens=16, temperature=0, stop=["Q:", "\n"]).text
+    r = llm(prompt, max_tokens=16, stop=["Q:", "\n"], echo=True, temperature=0)
+    assert r["choices"][0]["text"] == prompt + want
+    assert r["usage"]["prompt_tokens"] == len(llm.tokenize(prompt))
+    chunks = list(llm(prompt, max_tokens=16, stop=["Q:", "\n"], echo=True, temperature=0, stream=True))
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == prompt + want
+    ids = llm.tokenize("Once upon a time")
+    r = llm.create_completion(ids, max_tokens=4, temperature=0, echo=True)
+    assert r["choices"][0]["text"].startswith(llm.detokenize(ids))
+
+
 @pytest.mark.parametrize("kwargs,param", [({"mirostat_mode": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
                                           ({"temperature": -1}, "temperature"), ({"suffix": "x"}, "suffix"),
-                                          ({"echo": True}, "echo")])
+                                          ({"echo": True, "logprobs": 2}, "echo")])
 def test_bad_arguments_are_value_errors_naming_the_field(llm, kwargs, param):
     with pytest.raises(ValueError) as e:
         llm.create_completion("Hi", max_tokens=2, **kwargs)

@@ -99,6 +99,14 @@ def test_completions_match_streamed_and_not(client, local):
     assert r2.choices[0].text == want.text
     r3 = client.completions.create(model=MODEL, prompt=[prompt, "Once upon a time"], max_tokens=6, temperature=0)
     assert [c.index for c in r3.choices] == [0, 1] and r3.choices[0].text == want.text[:len(r3.choices[0].text)]
+    # echo: each choice's prompt before its text, whole and streamed, several prompts and choices
+    other = local.generate("Once upon a time", max_tokens=6, temperature=0).text
+    e = client.completions.create(model=MODEL, prompt=[prompt, "Once upon a time"], max_tokens=6, temperature=0,
+                                  echo=True, n=2)
+    assert [c.text for c in e.choices] == [prompt + want.text[:len(e.choices[0].text) - len(prompt)]] * 2 + \
+        ["Once upon a time" + other] * 2
+    s = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, echo=True)
+    assert "".join(ch.choices[0].text for ch in s if ch.choices) == prompt + want.text
 
 
 def test_stop_strings_end_the_text(client, local):

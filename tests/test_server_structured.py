@@ -196,8 +196,10 @@ def test_what_cannot_be_honoured_is_refused_naming_it_and_the_server_keeps_servi
         ok = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "typical_p": 1.0, "mirostat": 0,
               "user": "u1", "store": False, "service_tier": "auto", "cache_prompt": True, "top_k": 5, "min_p": 0.1}
         assert h.post(url, json=ok).status_code == 200
-        r = h.post(f"http://127.0.0.1:{server}/v1/completions", json={"prompt": "x", "echo": True})
+        r = h.post(f"http://127.0.0.1:{server}/v1/completions", json={"prompt": "x", "echo": True, "logprobs": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+        r = h.post(url, json={"messages": [{"role": "user", "content": "hi"}], "echo": True})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "echo"  # a completions field only
     assert client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=3).usage.completion_tokens >= 1
 
 

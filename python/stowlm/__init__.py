@@ -7,8 +7,9 @@ from . import fit  # stowlm.fit.fit(...) decides a placement
 from .fit import FitError
 from .gguffile import GGUFFile
 from .llm import LLM, Completion
+from .llama_api import Llama  # llama-cpp-python's class, for scripts written for llama_cpp
 from .placement import Placement
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "LLM", "Completion", "GGUFFile", "Model", "Context", "FitError", "Placement"]
+__all__ = ["__version__", "LLM", "Llama", "Completion", "GGUFFile", "Model", "Context", "FitError", "Placement"]

@@ -36,8 +36,6 @@ def _body(kwargs: dict, chat: bool) -> dict:
             body["n_predict"] = -1
     if body.get("stop") == []:
         del body["stop"]
-    if body.get("echo") is False:
-        del body["echo"]
     if isinstance(body.get("logit_bias"), dict):
         body["logit_bias"] = {str(k): v for k, v in body["logit_bias"].items()}
     return body
@@ -81,6 +79,10 @@ def _chunks(engine, reqs, events, outs: List[ChoiceOut], job, head) -> Iterator[
         if job.chat:
             yield dict(head, choices=[{"index": o.index, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None} for o in outs])
+        if job.echo is not None:  # each choice's prompt first
+            for o in outs:
+                yield dict(head, choices=[{"index": o.index, "text": job.echo_text(o.index), "logprobs": None,
+                                           "finish_reason": None}])
         left = len(reqs)
         while left:
             i, ev = events.get()

@@ -185,7 +185,7 @@ class ChoiceOut:
             return {"index": self.index, "message": msg,
                     "logprobs": None if self.job.logprobs is None else {"content": [self.chat_lp(e) for e in self.lps]},
                     "finish_reason": self.finish}
-        return {"index": self.index, "text": text,
+        return {"index": self.index, "text": self.job.echo_text(self.index) + text,
                 "logprobs": None if self.job.logprobs is None else self.cmpl_lp(self.lps),
                 "finish_reason": self.finish}
 

@@ -214,6 +214,9 @@ class OpenAIRoutes:
             if chat:
                 yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                               "finish_reason": None} for i in range(len(runs))])
+            if job.echo is not None:  # each choice's prompt first
+                for i in range(len(runs)):
+                    yield chunk([{"index": i, "text": job.echo_text(i), "logprobs": None, "finish_reason": None}])
             async for i, ev in _arrivals(runs):
                 if ev.kind == "done":
                     if ev.finish_reason == "error":

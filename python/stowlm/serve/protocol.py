@@ -53,10 +53,10 @@ _COMMON = {"model", "n", "stream", "stream_options", "temperature", "top_p", "st
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                          "parallel_tool_calls", "metadata", "service_tier", "modalities", "safety_identifier",
                          "prompt_cache_key"}
-COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix"}
+COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix", "echo"}
 # Samplers and options stowlm does not have: accepted at the value that turns them off.
 NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "mirostat_mode": 0, "dynatemp_range": 0.0,
-           "xtc_probability": 0.0, "dry_multiplier": 0.0, "top_n_sigma": -1.0, "echo": False, "store": False,
+           "xtc_probability": 0.0, "dry_multiplier": 0.0, "top_n_sigma": -1.0, "store": False,
            "return_tokens": False, "post_sampling_probs": False, "timings_per_token": False}
 _MESSAGE_FIELDS = {
     "system": {"role", "content", "name"}, "developer": {"role", "content", "name"},
@@ -301,6 +301,11 @@ class Job:
     grammar: Any = None             # stowlm.text.grammar.Grammar
     tools: Optional[ToolRequest] = None
     headers: Dict[str, str] = field(default_factory=dict)
+    echo: Optional[List[str]] = None  # each prompt's text, to come back before its completion (echo)
+
+    def echo_text(self, index: int) -> str:
+        """The text choice `index` starts with: its prompt's with echo, else nothing."""
+        return "" if self.echo is None else self.echo[index // self.n]
 
     @property
     def special(self) -> bool:
@@ -403,5 +408,13 @@ def parse_completion(body: Mapping, llm) -> Job:
         raise _bad("suffix", "is not supported (fill-in-the-middle needs the model's FIM tokens in the prompt)",
                    "unsupported_parameter")
     toks = prompts(body, llm)
+    echo = None
+    if _bool(body, "echo"):
+        if logprobs is not None:
+            raise _bad("echo", "with logprobs is not supported (it would need the prompt's own log-probabilities)",
+                       "unsupported_parameter")
+        p = body["prompt"]
+        texts = [p] if isinstance(p, str) or (p and not isinstance(p[0], (str, list))) else p
+        echo = [t if isinstance(t, str) else llm.tokenizer.decode(t) for t in texts]
     params = sampling(body, llm, 16, False)
-    return Job(False, toks, params, n, stream, include_usage, logprobs, _grammar(body, llm, None))
+    return Job(False, toks, params, n, stream, include_usage, logprobs, _grammar(body, llm, None), echo=echo)
