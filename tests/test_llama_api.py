@@ -85,7 +85,7 @@ def test_gpu_layers_without_a_gpu_run_on_the_cpu_and_say_so():
         warnings.simplefilter("always")
         with stowlm.Llama(str(get_model("smollm2-135m")), n_ctx=256, n_gpu_layers=-1, verbose=False) as m:
             assert [d["device"] for d in m.llm.ctx.memory_report()] == ["cpu:0"]
-    assert any("n_gpu_layers=-1" in str(x.message) and "runs on the CPU" in str(x.message) for x in w)
+    assert any("n_gpu_layers=-1" in str(x.message) and "runs on the CPU" in str(x.message) for x in w), w
 
 
 def test_embeddings_as_llama_cpp_python_gives_them():

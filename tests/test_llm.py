@@ -170,3 +170,26 @@ def test_cli_takes_dash_m_and_structured_output_flags(tmp_path):
     gbnf.write_text('root ::= " yes" | " no" | undefined')
     r = _cli("run", "-m", path, "-p", "x", "--grammar-file", str(gbnf))
     assert r.returncode != 0 and "g.gbnf" in r.stderr and "undefined" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_takes_llama_cpp_flags(tmp_path):
+    """llama-cli's -ngl, -ctk/-ctv, -fa, -f and -sys mean what they mean there; what stowlm cannot
+    do (-fa off, K and V in two types, -ngl beside --devices) is refused, naming the flags."""
+    path = str(get_model("smollm2-135m"))
+    prompt = "The capital of France is"
+    plain = _cli("run", path, "-p", prompt, "-n", "6", "--temp", "0", "-q")
+    (tmp_path / "p.txt").write_text(prompt)
+    r = _cli("run", "-m", path, "-f", str(tmp_path / "p.txt"), "-n", "6", "--temp", "0", "-q", "-fa", "-ngl", "0")
+    assert r.returncode == 0 and r.stdout == plain.stdout, r.stderr
+    q8 = _cli("run", path, "-p", prompt, "-n", "6", "--temp", "0", "-q", "--kv-type", "q8_0")
+    r = _cli("run", path, "-p", prompt, "-n", "6", "--temp", "0", "-q", "-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on")
+    assert r.returncode == 0 and r.stdout == q8.stdout, r.stderr
+    found, _ = stowlm._core.cuda.devices()
+    if not found:  # llama.cpp's CPU builds run on the CPU too; stowlm says so
+        r = _cli("run", path, "-p", prompt, "-n", "6", "--temp", "0", "-q", "-ngl", "99")
+        assert r.returncode == 0 and r.stdout == plain.stdout and "stowlm: warning: -ngl 99" in r.stderr, r.stderr
+    for args, why in ((["-ctk", "q8_0", "-ctv", "f16"], "one type"), (["-fa", "off"], "-fa off"),
+                      (["-ngl", "4", "--devices", "cpu"], "-ngl"), (["-f", str(tmp_path / "none.txt")], "none.txt"),
+                      (["-ngl", "-3"], "-ngl")):
+        r = _cli("run", path, "-p" if args[0] != "-f" else "-q", *(["x"] if args[0] != "-f" else []), *args)
+        assert r.returncode != 0 and why in r.stderr and "Traceback" not in r.stderr, (args, r.stderr)

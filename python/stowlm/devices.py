@@ -16,6 +16,7 @@ lists; this module adds what only a running process knows (is there such a CUDA 
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Iterable, List, Sequence, Union
 
@@ -35,6 +36,25 @@ def cuda_devices():
         if not devs:
             _log.info("stowlm: no CUDA device (%s); running on the CPU", why)
     return _cuda_cache
+
+
+def gpu_layers(n_gpu_layers: int, n_layer: int, flag: str = "n_gpu_layers"):
+    """llama.cpp's -ngl as (devices, layer_split): 0 none (None, None: the default CPU); all of
+    them (-1, or n_layer or more) cuda:0 and the CPU, fit deciding what stays in RAM when the GPU
+    is too small; fewer the last ones on cuda:0. Without a CUDA device: a warning and the CPU, as
+    llama.cpp's CPU builds do."""
+    if n_gpu_layers == 0:
+        return None, None
+    if n_gpu_layers < -1:
+        raise ValueError(f"{flag} must be -1 (all), 0 or a number of layers, got {n_gpu_layers}")
+    found, why = cuda_devices()
+    if not found:
+        given = f"{flag} {n_gpu_layers}" if flag.startswith("-") else f"{flag}={n_gpu_layers}"
+        warnings.warn(f"{given}, but {why}: the model runs on the CPU", RuntimeWarning, stacklevel=3)
+        return None, None
+    if n_gpu_layers < 0 or n_gpu_layers >= n_layer:
+        return ["cuda:0", "cpu:0"], None
+    return ["cpu:0", "cuda:0"], [n_layer - n_gpu_layers, n_gpu_layers]
 
 
 def list_devices() -> List[dict]:

@@ -7,12 +7,12 @@ and have no effect (stowlm maps the file, always runs flash attention, batches b
 from __future__ import annotations
 
 import os
-import warnings
 from typing import List, Optional, Sequence, Union
 
 import numpy as np
 
 from . import _core
+from .devices import gpu_layers
 from .embedding import openai_list
 from .llm import LLM
 from .pull import pull
@@ -31,22 +31,6 @@ _AT_DEFAULT = {"split_mode": 1, "main_gpu": 0, "tensor_split": None, "vocab_only
                "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0,
                "lora_base": None, "lora_path": None, "lora_scale": 1.0, "chat_handler": None, "tokenizer": None,
                "spm_infill": False}
-
-
-def _gpu_devices(n_gpu_layers: int, n_layer: int):
-    """llama.cpp's n_gpu_layers as stowlm devices: the last n layers on cuda:0, the rest on the CPU
-    (-1 or more than the model has: all of them)."""
-    if n_gpu_layers == 0:
-        return None, None
-    found, why = _core.cuda.devices()
-    if not found:
-        warnings.warn(f"Llama: n_gpu_layers={n_gpu_layers}, but {why}: the model runs on the CPU", RuntimeWarning,
-                      stacklevel=3)
-        return None, None
-    on_gpu = n_layer if n_gpu_layers < 0 else min(n_gpu_layers, n_layer)
-    if on_gpu == n_layer:
-        return ["cuda:0"], None
-    return ["cpu:0", "cuda:0"], [n_layer - on_gpu, on_gpu]
 
 
 class Llama:
@@ -80,7 +64,7 @@ class Llama:
             spec, draft_max = "ngram", int(draft_model.num_pred_tokens)
         self.model_path = os.fspath(pull(model_path, progress=verbose))  # a path, or a name stowlm pulls
         shape = _core.engine.Projector(self.model_path) if n_gpu_layers or not n_ctx else None
-        devices, split = _gpu_devices(n_gpu_layers, shape.n_layer if n_gpu_layers else 0)
+        devices, split = gpu_layers(n_gpu_layers, shape.n_layer if n_gpu_layers else 0)
         if devices is None and n_threads is not None:
             devices = [f"cpu:0[threads={n_threads}]"]
         self.llm = LLM(self.model_path, n_ctx=n_ctx or shape.n_ctx_train,  # 0: the trained context devices=devices, layer_split=split, n_ubatch=n_ubatch,

@@ -4,6 +4,9 @@ stowlm.placement.rules, where the library takes them from."""
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+import warnings
 from typing import Optional
 
 from .. import __version__
@@ -105,6 +108,15 @@ def add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                    help=f"tokens per micro-batch (default {DEFAULT_N_UBATCH})")
     g.add_argument("--kv-type", default=None, choices=["f16", "q8_0"],
                    help=f"KV cache type (default {DEFAULT_KV_TYPE})")
+    g.add_argument("-ngl", "--n-gpu-layers", "--gpu-layers", type=int, default=None, metavar="N",
+                   help="llama.cpp's: the last N layers on cuda:0 and the rest on the CPU; -1 (or all): cuda:0 "
+                        "and the CPU, fit keeping in RAM what the GPU cannot hold (instead of --devices)")
+    g.add_argument("-ctk", "--cache-type-k", default=None, choices=["f16", "q8_0"],
+                   help="llama.cpp's spelling of --kv-type (K and V share one type)")
+    g.add_argument("-ctv", "--cache-type-v", default=None, choices=["f16", "q8_0"], help="the same, for V")
+    g.add_argument("-fa", "--flash-attn", nargs="?", const="on", default=None, choices=["on", "off", "auto"],
+                   help="taken from llama.cpp's command lines: stowlm's attention is always fused (flash); "
+                        "'off' is refused")
     g.add_argument("--layer-split", default=None, metavar="N,N,...",
                    help="layers per device, in the order of --devices")
     g.add_argument("-sm", "--split-mode", default=None, choices=SPLIT_MODES,
@@ -150,13 +162,45 @@ def add_placement(p: argparse.ArgumentParser, for_fit: bool = False) -> None:
                              "too, where it yields more)")
 
 
+def kv_type_of(a: argparse.Namespace):
+    """--kv-type, or llama.cpp's -ctk/-ctv (one type for K and V)."""
+    given = {f: v for f, v in (("--kv-type", a.kv_type), ("-ctk", a.cache_type_k), ("-ctv", a.cache_type_v)) if v}
+    if len(set(given.values())) > 1:
+        raise ValueError("stowlm keeps K and V in one type: " + ", ".join(f"{f} {v}" for f, v in given.items())
+                         + " differ")
+    if a.flash_attn == "off":
+        raise ValueError("-fa off: stowlm's attention is always the fused (flash) kernel")
+    return next(iter(given.values()), None)
+
+
+def gpu_layer_devices(a: argparse.Namespace, kw: dict) -> None:
+    """-ngl N as the devices and layer split in kw (placement_kwargs'), from the model's layer count."""
+    if a.n_gpu_layers is None:
+        return
+    if kw["devices"] or kw["layer_split"]:
+        raise ValueError("-ngl places the layers itself: give it or --devices / --layer-split, not both")
+    from .. import _core
+    from ..devices import gpu_layers
+    from ..pull import pull
+
+    n_layer = _core.engine.Projector(os.fspath(pull(a.model, progress=not getattr(a, "quiet", False)))).n_layer
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        devices, split = gpu_layers(a.n_gpu_layers, n_layer, "-ngl")
+    for w in said:
+        print(f"stowlm: warning: {w.message}", file=sys.stderr)
+    if devices and getattr(a, "threads", None):
+        devices = [f"cpu:0[threads={a.threads}]" if d == "cpu:0" else d for d in devices]
+    kw["devices"], kw["layer_split"] = (",".join(devices) if devices else None), split
+
+
 def placement_kwargs(a: argparse.Namespace) -> dict:
     devices = a.devices.strip() if a.devices else None
     split = number_list(a.layer_split, "--layer-split", int, "integers")
     shares = number_list(a.tensor_split, "--tensor-split", float, "numbers")
     if shares is not None and a.split_mode in (None, "layer"):
         raise ValueError("--tensor-split needs -sm tensor or tensor-sum")
-    return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=a.kv_type, layer_split=split,
+    return dict(devices=devices, n_ctx=a.ctx_size, n_ubatch=a.ubatch_size, kv_type=kv_type_of(a), layer_split=split,
                 tensor_overrides=a.override_tensor, cpu_moe=a.cpu_moe, n_cpu_moe=a.n_cpu_moe,
                 n_copies=a.n_copies, margin=margins_mib(a.fit_margin), split_mode=a.split_mode, tensor_split=shares,
                 interleave=a.interleave, moe_offload_min=a.moe_offload_min)
@@ -207,10 +251,11 @@ def parser() -> argparse.ArgumentParser:
                        description="Generate a completion of PROMPT, or chat interactively when no prompt is given.")
     add_model(r, DEFAULT_MODEL, "model name (see `stowlm pull --list`) or .gguf path")
     r.add_argument("-p", "--prompt", help="prompt to complete (no prompt: interactive chat)")
+    r.add_argument("-f", "--file", default=None, metavar="FILE", help="read the prompt from FILE (as llama.cpp's -f)")
     r.add_argument("-n", "--n-predict", type=int, default=256, help="maximum tokens to generate (default 256)")
     r.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     r.add_argument("--chat", action="store_true", help="apply the chat template to PROMPT")
-    r.add_argument("--system", default=None, help="system message for chat")
+    r.add_argument("--system", "-sys", "--system-prompt", dest="system", default=None, help="system message for chat")
     r.add_argument("-q", "--quiet", action="store_true", help="do not print timings")
     add_placement(r)
     add_sampling(r)

@@ -7,7 +7,7 @@ import os
 import sys
 import time
 
-from .args import placement_kwargs, sampling_kwargs, structured_kwargs
+from .args import gpu_layer_devices, placement_kwargs, sampling_kwargs, structured_kwargs
 
 
 def run(a: argparse.Namespace) -> int:
@@ -19,6 +19,14 @@ def run(a: argparse.Namespace) -> int:
 
     SamplingParams(max_tokens=a.n_predict, **kw)
     kw.update(structured_kwargs(a))
+    if a.file is not None:
+        if a.prompt is not None:
+            raise ValueError("give the prompt with -p or -f, not both")
+        try:
+            with open(a.file, encoding="utf-8") as f:
+                a.prompt = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"-f {a.file}: {e}") from None
     llm = load(a)
     with llm:
         if a.prompt is None:
@@ -39,6 +47,7 @@ def load(a: argparse.Namespace, **extra):
     from ..llm import LLM
 
     kw_place = placement_kwargs(a)
+    gpu_layer_devices(a, kw_place)
     margin = kw_place.pop("margin")
     placement = a.placement
     if placement:
@@ -109,6 +118,7 @@ def fit(a: argparse.Namespace) -> int:
 
     path = pull(a.model, progress=not a.json)
     kw = placement_kwargs(a)
+    gpu_layer_devices(a, kw)
     if a.placement:
         placement = _given_placement(a.placement, kw, always=True)
         given = [k for k, v in kw.items() if v is not None and v is not False and k != "margin"]

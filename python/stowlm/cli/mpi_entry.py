@@ -10,7 +10,7 @@ from ..dist.report import explain, table
 from ..dist.stages import serve_here, setup
 from ..placement.rules import DEFAULT_KV_TYPE, DEFAULT_N_UBATCH, slot_context
 from .app import run_argv
-from .args import margins_mib, number_list, parser, resolve_model
+from .args import kv_type_of, margins_mib, number_list, parser, resolve_model
 from .commands import run, serve
 
 
@@ -50,6 +50,9 @@ def command(job: jobs.Job, a) -> int:
     if getattr(a, "placement", None):
         raise ValueError("--placement is not supported under mpirun yet: give --devices (each rank its own) and "
                          "--layer-split (every device of the job) or let the ranks split the layers")
+    if getattr(a, "n_gpu_layers", None) is not None:
+        raise ValueError("-ngl is not supported under mpirun: give --devices (each rank its own)")
+    a.kv_type = kv_type_of(a)  # -ctk / -ctv too
     if a.split_mode not in (None, "layer"):
         raise ValueError(f"-sm {a.split_mode} cuts every layer over the devices of one process; under mpirun the "
                          "ranks split the layers")
