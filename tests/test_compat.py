@@ -28,7 +28,7 @@ def test_completion_dicts_match_generate(llm):
     assert r["object"] == "text_completion" and r["id"].startswith("cmpl-")
     assert r["choices"][0]["text"] == want.text and r["choices"][0]["finish_reason"] == "length"
     assert r["usage"] == {"prompt_tokens": want.prompt_tokens, "completion_tokens": 12,
-                          "total_tokens": want.prompt_tokens + 12}
+                          "total_tokens": want.prompt_tokens + 12, "prompt_tokens_details": {"cached_tokens": 0}}
     assert llm("The capital of France is", max_tokens=12, temperature=0)["choices"][0]["text"] == want.text
     chunks = list(llm.create_completion("The capital of France is", max_tokens=12, temperature=0, stream=True))
     assert "".join(c["choices"][0]["text"] for c in chunks) == want.text

@@ -142,6 +142,46 @@ def test_logprobs_are_the_model_log_softmax(client, local):
     assert "".join(e.token for e in content) == c.choices[0].message.content
 
 
+def test_llama_servers_own_completion_and_props(client, server, local):
+    """llama-server's POST /completion (its fields and shapes) and GET /props, for the clients
+    written against it: the same text as the in-process model, its stop types, streamed as its
+    events, and a repeated prompt's cached tokens (also in OpenAI's usage)."""
+    base, h = f"http://127.0.0.1:{server}", {"Authorization": f"Bearer {KEY}"}
+    prompt = "The capital of France is"
+    want = local.generate(prompt, max_tokens=10, temperature=0)
+    with httpx.Client(timeout=120, headers=h) as c:
+        r = c.post(base + "/completion", json={"prompt": prompt, "n_predict": 10, "temperature": 0,
+                                               "return_tokens": True, "n_probs": 2}).json()
+        assert r["content"] == want.text and r["tokens"] == want.tokens and r["stop"] is True
+        assert (r["stop_type"], r["tokens_predicted"], r["tokens_evaluated"]) == ("limit", 10, len(local.tokenize(prompt)))
+        ids = local.tokenize(prompt)
+        x = stowlm.Context(local.model, n_ctx=512).eval(ids).astype(np.float64)
+        ref = x - (x.max() + np.log(np.exp(x - x.max()).sum()))
+        p0 = r["completion_probabilities"][0]
+        assert p0["id"] == want.tokens[0] == int(ref.argmax()) and abs(p0["logprob"] - ref.max()) < 0.02
+        assert [t["id"] for t in p0["top_logprobs"]][:1] == [p0["id"]] and len(p0["top_logprobs"]) == 2
+        assert r["timings"]["predicted_n"] == 10 and r["generation_settings"]["n_predict"] == 10
+        # a stop word, named; the same prompt again takes its tokens from the slot's cache
+        stop = want.text.split()[1] if len(want.text.split()) > 1 else want.text[-2:]
+        w = c.post(base + "/completion", json={"prompt": prompt, "n_predict": 10, "temperature": 0,
+                                               "stop": [stop]}).json()
+        assert w["stop_type"] == "word" and w["stopping_word"] == stop and w["content"] == want.text.split(stop)[0]
+        assert 0 < w["tokens_cached"] < len(ids) + 1
+        events = [json.loads(line[6:]) for line in c.post(base + "/completion", json={
+            "prompt": prompt, "n_predict": 10, "temperature": 0, "stream": True}).text.split("\n\n") if line]
+        assert all(e["stop"] is False for e in events[:-1]) and events[-1]["stop"] is True
+        assert "".join(e["content"] for e in events) == want.text and events[-1]["stop_type"] == "limit"
+        props = c.get(base + "/props").json()
+        assert props["total_slots"] == PARALLEL and props["default_generation_settings"]["n_ctx"] == N_CTX // PARALLEL
+        assert "im_start" in props["chat_template"]
+        for body, param in (({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "id_slot": 1}, "id_slot"),
+                            ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "mirostat": 2}, "mirostat")):
+            e = c.post(base + "/completion", json=body)
+            assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert 0 < again.usage.prompt_tokens_details.cached_tokens <= len(ids)
+
+
 def test_seed_penalties_and_bias_are_applied(client, local):
     kw = dict(model=MODEL, prompt="My favourite animal is", max_tokens=12, temperature=1.0, seed=7)
     a, b = client.completions.create(**kw), client.completions.create(**kw)

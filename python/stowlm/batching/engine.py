@@ -165,7 +165,11 @@ class BatchEngine(SlotPlanner, RequestOutput):
             except Exception as e:  # a failed step ends the requests it touched, not the engine
                 for s in self.slots:
                     if s.req:
-                        self._finish(s, "error", str(e))
+                        try:
+                            self._finish(s, "error", str(e))
+                        except Exception:  # even its end failed: the client still hears of it
+                            s.req.on_event(Event("done", finish_reason="error", error=str(e)))
+                            self._release(s)
             self._step_done()
 
     def _step_done(self) -> None:

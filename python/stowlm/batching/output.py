@@ -89,7 +89,13 @@ class RequestOutput:
             req.on_event(Event("piece", text=tail))
         req.on_event(Event("done", finish_reason=reason, prompt_tokens=len(req.tokens),
                            completion_tokens=s.stream.n_tokens if s.stream else 0, error=error,
-                           drafted=s.spec.drafted if s.spec else 0, accepted=s.spec.accepted if s.spec else 0))
+                           drafted=s.spec.drafted if s.spec else 0, accepted=s.spec.accepted if s.spec else 0,
+                           stop_word=s.stream.stop_word if s.stream else None, cached_tokens=req.n_cached,
+                           slot=s.index))
+        self._release(s)
+
+    @staticmethod
+    def _release(s: Slot) -> None:
         # What the slot evaluated stays in its cache for a later prefix match; nothing is pending.
         s.req, s.pending, s.sampler, s.stream, s.constraint, s.spec = None, None, None, None, None, None
 

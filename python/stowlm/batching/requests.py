@@ -32,6 +32,9 @@ class Event:
     error: Optional[str] = None
     drafted: int = 0   # done: speculative draft tokens checked for the request, and kept
     accepted: int = 0
+    stop_word: Optional[str] = None  # done: the stop string that ended the text
+    cached_tokens: int = 0  # done: prompt tokens taken from the slot's cache, not evaluated
+    slot: int = -1     # done: the slot that served it
 
 
 @dataclass
@@ -43,6 +46,7 @@ class Request:
     grammar: Optional[object] = None  # stowlm.text.grammar.Grammar (or anything with start()): the text it allows
     special: bool = False  # control tokens stay in the text (a tool format's markers)
     speculative: bool = True  # draft where the engine's LLM drafts (stowlm.speculative)
+    n_cached: int = 0  # prompt tokens its slot's cache held already
     cancelled: bool = False
     submitted: float = field(default_factory=time.perf_counter)
     first_token_at: Optional[float] = None

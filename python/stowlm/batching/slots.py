@@ -40,7 +40,7 @@ class SlotPlanner:
                 self.ctx.kv_truncate(keep, seq=best.index)
                 del best.cached[keep:]
             del best.kernels[keep:]
-            best.pos = keep
+            best.pos = req.n_cached = keep
             self._start(best, req)
         self.queue.extendleft(reversed(waiting))
 

@@ -1,10 +1,11 @@
-"""The HTTP app: routes, errors and the server's own endpoints (/health, /metrics, and
-llama-server's /tokenize and /detokenize), and `stowlm serve` running it under uvicorn.
+"""The HTTP app: routes, errors and the server's own endpoints (/health, /metrics), and
+`stowlm serve` running it under uvicorn.
 
 Built on Starlette and uvicorn: a small, well-kept ASGI stack with streaming responses and no
 request model of its own, so every request is checked here and every error has OpenAI's shape
 ({"error": {"message", "type", "param", "code"}}) and the right status. The engine runs on its own
-thread (stowlm.batching); the OpenAI routes are stowlm.serve.openai's.
+thread (stowlm.batching); the OpenAI routes are stowlm.serve.openai's, llama-server's own
+(/completion, /props, /tokenize, /detokenize) stowlm.serve.native's.
 """
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import asyncio
 import os
 import socket
 import sys
-from typing import Mapping, Optional
+from typing import Optional
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,6 +22,7 @@ from starlette.responses import JSONResponse, PlainTextResponse
 from starlette.routing import Route
 
 from .context import ServerContext
+from .native import NativeRoutes
 from .openai import OpenAIRoutes
 from .protocol import APIError
 
@@ -32,8 +34,9 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
     opened with embedding=True has none and serves /v1/embeddings instead of generating)."""
     engine = None if llm.embedding else llm.engine(max_queue=max_queue)
     ctx = ServerContext(llm, engine, model_id, api_key)
-    metrics, tok = ctx.metrics, ctx.tok
+    metrics = ctx.metrics
     openai = OpenAIRoutes(ctx)
+    native = NativeRoutes(ctx, openai)
 
     async def health(request: Request):
         metrics.count("/health", 200)
@@ -48,45 +51,6 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         metrics.count("/metrics", 200)
         return PlainTextResponse(metrics.prometheus(None if engine is None else engine.stats()),
                                  media_type="text/plain; version=0.0.4")
-
-    async def tokenize(request: Request):
-        """llama-server's POST /tokenize: {"content", "add_special", "parse_special", "with_pieces"}."""
-        ctx.check_key(request)
-        body = await ctx.read_json(request)
-        _only(body, {"content", "add_special", "parse_special", "with_pieces", "model"})
-        ctx.check_model(body)
-        text = body.get("content")
-        if not isinstance(text, str):
-            raise APIError(400, "'content': must be a string", param="content", code="invalid_value")
-        ids = await asyncio.to_thread(tok.encode, text, _flag(body, "add_special", False),
-                                      _flag(body, "parse_special", True))
-        if _flag(body, "with_pieces", False):
-            pieces = []
-            for t in ids:
-                b = tok.token_bytes(t)
-                try:
-                    pieces.append({"id": t, "piece": b.decode("utf-8")})
-                except UnicodeDecodeError:  # part of a character: its bytes, as llama-server gives them
-                    pieces.append({"id": t, "piece": list(b)})
-            ids = pieces
-        metrics.count("/tokenize", 200)
-        return JSONResponse({"tokens": ids})
-
-    async def detokenize(request: Request):
-        """llama-server's POST /detokenize: {"tokens"} -> {"content"}."""
-        ctx.check_key(request)
-        body = await ctx.read_json(request)
-        _only(body, {"tokens", "model"})
-        ctx.check_model(body)
-        ids = body.get("tokens")
-        if not isinstance(ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise APIError(400, "'tokens': must be a list of token ids", param="tokens", code="invalid_value")
-        bad = [t for t in ids if not 0 <= t < tok.vocab_size]
-        if bad:
-            raise APIError(400, f"'tokens': token id {bad[0]} is outside the vocabulary [0, {tok.vocab_size})",
-                           param="tokens", code="invalid_value")
-        metrics.count("/detokenize", 200)
-        return JSONResponse({"content": tok.decode(ids)})
 
     async def on_api_error(request: Request, exc: APIError):
         return ctx.error(exc, request.url.path)
@@ -110,8 +74,10 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         Route("/v1/completions", openai.completions, methods=["POST"]),
         Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/completions", openai.completions, methods=["POST"]),
-        Route("/tokenize", tokenize, methods=["POST"]),
-        Route("/detokenize", detokenize, methods=["POST"]),
+        Route("/tokenize", native.tokenize, methods=["POST"]),
+        Route("/detokenize", native.detokenize, methods=["POST"]),
+        Route("/completion", native.completion, methods=["POST"]),
+        Route("/props", native.props, methods=["GET"]),
         Route("/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", openai.embeddings, methods=["POST"]),
         Route("/embeddings", openai.embeddings, methods=["POST"]),
@@ -121,20 +87,6 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
     app.state.engine = engine
     app.state.model_id = ctx.model_id
     return app
-
-
-def _only(body: Mapping, allowed: set) -> None:
-    for k in body:
-        if k not in allowed:
-            raise APIError(400, f"'{k}': is not a field of this endpoint ({', '.join(sorted(allowed))})",
-                           param=k, code="unsupported_parameter")
-
-
-def _flag(body: Mapping, key: str, default: bool) -> bool:
-    v = body.get(key, default)
-    if not isinstance(v, bool):
-        raise APIError(400, f"'{key}': must be true or false", param=key, code="invalid_value")
-    return v
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8080, model_id: Optional[str] = None,

@@ -84,8 +84,10 @@ class ChoiceOut:
         self.calls: List[dict] = []
         self.reasoning: List[str] = []
         self.finish: Optional[str] = None
-        self.prompt_tokens = self.completion_tokens = 0
+        self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.drafted = self.accepted = 0  # speculative decoding's draft tokens, and those kept
+        self.stop_word: Optional[str] = None
+        self.slot = -1
 
     # -- log-probabilities -----------------------------------------------------------------------------
     def _lp_entry(self, ev) -> Optional[dict]:
@@ -164,6 +166,7 @@ class ChoiceOut:
         self.finish = self.finish_reason(ev)
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.drafted, self.accepted = ev.drafted, ev.accepted
+        self.cached_tokens, self.stop_word, self.slot = ev.cached_tokens, ev.stop_word, ev.slot
         delta_end = {"delta": {}} if self.job.chat else {"text": ""}
         out.append({"index": self.index, **delta_end, "logprobs": None, "finish_reason": self.finish})
         return out
@@ -191,11 +194,13 @@ class ChoiceOut:
 
 
 def usage(outs: List[ChoiceOut], n: int) -> dict:
-    """OpenAI's usage; where drafts were checked, also what speculative decoding did (OpenAI's
-    prediction token counts, and stowlm's drafted/accepted)."""
+    """OpenAI's usage (prompt_tokens_details.cached_tokens: those a slot's cache held already);
+    where drafts were checked, also what speculative decoding did (OpenAI's prediction token
+    counts, and stowlm's drafted/accepted)."""
     u = {"prompt_tokens": sum(o.prompt_tokens for i, o in enumerate(outs) if i % n == 0),
          "completion_tokens": sum(o.completion_tokens for o in outs)}
     u["total_tokens"] = u["prompt_tokens"] + u["completion_tokens"]
+    u["prompt_tokens_details"] = {"cached_tokens": sum(o.cached_tokens for i, o in enumerate(outs) if i % n == 0)}
     drafted, accepted = sum(o.drafted for o in outs), sum(o.accepted for o in outs)
     if drafted:
         u["completion_tokens_details"] = {"accepted_prediction_tokens": accepted,

@@ -18,7 +18,7 @@ from ..batching import Event, QueueFull
 from .context import ServerContext
 from .events import ChoiceOut, Mailbox, PieceJson, Run, chunk_json, usage
 from ..embedding import InputTooLong, openai_list
-from .protocol import APIError, Job, parse_chat, parse_completion
+from .protocol import APIError, Job, only_fields, parse_chat, parse_completion
 
 _EMBEDDING_FIELDS = {"input", "model", "encoding_format", "dimensions", "user"}
 
@@ -42,7 +42,7 @@ class OpenAIRoutes:
             engine.step_listeners.append(box.flush)
         return box
 
-    def _submit(self, tokens: List[int], params, job: Job) -> Run:
+    def submit(self, tokens: List[int], params, job: Job) -> Run:
         try:
             return Run(self.ctx.engine, self._mailbox(), tokens, params, job)
         except QueueFull as e:
@@ -51,7 +51,7 @@ class OpenAIRoutes:
         except ValueError as e:
             raise APIError(400, str(e)) from None
 
-    def _check_length(self, tokens: List[int], param: str) -> None:
+    def check_length(self, tokens: List[int], param: str) -> None:
         engine = self.ctx.engine
         if len(tokens) >= engine.ctx.n_ctx:
             raise APIError(400, f"This model's maximum context length is {engine.ctx.n_ctx} tokens (n_ctx, shared by "
@@ -97,10 +97,7 @@ class OpenAIRoutes:
             raise APIError(400, "This server generates text; it computes no embeddings. Start one with --embeddings "
                                 "for /v1/embeddings.", code="embeddings_disabled")
         body = await ctx.read_json(request)
-        for k in body:
-            if k not in _EMBEDDING_FIELDS:
-                raise APIError(400, f"'{k}': is not a field of this endpoint ({', '.join(sorted(_EMBEDDING_FIELDS))})",
-                               param=k, code="unsupported_parameter")
+        only_fields(body, _EMBEDDING_FIELDS)
         ctx.check_model(body)
         if "input" not in body:
             raise APIError(400, "'input': is required", param="input", code="missing_required_parameter")
@@ -138,11 +135,11 @@ class OpenAIRoutes:
         ctx.check_model(body)
         job = await asyncio.to_thread(parse_chat if chat else parse_completion, body, ctx.llm)
         for p in job.prompts:
-            self._check_length(p, "messages" if chat else "prompt")
+            self.check_length(p, "messages" if chat else "prompt")
         runs: List[Run] = []
         try:
             for p, pj in job.runs():
-                runs.append(self._submit(p, pj, job))
+                runs.append(self.submit(p, pj, job))
         except APIError:
             for r in runs:
                 r.cancel()

@@ -66,6 +66,14 @@ _MESSAGE_FIELDS = {
 }
 
 
+def only_fields(body: Mapping, allowed: set) -> None:
+    """An endpoint with a fixed set of fields (no OpenAI neutral values): anything else is a 400."""
+    for k in body:
+        if k not in allowed:
+            raise APIError(400, f"'{k}': is not a field of this endpoint ({', '.join(sorted(allowed))})",
+                           param=k, code="unsupported_parameter")
+
+
 def _check_fields(body: Mapping, allowed: set) -> None:
     for k, v in body.items():
         if k in allowed:

@@ -131,6 +131,11 @@ class TextStream:
             self.finished, self.finish_reason = True, "stop"
         return self._emit(out)
 
+    @property
+    def stop_word(self) -> Optional[str]:
+        """The stop string that ended the text (None: it ended otherwise, or goes on)."""
+        return self._stop.matched
+
     def end(self, reason: str) -> None:
         """The text ends for a reason outside it (the context is full: "length")."""
         if not self.finished:
