@@ -206,7 +206,8 @@ def test_verbose_times_the_cpu_ops(small):
     products = [k for k in rows if k.endswith(".weight") or "+" in k]
     assert products and all(part in names for k in products for part in k.split("+")), rows
     assert rows["output.weight" if "output.weight" in names else "token_embd.weight"][1] == 1.0
-    assert rows["ffn_down.weight"][1] == n_layer and rows["flash_attn"][1] == n_layer
+    # (an op under 0.5% of the ops' time is not listed: attention over 4 cells may not be, on a busy machine)
+    assert rows["ffn_down.weight"][1] == n_layer and rows.get("flash_attn", (0, n_layer))[1] == n_layer
     assert sum(ms for ms, _ in rows.values()) <= in_ops * 1.001 and 0.2 * per_token < in_ops < 5 * per_token
 
 
