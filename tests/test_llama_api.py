@@ -30,6 +30,7 @@ def test_tokens_as_llama_cpp_gives_them(llama):
     assert (llama.n_ctx(), llama.n_vocab(), llama.n_embd()) == (1024, 49152, 576)
     assert llama.token_eos() == llama.llm.tokenizer.eos_id and isinstance(llama.token_bos(), int)
     assert llama.metadata["general.architecture"] == "llama"
+    assert llama.llm.model.devices[0].threads == 2 and llama.llm.ctx.n_ubatch == 512  # n_threads, n_ubatch taken
 
 
 def test_calls_give_what_the_llm_gives(llama):

@@ -153,7 +153,8 @@ def test_llama_servers_own_completion_and_props(client, server, local):
         r = c.post(base + "/completion", json={"prompt": prompt, "n_predict": 10, "temperature": 0,
                                                "return_tokens": True, "n_probs": 2}).json()
         assert r["content"] == want.text and r["tokens"] == want.tokens and r["stop"] is True
-        assert (r["stop_type"], r["tokens_predicted"], r["tokens_evaluated"]) == ("limit", 10, len(local.tokenize(prompt)))
+        n_prompt = len(local.tokenize(prompt))
+        assert (r["stop_type"], r["tokens_predicted"], r["tokens_evaluated"]) == ("limit", 10, n_prompt)
         ids = local.tokenize(prompt)
         x = stowlm.Context(local.model, n_ctx=512).eval(ids).astype(np.float64)
         ref = x - (x.max() + np.log(np.exp(x - x.max()).sum()))

@@ -10,8 +10,8 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Embeddings", "POOLINGS", "InputTooLong", "pooling_of", "pool", "l2_normalize", "token_lists", "embed_tokens",
-           "openai_list"]
+__all__ = ["Embeddings", "POOLINGS", "InputTooLong", "pooling_of", "pool", "l2_normalize", "token_lists",
+           "embed_tokens", "openai_list"]
 
 POOLINGS = ("mean", "last", "cls", "none")
 # GGUF's {arch}.pooling_type, llama.cpp's enum
@@ -138,6 +138,8 @@ class Embeddings:
             raise ValueError("speculative decoding needs a generating LLM; embedding=True computes embeddings only")
         if pooling is not None and not embedding:
             raise ValueError("pooling applies to embeddings: give embedding=True with it")
+        if pooling is not None and pooling not in POOLINGS:  # before the load; the file's own after it
+            pooling_of({}, pooling)
 
     def _open_embedding(self, embedding: bool, pooling: Optional[str], metadata: Mapping) -> None:
         self.embedding = bool(embedding)

@@ -65,9 +65,10 @@ class Llama:
         self.model_path = os.fspath(pull(model_path, progress=verbose))  # a path, or a name stowlm pulls
         shape = _core.engine.Projector(self.model_path) if n_gpu_layers or not n_ctx else None
         devices, split = gpu_layers(n_gpu_layers, shape.n_layer if n_gpu_layers else 0)
-        if devices is None and n_threads is not None:
-            devices = [f"cpu:0[threads={n_threads}]"]
-        self.llm = LLM(self.model_path, n_ctx=n_ctx or shape.n_ctx_train,  # 0: the trained context devices=devices, layer_split=split, n_ubatch=n_ubatch,
+        if n_threads is not None:
+            devices = [f"cpu:0[threads={n_threads}]" if d == "cpu:0" else d for d in (devices or ["cpu:0"])]
+        n_ctx = n_ctx or shape.n_ctx_train  # 0: the trained context
+        self.llm = LLM(self.model_path, n_ctx=n_ctx, devices=devices, layer_split=split, n_ubatch=n_ubatch,
                        kv_type=_KV_TYPES.get(type_k), chat_template=_CHAT_FORMATS.get(chat_format), progress=verbose,
                        embedding=embedding, pooling=_POOLING[pooling_type] if embedding else None,
                        speculative=spec, draft_max=draft_max)

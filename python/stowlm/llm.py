@@ -16,8 +16,8 @@ import numpy as np
 
 from . import ops
 from .conversation import Conversation
-from .embedding import Embeddings
 from .devices import parse_devices
+from .embedding import Embeddings
 from .generation import Completion, Generation, Served
 from .loading import _default_ctx, load  # noqa: F401  (_default_ctx: stowlm.mpi sizes contexts as an LLM does)
 from .placement.rules import DEFAULT_N_OUTPUTS

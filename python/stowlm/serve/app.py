@@ -9,7 +9,6 @@ thread (stowlm.batching); the OpenAI routes are stowlm.serve.openai's, llama-ser
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import socket
 import sys

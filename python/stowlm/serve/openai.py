@@ -117,7 +117,8 @@ class OpenAIRoutes:
             vecs, _, n = await asyncio.to_thread(llm.embed_arrays, body["input"])
         except InputTooLong as e:
             raise APIError(400, f"input[{e.index}] has {e.n_tokens} tokens, more than the {e.capacity} one input may "
-                                "have here (n_ctx / --parallel)", param="input", code="context_length_exceeded") from None
+                                "have here (n_ctx / --parallel)", param="input",
+                           code="context_length_exceeded") from None
         except ValueError as e:
             raise APIError(400, str(e), param="input", code="invalid_value") from None
         ctx.metrics.embedded(len(vecs), n)
