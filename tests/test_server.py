@@ -181,6 +181,13 @@ def test_llama_servers_own_completion_and_props(client, server, local):
             assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
     assert 0 < again.usage.prompt_tokens_details.cached_tokens <= len(ids)
+    # a client that leaves an unbounded request (n_predict -1) frees its slot
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(base + "/completion", json={"prompt": "Once upon a time", "ignore_eos": True}, headers=h, timeout=1.0)
+    deadline = time.time() + 5  # well before its 2048 cells would fill
+    while httpx.get(base + "/health").json()["slots_processing"] and time.time() < deadline:
+        time.sleep(0.2)
+    assert httpx.get(base + "/health").json()["slots_processing"] == 0
 
 
 def test_seed_penalties_and_bias_are_applied(client, local):

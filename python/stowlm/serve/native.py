@@ -11,13 +11,13 @@ import time
 from typing import List, Mapping, Optional, Tuple
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from .. import __version__
 from .context import ServerContext
 from .events import ChoiceOut
-from .protocol import (_COMMON, APIError, Job, _bad, _bool, _check_fields, _grammar, _num, only_fields, prompts,
-                       sampling)
+from .protocol import (_COMMON, MAX_TOP_LOGPROBS, APIError, Job, _bad, _bool, _check_fields, _grammar, _num,
+                       only_fields, prompts, sampling)
 
 __all__ = ["NativeRoutes", "parse_native"]
 
@@ -37,7 +37,7 @@ def parse_native(body: Mapping, llm) -> Tuple[Job, bool]:
     if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
         raise _bad("prompt", "one prompt a request here: a string or a list of token ids (several go to "
                              "/v1/completions)")
-    n_probs = _num(body, "n_probs", 0, 20, None, integer=True)
+    n_probs = _num(body, "n_probs", 0, MAX_TOP_LOGPROBS, None, integer=True)
     job = Job(False, prompts(body, llm), sampling(body, llm, None, False), 1, _bool(body, "stream"), False,
               n_probs or None, _grammar(body, llm, None))
     return job, _bool(body, "return_tokens")
@@ -119,12 +119,21 @@ class NativeRoutes:
             ctx.metrics.count("/completion", 200)
             return StreamingResponse(self._sse(run, out), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        try:
+        async def collect():
             while True:
-                ev = await run.next()
-                if ev.kind == "done":
-                    break
-                out.piece(ev)
+                e = await run.next()
+                if e.kind == "done":
+                    return e
+                out.piece(e)
+        task = asyncio.ensure_future(collect())
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=0.5)
+                if not task.done() and await request.is_disconnected():  # the client left: free the slot
+                    task.cancel()
+                    ctx.metrics.count("/completion", 499)
+                    return Response(status_code=499)
+            ev = task.result()
         finally:
             run.cancel()
         if ev.finish_reason == "error":
