@@ -49,6 +49,17 @@ class ServerContext:
             raise APIError(400, "The request body must be a JSON object.", code="invalid_json")
         return body
 
+    async def generation_body(self, request: Request) -> dict:
+        """The checked body of a request that generates: its key, a server that generates, JSON,
+        the model's name."""
+        self.check_key(request)
+        if self.llm.embedding:
+            raise APIError(400, "This server computes embeddings only (--embeddings); start one without it to "
+                                "generate.", code="generation_disabled")
+        body = await self.read_json(request)
+        self.check_model(body)
+        return body
+
     def check_model(self, body: Mapping) -> None:
         m = body.get("model")
         if m is None:

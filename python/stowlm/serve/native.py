@@ -104,12 +104,7 @@ class NativeRoutes:
 
     async def completion(self, request: Request):
         ctx = self.ctx
-        ctx.check_key(request)
-        if ctx.llm.embedding:
-            raise APIError(400, "This server computes embeddings only (--embeddings); start one without it to "
-                                "generate.", code="generation_disabled")
-        body = await ctx.read_json(request)
-        ctx.check_model(body)
+        body = await ctx.generation_body(request)
         job, return_tokens = await asyncio.to_thread(parse_native, body, ctx.llm)
         tokens = job.prompts[0]
         self.oai.check_length(tokens, "prompt")

@@ -128,12 +128,7 @@ class OpenAIRoutes:
     async def _generate(self, request: Request, chat: bool):
         ctx = self.ctx
         path = request.url.path
-        ctx.check_key(request)
-        if ctx.llm.embedding:
-            raise APIError(400, "This server computes embeddings only (--embeddings); start one without it to "
-                                "generate.", code="generation_disabled")
-        body = await ctx.read_json(request)
-        ctx.check_model(body)
+        body = await ctx.generation_body(request)
         job = await asyncio.to_thread(parse_chat if chat else parse_completion, body, ctx.llm)
         for p in job.prompts:
             self.check_length(p, "messages" if chat else "prompt")
