@@ -180,3 +180,24 @@ def test_serve_embeddings_with_the_openai_client():
         assert e.status_code == 400 and e.json()["error"]["code"] == "embeddings_disabled"
     finally:
         assert stop_server(proc) == 0
+
+
+def test_cli_embed_prints_each_texts_vector(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from conftest import subprocess_env
+
+    path = str(get_model("smollm2-135m"))
+    (tmp_path / "t.txt").write_text(TEXTS[0] + "\n\n" + TEXTS[2] + "\n")  # a line each: the code's two lines too
+    r = subprocess.run([sys.executable, "-m", "stowlm", "embed", path, "-p", TEXTS[1], "-f", str(tmp_path / "t.txt"),
+                        "-q"], capture_output=True, text=True, env=subprocess_env(), timeout=300)
+    assert r.returncode == 0, r.stderr
+    got = [json.loads(line) for line in r.stdout.splitlines()]
+    with stowlm.LLM(path, embedding=True, progress=False) as llm:
+        want = llm.embed([TEXTS[1], *TEXTS[0].splitlines(), TEXTS[2]])
+    assert np.abs(np.asarray(got) - np.asarray(want)).max() < 1e-6
+    r = subprocess.run([sys.executable, "-m", "stowlm", "embed", path], capture_output=True, text=True,
+                       env=subprocess_env(), timeout=300)
+    assert r.returncode != 0 and "nothing to embed" in r.stderr

@@ -7,10 +7,11 @@ import sys
 from typing import List
 
 from .args import parser, resolve_model
-from .commands import fit, run, serve
+from .commands import embed, fit, run, serve
 from .tools import bench, info, pull_command
 
-COMMANDS = {"run": run, "pull": pull_command, "info": info, "bench": bench, "fit": fit, "serve": serve}
+COMMANDS = {"run": run, "pull": pull_command, "info": info, "bench": bench, "fit": fit, "serve": serve,
+            "embed": embed}
 
 
 def run_argv(argv: List[str]) -> int:

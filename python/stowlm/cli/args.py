@@ -260,6 +260,21 @@ def parser() -> argparse.ArgumentParser:
     add_placement(r)
     add_sampling(r)
 
+    e = sub.add_parser("embed", help="print the embeddings of texts, one JSON array a line",
+                       description="Embed each -p TEXT, or each line of -f FILE, with MODEL: its final hidden states "
+                                   "pooled (by the file's pooling type, else their mean) and L2-normalized, one JSON "
+                                   "array a line in the order given (llama.cpp's llama-embedding).")
+    add_model(e, DEFAULT_MODEL, "model name or .gguf path")
+    e.add_argument("-p", "--prompt", action="append", default=None, help="a text to embed (repeatable)")
+    e.add_argument("-f", "--file", default=None, metavar="FILE", help="embed each non-empty line of FILE")
+    e.add_argument("--pooling", choices=["mean", "last", "cls", "none"], default=None,
+                   help="how a text's token vectors become one (default: the file's pooling_type, else mean; "
+                        "none: a line of per-token arrays)")
+    e.add_argument("--no-normalize", action="store_true", help="the pooled vectors as they are")
+    e.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    e.add_argument("-q", "--quiet", action="store_true", help="no load messages")
+    add_placement(e)
+
     f = sub.add_parser("fit", help="decide where a model's weights, KV cache and buffers go, and print it",
                        description="Fit MODEL on the devices: the context (when -c is not given), which layers "
                                    "and experts go on which device, and every device's bytes as the core projects "

@@ -69,6 +69,27 @@ def load(a: argparse.Namespace, **extra):
     return llm
 
 
+def embed(a: argparse.Namespace) -> int:
+    """llama-embedding's job: each text's embedding, a JSON array a line."""
+    import json
+
+    texts = list(a.prompt or [])
+    if a.file is not None:
+        try:
+            with open(a.file, encoding="utf-8") as f:
+                texts += [line for line in f.read().splitlines() if line.strip()]
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"-f {a.file}: {e}") from None
+    if not texts:
+        raise ValueError("nothing to embed: give -p TEXT (repeatable) or -f FILE")
+    if a.spec is not None:
+        raise ValueError("--spec drafts tokens to generate; embed generates none")
+    with load(a, embedding=True, pooling=a.pooling) as llm:
+        for v in llm.embed(texts, normalize=not a.no_normalize):
+            print(json.dumps(v))
+    return 0
+
+
 def _given_placement(file: str, kw: dict, always: bool = False):
     """The placement in FILE (loaded when --devices must be checked against it, or `always`; else
     the file name, which LLM loads). --devices may name the placement's own devices again, in any
