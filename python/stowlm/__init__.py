@@ -10,6 +10,6 @@ from .llm import LLM, Completion
 from .llama_api import Llama  # llama-cpp-python's class, for scripts written for llama_cpp
 from .placement import Placement
 
-__version__ = "0.1.0"
+from .version import __version__
 
 __all__ = ["__version__", "LLM", "Llama", "Completion", "GGUFFile", "Model", "Context", "FitError", "Placement"]

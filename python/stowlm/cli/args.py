@@ -9,7 +9,7 @@ import sys
 import warnings
 from typing import Optional
 
-from .. import __version__
+from ..version import __version__
 from ..placement.budgets import MARGIN_DIVISOR, MARGIN_MAX
 from ..placement.rules import (DEFAULT_FIT_CTX, DEFAULT_KV_TYPE, DEFAULT_MAX_CTX, DEFAULT_MOE_OFFLOAD_MIN,
                                DEFAULT_N_COPIES, DEFAULT_N_CTX,

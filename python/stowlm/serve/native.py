@@ -13,7 +13,7 @@ from typing import List, Mapping, Optional, Tuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from .. import __version__
+from ..version import __version__
 from .context import ServerContext
 from .events import ChoiceOut
 from .protocol import (_COMMON, MAX_TOP_LOGPROBS, APIError, Job, _bad, _bool, _check_fields, _grammar, _num,
