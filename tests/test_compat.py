@@ -86,3 +86,21 @@ def test_bad_arguments_are_value_errors_naming_the_field(llm, kwargs, param):
     assert e.value.param == param and param in str(e.value)
     with pytest.raises(ValueError, match="logits_processor"):
         llm.create_completion("Hi", logits_processor=[lambda ids, x: x])
+
+
+def test_suffix_fills_in_the_middle():
+    """OpenAI's and llama-cpp-python's suffix: PRE prompt SUF suffix MID around the model's FIM
+    tokens, the same text as generating from those tokens spelled out by their vocabulary text."""
+    with stowlm.LLM(str(get_model("qwen2.5-coder-0.5b")), n_ctx=1024, progress=False) as coder:
+        prefix, suffix = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
+        r = coder.create_completion(prefix, suffix=suffix, max_tokens=8, temperature=0)
+        tid = coder.tokenizer.token_to_id
+        ids = [tid("<|fim_prefix|>")] + coder.tokenize(prefix, add_special=False) + [tid("<|fim_suffix|>")] + \
+            coder.tokenize(suffix, add_special=False) + [tid("<|fim_middle|>")]
+        assert r["choices"][0]["text"] == coder.generate(ids, max_tokens=8, temperature=0).text
+        assert r["choices"][0]["text"].lstrip().startswith("return a + b")
+        assert r["usage"]["prompt_tokens"] == len(ids)
+        with pytest.raises(ValueError, match="echo"):
+            coder.create_completion(prefix, suffix=suffix, echo=True)
+        with pytest.raises(ValueError, match="as text"):
+            coder.create_completion(coder.tokenize(prefix), suffix=suffix)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 from ..text.grammar import FieldError, StructuredUnavailable
+from ..text.infill import fim_prompt
 from ..text.sampling import SamplingParams
 from ..text.toolcalls import ToolRequest
 from ..text.toolparser import new_call_id
@@ -412,10 +413,20 @@ def parse_completion(body: Mapping, llm) -> Job:
     best_of = _num(body, "best_of", 1, MAX_N, None, integer=True)
     if best_of is not None and best_of != n:
         raise _bad("best_of", "is supported only equal to n (every candidate is returned)", "unsupported_parameter")
-    if body.get("suffix") not in (None, ""):
-        raise _bad("suffix", "is not supported (fill-in-the-middle needs the model's FIM tokens in the prompt)",
-                   "unsupported_parameter")
     toks = prompts(body, llm)
+    suffix = body.get("suffix")
+    if suffix not in (None, ""):  # fill in the middle: the prompt before the cursor, the suffix after it
+        if not isinstance(suffix, str):
+            raise _bad("suffix", "must be a string")
+        p = body.get("prompt")
+        if not isinstance(p, str) and not (isinstance(p, list) and all(isinstance(x, str) for x in p)):
+            raise _bad("suffix", "needs the prompt as text (the text before the cursor)")
+        if _bool(body, "echo"):
+            raise _bad("echo", "cannot be combined with suffix", "unsupported_parameter")
+        try:
+            toks = [fim_prompt(llm.tokenizer, x, suffix) for x in ([p] if isinstance(p, str) else p)]
+        except ValueError as e:
+            raise _bad("suffix", str(e), "unsupported_parameter") from None
     echo = None
     if _bool(body, "echo"):
         if logprobs is not None:
