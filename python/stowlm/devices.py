@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Iterable, List, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Union
 
 KINDS = ("cpu", "cuda")
 _log = logging.getLogger("stowlm")
@@ -38,11 +38,11 @@ def cuda_devices():
     return _cuda_cache
 
 
-def gpu_layers(n_gpu_layers: int, n_layer: int, flag: str = "n_gpu_layers"):
+def gpu_layers(n_gpu_layers: int, n_layer: int, flag: str = "n_gpu_layers", threads: Optional[int] = None):
     """llama.cpp's -ngl as (devices, layer_split): 0 none (None, None: the default CPU); all of
     them (-1, or n_layer or more) cuda:0 and the CPU, fit deciding what stays in RAM when the GPU
     is too small; fewer the last ones on cuda:0. Without a CUDA device: a warning and the CPU, as
-    llama.cpp's CPU builds do."""
+    llama.cpp's CPU builds do. threads: the CPU device's, where devices are given."""
     if n_gpu_layers == 0:
         return None, None
     if n_gpu_layers < -1:
@@ -52,9 +52,10 @@ def gpu_layers(n_gpu_layers: int, n_layer: int, flag: str = "n_gpu_layers"):
         given = f"{flag} {n_gpu_layers}" if flag.startswith("-") else f"{flag}={n_gpu_layers}"
         warnings.warn(f"{given}, but {why}: the model runs on the CPU", RuntimeWarning, stacklevel=3)
         return None, None
+    cpu = "cpu:0" if threads is None else f"cpu:0[threads={threads}]"
     if n_gpu_layers < 0 or n_gpu_layers >= n_layer:
-        return ["cuda:0", "cpu:0"], None
-    return ["cpu:0", "cuda:0"], [n_layer - n_gpu_layers, n_gpu_layers]
+        return ["cuda:0", cpu], None
+    return [cpu, "cuda:0"], [n_layer - n_gpu_layers, n_gpu_layers]
 
 
 def list_devices() -> List[dict]:

@@ -10,12 +10,12 @@ from typing import List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 
-__all__ = ["Embeddings", "POOLINGS", "InputTooLong", "pooling_of", "pool", "l2_normalize", "token_lists",
+__all__ = ["Embeddings", "POOLINGS", "GGUF_POOLING", "InputTooLong", "pooling_of", "pool", "l2_normalize", "token_lists",
            "embed_tokens", "openai_list"]
 
 POOLINGS = ("mean", "last", "cls", "none")
-# GGUF's {arch}.pooling_type, llama.cpp's enum
-_GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+# llama.cpp's llama_pooling_type, which GGUF's {arch}.pooling_type stores
+GGUF_POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 
 
 class InputTooLong(ValueError):
@@ -41,7 +41,7 @@ def pooling_of(metadata: Mapping, pooling: Optional[str] = None, source: str = "
         raw = metadata.get(f"{arch}.pooling_type")
         if raw is None:
             return "mean"
-        what, pooling = f"{source}'s {arch}.pooling_type", _GGUF_POOLING.get(raw, raw)
+        what, pooling = f"{source}'s {arch}.pooling_type", GGUF_POOLING.get(raw, raw)
     if pooling not in POOLINGS:
         raise ValueError(f"{what} must be one of {', '.join(POOLINGS)}, got {pooling!r}"
                          + (" (rank pooling scores query/document pairs with a classifier head stowlm does not run)"

@@ -13,14 +13,14 @@ import numpy as np
 
 from . import _core
 from .devices import gpu_layers
-from .embedding import openai_list
+from .embedding import GGUF_POOLING, openai_list
 from .llm import LLM
 from .pull import pull
 
 __all__ = ["Llama", "LLAMA_DEFAULT_SEED"]
 
 LLAMA_DEFAULT_SEED = 0xFFFFFFFF  # llama.cpp's "a random seed"
-_POOLING = {-1: None, 0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}  # llama_pooling_type
+_POOLING = {-1: None, **GGUF_POOLING}  # llama_pooling_type; -1: unspecified
 _KV_TYPES = {1: "f16", 8: "q8_0"}  # ggml_type ids of the KV caches stowlm keeps
 _CHAT_FORMATS = {"chatml": "chatml", "qwen": "chatml", "gemma": "gemma"}
 _SPEED_ONLY = {"use_mmap", "use_mlock", "numa", "n_batch", "n_threads_batch", "flash_attn", "offload_kqv",
@@ -64,9 +64,9 @@ class Llama:
             spec, draft_max = "ngram", int(draft_model.num_pred_tokens)
         self.model_path = os.fspath(pull(model_path, progress=verbose))  # a path, or a name stowlm pulls
         shape = _core.engine.Projector(self.model_path) if n_gpu_layers or not n_ctx else None
-        devices, split = gpu_layers(n_gpu_layers, shape.n_layer if n_gpu_layers else 0)
-        if n_threads is not None:
-            devices = [f"cpu:0[threads={n_threads}]" if d == "cpu:0" else d for d in (devices or ["cpu:0"])]
+        devices, split = gpu_layers(n_gpu_layers, shape.n_layer if n_gpu_layers else 0, threads=n_threads)
+        if devices is None and n_threads is not None:
+            devices = [f"cpu:0[threads={n_threads}]"]
         n_ctx = n_ctx or shape.n_ctx_train  # 0: the trained context
         self.llm = LLM(self.model_path, n_ctx=n_ctx, devices=devices, layer_split=split, n_ubatch=n_ubatch,
                        kv_type=_KV_TYPES.get(type_k), chat_template=_CHAT_FORMATS.get(chat_format), progress=verbose,

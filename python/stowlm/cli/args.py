@@ -186,11 +186,9 @@ def gpu_layer_devices(a: argparse.Namespace, kw: dict) -> None:
     n_layer = _core.engine.Projector(os.fspath(pull(a.model, progress=not getattr(a, "quiet", False)))).n_layer
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
-        devices, split = gpu_layers(a.n_gpu_layers, n_layer, "-ngl")
+        devices, split = gpu_layers(a.n_gpu_layers, n_layer, "-ngl", getattr(a, "threads", None))
     for w in said:
         print(f"stowlm: warning: {w.message}", file=sys.stderr)
-    if devices and getattr(a, "threads", None):
-        devices = [f"cpu:0[threads={a.threads}]" if d == "cpu:0" else d for d in devices]
     kw["devices"], kw["layer_split"] = (",".join(devices) if devices else None), split
 
 

@@ -86,8 +86,6 @@ class ChoiceOut:
         self.finish: Optional[str] = None
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.drafted = self.accepted = 0  # speculative decoding's draft tokens, and those kept
-        self.stop_word: Optional[str] = None
-        self.slot = -1
 
     # -- log-probabilities -----------------------------------------------------------------------------
     def _lp_entry(self, ev) -> Optional[dict]:
@@ -166,7 +164,7 @@ class ChoiceOut:
         self.finish = self.finish_reason(ev)
         self.prompt_tokens, self.completion_tokens = ev.prompt_tokens, ev.completion_tokens
         self.drafted, self.accepted = ev.drafted, ev.accepted
-        self.cached_tokens, self.stop_word, self.slot = ev.cached_tokens, ev.stop_word, ev.slot
+        self.cached_tokens = ev.cached_tokens
         delta_end = {"delta": {}} if self.job.chat else {"text": ""}
         out.append({"index": self.index, **delta_end, "logprobs": None, "finish_reason": self.finish})
         return out

@@ -13,6 +13,7 @@ from typing import List, Mapping, Optional, Tuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..text.sampling import SamplingParams
 from ..version import __version__
 from .context import ServerContext
 from .events import ChoiceOut
@@ -160,8 +161,6 @@ def _event(d: dict) -> bytes:
 
 def _settings(params, llm) -> dict:
     """generation_settings: the sampling values a request ran with (the defaults for None)."""
-    from ..text.sampling import SamplingParams
-
     p = params or SamplingParams(max_tokens=None)  # /completion's default: no limit
     return {"n_predict": -1 if p.max_tokens is None else p.max_tokens, "temperature": p.temperature,
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repeat_penalty,
