@@ -35,6 +35,12 @@ inline V fifth_bytes(uint32_t m) {
     const V v = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int)m), spread), bit);
     return _mm256_and_si256(_mm256_cmpeq_epi8(v, bit), _mm256_set1_epi8(0x10));
 }
+// fifth_bytes of half h of a 64-bit word of fifth bits, broadcast from memory (no shift, no movd).
+inline V fifth_half(const uint64_t& qh, int h) {
+    int32_t m;
+    memcpy(&m, (const uint8_t*)&qh + 4 * h, 4);
+    return fifth_bytes((uint32_t)m);
+}
 // Rows 8h.. of a group's fp16 values (scales, mins).
 inline __m256 fp16x8(const uint16_t* p, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(p + 8 * h))); }
 // A 16-byte vector of the 16 rows' bytes as 16 int16 pairs (b0_r, b1_r) of the half's rows r
@@ -193,6 +199,56 @@ void r16_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     store_rows<TT>(A, g, t0, acc);
 }
 
+// The unsigned 32-element formats for one token (decode): a half's values made and taken a vector
+// at a time, the fifth bits broadcast from memory, so nothing spills (the tile above, at TT = 1,
+// keeps 16 unpacked vectors and its sums on the stack). Same integers and float operations as
+// the tile, so the same bits.
+template <class R>
+void r16_tile1(const MatmulArgs& A, int64_t g) {
+    using G = typename R::G;
+    constexpr bool kFifth = std::is_same_v<G, block_q5_0x16> || std::is_same_v<G, block_q5_1x16>;
+    const int64_t nb = A.cols / QK;
+    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
+    const block_q8_a* a = (const block_q8_a*)A.act;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    const V m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    auto value = [&](V nib, const G& x, int k, int h) {
+        if constexpr (kFifth) nib = _mm256_or_si256(nib, fifth_half(x.qh[k], h));
+        if constexpr (std::is_same_v<R, RMxfp4>) {
+            static const V tv = level_table<kMXFP4Values>([](int v) { return v + R::OFF; });
+            nib = _mm256_shuffle_epi8(tv, nib);
+        }
+        return nib;
+    };
+    for (int64_t b = 0; b < nb; b++) {
+        const G& x = w[b];
+        prefetch_ahead(x, 4096);
+        const int8_t* q = a[b].qs;
+        const __m256 da = _mm256_set1_ps(a[b].d);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            V dot = R::OFF ? _mm256_set1_epi32(-R::OFF * A.asum[b]) : _mm256_setzero_si256();
+            V lo = _mm256_setzero_si256(), hi = _mm256_setzero_si256();  // int16 sums, R::GS maddubs at most
+#pragma GCC unroll 4
+            for (int k = 0; k < 4; k++) {
+                const V z = half(x.qs[k], h);
+                const V l = _mm256_maddubs_epi16(value(_mm256_and_si256(z, m4), x, k, h), bcast4(q + 4 * k));
+                const V u = _mm256_maddubs_epi16(value(_mm256_and_si256(_mm256_srli_epi16(z, 4), m4), x, 4 + k, h), bcast4(q + 16 + 4 * k));
+                if constexpr (R::GS >= 8) {
+                    lo = _mm256_add_epi16(lo, _mm256_add_epi16(l, u));
+                } else {
+                    lo = _mm256_add_epi16(lo, l), hi = _mm256_add_epi16(hi, u);
+                }
+            }
+            dot = _mm256_add_epi32(dot, _mm256_madd_epi16(lo, ones));
+            if constexpr (R::GS < 8) dot = _mm256_add_epi32(dot, _mm256_madd_epi16(hi, ones));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(group_scales(x, h), da), acc[h]);
+            if constexpr (kHasMin<G>) acc[h] = _mm256_fmadd_ps(fp16x8(x.m, h), _mm256_set1_ps(a[b].s), acc[h]);
+        }
+    }
+    store_rows<1>(A, g, 0, {{acc[0], acc[1]}});
+}
+
 template <class G, int TT>
 struct KTile {
     const G* w;
@@ -210,6 +266,16 @@ inline V pair_sums(const V (&vp)[NP], const int16_t* bsums) {
     return s;
 }
 
+// Q4_K/Q5_K: sub-block 2q + hn's values of half h, u[c] elements 4c..4c+3 of its rows.
+template <class G>
+inline void q45k_values(const G& x, int q, int hn, int h, V (&u)[8]) {
+    const V m4 = _mm256_set1_epi8(0x0f);
+    for (int c = 0; c < 8; c++) {
+        u[c] = _mm256_and_si256(_mm256_srli_epi16(half(x.qs[q][c], h), 4 * hn), m4);
+        if constexpr (std::is_same_v<G, block_q5_Kx16>) u[c] = _mm256_or_si256(u[c], fifth_half(x.qh[16 * q + 8 * hn + c], h));
+    }
+}
+
 // Q4_K/Q5_K: per sub-block, half and token the values' maddubs sums, one madd by the rows'
 // scales (each row's scale twice: sc * (p0 + p1)); the mins leave through vpmaddwd with the
 // 32-sums of the activations, as the AVX-512 kernel.
@@ -219,7 +285,6 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     const int64_t nsb = A.cols / QK_K;
     const KTile<G, TT> tile(A, g, t0);
     __m256 acc[TT][2] = {};
-    const V m4 = _mm256_set1_epi8(0x0f);
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = tile.w[b];
         prefetch_ahead(x, 8192);
@@ -231,10 +296,7 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
                 const int s = 2 * q + hn;
                 for (int h = 0; h < 2; h++) {
                     V u[8];
-                    for (int c = 0; c < 8; c++) {
-                        u[c] = _mm256_and_si256(_mm256_srli_epi16(half(x.qs[q][c], h), 4 * hn), m4);
-                        if constexpr (Q5) u[c] = _mm256_or_si256(u[c], fifth_bytes((uint32_t)(x.qh[16 * q + 8 * hn + c] >> (32 * h))));
-                    }
+                    q45k_values(x, q, hn, h, u);
                     const V scv = pairs<false>(scb[s], scb[s], h);
 #pragma GCC unroll 8
                     for (int j = 0; j < TT; j++) isum[j][h] = dot_g<8, Q5 ? 4 : 8>(isum[j][h], u, tile.a[j][b].qs + 32 * s, scv);
@@ -253,6 +315,42 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
         }
     }
     store_rows<TT>(A, g, t0, acc);
+}
+
+// Q4_K/Q5_K for one token (decode), half by half as r16_q6K_tile1: one integer sum lives.
+template <bool Q5>
+void r16_q45K_tile1(const MatmulArgs& A, int64_t g) {
+    using G = std::conditional_t<Q5, block_q5_Kx16, block_q4_Kx16>;
+    const int64_t nsb = A.cols / QK_K;
+    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
+    const block_q8_K32* a = (const block_q8_K32*)A.act;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nsb; b++) {
+        const G& x = w[b];
+        prefetch_ahead(x, 8192);
+        __m128i scb[8], mnb[8];
+        q45k_scale_bytes(x.scales, scb, mnb);
+        const __m256 da = _mm256_set1_ps(a[b].d[0]);
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            V isum = _mm256_setzero_si256();
+#pragma GCC unroll 4
+            for (int q = 0; q < 4; q++)
+#pragma GCC unroll 2
+                for (int hn = 0; hn < 2; hn++) {
+                    const int s = 2 * q + hn;
+                    V u[8];
+                    q45k_values(x, q, hn, h, u);
+                    isum = dot_g<8, Q5 ? 4 : 8>(isum, u, a[b].qs + 32 * s, pairs<false>(scb[s], scb[s], h));
+                }
+            V mnp[4];
+            for (int p = 0; p < 4; p++) mnp[p] = pairs<false>(mnb[2 * p], mnb[2 * p + 1], h);
+            const V im = pair_sums<false>(mnp, a[b].bsums);
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(fp16x8(x.d, h), da), acc[h]);
+            acc[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(fp16x8(x.dmin, h), da), acc[h]);
+        }
+    }
+    store_rows<1>(A, g, 0, {{acc[0], acc[1]}});
 }
 
 // Q2_K and Q3_K: a half's sub-blocks 8n + 2jj + hh from the same 4 loads of qs (and hmask).
@@ -324,50 +422,97 @@ void r16_q23K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
 }
 
 // Q6_K: values 0..63 (q + 32), two maddubs a madd; the +32 offset leaves as sum sc_s bsum_s.
+// In half n, columns c = 4 c4 .. 4 c4 + 3 of ql hold sub-blocks 8n + c4 (+2, +4, +6 with qh's
+// other bits); q picks which. v[i]: elements 4i..4i+3 of sub-block 8n + 2q + c4, rows of half h.
+inline void q6k_values(const block_q6_Kx16& x, int n, int c4, int h, int q, V (&v)[4]) {
+    const V m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
+    for (int i = 0; i < 4; i++) {
+        const int c = 4 * c4 + i;
+        const V l = half(x.ql[n][c + 8 * (q & 1)], h), hb = half(x.qh[n][c], h);
+        const V lo = q < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
+        const V hi = q == 0 ? _mm256_slli_epi16(hb, 4) : q == 1 ? _mm256_slli_epi16(hb, 2) : q == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        v[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
+    }
+}
+// Sub-block s's scale of each row of half h, twice (vpmaddwd of the pair sums).
+inline V q6k_scales(const block_q6_Kx16& x, int s, int h) {
+    const __m128i sc = _mm_loadu_si128((const __m128i*)x.scales[s]);
+    return pairs<true>(sc, sc, h);
+}
+// Row r of half h: (scale of sub-block 2p, of 2p + 1), for the +32 offset.
+inline void q6k_scale_pairs(const block_q6_Kx16& x, int h, V (&scp)[8]) {
+    for (int p = 0; p < 8; p++)
+        scp[p] = pairs<true>(_mm_loadu_si128((const __m128i*)x.scales[2 * p]), _mm_loadu_si128((const __m128i*)x.scales[2 * p + 1]), h);
+}
 template <int TT>
 void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     using G = block_q6_Kx16;
     const int64_t nsb = A.cols / QK_K;
     const KTile<G, TT> tile(A, g, t0);
     __m256 acc[TT][2] = {};
-    const V m4 = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30);
     for (int64_t b = 0; b < nsb; b++) {
         const G& x = tile.w[b];
         prefetch_ahead(x, 8192);
         V isum[TT][2] = {};
-        // in half n, columns c = 4 c4 .. 4 c4 + 3 of ql hold sub-blocks 8n + c4 (+2, +4, +6
-        // with qh's other bits); q picks which
         for (int n = 0; n < 2; n++)
             for (int c4 = 0; c4 < 2; c4++)
                 for (int h = 0; h < 2; h++)
                     for (int q = 0; q < 4; q++) {
                         V v[4];
-                        for (int i = 0; i < 4; i++) {
-                            const int c = 4 * c4 + i;
-                            const V l = half(x.ql[n][c + 8 * (q & 1)], h), hb = half(x.qh[n][c], h);
-                            const V lo = q < 2 ? _mm256_and_si256(l, m4) : _mm256_and_si256(_mm256_srli_epi16(l, 4), m4);
-                            const V hi = q == 0 ? _mm256_slli_epi16(hb, 4) : q == 1 ? _mm256_slli_epi16(hb, 2) : q == 2 ? hb : _mm256_srli_epi16(hb, 2);
-                            v[i] = _mm256_or_si256(lo, _mm256_and_si256(hi, m30));
-                        }
+                        q6k_values(x, n, c4, h, q, v);
                         const int s = 8 * n + 2 * q + c4;
-                        const __m128i sc = _mm_loadu_si128((const __m128i*)x.scales[s]);
-                        const V scv = pairs<true>(sc, sc, h);
+                        const V scv = q6k_scales(x, s, h);
 #pragma GCC unroll 8
                         for (int j = 0; j < TT; j++) isum[j][h] = dot_g<4, 2>(isum[j][h], v, tile.a[j][b].qs + 16 * s, scv);
                     }
         for (int h = 0; h < 2; h++) {
-            V scp[8];  // row r: (scale of sub-block 2p, of 2p + 1), for the +32 offset
-            for (int p = 0; p < 8; p++)
-                scp[p] = pairs<true>(_mm_loadu_si128((const __m128i*)x.scales[2 * p]), _mm_loadu_si128((const __m128i*)x.scales[2 * p + 1]), h);
+            V scp[8];
+            q6k_scale_pairs(x, h, scp);
             const __m256 dd = fp16x8(x.d, h);
             for (int j = 0; j < TT; j++) {
-                const V corr = pair_sums<true>(scp, tile.a[j][b].bsums);
-                const V v = _mm256_sub_epi32(isum[j][h], _mm256_slli_epi32(corr, 5));
+                const V v = _mm256_sub_epi32(isum[j][h], _mm256_slli_epi32(pair_sums<true>(scp, tile.a[j][b].bsums), 5));
                 acc[j][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dd, _mm256_set1_ps(tile.a[j][b].d[0])), acc[j][h]);
             }
         }
     }
     store_rows<TT>(A, g, t0, acc);
+}
+
+// Q6_K for one token (decode): half by half, so one integer sum lives and the unrolled sub-blocks
+// keep their shifts as constants (the tile above, at TT = 1, branched on q and spilled its sums:
+// 1.84x the instructions, 896x4864, callgrind). Same integers and float operations, same bits.
+void r16_q6K_tile1(const MatmulArgs& A, int64_t g) {
+    using G = block_q6_Kx16;
+    const int64_t nsb = A.cols / QK_K;
+    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
+    const block_q8_K32* a = (const block_q8_K32*)A.act;
+    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t b = 0; b < nsb; b++) {
+        const G& x = w[b];
+        prefetch_ahead(x, 8192);
+        const __m256 dd_da[2] = {_mm256_mul_ps(fp16x8(x.d, 0), _mm256_set1_ps(a[b].d[0])),
+                                 _mm256_mul_ps(fp16x8(x.d, 1), _mm256_set1_ps(a[b].d[0]))};
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) {
+            V isum = _mm256_setzero_si256();
+#pragma GCC unroll 2
+            for (int n = 0; n < 2; n++)
+#pragma GCC unroll 2
+                for (int c4 = 0; c4 < 2; c4++)
+#pragma GCC unroll 4
+                    for (int q = 0; q < 4; q++) {
+                        V v[4];
+                        q6k_values(x, n, c4, h, q, v);
+                        const int s = 8 * n + 2 * q + c4;
+                        isum = dot_g<4, 2>(isum, v, a[b].qs + 16 * s, q6k_scales(x, s, h));
+                    }
+            V scp[8];
+            q6k_scale_pairs(x, h, scp);
+            const V v = _mm256_sub_epi32(isum, _mm256_slli_epi32(pair_sums<true>(scp, a[b].bsums), 5));
+            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dd_da[h], acc[h]);
+        }
+    }
+    store_rows<1>(A, g, 0, {{acc[0], acc[1]}});
 }
 
 // IQ4_XS: per sub-block and half the IQ4 levels with the sign trick (RIq4), each maddubs's pairs
@@ -413,16 +558,26 @@ constexpr int kTileTokens = 8;
 
 void matmul_r16_avx2(const MatmulArgs& A, int64_t g0, int64_t g1) {
     constexpr int T = kTileTokens;
+    auto one_token = [&](void (*tile)(const MatmulArgs&, int64_t)) {  // decode: the single-token kernels
+        for (int64_t g = g0; g < g1; g++) tile(A, g);
+    };
     auto q32 = [&](auto r) {
         using R = decltype(r);
+        if constexpr (!R::SIGNED)
+            if (A.n_tok == 1) return one_token(r16_tile1<R>);
         groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_tile<R, n()>(A, g, t); });
     };
     switch (A.type) {
         case QType::Q2_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q23K_tile<false, n()>(A, g, t); });
         case QType::Q3_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q23K_tile<true, n()>(A, g, t); });
-        case QType::Q4_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
-        case QType::Q5_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
-        case QType::Q6_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });
+        case QType::Q4_K:  // its tile at TT = 1 runs fewer instructions than r16_q45K_tile1<false>
+            return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
+        case QType::Q5_K:
+            if (A.n_tok == 1) return one_token(r16_q45K_tile1<true>);
+            return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
+        case QType::Q6_K:
+            if (A.n_tok == 1) return one_token(r16_q6K_tile1);
+            return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q6K_tile<n()>(A, g, t); });
         case QType::IQ4_XS: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_iq4xs_tile<n()>(A, g, t); });
         case QType::Q8_0: return q32(R8_0{});
         case QType::Q4_0: return q32(R4_0{});
