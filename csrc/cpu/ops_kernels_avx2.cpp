@@ -2,6 +2,7 @@
 #include <immintrin.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "common.h"
 #include "cpu/ops_kernels.h"
@@ -308,7 +309,7 @@ float exp_sum(float* s, int n, float m) {
     return sum;
 }
 
-// ---- GQA: 2 query heads per pass over the rows (16 ymm registers allow no more) -------------
+// ---- GQA: up to 3 query heads per pass over the rows (16 ymm registers allow no more) ------
 
 struct F16Row {
     const uint16_t* r;
@@ -334,13 +335,15 @@ inline void prefetch_ahead(const unsigned char* base, size_t stride, const int32
     for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
 }
 
-// H heads (1 or 2) at a time; nv vectors of 8 cover head_dim (a multiple of 8). A head's
+// H heads (1 to 3) at a time; nv vectors of 8 cover head_dim (a multiple of 8). A head's
 // arithmetic is the same whatever H, so its output does not depend on how many heads share the
 // call (a tensor split by query heads attends part of a KV head's group).
-template <class Row, int H>
+// NV > 0: nv fixed at compile time (head dims 64 and 128), the loop over a row unrolled.
+template <class Row, int H, int NV = 0>
 void scores_mhn(const float* q, int64_t ldq, const unsigned char* base, size_t stride, const int32_t* idx, int n,
-                int64_t nv, float scale, float* out, int64_t ldo, float* mx,
+                int64_t nv_, float scale, float* out, int64_t ldo, float* mx,
                 float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
+    const int64_t nv = NV > 0 ? NV : nv_;
     const __m128 vs = _mm_set1_ps(scale);
     __m128 m[H];
     for (int h = 0; h < H; h++) m[h] = _mm_set1_ps(-INFINITY);
@@ -352,6 +355,7 @@ void scores_mhn(const float* q, int64_t ldq, const unsigned char* base, size_t s
         __m256 a[H][4];
         for (int h = 0; h < H; h++)
             for (int c = 0; c < 4; c++) a[h][c] = _mm256_setzero_ps();
+#pragma GCC unroll 16
         for (int64_t i = 0; i < nv; i++) {
             const __m256 k0 = r0.load(i), k1 = r1.load(i), k2 = r2.load(i), k3 = r3.load(i);
             for (int h = 0; h < H; h++) {
@@ -375,7 +379,7 @@ void scores_mhn(const float* q, int64_t ldq, const unsigned char* base, size_t s
     }
 }
 
-// acc[0:32) of H heads (1 or 2) += sum_j w[j] * row_j[0:32)
+// acc[0:32) of H heads (1 to 3) += sum_j w[j] * row_j[0:32)
 template <class Row, int H>
 void accum_mhn(float* acc, int64_t lda, const float* w, int64_t ldw, const unsigned char* base, size_t stride,
                const int32_t* idx, int n) {
@@ -402,9 +406,16 @@ void scores_mh(const float* q, int64_t ldq, int nq, const unsigned char* base, s
                float (*one)(const float*, const unsigned char*, size_t, const int32_t*, int, int64_t, float, float*)) {
     int h = 0;
     if (hd % 8 == 0) {
-        for (; h + 2 <= nq; h += 2)
-            scores_mhn<Row, 2>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
-        if (h < nq) scores_mhn<Row, 1>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+        auto run = [&](auto nv) {
+            for (; h + 3 <= nq; h += 3)
+                scores_mhn<Row, 3, nv()>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+            for (; h + 2 <= nq; h += 2)
+                scores_mhn<Row, 2, nv()>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+            if (h < nq) scores_mhn<Row, 1, nv()>(q + h * ldq, ldq, base, stride, idx, n, hd / 8, scale, out + h * ldo, ldo, mx + h, one);
+        };
+        if (hd == 64) run(std::integral_constant<int, 8>{});
+        else if (hd == 128) run(std::integral_constant<int, 16>{});
+        else run(std::integral_constant<int, 0>{});
         return;
     }
     for (; h < nq; h++) mx[h] = one(q + h * ldq, base, stride, idx, n, hd, scale, out + h * ldo);
@@ -416,14 +427,16 @@ void accum_mh(float* acc, int64_t lda, int nq, const float* w, int64_t ldw, cons
               const int32_t* idx, int n, int64_t hd, size_t elem_bytes_x32,
               void (*one)(float*, const float*, const unsigned char*, size_t, const int32_t*, int, int64_t)) {
     const int64_t hd32 = hd / 32 * 32;
-    for (int h = 0; h < nq; h += 2) {
-        const bool two = h + 2 <= nq;
+    for (int h = 0; h < nq;) {
+        const int k = nq - h >= 3 ? 3 : nq - h;  // heads this pass
         for (int64_t d0 = 0; d0 < hd32; d0 += 32) {
             float* a = acc + h * lda + d0;
             const unsigned char* b = base + d0 / 32 * elem_bytes_x32;
-            if (two) accum_mhn<Row, 2>(a, lda, w + h * ldw, ldw, b, stride, idx, n);
+            if (k == 3) accum_mhn<Row, 3>(a, lda, w + h * ldw, ldw, b, stride, idx, n);
+            else if (k == 2) accum_mhn<Row, 2>(a, lda, w + h * ldw, ldw, b, stride, idx, n);
             else accum_mhn<Row, 1>(a, lda, w + h * ldw, ldw, b, stride, idx, n);
         }
+        h += k;
     }
     if (hd32 < hd)  // F16 rows whose length is not a multiple of 32: the rest one head at a time
         for (int h = 0; h < nq; h++) one(acc + h * lda + hd32, w + h * ldw, base + hd32 * 2, stride, idx, n, hd - hd32);
