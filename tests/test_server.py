@@ -364,3 +364,54 @@ def test_a_streamed_piece_is_the_event_json_dumps_makes():
                 want = _chunk_json(head, [{"index": 2, **body, "logprobs": None, "finish_reason": None}], usage)
                 assert piece(2, text) == want
                 assert json.loads(want[6:])["choices"][0]["index"] == 2
+
+
+def test_llama_servers_infill_for_editor_plugins():
+    """llama-server's POST /infill, as llama.vim and llama.vscode call it: input_prefix, prompt (the
+    current line before the cursor), input_suffix and input_extra (other files) become Qwen2.5-Coder's
+    repository-format FIM prompt; the text is the in-process model's from those tokens spelled out by
+    their vocabulary text. A prompt longer than the slot loses the extra files, then the prefix's
+    start and the suffix's end; a model without FIM tokens is a 400 naming the field."""
+    coder_path = get_model("qwen2.5-coder-0.5b")
+    proc, port = start_server(coder_path, "-c", "1024", "--parallel", "1")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        with stowlm.LLM(str(coder_path), n_ctx=1024, progress=False) as coder:
+            tid = coder.tokenizer.token_to_id
+            enc = lambda t: coder.tokenize(t, add_special=False)  # noqa: E731
+            pre, line, suf = "def add(a, b):\n", "    ", "\n\nprint(add(1, 2))\n"
+            extra = [{"filename": "util.py", "text": "def sub(a, b):\n    return a - b\n"}]
+            ids = ([tid("<|repo_name|>")] + enc("project\n") + [tid("<|file_sep|>")] + enc("util.py\n") +
+                   enc(extra[0]["text"]) + [tid("<|file_sep|>")] + enc("filename\n") + [tid("<|fim_prefix|>")] +
+                   enc(pre + line) + [tid("<|fim_suffix|>")] + enc(suf) + [tid("<|fim_middle|>")])
+            want = coder.generate(ids, max_tokens=12, temperature=0)
+            body = {"input_prefix": pre, "prompt": line, "input_suffix": suf, "input_extra": extra,
+                    "n_predict": 12, "temperature": 0, "return_tokens": True}
+            r = httpx.post(base + "/infill", json=body, timeout=120).json()
+            assert r["content"] == want.text and r["tokens"] == want.tokens and r["tokens_evaluated"] == len(ids)
+            assert "return a + b" in r["content"]
+            # the model's file separator ends a generation, as llama.cpp decides
+            assert coder.tokenizer.is_eog(tid("<|file_sep|>")) and coder.tokenizer.is_eog(tid("<|fim_pad|>"))
+            events = [json.loads(x[6:]) for x in httpx.post(base + "/infill", json=dict(body, stream=True),
+                                                           timeout=120).text.split("\n\n") if x]
+            assert "".join(e["content"] for e in events) == want.text and events[-1]["stop"] is True
+            # past the slot (1024 - 100 predicted): extra files first, then the prefix's start
+            long_pre = "".join(f"x{i} = {i}\n" for i in range(400)) + pre
+            r = httpx.post(base + "/infill", json=dict(body, input_prefix=long_pre, n_predict=100), timeout=120).json()
+            assert 900 < r["tokens_evaluated"] <= 1024 - 100
+            assert "util.py" not in r["prompt"] and "x0 = 0" not in r["prompt"] and pre + line in r["prompt"]
+            assert r["prompt"].endswith(suf + "<|fim_middle|>")
+            for bad, param in (({"input_prefix": 3}, "input_prefix"), ({"input_extra": [{"text": 1}]}, "input_extra"),
+                               ({"input_prefix": "x", "mirostat": 2}, "mirostat")):
+                e = httpx.post(base + "/infill", json=bad, timeout=30)
+                assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
+    finally:
+        assert stop_server(proc) == 0
+
+
+def test_infill_without_fim_tokens_is_refused_naming_the_field(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    e = httpx.post(f"http://127.0.0.1:{server}/infill", json={"input_prefix": "a", "input_suffix": "b"}, headers=h,
+                   timeout=30)
+    assert e.status_code == 400 and e.json()["error"]["param"] == "input_prefix"
+    assert "fill-in-the-middle" in e.json()["error"]["message"]

@@ -5,7 +5,7 @@ Built on Starlette and uvicorn: a small, well-kept ASGI stack with streaming res
 request model of its own, so every request is checked here and every error has OpenAI's shape
 ({"error": {"message", "type", "param", "code"}}) and the right status. The engine runs on its own
 thread (stowlm.batching); the OpenAI routes are stowlm.serve.openai's, llama-server's own
-(/completion, /props, /tokenize, /detokenize) stowlm.serve.native's.
+(/completion, /infill, /props, /tokenize, /detokenize) stowlm.serve.native's.
 """
 from __future__ import annotations
 
@@ -76,6 +76,7 @@ def make_app(llm, model_id: Optional[str] = None, api_key: Optional[str] = None,
         Route("/tokenize", native.tokenize, methods=["POST"]),
         Route("/detokenize", native.detokenize, methods=["POST"]),
         Route("/completion", native.completion, methods=["POST"]),
+        Route("/infill", native.infill, methods=["POST"]),
         Route("/props", native.props, methods=["GET"]),
         Route("/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/v1/embeddings", openai.embeddings, methods=["POST"]),

@@ -1,7 +1,8 @@
 """llama-server's own routes, for the clients written against it: POST /completion (its native
 completion: `prompt`, `n_predict`, its sampling fields; `content`, `stop_type`, `timings` back,
-streamed as server-sent events without OpenAI's envelope), GET /props, POST /tokenize and
-/detokenize. Requests are checked by stowlm.serve.protocol like the OpenAI routes', so a field
+streamed as server-sent events without OpenAI's envelope), POST /infill (the same around a
+fill-in-the-middle prompt: `input_prefix`, `input_suffix`, `input_extra`, what editor plugins such
+as llama.vim and llama.vscode send), GET /props, POST /tokenize and /detokenize. Requests are checked by stowlm.serve.protocol like the OpenAI routes', so a field
 stowlm does not honour is a 400 naming it, never dropped."""
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import List, Mapping, Optional, Tuple
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from ..text.infill import infill_prompt
 from ..text.sampling import SamplingParams
 from ..version import __version__
 from .context import ServerContext
@@ -25,23 +27,49 @@ __all__ = ["NativeRoutes", "parse_native"]
 # /completion's fields: llama-server's sampling and prompt fields (OpenAI's n, logprobs and
 # stream_options are not its)
 NATIVE_FIELDS = (_COMMON - {"n", "logprobs", "stream_options", "user"}) | {"prompt", "return_tokens", "id_slot"}
+# /infill's: /completion's, with `prompt` the text right before the cursor (after input_prefix)
+INFILL_FIELDS = NATIVE_FIELDS | {"input_prefix", "input_suffix", "input_extra"}
 _STOP_TYPE = {"length": "limit", "cancelled": "none"}
 
 
-def parse_native(body: Mapping, llm) -> Tuple[Job, bool]:
-    """A /completion body as a Job of one prompt, and whether its token ids go back
-    (return_tokens). Tokenizes: call it off the event loop."""
-    _check_fields(body, NATIVE_FIELDS)
+def parse_native(body: Mapping, llm, tokens: Optional[List[int]] = None) -> Tuple[Job, bool]:
+    """A /completion body as a Job of one prompt (its own, or the given tokens), and whether its
+    token ids go back (return_tokens). Tokenizes: call it off the event loop."""
+    if tokens is None:
+        _check_fields(body, NATIVE_FIELDS)
+        if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
+            raise _bad("prompt", "one prompt a request here: a string or a list of token ids (several go to "
+                                 "/v1/completions)")
+        tokens = prompts(body, llm)[0]
     if body.get("id_slot") not in (None, -1):
         raise _bad("id_slot", "stowlm chooses the slot (the one whose cache keeps the most of the prompt); only -1",
                    "unsupported_parameter")
-    if isinstance(body.get("prompt"), list) and body["prompt"] and not isinstance(body["prompt"][0], int):
-        raise _bad("prompt", "one prompt a request here: a string or a list of token ids (several go to "
-                             "/v1/completions)")
     n_probs = _num(body, "n_probs", 0, MAX_TOP_LOGPROBS, None, integer=True)
-    job = Job(False, prompts(body, llm), sampling(body, llm, None, False), 1, _bool(body, "stream"), False,
+    job = Job(False, [tokens], sampling(body, llm, None, False), 1, _bool(body, "stream"), False,
               n_probs or None, _grammar(body, llm, None))
     return job, _bool(body, "return_tokens")
+
+
+def parse_infill(body: Mapping, llm, budget: int) -> Tuple[Job, bool]:
+    """An /infill body as parse_native's Job, its prompt made by infill_prompt within budget tokens."""
+    _check_fields(body, INFILL_FIELDS)
+    texts = {}
+    for f in ("input_prefix", "input_suffix", "prompt"):
+        v = body.get(f, "")
+        if not isinstance(v, str):
+            raise _bad(f, "must be a string")
+        texts[f] = v
+    extra = body.get("input_extra") or []
+    if not isinstance(extra, list) or not all(isinstance(c, Mapping) and isinstance(c.get("text", ""), str) and
+                                              isinstance(c.get("filename", ""), str) for c in extra):
+        raise _bad("input_extra", 'must be a list of {"filename": string, "text": string}')
+    try:
+        tokens = infill_prompt(llm.tokenizer, texts["input_prefix"], texts["input_suffix"],
+                               [(c.get("filename") or "tmp", c.get("text", "")) for c in extra], texts["prompt"],
+                               budget=budget, name=llm.path.name)
+    except ValueError as e:
+        raise _bad("input_prefix", str(e), "unsupported_parameter") from None
+    return parse_native(body, llm, tokens)
 
 
 class NativeRoutes:
@@ -106,13 +134,28 @@ class NativeRoutes:
     async def completion(self, request: Request):
         ctx = self.ctx
         body = await ctx.generation_body(request)
-        job, return_tokens = await asyncio.to_thread(parse_native, body, ctx.llm)
+        return await self._run(request, body, *await asyncio.to_thread(parse_native, body, ctx.llm), "/completion")
+
+    async def infill(self, request: Request):
+        """llama-server's POST /infill: /completion's answer for a fill-in-the-middle prompt. The
+        prompt is cut to fit the slot with n_predict (or a quarter of the slot) left to generate."""
+        ctx = self.ctx
+        body = await ctx.generation_body(request)
+        slot = ctx.engine.slot_ctx
+        n_predict = body.get("n_predict", body.get("max_tokens"))
+        reserve = n_predict if isinstance(n_predict, int) and 0 < n_predict < slot else slot // 4
+        job, return_tokens = await asyncio.to_thread(parse_infill, body, ctx.llm, slot - reserve)
+        return await self._run(request, body, job, return_tokens, "/infill")
+
+    async def _run(self, request: Request, body: Mapping, job: Job, return_tokens: bool, route: str):
+        ctx = self.ctx
         tokens = job.prompts[0]
         self.oai.check_length(tokens, "prompt")
         run = self.oai.submit(tokens, job.params, job)
-        out = _NativeOut(job, ctx.tok, len(tokens), ctx.model_id, body.get("prompt"), ctx.llm, return_tokens)
+        prompt = body.get("prompt") if route == "/completion" else tokens
+        out = _NativeOut(job, ctx.tok, len(tokens), ctx.model_id, prompt, ctx.llm, return_tokens)
         if job.stream:
-            ctx.metrics.count("/completion", 200)
+            ctx.metrics.count(route, 200)
             return StreamingResponse(self._sse(run, out), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         async def collect():
@@ -127,14 +170,14 @@ class NativeRoutes:
                 await asyncio.wait({task}, timeout=0.5)
                 if not task.done() and await request.is_disconnected():  # the client left: free the slot
                     task.cancel()
-                    ctx.metrics.count("/completion", 499)
+                    ctx.metrics.count(route, 499)
                     return Response(status_code=499)
             ev = task.result()
         finally:
             run.cancel()
         if ev.finish_reason == "error":
             raise APIError(500, f"generation failed: {ev.error}", type_="server_error", code="internal_error")
-        ctx.metrics.count("/completion", 200)
+        ctx.metrics.count(route, 200)
         return JSONResponse(out.final(ev, stream=False))
 
     async def _sse(self, run, out: "_NativeOut"):

@@ -20,6 +20,8 @@ from typing import Iterable, List, Mapping, Optional, Sequence
 
 import numpy as np
 
+from .infill import FIM_EOG_TEXTS
+
 __all__ = ["Tokenizer", "StreamingDetokenizer", "TokenType"]
 
 
@@ -213,7 +215,7 @@ class Tokenizer:
                     eot = index[t]
                     break
         eog = {i for i in (eos, eot, tid("tokenizer.ggml.eom_token_id", None)) if i is not None}
-        eog.update(index[t] for t in _EOG_TEXTS if t in index)
+        eog.update(index[t] for t in _EOG_TEXTS | FIM_EOG_TEXTS if t in index)
         if "<|return|>" in index and "<|call|>" in index and "<|end|>" in index:
             # gpt-oss (harmony): <|end|> closes a message (the reasoning) and the answer follows;
             # the turn ends at <|return|> or at a tool <|call|>, as llama.cpp decides too
