@@ -77,7 +77,7 @@ def test_echo_puts_the_prompt_before_the_completion(llm):
     assert r["choices"][0]["text"].startswith(llm.detokenize(ids))
 
 
-@pytest.mark.parametrize("kwargs,param", [({"mirostat_mode": 2}, "mirostat"), ({"typical_p": 0.5}, "typical_p"),
+@pytest.mark.parametrize("kwargs,param", [({"tfs_z": 0.5}, "tfs_z"), ({"typical_p": 1.5}, "typical_p"),
                                           ({"temperature": -1}, "temperature"), ({"suffix": "x"}, "suffix"),
                                           ({"echo": True, "logprobs": 2}, "echo")])
 def test_bad_arguments_are_value_errors_naming_the_field(llm, kwargs, param):
@@ -104,3 +104,16 @@ def test_suffix_fills_in_the_middle():
             coder.create_completion(prefix, suffix=suffix, echo=True)
         with pytest.raises(ValueError, match="as text"):
             coder.create_completion(coder.tokenize(prefix), suffix=suffix)
+
+
+def test_mirostat_and_typical_p_reach_the_sampler(llm):
+    """llama-cpp-python's mirostat_mode / mirostat_tau / mirostat_eta and typical_p are honoured, not
+    dropped: the text of generate() with the same sampler settings and seed, not the text without."""
+    kw = dict(max_tokens=12, temperature=1.0, seed=3)
+    plain = llm.generate("Once upon a time", **kw).text
+    for extra, same in ((dict(mirostat_mode=2, mirostat_tau=1.0, mirostat_eta=0.3),
+                         dict(mirostat=2, mirostat_tau=1.0, mirostat_eta=0.3)),
+                        (dict(mirostat_mode=1, mirostat_tau=1.0), dict(mirostat=1, mirostat_tau=1.0)),
+                        (dict(typical_p=0.2), dict(typical_p=0.2))):
+        text = llm.create_completion("Once upon a time", **kw, **extra)["choices"][0]["text"]
+        assert text == llm.generate("Once upon a time", **kw, **same).text and text != plain, extra

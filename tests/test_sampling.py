@@ -38,6 +38,17 @@ def ref_chain(logits, p: SamplingParams, history=()):
     order = sorted(range(len(x)), key=lambda i: (-x[i], i))
     if p.top_k > 0:
         order = order[:p.top_k]
+    if p.typical_p < 1 and len(order) > 1:  # nearest the entropy first, until the mass passes typical_p
+        pr = softmax(x[order])
+        h = -sum(q * math.log(q) for q in pr)
+        by = sorted(range(len(order)), key=lambda i: (abs(-math.log(pr[i]) - h), i))
+        acc, kept = 0.0, []
+        for i in by:
+            kept.append(i)
+            acc += pr[i]
+            if acc > p.typical_p:
+                break
+        order = [order[i] for i in sorted(kept)]
     if p.top_p < 1:
         pr = softmax(x[order])
         acc = 0.0
@@ -228,6 +239,8 @@ def test_the_callers_logits_are_never_written(kwargs, allowed):
     (dict(frequency_penalty=float("inf")), "frequency_penalty"), (dict(seed=-1), "seed"),
     (dict(max_tokens=0), "max_tokens"), (dict(stop=[""]), "stop"), (dict(stop=[3]), "stop"),
     (dict(logit_bias={-1: 1.0}), "logit_bias"), (dict(logit_bias={1: float("nan")}), "logit_bias"),
+    (dict(typical_p=0.0), "typical_p"), (dict(mirostat=3), "mirostat"), (dict(mirostat=True), "mirostat"),
+    (dict(mirostat_tau=0), "mirostat_tau"), (dict(mirostat_eta=float("nan")), "mirostat_eta"),
 ])
 def test_validation_names_the_bad_value(kwargs, field):
     with pytest.raises(ValueError, match=field):
@@ -336,3 +349,76 @@ def test_text_stream_reasons_to_stop():
     ts = TextStream(tok, SamplingParams(stop=["next!"], max_tokens=None))
     out = "".join(ts.feed(i) for i in ids)
     assert not ts.finished and out + ts.close() == tok.decode(ids) and ts.text == tok.decode(ids)
+
+
+@pytest.mark.parametrize("kw", [dict(top_k=0, top_p=1.0, min_p=0.0, typical_p=0.5),
+                                dict(top_k=20, top_p=1.0, min_p=0.0, typical_p=0.7),
+                                dict(top_k=0, top_p=0.9, min_p=0.02, typical_p=0.8, temperature=0.7),
+                                dict(top_k=40, top_p=0.95, min_p=0.05, typical_p=0.3)])
+def test_typical_p_matches_reference(kw):
+    """Locally typical sampling (after top-k, before top-p, as in llama.cpp's chain) against the
+    loop written out in ref_chain, over peaked and flat logits."""
+    rng = np.random.default_rng(5)
+    for scale in (0.5, 2.0, 6.0):
+        check_same(Sampler(SamplingParams(**kw)), (rng.standard_normal(300) * scale).astype(np.float32))
+
+
+def ref_mirostat(logits, p: SamplingParams, steps: int, seed: int, n_vocab: int):
+    """Mirostat 1 or 2 written out from its paper's and llama.cpp's rules: the tokens drawn and mu."""
+    rng = np.random.default_rng(seed)
+    mu, out = 2 * p.mirostat_tau, []
+    x = np.asarray(logits, dtype=np.float64) / p.temperature
+    order = sorted(range(len(x)), key=lambda i: (-x[i], i))
+    pr = softmax(x[order])
+    for _ in range(steps):
+        if p.mirostat == 2:
+            keep = max(1, sum(1 for q in pr if -math.log2(q) <= mu))
+        else:
+            m = min(100, len(pr))
+            num = sum(math.log((i + 2) / (i + 1)) * math.log(pr[i] / pr[i + 1]) for i in range(m - 1))
+            den = sum(math.log((i + 2) / (i + 1)) ** 2 for i in range(m - 1))
+            s_hat = num / den
+            eps = s_hat - 1
+            k = (eps * 2 ** mu / (1 - n_vocab ** -eps)) ** (1 / s_hat)
+            keep = min(len(pr), max(1, int(k)))
+        q = pr[:keep] / pr[:keep].sum()
+        if keep == 1:
+            i = 0
+        else:
+            cum = np.cumsum(q)
+            i = min(int(np.searchsorted(cum, rng.random() * cum[-1], side="right")), keep - 1)
+        out.append(order[i])
+        mu -= p.mirostat_eta * (-math.log2(q[i]) - p.mirostat_tau)
+    return out, mu
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_mirostat_matches_reference(version):
+    """Mirostat's cut at the running surprise limit mu and mu's update after every token: the same
+    tokens and the same mu as the rules written out, from peaked to flat distributions."""
+    rng = np.random.default_rng(11)
+    for scale, tau in ((1.0, 3.0), (3.0, 1.5), (0.3, 6.0)):
+        logits = (rng.standard_normal(500) * scale).astype(np.float32)
+        p = SamplingParams(temperature=0.8, mirostat=version, mirostat_tau=tau, mirostat_eta=0.2, seed=4)
+        s = Sampler(p, vocab_size=500)
+        got = [s.sample(logits) for _ in range(40)]
+        want, mu = ref_mirostat(logits, p, 40, 4, 500)
+        assert got == want and s.mu == pytest.approx(mu, rel=1e-9)
+        ids, probs = Sampler(p, vocab_size=500).candidates(logits)  # mu = 2 tau: the first cut
+        assert ids[0] == int(np.argmax(logits)) and probs.sum() == pytest.approx(1.0)
+
+
+def test_mirostat_steers_the_surprise_to_its_target():
+    """What Mirostat is for: the observed surprise of the tokens drawn averages near tau, where a
+    plain sampler's follows the distribution (flat logits: far above)."""
+    logits = (np.random.default_rng(2).standard_normal(2000) * 0.5).astype(np.float32)
+    for tau in (2.0, 4.0):
+        s = Sampler(SamplingParams(temperature=1.0, mirostat=2, mirostat_tau=tau, mirostat_eta=0.1, seed=9))
+        lp = np.log2(softmax(logits))
+        surprise = []
+        for _ in range(400):
+            ids, probs = s.candidates(logits)
+            t = s.sample(logits)
+            surprise.append(-math.log2(probs[list(ids).index(t)]))
+        assert abs(np.mean(surprise[100:]) - tau) < 0.5
+        assert -np.mean(lp) > tau + 3  # unsteered, the typical token is far more surprising

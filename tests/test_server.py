@@ -176,7 +176,7 @@ def test_llama_servers_own_completion_and_props(client, server, local):
         assert props["total_slots"] == PARALLEL and props["default_generation_settings"]["n_ctx"] == N_CTX // PARALLEL
         assert "im_start" in props["chat_template"]
         for body, param in (({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "id_slot": 1}, "id_slot"),
-                            ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "mirostat": 2}, "mirostat")):
+                            ({"prompt": ["a", "b"]}, "prompt"), ({"prompt": "x", "mirostat": 3}, "mirostat")):
             e = c.post(base + "/completion", json=body)
             assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
     again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
@@ -402,7 +402,7 @@ def test_llama_servers_infill_for_editor_plugins():
             assert "util.py" not in r["prompt"] and "x0 = 0" not in r["prompt"] and pre + line in r["prompt"]
             assert r["prompt"].endswith(suf + "<|fim_middle|>")
             for bad, param in (({"input_prefix": 3}, "input_prefix"), ({"input_extra": [{"text": 1}]}, "input_extra"),
-                               ({"input_prefix": "x", "mirostat": 2}, "mirostat")):
+                               ({"input_prefix": "x", "mirostat": 3}, "mirostat")):
                 e = httpx.post(base + "/infill", json=bad, timeout=30)
                 assert e.status_code == 400 and e.json()["error"]["param"] == param, e.text
     finally:

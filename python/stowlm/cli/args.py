@@ -30,6 +30,14 @@ def add_sampling(p: argparse.ArgumentParser) -> None:
     g.add_argument("--repeat-last-n", type=int, default=64, help="window of the penalties (default 64)")
     g.add_argument("--frequency-penalty", type=float, default=0.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--typical", dest="typical_p", type=float, default=1.0,
+                   help="locally typical sampling mass; 1 = off (default 1.0)")
+    g.add_argument("--mirostat", type=int, default=0, choices=(0, 1, 2),
+                   help="Mirostat sampling, version 1 or 2, in place of top-k/top-p/min-p; 0 = off (default 0)")
+    g.add_argument("--mirostat-ent", dest="mirostat_tau", type=float, default=5.0,
+                   help="Mirostat's target surprise tau, in bits (default 5.0)")
+    g.add_argument("--mirostat-lr", dest="mirostat_eta", type=float, default=0.1,
+                   help="Mirostat's learning rate eta (default 0.1)")
     g.add_argument("--seed", type=int, default=None, help="random seed (same seed, same text)")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     s = p.add_argument_group("structured output (pip install \"stowlm[structured]\")")
@@ -43,7 +51,8 @@ def sampling_kwargs(a: argparse.Namespace) -> dict:
     return dict(temperature=a.temperature, top_k=a.top_k, top_p=a.top_p, min_p=a.min_p,
                 repeat_penalty=a.repeat_penalty, repeat_last_n=a.repeat_last_n,
                 frequency_penalty=a.frequency_penalty, presence_penalty=a.presence_penalty,
-                seed=a.seed, stop=a.stop)
+                seed=a.seed, stop=a.stop, typical_p=a.typical_p, mirostat=a.mirostat,
+                mirostat_tau=a.mirostat_tau, mirostat_eta=a.mirostat_eta)
 
 
 def structured_kwargs(a: argparse.Namespace) -> dict:

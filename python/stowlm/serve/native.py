@@ -209,7 +209,8 @@ def _settings(params, llm) -> dict:
             "top_k": p.top_k, "top_p": p.top_p, "min_p": p.min_p, "repeat_penalty": p.repeat_penalty,
             "repeat_last_n": p.repeat_last_n, "presence_penalty": p.presence_penalty,
             "frequency_penalty": p.frequency_penalty, "seed": -1 if p.seed is None else p.seed,
-            "stop": list(p.stop), "n_ctx": llm.ctx.capacity(0)}
+            "stop": list(p.stop), "typical_p": p.typical_p, "mirostat": p.mirostat, "mirostat_tau": p.mirostat_tau,
+            "mirostat_eta": p.mirostat_eta, "n_ctx": llm.ctx.capacity(0)}
 
 
 class _NativeOut:

@@ -50,13 +50,13 @@ _COMMON = {"model", "n", "stream", "stream_options", "temperature", "top_p", "st
            "presence_penalty", "frequency_penalty", "logit_bias", "logprobs", "user", "response_format",
            # llama-server's
            "top_k", "min_p", "repeat_penalty", "repeat_last_n", "n_predict", "cache_prompt", "grammar",
-           "json_schema", "ignore_eos", "n_probs"}
+           "json_schema", "ignore_eos", "n_probs", "typical_p", "mirostat", "mirostat_tau", "mirostat_eta"}
 CHAT_FIELDS = _COMMON | {"messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
                          "parallel_tool_calls", "metadata", "service_tier", "modalities", "safety_identifier",
                          "prompt_cache_key"}
 COMPLETION_FIELDS = _COMMON | {"prompt", "best_of", "suffix", "echo"}
 # Samplers and options stowlm does not have: accepted at the value that turns them off.
-NEUTRAL = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat": 0, "mirostat_mode": 0, "dynatemp_range": 0.0,
+NEUTRAL = {"tfs_z": 1.0, "mirostat_mode": 0, "dynatemp_range": 0.0,
            "xtc_probability": 0.0, "dry_multiplier": 0.0, "top_n_sigma": -1.0, "store": False,
            "return_tokens": False, "post_sampling_probs": False, "timings_per_token": False}
 _MESSAGE_FIELDS = {
@@ -183,7 +183,11 @@ def sampling(body: Mapping, llm, max_tokens_default: Optional[int], chat: bool) 
             seed=_seed(_num(body, "seed", -(1 << 63), (1 << 64) - 1, None, integer=True)),
             max_tokens=max_tokens if max_tokens is not None or "n_predict" in body else max_tokens_default,
             stop=_stop(body),
-            logit_bias=bias)
+            logit_bias=bias,
+            typical_p=_num(body, "typical_p", 0.0, 1.0, d.typical_p),
+            mirostat=_num(body, "mirostat", 0, 2, d.mirostat, integer=True),
+            mirostat_tau=_num(body, "mirostat_tau", 0.0, 1e4, d.mirostat_tau),
+            mirostat_eta=_num(body, "mirostat_eta", 0.0, 1e4, d.mirostat_eta))
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

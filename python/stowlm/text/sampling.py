@@ -34,6 +34,9 @@ class SamplingParams:
     as are frequency_penalty / presence_penalty; seed: None = fresh entropy;
     max_tokens: None = until an end-of-generation token; stop: strings that end the text (not
     included in it); logit_bias: token id -> value added to its logit (-inf bans it).
+    typical_p: locally typical sampling's mass, 1 = off (after top-k, before top-p, as llama.cpp);
+    mirostat: 1 or 2 (0 = off) replaces top-k, top-p, min-p and typical-p by Mirostat's cut at the
+    target surprise mirostat_tau (bits), adapted at the rate mirostat_eta after every token.
     """
 
     temperature: float = 0.8
@@ -48,6 +51,10 @@ class SamplingParams:
     max_tokens: Optional[int] = 256
     stop: List[str] = field(default_factory=list)
     logit_bias: Dict[int, float] = field(default_factory=dict)
+    typical_p: float = 1.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
 
     def __post_init__(self):
         self.validate()
@@ -72,6 +79,14 @@ class SamplingParams:
             v = getattr(self, name)
             if not _is_num(v) or not math.isfinite(v):
                 bad(name, "must be a finite number")
+        if not _is_num(self.typical_p) or not (0.0 < self.typical_p <= 1.0):
+            bad("typical_p", "must be in (0, 1] (1 = off)")
+        if self.mirostat not in (0, 1, 2) or isinstance(self.mirostat, bool):
+            bad("mirostat", "must be 0 (off), 1 or 2")
+        for name in ("mirostat_tau", "mirostat_eta"):
+            v = getattr(self, name)
+            if not _is_num(v) or not math.isfinite(v) or v <= 0:
+                bad(name, "must be a finite number > 0")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
             bad("seed", "must be None or an integer >= 0")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
@@ -117,6 +132,7 @@ class Sampler:
                     raise ValueError(f"SamplingParams.logit_bias: token id {k} is outside the vocabulary "
                                      f"(size {vocab_size})")
         self.rng = np.random.default_rng(self.params.seed)
+        self.mu = 2.0 * self.params.mirostat_tau  # Mirostat's running surprise limit (bits)
 
     def reseed(self, seed: Optional[int]) -> None:
         self.rng = np.random.default_rng(seed)
@@ -186,14 +202,19 @@ class Sampler:
             return np.array([best], dtype=np.int64), np.array([1.0])
         if not math.isfinite(top):
             raise ValueError("no token has a finite logit (all banned?)")
+        if p.mirostat:
+            return self._mirostat(x)
         ids, vals = self._top(x, top)
+        prefetched = p.top_k == 0 and ids.shape[0] < x.shape[0]  # top-p's best-N, not a cut
         if vals[-1] == -np.inf:  # banned tokens (logit bias -inf) are no candidates
             finite = vals > -np.inf
             ids, vals = ids[finite], vals[finite]
+        if p.typical_p < 1.0 and len(ids) > 1:
+            ids, vals = self._typical(ids, vals)
         # top-p and min-p work on the untempered distribution, as in llama.cpp
         keep = len(ids)
         if p.top_p < 1.0 and keep > 1:
-            if p.top_k == 0 and ids.shape[0] < x.shape[0]:
+            if prefetched:
                 # prefetched best-N: normalise over the whole vocabulary
                 probs = np.exp(vals.astype(np.float64) - _logsumexp(x))
             else:
@@ -216,11 +237,13 @@ class Sampler:
     def sample(self, logits, history: Sequence[int] = (), allowed: Optional[np.ndarray] = None) -> int:
         ids, probs = self.candidates(logits, history, allowed)
         if len(ids) == 1:
+            self._observe(1.0)
             return int(ids[0])
         cum = np.cumsum(probs)
         u = self.rng.random() * cum[-1]
-        i = int(np.searchsorted(cum, u, side="right"))
-        return int(ids[min(i, len(ids) - 1)])
+        i = min(int(np.searchsorted(cum, u, side="right")), len(ids) - 1)
+        self._observe(probs[i])
+        return int(ids[i])
 
     __call__ = sample
 
@@ -231,17 +254,56 @@ class Sampler:
         (greedy: kept exactly when it is the argmax)."""
         ids, probs = self.candidates(logits, history)
         if len(ids) == 1:
+            self._observe(1.0)
             return int(ids[0]), int(ids[0]) == int(draft)
         hit = np.flatnonzero(ids == draft)
         if hit.size and self.rng.random() < probs[hit[0]]:
+            self._observe(probs[hit[0]])
             return int(draft), True
         if hit.size:
             ids, probs = np.delete(ids, hit[0]), np.delete(probs, hit[0])
         cum = np.cumsum(probs)
-        i = int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right"))
-        return int(ids[min(i, len(ids) - 1)]), False
+        i = min(int(np.searchsorted(cum, self.rng.random() * cum[-1], side="right")), len(ids) - 1)
+        self._observe(probs[i])  # its probability in the target's distribution, as sample() sees it
+        return int(ids[i]), False
 
     # -- helpers ----------------------------------------------------------------------
+
+    def _observe(self, prob: float) -> None:
+        """Mirostat: move mu by the chosen token's surprise against the target (llama.cpp's rule)."""
+        if self.params.mirostat:
+            self.mu -= self.params.mirostat_eta * (-math.log2(max(float(prob), 1e-300)) - self.params.mirostat_tau)
+
+    def _typical(self, ids: np.ndarray, vals: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Locally typical sampling: the candidates whose surprise is nearest the entropy, until
+        their mass passes typical_p; best first again."""
+        probs = _softmax(vals)
+        logp = np.log(np.maximum(probs, 1e-300))
+        order = np.argsort(np.abs(-logp - float(-(probs * logp).sum())), kind="stable")
+        hit = np.nonzero(np.cumsum(probs[order]) > self.params.typical_p)[0]
+        kept = np.sort(order[:int(hit[0]) + 1 if hit.size else len(order)])  # back in best-first order
+        return ids[kept], vals[kept]
+
+    def _mirostat(self, x: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+        """Mirostat 1 or 2 over the tempered distribution (llama.cpp's chain: no other cut)."""
+        p = self.params
+        ids, vals = self._sorted(x, np.flatnonzero(x > -np.inf))
+        probs = _softmax(vals.astype(np.float64) / p.temperature)
+        if p.mirostat == 2:  # the tokens whose surprise is at most mu
+            keep = max(1, int(np.count_nonzero(-np.log2(np.maximum(probs, 1e-300)) <= self.mu)))
+        else:  # a Zipf exponent from the best 100, then the k whose expected surprise is mu
+            m = min(100, len(probs))
+            t = np.log(np.arange(2, m + 1) / np.arange(1, m))
+            b = np.log(probs[:m - 1] / np.maximum(probs[1:m], 1e-300))
+            s_hat = float((t * b).sum() / (t * t).sum()) if m > 1 else 1.0
+            eps = s_hat - 1.0
+            n = float(self.vocab_size or x.shape[0])
+            try:
+                k = (eps * 2.0 ** self.mu / (1.0 - n ** -eps)) ** (1.0 / s_hat) if eps != 0 else 1.0
+            except (OverflowError, ZeroDivisionError):
+                k = float(len(probs))
+            keep = min(len(probs), max(1, int(k) if math.isfinite(k) else len(probs)))
+        return ids[:keep], probs[:keep] / probs[:keep].sum()
 
     def _top(self, x: np.ndarray, top: float) -> Tuple[np.ndarray, np.ndarray]:
         """Candidates best first: the top-k, or (top-k off) a prefetch of the best, or all (top:
@@ -249,10 +311,10 @@ class Sampler:
         n = x.shape[0]
         p = self.params
         k = p.top_k
-        if k == 0 and p.top_p < 1.0:
+        if k == 0 and p.top_p < 1.0 and p.typical_p == 1.0:  # (typical-p needs every candidate)
             k_eff = min(self._NUCLEUS_PREFETCH, n)
         elif k == 0:
-            if p.min_p > 0.0:
+            if p.min_p > 0.0 and p.typical_p == 1.0:
                 # min-p is the only filter: apply it before sorting (same result, far less to sort)
                 keep = np.nonzero(x >= top + math.log(p.min_p))[0]
                 return self._sorted(x, keep)
