@@ -41,11 +41,22 @@ def test_qwen3moe_matches_llama_cpp(model_path):
 
 def test_smollm2_moe_matches_llama_cpp(model_path):
     """smollm2-moe stores each expert as a mirror pair with negated router rows, so a rounding
-    flip at the 4th/5th expert only swaps identical twins: every position can be compared."""
+    flip at the 4th/5th expert only swaps identical twins: every position can be compared. The
+    top-1 token may differ only where llama.cpp's own two best are within 0.5 of a logit (both
+    sides quantize activations to 8 bits: the AVX2 path flips 5 of 84 such near-ties, whose
+    margins are 0.07-0.36, the scalar one 4); a routing error moves far more than that."""
     model = stowlm.Model(model_path("smollm2-moe"), devices=ONE)
-    kl, top1, _ = figures(model, logit_records("smollm2-moe"))
+    records = logit_records("smollm2-moe")
+    kl, top1, _ = figures(model, records)
     print(f"\nsmollm2-moe: mean KL {kl:.5f}, top-1 {top1:.1%}")
-    assert kl < 0.01 and top1 >= 0.95
+    flips = []
+    for r in records:
+        logits = stowlm.Context(model, n_ctx=128).eval(r["ids"], logits="all")
+        for row, p in zip(logits, r["positions"]):
+            if int(np.argmax(row)) != p["ids"][0]:
+                flips.append((int(np.argmax(row)) == p["ids"][1], p["logits"][0] - p["logits"][1]))
+    assert kl < 0.01 and top1 >= 0.9
+    assert all(second and margin < 0.5 for second, margin in flips), flips
 
 
 @pytest.mark.parametrize("name", ["smollm2-moe", "qwen3moe-tiny"])

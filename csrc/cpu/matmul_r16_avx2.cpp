@@ -317,40 +317,42 @@ void r16_q45K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
     store_rows<TT>(A, g, t0, acc);
 }
 
-// Q4_K/Q5_K for one token (decode), half by half as r16_q6K_tile1: one integer sum lives.
-template <bool Q5>
-void r16_q45K_tile1(const MatmulArgs& A, int64_t g) {
-    using G = std::conditional_t<Q5, block_q5_Kx16, block_q4_Kx16>;
-    const int64_t nsb = A.cols / QK_K;
-    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
-    const block_q8_K32* a = (const block_q8_K32*)A.act;
+// Group g x one token (decode) of a K format, half by half (one integer sum lives):
+// half_product(x, a, h, acc) is acc plus super-block x's product of half h with the token's block a.
+template <class G, class Half>
+void k_tile1(const MatmulArgs& A, int64_t g, Half&& half_product) {
+    const KTile<G, 1> tile(A, g, 0);
     __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nsb; b++) {
-        const G& x = w[b];
-        prefetch_ahead(x, 8192);
-        __m128i scb[8], mnb[8];
-        q45k_scale_bytes(x.scales, scb, mnb);
-        const __m256 da = _mm256_set1_ps(a[b].d[0]);
+    for (int64_t b = 0; b < A.cols / QK_K; b++) {
+        prefetch_ahead(tile.w[b], 8192);
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            V isum = _mm256_setzero_si256();
-#pragma GCC unroll 4
-            for (int q = 0; q < 4; q++)
-#pragma GCC unroll 2
-                for (int hn = 0; hn < 2; hn++) {
-                    const int s = 2 * q + hn;
-                    V u[8];
-                    q45k_values(x, q, hn, h, u);
-                    isum = dot_g<8, Q5 ? 4 : 8>(isum, u, a[b].qs + 32 * s, pairs<false>(scb[s], scb[s], h));
-                }
-            V mnp[4];
-            for (int p = 0; p < 4; p++) mnp[p] = pairs<false>(mnb[2 * p], mnb[2 * p + 1], h);
-            const V im = pair_sums<false>(mnp, a[b].bsums);
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(fp16x8(x.d, h), da), acc[h]);
-            acc[h] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(fp16x8(x.dmin, h), da), acc[h]);
-        }
+        for (int h = 0; h < 2; h++) acc[h] = half_product(tile.w[b], tile.a[0][b], h, acc[h]);
     }
     store_rows<1>(A, g, 0, {{acc[0], acc[1]}});
+}
+
+// Q5_K for one token (Q4_K's tile at TT = 1 runs fewer instructions than this would).
+void r16_q5K_tile1(const MatmulArgs& A, int64_t g) {
+    k_tile1<block_q5_Kx16>(A, g, [](const block_q5_Kx16& x, const block_q8_K32& a, int h, __m256 acc) {
+        __m128i scb[8], mnb[8];
+        q45k_scale_bytes(x.scales, scb, mnb);
+        V isum = _mm256_setzero_si256();
+#pragma GCC unroll 4
+        for (int q = 0; q < 4; q++)
+#pragma GCC unroll 2
+            for (int hn = 0; hn < 2; hn++) {
+                const int s = 2 * q + hn;
+                V u[8];
+                q45k_values(x, q, hn, h, u);
+                isum = dot_g<8, 4>(isum, u, a.qs + 32 * s, pairs<false>(scb[s], scb[s], h));
+            }
+        V mnp[4];
+        for (int p = 0; p < 4; p++) mnp[p] = pairs<false>(mnb[2 * p], mnb[2 * p + 1], h);
+        const V im = pair_sums<false>(mnp, a.bsums);
+        const __m256 da = _mm256_set1_ps(a.d[0]);
+        acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(fp16x8(x.d, h), da), acc);
+        return _mm256_fnmadd_ps(_mm256_cvtepi32_ps(im), _mm256_mul_ps(fp16x8(x.dmin, h), da), acc);
+    });
 }
 
 // Q2_K and Q3_K: a half's sub-blocks 8n + 2jj + hh from the same 4 loads of qs (and hmask).
@@ -482,37 +484,24 @@ void r16_q6K_tile(const MatmulArgs& A, int64_t g, int64_t t0) {
 // keep their shifts as constants (the tile above, at TT = 1, branched on q and spilled its sums:
 // 1.84x the instructions, 896x4864, callgrind). Same integers and float operations, same bits.
 void r16_q6K_tile1(const MatmulArgs& A, int64_t g) {
-    using G = block_q6_Kx16;
-    const int64_t nsb = A.cols / QK_K;
-    const G* w = (const G*)(A.w + g * kRepackRows * A.w_stride);
-    const block_q8_K32* a = (const block_q8_K32*)A.act;
-    __m256 acc[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t b = 0; b < nsb; b++) {
-        const G& x = w[b];
-        prefetch_ahead(x, 8192);
-        const __m256 dd_da[2] = {_mm256_mul_ps(fp16x8(x.d, 0), _mm256_set1_ps(a[b].d[0])),
-                                 _mm256_mul_ps(fp16x8(x.d, 1), _mm256_set1_ps(a[b].d[0]))};
+    k_tile1<block_q6_Kx16>(A, g, [](const block_q6_Kx16& x, const block_q8_K32& a, int h, __m256 acc) {
+        V isum = _mm256_setzero_si256();
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; h++) {
-            V isum = _mm256_setzero_si256();
+        for (int n = 0; n < 2; n++)
 #pragma GCC unroll 2
-            for (int n = 0; n < 2; n++)
-#pragma GCC unroll 2
-                for (int c4 = 0; c4 < 2; c4++)
+            for (int c4 = 0; c4 < 2; c4++)
 #pragma GCC unroll 4
-                    for (int q = 0; q < 4; q++) {
-                        V v[4];
-                        q6k_values(x, n, c4, h, q, v);
-                        const int s = 8 * n + 2 * q + c4;
-                        isum = dot_g<4, 2>(isum, v, a[b].qs + 16 * s, q6k_scales(x, s, h));
-                    }
-            V scp[8];
-            q6k_scale_pairs(x, h, scp);
-            const V v = _mm256_sub_epi32(isum, _mm256_slli_epi32(pair_sums<true>(scp, a[b].bsums), 5));
-            acc[h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), dd_da[h], acc[h]);
-        }
-    }
-    store_rows<1>(A, g, 0, {{acc[0], acc[1]}});
+                for (int q = 0; q < 4; q++) {
+                    V v[4];
+                    q6k_values(x, n, c4, h, q, v);
+                    const int s = 8 * n + 2 * q + c4;
+                    isum = dot_g<4, 2>(isum, v, a.qs + 16 * s, q6k_scales(x, s, h));
+                }
+        V scp[8];
+        q6k_scale_pairs(x, h, scp);
+        const V v = _mm256_sub_epi32(isum, _mm256_slli_epi32(pair_sums<true>(scp, a.bsums), 5));
+        return _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(fp16x8(x.d, h), _mm256_set1_ps(a.d[0])), acc);
+    });
 }
 
 // IQ4_XS: per sub-block and half the IQ4 levels with the sign trick (RIq4), each maddubs's pairs
@@ -570,10 +559,10 @@ void matmul_r16_avx2(const MatmulArgs& A, int64_t g0, int64_t g1) {
     switch (A.type) {
         case QType::Q2_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q23K_tile<false, n()>(A, g, t); });
         case QType::Q3_K: return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q23K_tile<true, n()>(A, g, t); });
-        case QType::Q4_K:  // its tile at TT = 1 runs fewer instructions than r16_q45K_tile1<false>
+        case QType::Q4_K:  // its tile at TT = 1 runs fewer instructions than a single-token one
             return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<false, n()>(A, g, t); });
         case QType::Q5_K:
-            if (A.n_tok == 1) return one_token(r16_q45K_tile1<true>);
+            if (A.n_tok == 1) return one_token(r16_q5K_tile1);
             return groups<T>(A, g0, g1, [&](auto n, int64_t g, int64_t t) { r16_q45K_tile<true, n()>(A, g, t); });
         case QType::Q6_K:
             if (A.n_tok == 1) return one_token(r16_q6K_tile1);
