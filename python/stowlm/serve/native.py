@@ -2,8 +2,9 @@
 completion: `prompt`, `n_predict`, its sampling fields; `content`, `stop_type`, `timings` back,
 streamed as server-sent events without OpenAI's envelope), POST /infill (the same around a
 fill-in-the-middle prompt: `input_prefix`, `input_suffix`, `input_extra`, what editor plugins such
-as llama.vim and llama.vscode send), GET /props, POST /tokenize and /detokenize. Requests are checked by stowlm.serve.protocol like the OpenAI routes', so a field
-stowlm does not honour is a 400 naming it, never dropped."""
+as llama.vim and llama.vscode send), GET /props, POST /tokenize and /detokenize. Requests are
+checked by stowlm.serve.protocol like the OpenAI routes', so a field stowlm does not honour is a
+400 naming it, never dropped."""
 from __future__ import annotations
 
 import asyncio
