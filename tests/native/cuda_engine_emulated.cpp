@@ -18,6 +18,7 @@
 #include <vector>
 #include <atomic>
 
+#include "cpu/cpu_features.h"
 #include "emulated_run.h"
 #include "engine/context.h"
 #include "error.h"
@@ -654,7 +655,11 @@ int main(int argc, char** argv) {
         for (const char* name : {"qwen3moe-tiny", "smollm2-moe"}) {
             const int n_layer = (int)Model::load(dir + "/" + name + ".gguf", {spec("cpu", 0)}, {}, false)->hp().n_layer;
             check_staging(dir, name, n_layer);
-            check_host_share(dir, name, n_layer, name == std::string("qwen3moe-tiny") ? 32 : 0);
+            // qwen3moe-tiny's logits with a host share match where the AVX-512 kernels run; on an
+            // AVX2-only CPU (AMD Zen 3, 2026-11-28) they differ by 0.25 (at dbf964d too): the two
+            // shares' sums carry an ulp there, as smollm2-moe's do everywhere (check_host_share)
+            const bool avx512 = cpu::active_isa() == cpu::Isa::AVX512_VNNI || cpu::active_isa() == cpu::Isa::AMX;
+            check_host_share(dir, name, n_layer, name == std::string("qwen3moe-tiny") && avx512 ? 32 : 0);
             check(dir, name, cuda0, "cuda:0");
             check(dir, name, {{spec("cuda", 0), spec("cpu", 0)}, {n_layer, 0}, experts_on_1},
                   "layers on cuda:0, experts on cpu:0");
