@@ -26,33 +26,23 @@ FIM_EOG_TEXTS = {"<|fim_pad|>", "<fim_pad>", "<fim-pad>", "<|repo_name|>", "<rep
 _SNIPPET = "\n\n--- snippet ---\n\n"
 
 
-def fim_tokens(tokenizer) -> Optional[Tuple[int, int, int]]:
-    """The model's (prefix, suffix, middle) token ids, or None when it has none."""
-    for spelling in SPELLINGS:
+def _first_spelling(tokenizer, spellings) -> Optional[tuple]:
+    """The ids of the first spelling whose every token the vocabulary has, or None."""
+    for spelling in spellings:
         ids = [tokenizer.token_to_id(t) for t in spelling]
         if all(i is not None for i in ids):
-            return ids[0], ids[1], ids[2]
+            return tuple(ids)
     return None
+
+
+def fim_tokens(tokenizer) -> Optional[Tuple[int, int, int]]:
+    """The model's (prefix, suffix, middle) token ids, or None when it has none."""
+    return _first_spelling(tokenizer, SPELLINGS)
 
 
 def fim_prompt(tokenizer, prefix: str, suffix: str, name: str = "the model") -> List[int]:
     """[BOS where the model adds one] PRE prefix SUF suffix MID: the model continues with the middle."""
-    ids = fim_tokens(tokenizer)
-    if ids is None:
-        raise ValueError(f"{name} has no fill-in-the-middle tokens (none of "
-                         f"{', '.join(s[0] for s in SPELLINGS)} in its vocabulary)")
-    pre, suf, mid = ids
-    bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
-    return bos + [pre] + tokenizer.encode(prefix, add_special=False, parse_special=False) + [suf] + \
-        tokenizer.encode(suffix, add_special=False, parse_special=False) + [mid]
-
-
-def _repo_tokens(tokenizer) -> Optional[Tuple[int, int]]:
-    for spelling in REPO_SPELLINGS:
-        ids = [tokenizer.token_to_id(t) for t in spelling]
-        if all(i is not None for i in ids):
-            return ids[0], ids[1]
-    return None
+    return infill_prompt(tokenizer, prefix, suffix, name=name)
 
 
 def infill_prompt(tokenizer, prefix: str, suffix: str, extra: Sequence[Tuple[str, str]] = (), prompt: str = "",
@@ -74,7 +64,7 @@ def infill_prompt(tokenizer, prefix: str, suffix: str, extra: Sequence[Tuple[str
     bos = [tokenizer.bos_id] if tokenizer.add_bos and tokenizer.bos_id is not None else []
     head = enc(prefix + prompt)
     tail = enc(suffix)
-    repo = _repo_tokens(tokenizer)
+    repo = _first_spelling(tokenizer, REPO_SPELLINGS)
     files = [([repo[1]] + enc(f"{fname}\n") if repo else enc(_SNIPPET)) + enc(text) for fname, text in extra]
     lead = [repo[0]] + enc("project\n") if repo and files else []
     current = [repo[1]] + enc("filename\n") if repo and files else []
